@@ -1,0 +1,165 @@
+"""The Llama family (Llama 2/3/3.1, SmolLM2, Qwen2) in Flax NNX, over a paged KV cache.
+
+The module tree only holds weights. Running it is a pure function (`forward` below): weights,
+cache and step metadata in, logits and the new cache out; nothing is stored on the modules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.model import ModelConfig
+from engine.kv_cache import KVCache
+from ops.paged_attention import paged_attention, write_kv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens sit in their sequences and in the cache (all int32).
+
+    positions     [B, T]  position of each token in its sequence
+    slot_mapping  [B, T]  flat cache slot to write each token's K/V to (-1: padding, not written)
+    block_tables  [B, W]  physical page of each logical page of each sequence
+    kv_lens       [B]     cached tokens of each sequence once this step's tokens are written
+    """
+
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    kv_lens: jax.Array
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim // 2], float32, with Llama-3.1 scaling if configured."""
+    exponents = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x: [B, T, N, D]; positions: int32 [B, T]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs, dtype, bias=False):
+    init = nnx.initializers.normal(stddev=0.02)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                      kernel_init=init, bias_init=init, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(cfg, h, cfg.num_heads * d, rngs, dtype, cfg.attention_bias)
+        self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
+        self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
+        self.o_proj = _linear(cfg, cfg.num_heads * d, h, rngs, dtype)
+
+    def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
+                 inv_freq: np.ndarray):
+        batch, seq, _ = x.shape
+        d = cfg.head_dim
+        q = self.q_proj(x).reshape(batch, seq, cfg.num_heads, d)  # [B, T, H, D]
+        k = self.k_proj(x).reshape(batch, seq, cfg.num_kv_heads, d)  # [B, T, KVH, D]
+        v = self.v_proj(x).reshape(batch, seq, cfg.num_kv_heads, d)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(batch * seq, cfg.num_kv_heads, d),
+                                    v.reshape(batch * seq, cfg.num_kv_heads, d),
+                                    meta.slot_mapping.reshape(-1))
+        out = paged_attention(q, k_pages, v_pages, meta.block_tables, meta.positions,
+                              meta.kv_lens)  # [B, T, H, D]
+        return self.o_proj(out.reshape(batch, seq, cfg.num_heads * d)), k_pages, v_pages
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, h, i, rngs, dtype)
+        self.up_proj = _linear(cfg, h, i, rngs, dtype)
+        self.down_proj = _linear(cfg, i, h, rngs, dtype)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, rngs, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, rngs, dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Weights of a Llama-family decoder; run it with `forward`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(stddev=0.02))
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, dtype) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs, dtype)
+
+
+def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: AttentionMetadata,
+            cfg: ModelConfig, logits_indices: jax.Array | None = None
+            ) -> tuple[jax.Array, KVCache]:
+    """Runs the decoder over this step's tokens and returns (logits, new cache).
+
+    tokens: int32 [B, T]. With `logits_indices` (int32 [B]) only the hidden state at that index
+    of each row goes through the output head: logits [B, V]; otherwise logits [B, T, V].
+    Logits are float32.
+    """
+    inv_freq = rope_inv_freq(cfg)
+    x = model.embed_tokens(tokens)  # [B, T, hidden]
+    k_all, v_all = list(cache.k_pages), list(cache.v_pages)
+    for i, layer in enumerate(model.layers):
+        attn_out, k_all[i], v_all[i] = layer.self_attn(
+            layer.input_layernorm(x), k_all[i], v_all[i], meta, cfg, inv_freq)
+        x = x + attn_out
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = model.norm(x)
+    if logits_indices is not None:
+        x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]  # [B, hidden]
+    if cfg.tie_word_embeddings:
+        logits = model.embed_tokens.attend(x)
+    else:
+        logits = model.lm_head(x)
+    return logits.astype(jnp.float32), KVCache(tuple(k_all), tuple(v_all))

@@ -1,0 +1,65 @@
+"""Building the Flax model from HF-named tensors, and random models of real shapes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.model import ModelConfig
+from models.checkpoint import validate_tensors
+from models.llama import LlamaForCausalLM
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> LlamaForCausalLM:
+    """The model with shape-only weights (no memory allocated)."""
+    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0), dtype))
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> LlamaForCausalLM:
+    """A model of `cfg`'s shapes with random normal(0.02) weights, created on the device."""
+    return nnx.jit(lambda: LlamaForCausalLM(cfg, nnx.Rngs(seed), dtype), static_argnums=())()
+
+
+def hf_tensors_to_pure_dict(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+    """Maps HF names/layouts (see models/checkpoint.py) to the nested dict of our model's state.
+
+    HF linear weights are [out, in]; nnx.Linear kernels are [in, out].
+    """
+    t = tensors
+    layers = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn = {name: {"kernel": t[p + f"self_attn.{name}.weight"].T}
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if cfg.attention_bias:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                attn[name]["bias"] = t[p + f"self_attn.{name}.bias"]
+        layers[i] = {
+            "input_layernorm": {"weight": t[p + "input_layernorm.weight"]},
+            "post_attention_layernorm": {"weight": t[p + "post_attention_layernorm.weight"]},
+            "self_attn": attn,
+            "mlp": {name: {"kernel": t[p + f"mlp.{name}.weight"].T}
+                    for name in ("gate_proj", "up_proj", "down_proj")},
+        }
+    pure = {"embed_tokens": {"embedding": t["model.embed_tokens.weight"]},
+            "layers": layers, "norm": {"weight": t["model.norm.weight"]}}
+    if not cfg.tie_word_embeddings:
+        pure["lm_head"] = {"kernel": t["lm_head.weight"].T}
+    return pure
+
+
+def model_from_pure_dict(cfg: ModelConfig, pure: dict, dtype=jnp.float32,
+                         sharding=None) -> LlamaForCausalLM:
+    """Builds the model from a nested dict of arrays (as written by nnx.to_pure_dict)."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    leaves = jax.tree.map(lambda a: jnp.asarray(a, dtype, device=sharding), pure)
+    state.replace_by_pure_dict(leaves)
+    return nnx.merge(graphdef, state)
+
+
+def model_from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32,
+                       source: str = "checkpoint") -> LlamaForCausalLM:
+    """Validates HF-named tensors against `cfg` and builds the model in `dtype`."""
+    validate_tensors(cfg, tensors, source)
+    return model_from_pure_dict(cfg, hf_tensors_to_pure_dict(cfg, tensors), dtype)

@@ -1,0 +1,115 @@
+"""Attention over a paged KV cache, and the KV write at a slot mapping.
+
+Cache layout, per layer (see ../shared/DESIGN.md):
+    k_pages, v_pages  [num_kv_heads, num_pages, page_size, head_dim]
+A sequence's logical page j lives in physical page block_tables[b, j]; its token at position p
+is in slot block_tables[b, p // page_size] * page_size + p % page_size.
+
+This file holds the validated public functions and their plain-jnp references. GPU Pallas
+kernels plug in behind `paged_attention` (dispatch by backend); on CPU the reference runs.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatters new keys and values into the pages at flat slot indices.
+
+    k_pages, v_pages: [KVH, P, S, D]; k, v: [N, KVH, D]; slot_mapping: int32 [N].
+    Slots outside [0, P * S) (padding) are dropped. Returns the updated pages; when the pages
+    are donated to the enclosing jit, XLA performs the scatter in place.
+    """
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"write_kv: k {k.shape} and v {v.shape} must be [N, {num_kv_heads}, "
+                         f"{head_dim}] to match pages {k_pages.shape}")
+    if slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
+    num_slots = num_pages * page_size
+    # Negative indices would wrap around in jnp: send padding (< 0) past the end, where
+    # mode="drop" discards it.
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+    flat_shape = (num_kv_heads, num_slots, head_dim)
+    k_flat = k_pages.reshape(flat_shape).at[:, slots].set(
+        k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")  # [KVH, P*S, D]
+    v_flat = v_pages.reshape(flat_shape).at[:, slots].set(
+        v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    block_tables: jax.Array, q_positions: jax.Array, kv_lens: jax.Array, *,
+                    scale: float | None = None, soft_cap: float | None = None,
+                    sliding_window: int | None = None) -> jax.Array:
+    """Causal attention of several query tokens per sequence over that sequence's pages.
+
+    q: [B, T, H, D] queries (T = 1 for decode, a prompt chunk for prefill).
+    k_pages, v_pages: [KVH, P, S, D] with H a multiple of KVH (grouped-query attention).
+    block_tables: int32 [B, W], physical page of each logical page (W pages visible).
+    q_positions: int32 [B, T], the position of each query token; padding tokens may hold any
+      position (their output is garbage and must be ignored).
+    kv_lens: int32 [B], number of valid cached tokens of each sequence (after this step's write).
+    A query at position p sees keys at positions <= p and < kv_len (and > p - sliding_window).
+    Returns [B, T, H, D] in q's dtype.
+    """
+    if q.ndim != 4:
+        raise ValueError(f"paged_attention: q must be [batch, tokens, heads, head_dim], got {q.shape}")
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads, _, _, page_head_dim = k_pages.shape
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"paged_attention: k_pages {k_pages.shape} != v_pages {v_pages.shape}")
+    if page_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: q {q.shape} does not fit pages {k_pages.shape} "
+                         "(head_dim must match and heads must be a multiple of kv heads)")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"paged_attention: block_tables {block_tables.shape} must be [{batch}, W]")
+    if q_positions.shape != q.shape[:2] or kv_lens.shape != (batch,):
+        raise ValueError(f"paged_attention: q_positions {q_positions.shape} must be {q.shape[:2]} "
+                         f"and kv_lens {kv_lens.shape} must be ({batch},)")
+    return paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv_lens,
+                                     scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv_lens, *,
+                              scale=None, soft_cap=None, sliding_window=None):
+    """Plain-jnp paged attention: gathers the pages through the block table, then softmax."""
+    batch, num_q, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    width = block_tables.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    # Gather each sequence's pages: [KVH, B, W, S, D] -> [B, W*S, KVH, D].
+    k = k_pages[:, block_tables].reshape(num_kv_heads, batch, width * page_size, head_dim)
+    v = v_pages[:, block_tables].reshape(num_kv_heads, batch, width * page_size, head_dim)
+    k = k.transpose(1, 2, 0, 3).astype(jnp.float32)  # [B, K, KVH, D]
+    v = v.transpose(1, 2, 0, 3).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("btngd,bsnd->bngts", qg, k) * scale  # [B, KVH, G, T, K]
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    key_pos = jnp.arange(width * page_size, dtype=jnp.int32)  # [K]
+    qp = q_positions[:, :, None]  # [B, T, 1]
+    visible = (key_pos[None, None, :] <= qp) & (key_pos[None, None, :] < kv_lens[:, None, None])
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > qp - sliding_window
+    logits = jnp.where(visible[:, None, None], logits, -jnp.inf)  # [B, KVH, G, T, K]
+    # A padding query may see no key at all: give it uniform weights instead of NaN.
+    logits = jnp.where(visible.any(-1)[:, None, None, :, None], logits, 0.0)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bngts,bsnd->btngd", probs, v)  # [B, T, KVH, G, D]
+    return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
+
+
+def dense_causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Unpaged causal attention for tests: q [B, T, H, D], k, v [B, T, KVH, D] -> [B, T, H, D]."""
+    batch, seq, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[2]
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) * head_dim ** -0.5
+    mask = jnp.tril(jnp.ones((seq, seq), bool))
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
