@@ -123,3 +123,22 @@ def get_preset(name: str) -> ModelConfig:
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known presets: "
                          f"{', '.join(sorted(PRESETS))}") from None
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    """A JSON-ready dict of `cfg` (inverse: config_from_dict)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """Rebuilds a ModelConfig from `config_to_dict` output; unknown keys raise ValueError."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if "eos_token_ids" in d:
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    return ModelConfig(**d)

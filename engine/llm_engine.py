@@ -62,6 +62,7 @@ class LLMEngine:
         self._next_id = 0
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._texts: dict[int, str] = {}
+        self._finished: list[Request] = []
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -91,6 +92,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def finished_requests(self) -> list[Request]:
+        """Requests finished since the last call, in finishing order (the list is cleared)."""
+        done, self._finished = self._finished, []
+        return done
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -157,6 +163,7 @@ class LLMEngine:
                 self.pool.free(r.pages)
                 r.pages = []
                 self.running.remove(r)
+                self._finished.append(r)
             deltas.append(self._delta(r, token))
         return deltas
 
@@ -201,6 +208,7 @@ class LLMEngine:
         requests = self._add_all(prompts, params)
         while self.has_unfinished():
             self.step()
+        self.finished_requests()
         return [self.output_of(r) for r in requests]
 
     def output_of(self, r: Request) -> RequestOutput:

@@ -28,16 +28,14 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
                          f"{head_dim}] to match pages {k_pages.shape}")
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
-    num_slots = num_pages * page_size
-    # Negative indices would wrap around in jnp: send padding (< 0) past the end, where
-    # mode="drop" discards it.
-    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
-    flat_shape = (num_kv_heads, num_slots, head_dim)
-    k_flat = k_pages.reshape(flat_shape).at[:, slots].set(
-        k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")  # [KVH, P*S, D]
-    v_flat = v_pages.reshape(flat_shape).at[:, slots].set(
-        v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    # Padding slots (< 0) go to page num_pages, past the end, where mode="drop" discards them.
+    # The scatter is written in the 4-D page layout (no reshape) so that XLA updates the donated
+    # pages in place instead of copying them.
+    page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # [N]
+    offset = slot_mapping % page_size  # [N]
+    k_pages = k_pages.at[:, page, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[:, page, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

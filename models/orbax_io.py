@@ -1,0 +1,88 @@
+"""Self-contained orbax checkpoints: weights, config and tokenizer in one directory.
+
+Layout of a checkpoint directory:
+    pallasite_config.json   the ModelConfig and the weight dtype
+    params/                 orbax checkpoint of the model state (nested dict of arrays)
+    tokenizer.json, tokenizer_config.json   (when the source had a tokenizer)
+
+`save_checkpoint` writes into a temporary sibling directory and renames it at the end, so a
+failure leaves nothing at the output path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from configs.model import ModelConfig, config_from_dict, config_to_dict
+from models.weights import abstract_model, model_from_pure_dict
+
+CONFIG_FILE = "pallasite_config.json"
+
+
+def is_orbax_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def save_checkpoint(output_dir: str, cfg: ModelConfig, model, tokenizer=None,
+                    overwrite: bool = False) -> None:
+    """Writes the model (in its own dtype), config and tokenizer to `output_dir` atomically."""
+    output_dir = os.path.abspath(output_dir)
+    if os.path.exists(output_dir) and not overwrite:
+        raise FileExistsError(f"{output_dir} already exists (pass overwrite to replace it)")
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(output_dir) + ".tmp-", dir=parent)
+    try:
+        pure = nnx.to_pure_dict(nnx.state(model))
+        dtype = str(jax.tree.leaves(pure)[0].dtype)
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(os.path.join(tmp, "params"), pure)
+        checkpointer.wait_until_finished()
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump({"model": config_to_dict(cfg), "dtype": dtype}, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        if os.path.exists(output_dir):
+            shutil.rmtree(output_dir)
+        os.rename(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_checkpoint(path: str, dtype=None):
+    """Restores (config, model, tokenizer or None) from a directory written by save_checkpoint.
+
+    dtype None keeps the stored dtype; otherwise weights are cast to `dtype`.
+    """
+    from models.tokenizer import Tokenizer
+
+    path = os.path.abspath(path)
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path} is not a Pallasite orbax checkpoint: {CONFIG_FILE} "
+                                "is missing")
+    try:
+        with open(config_path) as f:
+            meta = json.load(f)
+        cfg = config_from_dict(meta["model"])
+        stored_dtype = jnp.dtype(meta["dtype"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_path} is corrupt: {e}") from None
+    target = nnx.to_pure_dict(nnx.state(abstract_model(cfg, stored_dtype)))
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
+    try:
+        pure = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), target)
+    except Exception as e:  # orbax raises many types for missing/corrupt data
+        raise ValueError(f"cannot restore weights from {path}/params: {type(e).__name__}: "
+                         f"{str(e)[:300]}") from None
+    model = model_from_pure_dict(cfg, pure, dtype or stored_dtype)
+    has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
+    return cfg, model, (Tokenizer.from_dir(path) if has_tokenizer else None)

@@ -1,0 +1,53 @@
+"""Flags and helpers shared by the absl entry points in scripts/."""
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def define_model_flags() -> None:
+    """--model, --dtype, --random_weights, --seed."""
+    flags.DEFINE_string("model", "smollm2-135m",
+                        "Preset name, GGUF file, HF checkpoint directory or orbax directory.")
+    flags.DEFINE_enum("dtype", None, DTYPES,
+                      "Weight and activation dtype (default: float32 on CPU, bfloat16 on GPU).")
+    flags.DEFINE_bool("random_weights", False,
+                      "Use random weights of the preset's real shapes (benchmarks, no checkpoint).")
+    flags.DEFINE_integer("seed", 0, "Seed for random weights and for unseeded sampling.")
+
+
+def define_engine_flags() -> None:
+    """--max_model_len, --max_num_seqs, --page_size, --num_pages."""
+    flags.DEFINE_integer("max_model_len", 2048, "Longest sequence (prompt + output) served.")
+    flags.DEFINE_integer("max_num_seqs", 8, "Most sequences decoded together.")
+    flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
+    flags.DEFINE_integer("num_pages", None,
+                         "KV-cache pages (default: max_num_seqs full-length sequences).")
+
+
+def resolve_dtype(name: str | None):
+    """The jnp dtype for --dtype, defaulting by backend."""
+    import jax
+    import jax.numpy as jnp
+    if name is None:
+        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return jnp.dtype(name)
+
+
+def engine_config_from_flags(FLAGS):
+    from engine.llm_engine import EngineConfig
+    return EngineConfig(max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+                        page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, seed=FLAGS.seed)
+
+
+def fail(message: str) -> None:
+    """Prints one clear error line and exits with status 1."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+# What bad input raises inside the project: each carries a message that names the problem.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RuntimeError)

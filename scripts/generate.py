@@ -1,0 +1,100 @@
+"""Generate text with a model: `python -m scripts.generate --prompt="What is the capital of France?"`.
+
+Each --prompt is one request; all run together in one engine. Without --json the text streams
+to the terminal as it is generated, prompt by prompt, followed by a one-line speed summary. With
+--json one JSON object per prompt is printed.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from absl import app, flags
+
+from scripts import common
+
+common.define_model_flags()
+common.define_engine_flags()
+flags.DEFINE_multi_string("prompt", None, "A prompt; repeat the flag for several requests.")
+flags.DEFINE_integer("max_tokens", 128, "Most tokens generated per prompt.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: off).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1].")
+flags.DEFINE_integer("sample_seed", None, "Per-request sampling seed (default: drawn from --seed).")
+flags.DEFINE_bool("chat", True, "Apply the model's chat template to each prompt.")
+flags.DEFINE_bool("json", False, "Print one JSON object per prompt instead of streaming text.")
+FLAGS = flags.FLAGS
+
+
+def build_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt, through the chat template when `chat`."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so text prompts cannot be encoded")
+    if chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                 add_generation_prompt=True) for p in prompts]
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def stream_in_order(engine, prompt_ids, params) -> None:
+    """Streams each request's text in prompt order, buffering the ones not yet on screen."""
+    buffers = {i: [] for i in range(len(prompt_ids))}
+    done = set()
+    current = 0
+    first_id = engine._next_id
+    for delta in engine.stream(prompt_ids, params):
+        index = delta.request_id - first_id
+        buffers[index].append(delta.text)
+        if delta.finish_reason is not None:
+            done.add(index)
+        while current < len(prompt_ids):
+            sys.stdout.write("".join(buffers[current]))
+            buffers[current].clear()
+            sys.stdout.flush()
+            if current not in done:
+                break
+            sys.stdout.write("\n" + ("-" * 40 + "\n" if current + 1 < len(prompt_ids) else ""))
+            current += 1
+
+
+def main(argv):
+    del argv
+    if not FLAGS.prompt:
+        common.fail("give at least one --prompt")
+    try:
+        from engine.llm_engine import LLMEngine
+        from engine.request import SamplingParams
+        from models.loader import load_model
+
+        params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
+                                top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.sample_seed)
+        engine_cfg = common.engine_config_from_flags(FLAGS)
+        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
+                            FLAGS.seed)
+        prompt_ids = build_prompts(loaded.tokenizer, FLAGS.prompt, FLAGS.chat)
+        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg)
+        start = time.perf_counter()
+        if FLAGS.json:
+            outputs = engine.generate(prompt_ids, params)
+            for prompt, out in zip(FLAGS.prompt, outputs):
+                print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.output_ids,
+                                  "prompt_tokens": len(out.prompt_ids), "ttft_s": out.ttft_s,
+                                  "tokens_per_s": out.decode_tokens_per_s,
+                                  "finish_reason": out.finish_reason.value}))
+            return
+        stream_in_order(engine, prompt_ids, params)
+        elapsed = time.perf_counter() - start
+        outputs = [engine.output_of(r) for r in engine.finished_requests()]
+        generated = sum(len(o.output_ids) for o in outputs)
+        ttft = max(o.ttft_s for o in outputs)
+        decode_rate = (generated - len(outputs)) / max(elapsed - ttft, 1e-9)
+        print(f"[{len(outputs)} prompt(s), {sum(len(p) for p in prompt_ids)} prompt tokens, "
+              f"{generated} generated in {elapsed:.2f}s; time to first token {ttft:.2f}s "
+              f"(includes compilation); decode {decode_rate:.1f} tokens/s]")
+    except common.USER_ERRORS as e:
+        common.fail(str(e))
+
+
+if __name__ == "__main__":
+    app.run(main)
