@@ -93,6 +93,28 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def warmup(self, num_seqs: int, max_prompt_len: int, max_total_len: int) -> int:
+        """Compiles the prefill and decode programs a run of this size reaches; returns how many.
+
+        Decode batches shrink as requests finish and block tables grow with the sequences, so
+        every (batch bucket <= num_seqs, page-width bucket up to max_total_len) pair is compiled.
+        """
+        from engine.runner import bucket
+        num_seqs = min(num_seqs, self.engine_cfg.max_num_seqs)
+        max_total_len = min(max_total_len, self.engine_cfg.max_model_len)
+        before = len(self.runner.compiled_shapes)
+        first_width = self.pool.pages_needed(max_prompt_len)
+        self.runner.warmup(num_seqs, max_prompt_len, first_width)
+        batch_sizes = sorted({min(bucket(n), num_seqs) for n in range(1, num_seqs + 1)})
+        width = bucket(first_width, 4)
+        while True:
+            for batch_size in batch_sizes:
+                self.runner.warmup(batch_size, 1, width)
+            if width >= self.pool.pages_needed(max_total_len):
+                break
+            width *= 2
+        return len(self.runner.compiled_shapes) - before
+
     def finished_requests(self) -> list[Request]:
         """Requests finished since the last call, in finishing order (the list is cleared)."""
         done, self._finished = self._finished, []

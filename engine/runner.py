@@ -85,6 +85,18 @@ class ModelRunner:
         logits, self.cache = self._step(self.state, self.cache, tokens, meta, logits_indices)
         return logits[: batch.token_ids.shape[0]]
 
+    def warmup(self, batch_size: int, num_tokens: int, num_pages: int) -> None:
+        """Compiles the program of this bucket by running it on padding (nothing is written)."""
+        dummy = StepBatch(token_ids=np.zeros((batch_size, num_tokens), np.int32),
+                          positions=np.zeros((batch_size, num_tokens), np.int32),
+                          slot_mapping=np.full((batch_size, num_tokens), -1, np.int32),
+                          block_tables=np.zeros((batch_size, num_pages), np.int32),
+                          kv_lens=np.zeros(batch_size, np.int32),
+                          logits_indices=np.zeros(batch_size, np.int32))
+        logits = self.execute(dummy)
+        ones = np.ones(batch_size)
+        self.sample(logits, ones, ones.astype(np.int32), ones, ones, ones)
+
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns logits of every token, float32 [B, T, V] (on the device)."""
         tokens, meta, logits_indices = self._padded(batch, 16)

@@ -1,6 +1,7 @@
 """Flags and helpers shared by the absl entry points in scripts/."""
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import flags
@@ -51,3 +52,19 @@ def fail(message: str) -> None:
 
 # What bad input raises inside the project: each carries a message that names the problem.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, RuntimeError)
+
+
+flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/pallasite/jax"),
+                    "jax persistent compilation cache ('' disables): a second start is faster.")
+
+
+def setup_jax() -> None:
+    """Quiets jax's backend probing and turns on the persistent compilation cache."""
+    import logging
+
+    import jax
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    if flags.FLAGS.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", flags.FLAGS.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,86 @@
+"""Perplexity of a model on a text: `python -m scripts.eval_ppl --model=smollm2-135m`.
+
+The text is tokenized without special tokens, cut to its first --num_tokens tokens, and run in
+one forward pass through the paged cache; perplexity = exp(mean negative log-likelihood of each
+token given the ones before it). The default text is CPython's pydoc topics
+(`pydoc_data.topics.topics`, joined in key order by blank lines), which ships with every CPython.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+from absl import app, flags
+
+from scripts import common
+
+common.define_model_flags()
+flags.DEFINE_string("text_file", None, "UTF-8 text to evaluate on (default: pydoc topics).")
+flags.DEFINE_integer("num_tokens", 2048, "Evaluate on the first this-many tokens of the text.")
+flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
+flags.DEFINE_string("json_out", None, "Also write the result as JSON to this file.")
+FLAGS = flags.FLAGS
+
+
+def default_text() -> str:
+    """The pydoc topics of the running CPython, joined in key order."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def perplexity_of_ids(cfg, model, ids: list[int], page_size: int = 16) -> tuple[float, float]:
+    """(perplexity, mean NLL) of `ids` under the model, in one forward pass through the cache."""
+    from engine.runner import ModelRunner, StepBatch
+
+    n = len(ids)
+    if n < 2:
+        raise ValueError(f"need at least 2 tokens to measure perplexity, got {n}")
+    if n > cfg.max_position_embeddings:
+        raise ValueError(f"{n} tokens exceed the model's context of {cfg.max_position_embeddings}")
+    num_pages = -(-n // page_size)
+    runner = ModelRunner(cfg, model, num_pages, page_size)
+    positions = np.arange(n, dtype=np.int32)[None]
+    batch = StepBatch(token_ids=np.asarray(ids, np.int32)[None], positions=positions,
+                      slot_mapping=positions.copy(),
+                      block_tables=np.arange(num_pages, dtype=np.int32)[None],
+                      kv_lens=np.asarray([n], np.int32), logits_indices=np.asarray([n - 1]))
+    logits = np.asarray(runner.execute_all_logits(batch)[0], np.float64)  # [n, V]
+    logits -= logits.max(-1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -log_probs[np.arange(n - 1), np.asarray(ids[1:])].mean()
+    return math.exp(nll), float(nll)
+
+
+def main(argv):
+    del argv
+    common.setup_jax()
+    try:
+        from models.loader import load_model
+
+        if FLAGS.num_tokens < 2:
+            raise ValueError(f"--num_tokens must be >= 2, got {FLAGS.num_tokens}")
+        if FLAGS.text_file:
+            with open(FLAGS.text_file, encoding="utf-8") as f:
+                text = f.read()
+        else:
+            text = default_text()
+        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
+                            FLAGS.seed)
+        if loaded.tokenizer is None:
+            raise ValueError(f"model {FLAGS.model!r} has no tokenizer to encode the text with")
+        ids = loaded.tokenizer.encode(text)[: FLAGS.num_tokens]
+        ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, FLAGS.page_size)
+    except common.USER_ERRORS as e:
+        common.fail(str(e))
+    result = {"model": FLAGS.model, "text": FLAGS.text_file or "pydoc_data.topics",
+              "num_tokens": len(ids), "mean_nll": nll, "perplexity": ppl}
+    print(f"perplexity {ppl:.4f} (mean NLL {nll:.5f}) over {len(ids)} tokens of "
+          f"{result['text']} with {FLAGS.model}")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
