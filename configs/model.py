@@ -101,7 +101,7 @@ TINY_LLAMA = ModelConfig(
 TINY_LLAMA31 = ModelConfig(
     name="tiny-llama31", vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2,
     num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=1024, rope_theta=500000.0,
-    rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=64),
+    rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=256),
     tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
 
 TINY_QWEN2 = ModelConfig(

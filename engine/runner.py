@@ -116,3 +116,22 @@ class ModelRunner:
                                  (top_p, np.float32), (seeds, np.uint32), (steps, np.int32))]
         args[2] = jnp.where(jnp.arange(bp) < b, args[2], 1.0)  # padded rows: top_p = 1
         return np.asarray(sample(logits, *args))[:b]
+
+
+def full_sequence_logits(cfg: ModelConfig, model: LlamaForCausalLM, token_ids: np.ndarray,
+                         page_size: int = 16) -> np.ndarray:
+    """Logits of every position of each row of token_ids [B, T], one prefill in a fresh cache.
+
+    Returns float32 numpy [B, T, V]. Used by perplexity evaluation and numerics tests.
+    """
+    token_ids = np.asarray(token_ids, np.int32)
+    batch, seq = token_ids.shape
+    pages_per_row = -(-seq // page_size)
+    runner = ModelRunner(cfg, model, batch * pages_per_row, page_size)
+    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+    tables = np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)
+    slots = tables[:, positions[0] // page_size] * page_size + positions % page_size
+    step = StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slots,
+                     block_tables=tables, kv_lens=np.full(batch, seq, np.int32),
+                     logits_indices=np.full(batch, seq - 1, np.int32))
+    return np.asarray(runner.execute_all_logits(step))

@@ -31,21 +31,15 @@ def default_text() -> str:
 
 def perplexity_of_ids(cfg, model, ids: list[int], page_size: int = 16) -> tuple[float, float]:
     """(perplexity, mean NLL) of `ids` under the model, in one forward pass through the cache."""
-    from engine.runner import ModelRunner, StepBatch
+    from engine.runner import full_sequence_logits
 
     n = len(ids)
     if n < 2:
         raise ValueError(f"need at least 2 tokens to measure perplexity, got {n}")
     if n > cfg.max_position_embeddings:
         raise ValueError(f"{n} tokens exceed the model's context of {cfg.max_position_embeddings}")
-    num_pages = -(-n // page_size)
-    runner = ModelRunner(cfg, model, num_pages, page_size)
-    positions = np.arange(n, dtype=np.int32)[None]
-    batch = StepBatch(token_ids=np.asarray(ids, np.int32)[None], positions=positions,
-                      slot_mapping=positions.copy(),
-                      block_tables=np.arange(num_pages, dtype=np.int32)[None],
-                      kv_lens=np.asarray([n], np.int32), logits_indices=np.asarray([n - 1]))
-    logits = np.asarray(runner.execute_all_logits(batch)[0], np.float64)  # [n, V]
+    logits = full_sequence_logits(cfg, model, np.asarray([ids]), page_size)[0]
+    logits = logits.astype(np.float64)  # [n, V]
     logits -= logits.max(-1, keepdims=True)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -log_probs[np.arange(n - 1), np.asarray(ids[1:])].mean()
