@@ -54,7 +54,7 @@ def model_from_pure_dict(cfg: ModelConfig, pure: dict, dtype=jnp.float32,
     """Builds the model from a nested dict of arrays (as written by nnx.to_pure_dict)."""
     graphdef, state = nnx.split(abstract_model(cfg, dtype))
     leaves = jax.tree.map(lambda a: jnp.asarray(a, dtype, device=sharding), pure)
-    state.replace_by_pure_dict(leaves)
+    nnx.replace_by_pure_dict(state, leaves)
     return nnx.merge(graphdef, state)
 
 

@@ -22,7 +22,9 @@ def define_model_flags() -> None:
 
 def define_engine_flags() -> None:
     """--max_model_len, --max_num_seqs, --page_size, --num_pages."""
-    flags.DEFINE_integer("max_model_len", 2048, "Longest sequence (prompt + output) served.")
+    flags.DEFINE_integer("max_model_len", None,
+                         "Longest sequence (prompt + output) served (default: the model's context, "
+                         "at most 2048).")
     flags.DEFINE_integer("max_num_seqs", 8, "Most sequences decoded together.")
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
     flags.DEFINE_integer("num_pages", None,
@@ -38,9 +40,11 @@ def resolve_dtype(name: str | None):
     return jnp.dtype(name)
 
 
-def engine_config_from_flags(FLAGS):
+def engine_config_from_flags(FLAGS, cfg):
+    """The EngineConfig of the engine flags for model config `cfg`."""
     from engine.llm_engine import EngineConfig
-    return EngineConfig(max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+    max_model_len = FLAGS.max_model_len or min(2048, cfg.max_position_embeddings)
+    return EngineConfig(max_model_len=max_model_len, max_num_seqs=FLAGS.max_num_seqs,
                         page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, seed=FLAGS.seed)
 
 

@@ -71,9 +71,9 @@ def main(argv):
 
         params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                                 top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.sample_seed)
-        engine_cfg = common.engine_config_from_flags(FLAGS)
         loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
                             FLAGS.seed)
+        engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         prompt_ids = build_prompts(loaded.tokenizer, FLAGS.prompt, FLAGS.chat)
         engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg)
         if FLAGS.warmup:

@@ -1,0 +1,117 @@
+"""End to end: the absl scripts as a user runs them, and their errors on bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import GOLDEN_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_DIR = os.path.join(GOLDEN_DIR, "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One persistent compilation cache shared by this module's subprocesses."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def run_script(module: str, *args: str, cache_dir: str = "") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", f"scripts.{module}", f"--compilation_cache_dir={cache_dir}", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def assert_one_clear_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_generate_answers_the_capital_of_france(cache_dir):
+    result = run_script("generate", "--prompt=What is the capital of France?", "--json",
+                        "--max_tokens=24", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "Paris" in out["text"]
+    assert out["prompt_tokens"] == 37 and out["token_ids"] and out["ttft_s"] > 0
+    assert set(out) >= {"prompt", "text", "token_ids", "prompt_tokens", "ttft_s", "tokens_per_s"}
+
+
+def test_generate_streams_text_and_prints_summary(cache_dir):
+    result = run_script("generate", f"--model={TINY_DIR}", "--prompt=hello", "--prompt=the sea",
+                        "--max_tokens=8", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1].startswith("[2 prompt(s)") and "tokens/s" in lines[-1]
+
+
+@pytest.mark.parametrize("flag, fragments", [
+    ("--max_tokens=0", ("max_tokens",)),
+    ("--top_p=1.5", ("top_p",)),
+    ("--top_p=0", ("top_p",)),
+    ("--temperature=-1", ("temperature",)),
+])
+def test_generate_rejects_bad_sampling_flags(flag, fragments):
+    result = run_script("generate", f"--model={TINY_DIR}", "--prompt=hi", flag)
+    assert_one_clear_error(result, *fragments)
+
+
+def test_generate_rejects_missing_and_corrupt_models(tmp_path):
+    assert_one_clear_error(run_script("generate", "--model=/nonexistent/model.gguf", "--prompt=hi"),
+                           "/nonexistent/model.gguf")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(np.random.default_rng(0).bytes(4096))
+    assert_one_clear_error(run_script("generate", f"--model={corrupt}", "--prompt=hi"),
+                           str(corrupt))
+    assert_one_clear_error(run_script("generate", "--model=llama3.1-8b", "--prompt=hi"),
+                           "llama3.1-8b")
+
+
+def test_generate_rejects_prompt_longer_than_context():
+    result = run_script("generate", f"--model={TINY_DIR}", "--max_model_len=32", "--nochat",
+                        "--prompt=" + "the quick brown fox jumps over the lazy dog " * 8)
+    assert_one_clear_error(result, "max_model_len", "32")
+
+
+def test_convert_then_generate_gives_identical_tokens(tmp_path, cache_dir):
+    out_dir = tmp_path / "tiny-orbax"
+    result = run_script("convert_checkpoint", f"--input={TINY_DIR}", f"--output={out_dir}",
+                        "--dtype=float32", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["tiny-orbax"]  # no temporary directory left over
+    runs = [run_script("generate", f"--model={model}", "--prompt=hello there", "--json",
+                       "--max_tokens=12", cache_dir=cache_dir) for model in (TINY_DIR, out_dir)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    outputs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    # The output directory is protected unless --overwrite.
+    again = run_script("convert_checkpoint", f"--input={TINY_DIR}", f"--output={out_dir}")
+    assert_one_clear_error(again, str(out_dir))
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+    out_dir = tmp_path / "never"
+    result = run_script("convert_checkpoint", "--input=/nonexistent/dir", f"--output={out_dir}")
+    assert_one_clear_error(result, "/nonexistent/dir")
+    assert os.listdir(tmp_path) == []
+
+
+def test_eval_ppl_writes_json(tmp_path, cache_dir):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "ppl.json"
+    result = run_script("eval_ppl", f"--model={TINY_DIR}", f"--text_file={text}",
+                        "--num_tokens=64", f"--json_out={out}", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["num_tokens"] == 64 and figures["perplexity"] > 1
+    assert f"{figures['perplexity']:.4f}" in result.stdout
