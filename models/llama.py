@@ -15,6 +15,7 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache
+from ops.matmul import linear
 from ops.paged_attention import paged_attention, write_kv
 
 
@@ -75,10 +76,21 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias). The kernel [in, out] may be a quantized weight (see ops/matmul.py)."""
+
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs, dtype, bias: bool = False):
+        init = nnx.initializers.normal(stddev=0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (din, dout), dtype))
+        self.bias = nnx.Param(init(rngs.params(), (dout,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        bias = None if self.bias is None else self.bias[...]
+        return linear(x, self.kernel.get_value(), bias)
+
+
 def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs, dtype, bias=False):
-    init = nnx.initializers.normal(stddev=0.02)
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                      kernel_init=init, bias_init=init, rngs=rngs)
+    return Linear(din, dout, rngs, dtype, bias)
 
 
 class Attention(nnx.Module):

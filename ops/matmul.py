@@ -1,0 +1,35 @@
+"""The one matmul entry point of the model's linear layers.
+
+`linear(x, weight)` takes a plain weight array [in, out] or a quantized weight (a pytree node
+from quant/, which registers its product here) and returns x @ W in x's dtype. Keeping every
+linear layer behind this function is what lets quantized weights and GPU kernels plug in without
+touching the model.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+# Quantized weight type -> function (x, weight) -> x @ dequantize(weight).
+_QUANTIZED_MATMULS: dict[type, Callable] = {}
+
+
+def register_quantized_matmul(weight_type: type, fn: Callable) -> None:
+    """Makes `linear` route weights of `weight_type` to `fn(x, weight)`."""
+    _QUANTIZED_MATMULS[weight_type] = fn
+
+
+def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ weight [in, out] (+ bias [out]) -> [..., out] in x's dtype."""
+    fn = _QUANTIZED_MATMULS.get(type(weight))
+    if fn is not None:
+        y = fn(x, weight)
+    else:
+        if weight.ndim != 2 or x.shape[-1] != weight.shape[0]:
+            raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
+        y = jnp.dot(x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
