@@ -25,7 +25,8 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     sorted_top_k = jnp.where(sorted_desc >= kth_value, sorted_desc, -jnp.inf)
     probs = jax.nn.softmax(sorted_top_k, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V]
-    keep_sorted = mass_before < top_p[:, None]
+    # top_p >= 1 is no cut: in float32 the mass before a far tail token rounds to 1.0.
+    keep_sorted = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     num_keep = jnp.maximum(keep_sorted.sum(-1), 1)  # [B]
     pth_value = jnp.take_along_axis(sorted_top_k, (num_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth_value, pth_value)  # [B, 1]
