@@ -16,24 +16,30 @@ from flax import nnx
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache
 from ops.matmul import linear
-from ops.paged_attention import paged_attention, write_kv
+from ops.paged_attention import ragged_attention_by_groups, write_kv
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Where this step's tokens sit in their sequences and in the cache (all int32).
+    """Where this step's N flat tokens sit in their S sequences and in the cache (int32 arrays).
 
-    positions     [B, T]  position of each token in its sequence
-    slot_mapping  [B, T]  flat cache slot to write each token's K/V to (-1: padding, not written)
-    block_tables  [B, W]  physical page of each logical page of each sequence
-    kv_lens       [B]     cached tokens of each sequence once this step's tokens are written
+    positions        [N]      position of each token in its sequence
+    slot_mapping     [N]      flat cache slot to write each token's K/V to (-1: padding)
+    block_tables     [S, W]   physical page of each logical page of each sequence
+    query_start_loc  [S + 1]  sequence s owns tokens [query_start_loc[s], query_start_loc[s+1])
+    kv_lens          [S]      cached tokens of each sequence once this step's tokens are written
+    max_q_len, max_prefill_seqs (static): bounds of the query tokens of one sequence and of the
+      number of sequences with more than one (see ops.paged_attention.ragged_attention_by_groups)
     """
 
     positions: jax.Array
     slot_mapping: jax.Array
     block_tables: jax.Array
+    query_start_loc: jax.Array
     kv_lens: jax.Array
+    max_q_len: int = dataclasses.field(default=1, metadata=dict(static=True))
+    max_prefill_seqs: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -55,9 +61,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [B, T, N, D]; positions: int32 [B, T]."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    """Rotate-half RoPE (HF layout). x: [N, heads, D]; positions: int32 [N]."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)  # [N, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [N, 1, D]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
@@ -103,19 +109,18 @@ class Attention(nnx.Module):
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray):
-        batch, seq, _ = x.shape
+        num_tokens = x.shape[0]
         d = cfg.head_dim
-        q = self.q_proj(x).reshape(batch, seq, cfg.num_heads, d)  # [B, T, H, D]
-        k = self.k_proj(x).reshape(batch, seq, cfg.num_kv_heads, d)  # [B, T, KVH, D]
-        v = self.v_proj(x).reshape(batch, seq, cfg.num_kv_heads, d)
+        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, d)  # [N, H, D]
+        k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, d)  # [N, KVH, D]
+        v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, d)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k.reshape(batch * seq, cfg.num_kv_heads, d),
-                                    v.reshape(batch * seq, cfg.num_kv_heads, d),
-                                    meta.slot_mapping.reshape(-1))
-        out = paged_attention(q, k_pages, v_pages, meta.block_tables, meta.positions,
-                              meta.kv_lens)  # [B, T, H, D]
-        return self.o_proj(out.reshape(batch, seq, cfg.num_heads * d)), k_pages, v_pages
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        out = ragged_attention_by_groups(
+            q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
+            max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs)  # [N, H, D]
+        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * d)), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -136,6 +141,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, rngs, dtype)
 
+    def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
+                 inv_freq: np.ndarray):
+        """Pre-norm attention then MLP, each with a residual; returns (x, k_pages, v_pages)."""
+        attn_out, k_pages, v_pages = self.self_attn(
+            self.input_layernorm(x), k_pages, v_pages, meta, cfg, inv_freq)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_pages, v_pages
+
 
 class LlamaForCausalLM(nnx.Module):
     """Weights of a Llama-family decoder; run it with `forward`."""
@@ -153,23 +167,20 @@ class LlamaForCausalLM(nnx.Module):
 def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: AttentionMetadata,
             cfg: ModelConfig, logits_indices: jax.Array | None = None
             ) -> tuple[jax.Array, KVCache]:
-    """Runs the decoder over this step's tokens and returns (logits, new cache).
+    """Runs the decoder over this step's flat tokens and returns (logits, new cache).
 
-    tokens: int32 [B, T]. With `logits_indices` (int32 [B]) only the hidden state at that index
-    of each row goes through the output head: logits [B, V]; otherwise logits [B, T, V].
-    Logits are float32.
+    tokens: int32 [N]. With `logits_indices` (int32 [S]) only the hidden states at those token
+    indices go through the output head: logits [S, V]; otherwise logits [N, V]. Logits are
+    float32.
     """
     inv_freq = rope_inv_freq(cfg)
-    x = model.embed_tokens(tokens)  # [B, T, hidden]
+    x = model.embed_tokens(tokens)  # [N, hidden]
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
     for i, layer in enumerate(model.layers):
-        attn_out, k_all[i], v_all[i] = layer.self_attn(
-            layer.input_layernorm(x), k_all[i], v_all[i], meta, cfg, inv_freq)
-        x = x + attn_out
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq)
     x = model.norm(x)
     if logits_indices is not None:
-        x = jnp.take_along_axis(x, logits_indices[:, None, None], axis=1)[:, 0]  # [B, hidden]
+        x = x[logits_indices]  # [S, hidden]
     if cfg.tie_word_embeddings:
         logits = model.embed_tokens.attend(x)
     else:
