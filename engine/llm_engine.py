@@ -1,9 +1,9 @@
 """The LLM engine loop: schedule -> run -> postprocess, over a shared paged KV cache.
 
-This minimal engine admits waiting requests in one prefill step (as many as fit in
-`max_num_seqs` and in the free pages), then decodes all running requests together, one token
-each per step, until each stops. Requests follow the counter model of ../shared/DESIGN.md:
-a request has its tokens and `num_computed_tokens`; a step computes the next N tokens of it.
+`LLMEngine.step()` asks the scheduler which tokens of which requests to compute (decodes, prefill
+chunks and prefix-cache hits mixed in one ragged batch), builds the step batch, runs one jitted
+model step and one jitted sampler, then appends the sampled tokens, detokenizes incrementally,
+applies stop conditions and frees the pages of finished requests.
 """
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ import numpy as np
 
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
-from engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
+                            SamplingParams)
 from engine.runner import ModelRunner, StepBatch
+from engine.sampling import SamplingArrays
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +29,11 @@ class EngineConfig:
 
     max_model_len: int = 2048
     max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
     page_size: int = 16
     num_pages: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     seed: int = 0
 
     def resolved_num_pages(self) -> int:
@@ -37,12 +44,24 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class StreamDelta:
-    """New text and tokens of one request since its previous delta."""
+    """New text and tokens of one sample of a request since its previous delta."""
 
-    request_id: int
+    request_id: int  # the id add_request returned
+    index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters over the engine's life (for benchmarks and metrics)."""
+
+    num_steps: int = 0
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    step_time_s: float = 0.0
+    host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
 
 
 class LLMEngine:
@@ -55,19 +74,51 @@ class LLMEngine:
                              f"context of {cfg.max_position_embeddings} tokens")
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
         num_pages = engine_cfg.resolved_num_pages()
-        self.pool = BlockPool(num_pages, engine_cfg.page_size)
+        self.pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=engine_cfg.max_num_seqs,
+                            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+                            max_model_len=engine_cfg.max_model_len,
+                            enable_chunked_prefill=engine_cfg.enable_chunked_prefill), self.pool)
         self.runner = ModelRunner(cfg, model, num_pages, engine_cfg.page_size)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self._next_id = 0
+        self.stats = EngineStats()
         self._rng = np.random.default_rng(engine_cfg.seed)
-        self._texts: dict[int, str] = {}
-        self._finished: list[Request] = []
+        self._next_request = 0
+        self._next_group = 0
+        self._groups: dict[int, list[Request]] = {}
+        self._group_of: dict[int, int] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._finished_groups: list[int] = []
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams) -> Request:
-        """Queues a prompt (token ids, or text when the engine has a tokenizer)."""
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams,
+                    priority: int = 0) -> int:
+        """Queues a prompt (token ids, or text when the engine has a tokenizer); returns its id."""
+        prompt_ids = self._validated_prompt(prompt)
+        group_id = self._next_group
+        self._next_group += 1
+        now = time.perf_counter()
+        samples = []
+        for index in range(params.n):
+            seed = (params.seed + index) % 2**32 if params.seed is not None \
+                else int(self._rng.integers(2**32))
+            request = Request(self._next_request, list(prompt_ids), params, seed,
+                              priority=priority, arrival_time=now)
+            if index > 0 and self.engine_cfg.enable_prefix_caching:
+                request.wait_for = samples[0]  # share the first sample's prompt pages
+            self._next_request += 1
+            samples.append(request)
+        for request in samples:
+            self.scheduler.add(request)
+            self._group_of[request.request_id] = group_id
+            if self.tokenizer is not None:
+                self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, params.stop)
+        self._groups[group_id] = samples
+        return group_id
+
+    def _validated_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
@@ -83,113 +134,115 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.cfg.vocab_size})")
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        request = Request(self._next_id, prompt_ids, params, seed, arrival_time=time.perf_counter())
-        self._next_id += 1
-        self.waiting.append(request)
-        self._texts[request.request_id] = ""
-        return request
+        return prompt_ids
+
+    def abort(self, request_id: int) -> None:
+        """Stops a request (all its samples) and frees its pages at once."""
+        for request in self._groups.get(request_id, []):
+            if not request.finished:
+                self.scheduler.abort(request)
+                request.finish_reason = FinishReason.ABORT
+                request.finish_time = time.perf_counter()
+        if request_id in self._groups and request_id not in self._finished_groups:
+            self._finished_groups.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
-    def warmup(self, num_seqs: int, max_prompt_len: int, max_total_len: int) -> int:
-        """Compiles the prefill and decode programs a run of this size reaches; returns how many.
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
-        Decode batches shrink as requests finish and block tables grow with the sequences, so
-        every (batch bucket <= num_seqs, page-width bucket up to max_total_len) pair is compiled.
-        """
-        from engine.runner import bucket
-        num_seqs = min(num_seqs, self.engine_cfg.max_num_seqs)
-        max_total_len = min(max_total_len, self.engine_cfg.max_model_len)
-        before = len(self.runner.compiled_shapes)
-        first_width = self.pool.pages_needed(max_prompt_len)
-        self.runner.warmup(num_seqs, max_prompt_len, first_width)
-        batch_sizes = sorted({min(bucket(n), num_seqs) for n in range(1, num_seqs + 1)})
-        width = bucket(first_width, 4)
-        while True:
-            for batch_size in batch_sizes:
-                self.runner.warmup(batch_size, 1, width)
-            if width >= self.pool.pages_needed(max_total_len):
-                break
-            width *= 2
-        return len(self.runner.compiled_shapes) - before
-
-    def finished_requests(self) -> list[Request]:
-        """Requests finished since the last call, in finishing order (the list is cleared)."""
-        done, self._finished = self._finished, []
-        return done
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _schedule(self) -> list[Request]:
-        """Admits waiting requests for a prefill step if any fit; else decodes all running."""
-        admitted = []
-        free_pages = self.pool.num_free
-        while self.waiting and len(self.running) + len(admitted) < self.engine_cfg.max_num_seqs:
-            need = self.pool.pages_needed(self.waiting[0].num_tokens)
-            if need > free_pages:
-                break
-            free_pages -= need
-            admitted.append(self.waiting.pop(0))
-        if admitted:
-            self.running.extend(admitted)
-            return admitted
-        if self.waiting and not self.running:
-            raise RuntimeError(f"KV cache too small: a prompt of {self.waiting[0].num_tokens} "
-                               f"tokens needs more than the {self.pool.num_free} free pages")
-        return list(self.running)
-
-    def _build_batch(self, scheduled: list[Request]) -> StepBatch:
-        counts = [r.num_tokens - r.num_computed_tokens for r in scheduled]
-        for r in scheduled:
-            self.pool.grow(r.pages, r.num_tokens)
-        b, t = len(scheduled), max(counts)
-        w = max(len(r.pages) for r in scheduled)
-        token_ids = np.zeros((b, t), np.int32)
-        positions = np.zeros((b, t), np.int32)
-        slots = np.full((b, t), -1, np.int32)
-        tables = np.zeros((b, w), np.int32)
-        for i, (r, n) in enumerate(zip(scheduled, counts)):
-            pos = np.arange(r.num_computed_tokens, r.num_tokens, dtype=np.int32)
+    def _build_batch(self, output: SchedulerOutput) -> StepBatch:
+        page_size = self.pool.page_size
+        items = output.scheduled
+        counts = np.asarray([it.num_new_tokens for it in items], np.int32)
+        start = np.zeros(len(items) + 1, np.int32)
+        np.cumsum(counts, out=start[1:])
+        width = max(len(it.request.pages) for it in items)
+        token_ids = np.empty(start[-1], np.int32)
+        positions = np.empty(start[-1], np.int32)
+        slots = np.empty(start[-1], np.int32)
+        tables = np.zeros((len(items), width), np.int32)
+        kv_lens = np.empty(len(items), np.int32)
+        for i, it in enumerate(items):
+            r, first, n = it.request, it.request.num_computed_tokens, it.num_new_tokens
             pages = np.asarray(r.pages, np.int32)
-            token_ids[i, :n] = r.token_ids[r.num_computed_tokens:]
-            positions[i, :n] = pos
-            slots[i, :n] = pages[pos // self.pool.page_size] * self.pool.page_size \
-                + pos % self.pool.page_size
+            pos = np.arange(first, first + n, dtype=np.int32)
+            sl = slice(start[i], start[i + 1])
+            token_ids[sl] = r.token_ids[first:first + n] if n > 1 else [r.token_ids[first]]
+            positions[sl] = pos
+            slots[sl] = pages[pos // page_size] * page_size + pos % page_size
             tables[i, : len(pages)] = pages
-        kv_lens = np.asarray([r.num_tokens for r in scheduled], np.int32)
-        return StepBatch(token_ids, positions, slots, tables, kv_lens,
-                         np.asarray(counts, np.int32) - 1)
+            kv_lens[i] = first + n
+        return StepBatch(token_ids, positions, slots, tables, start, kv_lens, start[1:] - 1)
 
     def step(self) -> list[StreamDelta]:
-        """Runs one schedule -> run -> postprocess round; returns the new text of each request."""
-        scheduled = self._schedule()
-        batch = self._build_batch(scheduled)
+        """Runs one schedule -> run -> postprocess round; returns the new text of each sample."""
+        t0 = time.perf_counter()
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could schedule nothing although requests wait")
+            return []
+        batch = self._build_batch(output)
+        t1 = time.perf_counter()
         logits = self.runner.execute(batch)
-        p = [r.params for r in scheduled]
-        next_ids = self.runner.sample(
-            logits, temperature=[x.temperature for x in p], top_k=[x.top_k for x in p],
-            top_p=[x.top_p for x in p], seeds=[r.seed for r in scheduled],
-            steps=[len(r.output_ids) for r in scheduled])
-        now = time.perf_counter()
+        requests = [it.request for it in output.scheduled]
+        tokens, chosen, top_ids, top_logprobs = self.runner.sample(
+            logits, SamplingArrays.from_requests(requests))  # waits for the device
+        t2 = time.perf_counter()
+        completes = [it.request.num_computed_tokens + it.num_new_tokens >= it.request.num_tokens
+                     for it in output.scheduled]
+        self.scheduler.update_computed(output)
         deltas = []
-        for r, token in zip(scheduled, next_ids.tolist()):
-            r.num_computed_tokens = r.num_tokens
-            r.output_ids.append(token)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            r.finish_reason = self._check_stop(r, token)
-            if r.finished:
-                r.finish_time = now
-                self.pool.free(r.pages)
-                r.pages = []
-                self.running.remove(r)
-                self._finished.append(r)
-            deltas.append(self._delta(r, token))
+        for i, request in enumerate(requests):
+            if not completes[i]:
+                continue  # a prefill chunk short of the prompt's end: its sample is discarded
+            logprob = None
+            if chosen is not None and request.params.logprobs is not None:
+                k = request.params.logprobs
+                logprob = (float(chosen[i]), dict(zip(top_ids[i, :k].tolist(),
+                                                      top_logprobs[i, :k].tolist())))
+            deltas.append(self._append_token(request, int(tokens[i]), logprob, t2))
+        self.stats.num_steps += 1
+        self.stats.num_computed_tokens += output.num_tokens
+        self.stats.num_generated_tokens += len(deltas)
+        t3 = time.perf_counter()
+        self.stats.step_time_s += t3 - t0
+        self.stats.host_time_s += (t1 - t0) + (t3 - t2)
         return deltas
 
-    def _check_stop(self, r: Request, token: int) -> FinishReason | None:
+    def _append_token(self, request: Request, token: int, logprob, now: float) -> StreamDelta:
+        request.output_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        reason = self._stop_reason(request, token)
+        text = ""
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            text = detokenizer.add(request.output_ids, reason is not None)
+            if reason is None and detokenizer.stopped_at is not None:
+                reason = FinishReason.STOP
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            request.finish_time = now
+            group_id = self._group_of[request.request_id]
+            if all(r.finished for r in self._groups[group_id]):
+                self._finished_groups.append(group_id)
+        group_id = self._group_of[request.request_id]
+        index = self._groups[group_id].index(request)
+        return StreamDelta(group_id, index, text, [token], reason)
+
+    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if (token in r.params.stop_token_ids
                 or (not r.params.ignore_eos and token in self.cfg.eos_token_ids)):
             return FinishReason.STOP
@@ -197,20 +250,37 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _delta(self, r: Request, token: int) -> StreamDelta:
-        """Incremental detokenization: never emits half of a multi-byte character."""
-        text = ""
-        if self.tokenizer is not None:
-            full = self.tokenizer.decode(r.output_ids)
-            if r.finished or not full.endswith("\ufffd"):
-                previous = self._texts[r.request_id]
-                text = full[len(previous):] if full.startswith(previous) else full
-                self._texts[r.request_id] = full
-        return StreamDelta(r.request_id, text, [token], r.finish_reason)
+    # ---- outputs and whole generations ----------------------------------------------------------
 
-    # ---- whole generations --------------------------------------------------------------------
+    def finished_request_ids(self) -> list[int]:
+        """Ids of requests finished (or aborted) since the last call (the list is cleared)."""
+        done, self._finished_groups = self._finished_groups, []
+        return done
 
-    def _add_all(self, prompts, params) -> list[Request]:
+    def output_of(self, request_id: int, release: bool = True) -> RequestOutput:
+        """The output of a finished request; with `release`, the engine forgets the request."""
+        samples = self._groups[request_id]
+        outputs = []
+        for index, r in enumerate(samples):
+            detokenizer = self._detokenizers.get(r.request_id)
+            text = detokenizer.text if detokenizer is not None else ""
+            outputs.append(CompletionOutput(index, list(r.output_ids), text, r.finish_reason,
+                                            list(r.output_logprobs)))
+        first = samples[0]
+        first_token = min((r.first_token_time for r in samples if r.first_token_time),
+                          default=first.finish_time)
+        finish = max(r.finish_time or first_token for r in samples)
+        result = RequestOutput(request_id, first.prompt_ids, outputs,
+                               first_token - first.arrival_time, finish - first.arrival_time,
+                               sum(r.num_prefix_hit_tokens for r in samples))
+        if release:
+            for r in samples:
+                self._detokenizers.pop(r.request_id, None)
+                self._group_of.pop(r.request_id, None)
+            del self._groups[request_id]
+        return result
+
+    def _add_all(self, prompts, params) -> list[int]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -219,7 +289,7 @@ class LLMEngine:
 
     def stream(self, prompts: Sequence[Sequence[int] | str],
                params: SamplingParams | Sequence[SamplingParams]) -> Iterator[StreamDelta]:
-        """Adds the prompts and yields each request's new text as its tokens arrive."""
+        """Adds the prompts and yields each sample's new text as its tokens arrive."""
         self._add_all(prompts, params)
         while self.has_unfinished():
             yield from self.step()
@@ -227,17 +297,40 @@ class LLMEngine:
     def generate(self, prompts: Sequence[Sequence[int] | str],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
         """Runs the prompts to completion; returns one output per prompt, in order."""
-        requests = self._add_all(prompts, params)
+        ids = self._add_all(prompts, params)
         while self.has_unfinished():
             self.step()
-        self.finished_requests()
-        return [self.output_of(r) for r in requests]
+        finished = set(self.finished_request_ids())
+        return [self.output_of(i, release=i in finished) for i in ids]
 
-    def output_of(self, r: Request) -> RequestOutput:
-        """The finished output of a request."""
-        text = self._texts.pop(r.request_id, "")
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_ids)
-        return RequestOutput(r.request_id, r.prompt_ids, list(r.output_ids), text,
-                             r.finish_reason, r.first_token_time - r.arrival_time,
-                             r.finish_time - r.arrival_time)
+    # ---- compilation --------------------------------------------------------------------------
+
+    def warmup(self, num_seqs: int, max_prompt_len: int, max_total_len: int,
+               progress=None) -> int:
+        """Compiles the programs a run of this size reaches; returns how many were new.
+
+        Decode batches shrink as requests finish and block tables grow with the sequences, so
+        every (batch bucket <= num_seqs, page-width bucket up to max_total_len) decode program is
+        compiled, plus the prefill program of num_seqs prompts of max_prompt_len tokens (chunked
+        by max_num_batched_tokens).
+        """
+        from engine.runner import MIN_PAGE_BUCKET, bucket
+        num_seqs = min(num_seqs, self.engine_cfg.max_num_seqs)
+        max_total_len = min(max_total_len, self.engine_cfg.max_model_len)
+        prefill_tokens = min(num_seqs * max_prompt_len, self.engine_cfg.max_num_batched_tokens)
+        prefill_seqs = min(num_seqs, -(-prefill_tokens // max(max_prompt_len, 1)))
+        shapes = [(prefill_tokens, prefill_seqs, self.pool.pages_needed(max_prompt_len),
+                   max(1, min(max_prompt_len, prefill_tokens)), prefill_seqs)]
+        batch_sizes = sorted({bucket(n) for n in range(1, num_seqs + 1)})
+        width = bucket(self.pool.pages_needed(max_prompt_len), MIN_PAGE_BUCKET)
+        while True:
+            shapes += [(b, b, width, 1, 0) for b in batch_sizes]
+            if width >= self.pool.pages_needed(max_total_len):
+                break
+            width *= 2
+        before = len(self.runner.compiled_shapes)
+        for i, (n, s, w, q, p) in enumerate(shapes):
+            self.runner.warmup(n, s, w, q, p if q > 1 else 0)
+            if progress is not None:
+                progress(i + 1, len(shapes))
+        return len(self.runner.compiled_shapes) - before

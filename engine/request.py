@@ -6,6 +6,9 @@ import enum
 from typing import Optional
 
 
+MAX_LOGPROBS = 20
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -18,9 +21,16 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: Optional[int] = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: Optional[int] = None  # also return the top-N logprobs of each position
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -33,11 +43,32 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"      # end-of-sequence or a stop token
+    STOP = "stop"      # end-of-sequence, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"    # aborted by the caller
 
 
 @dataclasses.dataclass
@@ -52,6 +83,13 @@ class Request:
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
+    priority: int = 0  # lower runs first; equal priorities run first come, first served
+    wait_for: Optional["Request"] = None  # parallel sample: admitted once this one's prompt is cached
+    prompt_cached: bool = False
+    num_cached_pages: int = 0  # leading pages registered in the prefix cache
+    num_prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    output_logprobs: list = dataclasses.field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
@@ -70,19 +108,42 @@ class Request:
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One generated sample of a request (n > 1 gives several)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[FinishReason]
+    logprobs: list = dataclasses.field(default_factory=list)  # per token: (logprob, {id: logprob})
+
+
+@dataclasses.dataclass
 class RequestOutput:
-    """What `LLMEngine.generate` returns for one prompt."""
+    """What `LLMEngine.generate` returns for one prompt: its samples and timings."""
 
     request_id: int
     prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish_reason: FinishReason
+    outputs: list[CompletionOutput]
     ttft_s: float
     total_s: float
+    num_prefix_hit_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[FinishReason]:
+        return self.outputs[0].finish_reason
 
     @property
     def decode_tokens_per_s(self) -> float:
         """Output tokens after the first, over the time after the first token."""
         decode_time = self.total_s - self.ttft_s
-        return (len(self.output_ids) - 1) / decode_time if decode_time > 0 else float("nan")
+        generated = sum(len(o.token_ids) for o in self.outputs) - len(self.outputs)
+        return generated / decode_time if decode_time > 0 else float("nan")

@@ -1,14 +1,15 @@
 """The model runner: the only place that calls jax.jit, donates the cache and pads to buckets.
 
-A step batch is rectangular: B sequences, each computing T consecutive tokens (T = 1 for decode,
-a prompt or chunk for prefill), over block tables W pages wide. B, T and W are each padded up
-to a power-of-two bucket, so the number of compiled programs stays small:
-len(batch buckets) x len(token buckets) x len(page buckets) at most, and in practice one per
-distinct (B, T, W) bucket triple that traffic reaches.
+A step batch is ragged: N flat tokens belonging to S sequences (decode tokens and prefill chunks
+mixed), with block tables W pages wide. N, S and W are padded up to power-of-two buckets, and so
+is the number of sequences with more than one token (a static bound of the attention reference),
+so the number of compiled programs stays small. A decode-only step is keyed (S, W); a step with
+prefill tokens (N, S, W, P). `bucket_key` gives the program a batch runs.
 """
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,30 +17,48 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache, init_kv_cache
-from engine.sampling import sample
+from engine.sampling import SamplingArrays, sample_step
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
+
+MIN_TOKEN_BUCKET = 16
+MIN_PAGE_BUCKET = 4
 
 
 @dataclasses.dataclass
 class StepBatch:
     """One step's inputs, host numpy, unpadded (all int32).
 
-    token_ids [B, T], positions [B, T], slot_mapping [B, T] (-1 for rows shorter than T),
-    block_tables [B, W], kv_lens [B], logits_indices [B] (index in T of each row's last token).
+    token_ids [N], positions [N], slot_mapping [N]; block_tables [S, W]; query_start_loc [S + 1];
+    kv_lens [S]; logits_indices [S] (the flat index of each sequence's last token).
     """
 
     token_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
     block_tables: np.ndarray
+    query_start_loc: np.ndarray
     kv_lens: np.ndarray
     logits_indices: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.kv_lens)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
     n = max(n, minimum)
     return 1 << (n - 1).bit_length()
+
+
+def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
+               num_prefill_seqs: int) -> tuple[int, int, int, int, int]:
+    """(N, S, W, max_q_len, max_prefill_seqs) of the program that runs such a batch."""
+    if max_q_len <= 1:
+        s = bucket(num_seqs)
+        return s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0
+    n = bucket(num_tokens, MIN_TOKEN_BUCKET)
+    return n, bucket(num_seqs), bucket(width, MIN_PAGE_BUCKET), n, bucket(num_prefill_seqs)
 
 
 def _pad(a: np.ndarray, shape: tuple[int, ...], value: int) -> np.ndarray:
@@ -66,56 +85,65 @@ class ModelRunner:
         return forward(model, cache, tokens, meta, self.cfg,
                        None if all_logits else logits_indices)
 
-    def _padded(self, batch: StepBatch, min_tokens: int):
-        b, t = batch.token_ids.shape
-        bp, tp = bucket(b), (1 if t == 1 else bucket(t, min_tokens))
-        wp = bucket(batch.block_tables.shape[1], 4)
-        self.compiled_shapes.add((bp, tp, wp))
+    def _padded(self, batch: StepBatch):
+        q_lens = np.diff(batch.query_start_loc)
+        key = bucket_key(len(batch.token_ids), batch.num_seqs, batch.block_tables.shape[1],
+                         int(q_lens.max(initial=1)), int((q_lens > 1).sum()))
+        n, s, w, max_q, max_prefill = key
+        self.compiled_shapes.add(key)
+        start = np.full(s + 1, batch.query_start_loc[-1], np.int32)
+        start[: batch.num_seqs + 1] = batch.query_start_loc
         meta = AttentionMetadata(
-            positions=jnp.asarray(_pad(batch.positions, (bp, tp), 0)),
-            slot_mapping=jnp.asarray(_pad(batch.slot_mapping, (bp, tp), -1)),
-            block_tables=jnp.asarray(_pad(batch.block_tables, (bp, wp), 0)),
-            kv_lens=jnp.asarray(_pad(batch.kv_lens, (bp,), 0)))
-        tokens = jnp.asarray(_pad(batch.token_ids, (bp, tp), 0))
-        return tokens, meta, jnp.asarray(_pad(batch.logits_indices, (bp,), 0))
+            positions=jnp.asarray(_pad(batch.positions, (n,), 0)),
+            slot_mapping=jnp.asarray(_pad(batch.slot_mapping, (n,), -1)),
+            block_tables=jnp.asarray(_pad(batch.block_tables, (s, w), 0)),
+            query_start_loc=jnp.asarray(start),
+            kv_lens=jnp.asarray(_pad(batch.kv_lens, (s,), 0)),
+            max_q_len=max_q, max_prefill_seqs=max_prefill)
+        tokens = jnp.asarray(_pad(batch.token_ids, (n,), 0))
+        return tokens, meta, jnp.asarray(_pad(batch.logits_indices, (s,), 0))
 
-    def execute(self, batch: StepBatch, min_tokens: int = 16) -> jax.Array:
-        """Runs one step; returns the last-token logits, float32 [B, V] (on the device)."""
-        tokens, meta, logits_indices = self._padded(batch, min_tokens)
+    def execute(self, batch: StepBatch) -> jax.Array:
+        """Runs one step; returns each sequence's last-token logits, float32 [S, V] (on device)."""
+        tokens, meta, logits_indices = self._padded(batch)
         logits, self.cache = self._step(self.state, self.cache, tokens, meta, logits_indices)
-        return logits[: batch.token_ids.shape[0]]
-
-    def warmup(self, batch_size: int, num_tokens: int, num_pages: int) -> None:
-        """Compiles the program of this bucket by running it on padding (nothing is written)."""
-        dummy = StepBatch(token_ids=np.zeros((batch_size, num_tokens), np.int32),
-                          positions=np.zeros((batch_size, num_tokens), np.int32),
-                          slot_mapping=np.full((batch_size, num_tokens), -1, np.int32),
-                          block_tables=np.zeros((batch_size, num_pages), np.int32),
-                          kv_lens=np.zeros(batch_size, np.int32),
-                          logits_indices=np.zeros(batch_size, np.int32))
-        logits = self.execute(dummy)
-        ones = np.ones(batch_size)
-        self.sample(logits, ones, ones.astype(np.int32), ones, ones, ones)
+        return logits[: batch.num_seqs]
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
-        """Runs one step; returns logits of every token, float32 [B, T, V] (on the device)."""
-        tokens, meta, logits_indices = self._padded(batch, 16)
+        """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
+        tokens, meta, logits_indices = self._padded(batch)
         logits, self.cache = self._step(self.state, self.cache, tokens, meta, logits_indices,
                                         all_logits=True)
-        b, t = batch.token_ids.shape
-        return logits[:b, :t]
+        return logits[: len(batch.token_ids)]
 
-    def sample(self, logits: jax.Array, temperature: np.ndarray, top_k: np.ndarray,
-               top_p: np.ndarray, seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
-        """Samples one token per row of `logits` [B, V]; returns host int32 [B]."""
-        b = logits.shape[0]
-        bp = bucket(b)
-        logits = jnp.pad(logits, ((0, bp - b), (0, 0)))
-        args = [jnp.asarray(np.pad(np.asarray(a, dtype), (0, bp - b)))
-                for a, dtype in ((temperature, np.float32), (top_k, np.int32),
-                                 (top_p, np.float32), (seeds, np.uint32), (steps, np.int32))]
-        args[2] = jnp.where(jnp.arange(bp) < b, args[2], 1.0)  # padded rows: top_p = 1
-        return np.asarray(sample(logits, *args))[:b]
+    def warmup(self, num_tokens: int, num_seqs: int, num_pages: int, max_q_len: int,
+               num_prefill_seqs: int) -> None:
+        """Compiles the program of this bucket by running it on padding (nothing is written)."""
+        q_lens = np.zeros(num_seqs, np.int32)
+        q_lens[:num_prefill_seqs] = max_q_len
+        q_lens[num_prefill_seqs:] = 1
+        num_tokens = max(num_tokens, int(q_lens.sum()))
+        start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        dummy = StepBatch(token_ids=np.zeros(num_tokens, np.int32),
+                          positions=np.zeros(num_tokens, np.int32),
+                          slot_mapping=np.full(num_tokens, -1, np.int32),
+                          block_tables=np.zeros((num_seqs, num_pages), np.int32),
+                          query_start_loc=start, kv_lens=np.zeros(num_seqs, np.int32),
+                          logits_indices=np.maximum(start[1:] - 1, 0))
+        logits = self.execute(dummy)
+        self.sample(logits, SamplingArrays.defaults(num_seqs))
+
+    def sample(self, logits: jax.Array, arrays: SamplingArrays):
+        """Samples one token per row of `logits` [S, V]; returns host numpy results.
+
+        Returns (token ids [S], chosen logprobs [S], top ids [S, K], top logprobs [S, K]); the
+        last three are None unless arrays.num_logprobs > 0.
+        """
+        s = logits.shape[0]
+        rows = bucket(s)
+        logits = jnp.pad(logits, ((0, rows - s), (0, 0)))
+        results = sample_step(logits, arrays.padded(rows))
+        return tuple(None if r is None else np.asarray(r)[:s] for r in results)
 
 
 def full_sequence_logits(cfg: ModelConfig, model: LlamaForCausalLM, token_ids: np.ndarray,
@@ -130,8 +158,10 @@ def full_sequence_logits(cfg: ModelConfig, model: LlamaForCausalLM, token_ids: n
     runner = ModelRunner(cfg, model, batch * pages_per_row, page_size)
     positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
     tables = np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)
-    slots = tables[:, positions[0] // page_size] * page_size + positions % page_size
-    step = StepBatch(token_ids=token_ids, positions=positions, slot_mapping=slots,
-                     block_tables=tables, kv_lens=np.full(batch, seq, np.int32),
-                     logits_indices=np.full(batch, seq - 1, np.int32))
-    return np.asarray(runner.execute_all_logits(step))
+    slots = np.take_along_axis(tables, positions // page_size, axis=1) * page_size \
+        + positions % page_size
+    start = np.arange(0, batch * seq + 1, seq, dtype=np.int32)
+    step = StepBatch(token_ids=token_ids.reshape(-1), positions=positions.reshape(-1),
+                     slot_mapping=slots.reshape(-1), block_tables=tables, query_start_loc=start,
+                     kv_lens=np.full(batch, seq, np.int32), logits_indices=start[1:] - 1)
+    return np.asarray(runner.execute_all_logits(step)).reshape(batch, seq, -1)

@@ -1,19 +1,27 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+"""Batched token sampling: penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Each row's randomness comes only from its own (seed, step) pair, so a seeded request draws the
-same tokens whatever else is in the batch.
+same tokens whatever else is in the batch. Everything is one jitted function over [S, V] logits;
+per-request parameters are arrays of S rows (`SamplingArrays` builds them on the host).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from engine.request import MAX_LOGPROBS
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                    top_p: jax.Array) -> jax.Array:
-    """Temperature-scaled logits with the top-k and top-p cuts applied (-inf outside).
+                    top_p: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
+    """Temperature-scaled logits with the top-k, top-p and min-p cuts applied (-inf outside).
 
-    logits [B, V] float32; temperature [B] (> 0); top_k int32 [B] (0 = off); top_p [B] in (0, 1].
+    logits [B, V] float32; temperature [B] (> 0); top_k int32 [B] (0 = off); top_p [B] in (0, 1];
+    min_p [B] in [0, 1] (keep tokens at least min_p times as likely as the most likely one).
     Rows keep at least their most likely token.
     """
     vocab = logits.shape[-1]
@@ -30,21 +38,62 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     num_keep = jnp.maximum(keep_sorted.sum(-1), 1)  # [B]
     pth_value = jnp.take_along_axis(sorted_top_k, (num_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth_value, pth_value)  # [B, 1]
+    if min_p is not None:  # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
+        threshold = jnp.maximum(threshold, sorted_desc[:, :1] + jnp.log(min_p)[:, None])
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def apply_penalties(logits: jax.Array, prompt_tokens: jax.Array, output_tokens: jax.Array,
+                    repetition: jax.Array, presence: jax.Array,
+                    frequency: jax.Array) -> jax.Array:
+    """Repetition (HF style: divide positive, multiply negative logits of every token seen in the
+    prompt or output), presence and frequency penalties (OpenAI style: subtract per output token).
+
+    logits [S, V]; prompt_tokens, output_tokens int32 [S, L] padded with -1; penalties [S].
+    """
+    rows, vocab = logits.shape
+    row_ids = jnp.arange(rows)[:, None]
+
+    def counts(tokens):  # [S, L] -> [S, V]
+        safe = jnp.where(tokens < 0, vocab, tokens)
+        return jnp.zeros((rows, vocab), jnp.float32).at[row_ids, safe].add(1.0, mode="drop")
+
+    output_counts = counts(output_tokens)
+    seen = (counts(prompt_tokens) + output_counts) > 0
+    penalized = jnp.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None])
+    logits = jnp.where(seen, penalized, logits)
+    return (logits - frequency[:, None] * output_counts
+            - presence[:, None] * (output_counts > 0).astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def logprobs_of(logits: jax.Array, tokens: jax.Array, num_logprobs: int):
+    """Log-probabilities of the model (raw logits) for the chosen tokens and the top-k.
+
+    Returns (chosen [S], top ids int32 [S, k], top logprobs [S, k]).
+    """
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    top_values, top_ids = jax.lax.top_k(log_probs, num_logprobs)
+    return chosen, top_ids.astype(jnp.int32), top_values
 
 
 @jax.jit
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           seeds: jax.Array, steps: jax.Array) -> jax.Array:
+           seeds: jax.Array, steps: jax.Array, min_p: jax.Array | None = None,
+           penalties: tuple | None = None) -> jax.Array:
     """Picks one token per row.
 
     logits [B, V] float32; temperature float32 [B] (0 = greedy); top_k int32 [B]; top_p float32
-    [B]; seeds uint32 [B]; steps int32 [B] (the index of the token being sampled in its request).
-    Returns int32 [B].
+    [B]; seeds uint32 [B]; steps int32 [B] (the index of the token being sampled in its request);
+    min_p float32 [B] or None; penalties None or the arguments of `apply_penalties` after the
+    logits (applied before greedy and sampling alike). Returns int32 [B].
     """
+    if penalties is not None:
+        logits = apply_penalties(logits, *penalties)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
-    cut = filtered_logits(logits, safe_temperature, top_k, top_p)
+    cut = filtered_logits(logits, safe_temperature, top_k, top_p, min_p)
 
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.key(seed), step)
@@ -52,3 +101,91 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
 
     sampled = jax.vmap(draw)(seeds, steps, cut)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def _pad_rows(a: np.ndarray, rows: int, value) -> np.ndarray:
+    out = np.full((rows,) + a.shape[1:], value, a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampling parameters of one step, host numpy (one row per sequence)."""
+
+    temperature: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int32 [S]
+    top_p: np.ndarray  # float32 [S]
+    min_p: np.ndarray  # float32 [S]
+    seeds: np.ndarray  # uint32 [S]
+    steps: np.ndarray  # int32 [S]
+    penalties: tuple | None = None  # (prompt [S, L], output [S, L], rep, pres, freq) or None
+    num_logprobs: int = 0
+
+    @classmethod
+    def defaults(cls, rows: int) -> "SamplingArrays":
+        """Greedy rows with no cuts."""
+        return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32),
+                   np.ones(rows, np.float32), np.zeros(rows, np.float32),
+                   np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+
+    @classmethod
+    def from_requests(cls, requests) -> "SamplingArrays":
+        """The arrays of a list of engine Requests (their params, seeds and output counts)."""
+        params = [r.params for r in requests]
+        arrays = cls(
+            temperature=np.asarray([p.temperature for p in params], np.float32),
+            top_k=np.asarray([p.top_k for p in params], np.int32),
+            top_p=np.asarray([p.top_p for p in params], np.float32),
+            min_p=np.asarray([p.min_p for p in params], np.float32),
+            seeds=np.asarray([r.seed for r in requests], np.uint32),
+            steps=np.asarray([len(r.output_ids) for r in requests], np.int32))
+        if any(p.uses_penalties for p in params):
+            arrays.penalties = (
+                _token_matrix([r.prompt_ids for r in requests]),
+                _token_matrix([r.output_ids for r in requests]),
+                np.asarray([p.repetition_penalty for p in params], np.float32),
+                np.asarray([p.presence_penalty for p in params], np.float32),
+                np.asarray([p.frequency_penalty for p in params], np.float32))
+        if any(p.logprobs is not None for p in params):
+            arrays.num_logprobs = MAX_LOGPROBS
+        return arrays
+
+    def padded(self, rows: int) -> "SamplingArrays":
+        """The same arrays with greedy, cut-free padding rows up to `rows`."""
+        pad = SamplingArrays.defaults(rows)
+        fields = {f: _pad_rows(getattr(self, f), rows, getattr(pad, f)[0])
+                  for f in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
+        penalties = None
+        if self.penalties is not None:
+            prompt, output, rep, pres, freq = self.penalties
+            penalties = (_pad_rows(prompt, rows, -1), _pad_rows(output, rows, -1),
+                         _pad_rows(rep, rows, 1.0), _pad_rows(pres, rows, 0.0),
+                         _pad_rows(freq, rows, 0.0))
+        return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
+
+
+def _token_matrix(token_lists) -> np.ndarray:
+    """Token id lists as int32 [S, L] padded with -1, L a power of two (bounded compiles)."""
+    longest = max(max((len(t) for t in token_lists), default=1), 1)
+    width = 1 << (longest - 1).bit_length()
+    out = np.full((len(token_lists), width), -1, np.int32)
+    for i, tokens in enumerate(token_lists):
+        out[i, : len(tokens)] = tokens
+    return out
+
+
+def sample_step(logits: jax.Array, arrays: SamplingArrays):
+    """Samples a padded batch: (tokens [S], chosen logprobs, top ids, top logprobs) on device.
+
+    The logprob entries are None when arrays.num_logprobs is 0.
+    """
+    penalties = None
+    if arrays.penalties is not None:
+        penalties = tuple(jnp.asarray(a) for a in arrays.penalties)
+    tokens = sample(logits, jnp.asarray(arrays.temperature), jnp.asarray(arrays.top_k),
+                    jnp.asarray(arrays.top_p), jnp.asarray(arrays.seeds),
+                    jnp.asarray(arrays.steps), jnp.asarray(arrays.min_p), penalties)
+    if not arrays.num_logprobs:
+        return tokens, None, None, None
+    return (tokens,) + logprobs_of(logits, tokens, arrays.num_logprobs)

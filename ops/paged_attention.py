@@ -111,3 +111,52 @@ def dense_causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -
     mask = jnp.tril(jnp.ones((seq, seq), bool))
     probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
     return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+
+def ragged_attention_by_groups(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                               block_tables: jax.Array, query_start_loc: jax.Array,
+                               kv_lens: jax.Array, *, max_q_len: int, max_prefill_seqs: int,
+                               **kwargs) -> jax.Array:
+    """Ragged paged attention through the padded reference, in a decode and a prefill group.
+
+    q: [N, H, D], the flat query tokens of all sequences of a step; sequence s owns
+      q[query_start_loc[s]:query_start_loc[s + 1]] (query_start_loc int32 [S + 1]).
+    kv_lens: int32 [S], cached tokens of each sequence including this step's (already written);
+      query i of sequence s sits at position kv_lens[s] - q_len_s + i. Padding sequences have
+      q_len 0 and kv_len 0.
+    max_q_len (static): an upper bound of q_len; max_prefill_seqs (static): an upper bound of the
+      number of sequences with q_len > 1.
+    Sequences with one query token (decodes) run as one [S, 1] padded batch; those with more as
+    one [max_prefill_seqs, max_q_len] batch, so a step of many decodes and a long prefill chunk
+    costs S + max_prefill_seqs * max_q_len query rows, not S * max_q_len.
+    Returns [N, H, D]; rows outside every sequence are zero.
+    """
+    num_tokens = q.shape[0]
+    num_seqs = kv_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"ragged attention: query_start_loc {query_start_loc.shape} must be "
+                         f"[{num_seqs + 1}] and block_tables {block_tables.shape} [{num_seqs}, W]")
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    out = jnp.zeros_like(q)
+    # Decode group: the last query token of every sequence, kept where q_len == 1.
+    last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)  # [S]
+    is_decode = q_lens == 1
+    decoded = paged_attention_reference(
+        q[last][:, None], k_pages, v_pages, block_tables, (kv_lens - 1)[:, None],
+        jnp.where(is_decode, kv_lens, 0), **kwargs)[:, 0]  # [S, H, D]
+    out = out.at[jnp.where(is_decode, last, num_tokens)].set(decoded, mode="drop")
+    if max_q_len > 1 and max_prefill_seqs > 0:
+        # Prefill group: up to max_prefill_seqs sequences with q_len > 1, padded to max_q_len.
+        seqs = jnp.nonzero(q_lens > 1, size=max_prefill_seqs, fill_value=num_seqs)[0]  # [P]
+        valid = seqs < num_seqs
+        seqs = jnp.minimum(seqs, num_seqs - 1)
+        lens = jnp.where(valid, q_lens[seqs], 0)  # [P]
+        offsets = jnp.arange(max_q_len, dtype=jnp.int32)  # [Q]
+        tokens = query_start_loc[seqs][:, None] + offsets  # [P, Q]
+        positions = kv_lens[seqs][:, None] - lens[:, None] + offsets  # [P, Q]
+        prefilled = paged_attention_reference(
+            q[jnp.clip(tokens, 0, num_tokens - 1)], k_pages, v_pages, block_tables[seqs],
+            positions, jnp.where(valid, kv_lens[seqs], 0), **kwargs)  # [P, Q, H, D]
+        rows = jnp.where(offsets < lens[:, None], tokens, num_tokens).reshape(-1)
+        out = out.at[rows].set(prefilled.reshape((-1,) + q.shape[1:]), mode="drop")
+    return out

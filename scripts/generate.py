@@ -38,25 +38,31 @@ def build_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
     return [tokenizer.encode(p) for p in prompts]
 
 
-def stream_in_order(engine, prompt_ids, params) -> None:
-    """Streams each request's text in prompt order, buffering the ones not yet on screen."""
-    buffers = {i: [] for i in range(len(prompt_ids))}
+def stream_in_order(engine, prompt_ids, params) -> list[int]:
+    """Streams each request's text in prompt order, buffering the ones not yet on screen.
+
+    Returns the request ids, in prompt order.
+    """
+    ids = [engine.add_request(p, params) for p in prompt_ids]
+    position = {request_id: i for i, request_id in enumerate(ids)}
+    buffers = [[] for _ in ids]
     done = set()
     current = 0
-    first_id = engine._next_id
-    for delta in engine.stream(prompt_ids, params):
-        index = delta.request_id - first_id
-        buffers[index].append(delta.text)
-        if delta.finish_reason is not None:
-            done.add(index)
-        while current < len(prompt_ids):
+    while engine.has_unfinished():
+        for delta in engine.step():
+            index = position[delta.request_id]
+            buffers[index].append(delta.text)
+            if delta.finish_reason is not None:
+                done.add(index)
+        while current < len(ids):
             sys.stdout.write("".join(buffers[current]))
             buffers[current].clear()
             sys.stdout.flush()
             if current not in done:
                 break
-            sys.stdout.write("\n" + ("-" * 40 + "\n" if current + 1 < len(prompt_ids) else ""))
+            sys.stdout.write("\n" + ("-" * 40 + "\n" if current + 1 < len(ids) else ""))
             current += 1
+    return ids
 
 
 def main(argv):
@@ -88,9 +94,9 @@ def main(argv):
                                   "tokens_per_s": out.decode_tokens_per_s,
                                   "finish_reason": out.finish_reason.value}))
             return
-        stream_in_order(engine, prompt_ids, params)
+        ids = stream_in_order(engine, prompt_ids, params)
         elapsed = time.perf_counter() - start
-        outputs = [engine.output_of(r) for r in engine.finished_requests()]
+        outputs = [engine.output_of(i) for i in ids]
         generated = sum(len(o.output_ids) for o in outputs)
         ttft = max(o.ttft_s for o in outputs)
         decode_rate = (generated - len(outputs)) / max(elapsed - ttft, 1e-9)

@@ -1,0 +1,174 @@
+"""The continuous-batching scheduler (plain Python; importing it must not import jax).
+
+Counter model (vLLM v1): a request has its tokens and `num_computed_tokens`. Every step the
+scheduler decides how many of each request's not-yet-computed tokens to compute, under two
+budgets: `max_num_seqs` sequences and `max_num_batched_tokens` tokens. Running requests come
+first (decodes, then unfinished prefill chunks), then waiting requests in priority / arrival
+order. A prompt longer than the remaining budget is split across steps (chunked prefill), so
+decodes never stall behind it. When pages run out, the youngest running request is preempted:
+its pages are freed and its computed tokens dropped, to be recomputed (mostly from the prefix
+cache) when it is admitted again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+
+from engine.block_pool import BlockPool
+from engine.request import FinishReason, Request
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len}), or a long prompt could never run")
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides each step's work and owns the request queues and their pages."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool):
+        self.config = config
+        self.pool = pool
+        self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, order, request)
+        self._order = itertools.count()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queues -------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        """Queues a request; rejects one whose prompt could never fit in the whole pool."""
+        need = self.pool.pages_needed(request.num_tokens + 1)
+        if need > self.pool.num_pages:
+            raise ValueError(f"the prompt needs {need} KV-cache pages but the cache has only "
+                             f"{self.pool.num_pages} in all: it can never run")
+        heapq.heappush(self._waiting, (request.priority, next(self._order), request))
+
+    def abort(self, request: Request) -> None:
+        """Removes a request wherever it is and frees its pages at once."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self._waiting = [w for w in self._waiting if w[2] is not request]
+            heapq.heapify(self._waiting)
+        self._release(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        self.running.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.pages)
+        request.pages = []
+        request.num_cached_pages = 0
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Chooses this step's requests and token counts, allocating their pages."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        # 1. Running requests, oldest first; preempt the youngest when pages run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.pool.grow(request.pages, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: everything younger is gone too
+        # 2. Waiting requests, by priority then arrival, while budgets and pages allow.
+        while (self._waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self._waiting[0][2]
+            if request.wait_for is not None and not request.wait_for.prompt_cached:
+                break  # a parallel sample waits until its sibling's prompt pages are cached
+            if not self._admit(request, budget, scheduled):
+                break
+            heapq.heappop(self._waiting)
+            self.running.append(request)
+            budget -= scheduled[-1].num_new_tokens
+        return SchedulerOutput(scheduled, preempted)
+
+    def _admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest]) -> bool:
+        # At least one token must be computed to produce logits: never hit the whole sequence.
+        cached = self.pool.cached_prefix(request.token_ids, request.num_tokens - 1)
+        num_computed = len(cached) * self.pool.page_size
+        num_new = min(request.num_tokens - num_computed, budget)
+        if num_new < request.num_tokens - num_computed and not self.config.enable_chunked_prefill:
+            self.pool.free(cached)
+            return False
+        pages = list(cached)
+        if not self.pool.grow(pages, num_computed + num_new):
+            self.pool.free(cached)
+            return False
+        request.pages = pages
+        request.num_computed_tokens = num_computed
+        request.num_cached_pages = len(cached)
+        request.num_prefix_hit_tokens += num_computed
+        scheduled.append(ScheduledRequest(request, num_new))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        heapq.heappush(self._waiting, (request.priority, -1 - self.num_preemptions, request))
+
+    def update_computed(self, output: SchedulerOutput) -> None:
+        """Advances the counters of the computed tokens and caches newly full pages."""
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            request.num_cached_pages = self.pool.cache_full_pages(
+                request.token_ids, request.pages, request.num_computed_tokens,
+                request.num_cached_pages)
+            if request.num_computed_tokens >= len(request.prompt_ids):
+                request.prompt_cached = True
