@@ -1,0 +1,198 @@
+"""Pieces shared by the paged attention kernels (ops/decode_attention.py, ops/ragged_attention.py).
+
+- `resolve_impl` / `check_pages`: dispatch and the input checks both public functions make.
+- In-kernel helpers (called while tracing a Pallas kernel body): `kv_slots` maps token positions
+  to cache slots through a block table, `load_rows` / `store_rows` move [rows, head_dim] tiles
+  by row index (masked rows are neither read nor written), `attend_tile` is one step of the
+  online softmax (flash attention) over a tile of keys, with int8 / fp8 pages dequantized in
+  registers, and `finish` normalizes it.
+- `merge_splits`: combines the partial results of programs that each saw one slice of the keys
+  (flash-decoding), outside the kernel, in plain jnp.
+
+Logits are kept in log2 units (scaled by log2(e)) so the kernel uses exp2. A masked logit is a
+large finite negative number, never -inf, so a row that sees no key stays finite (NaN-free).
+Rows are indexed with explicit index arrays on every axis (`ref.at[rows[:, None], cols[None]]`):
+the Triton lowering turns them into one pointer tensor, and Pallas's interpreter (interpret=True,
+used by the CPU tests) supports exactly this form of gather and masked scatter.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops.kv_quant import is_quantized_kv_dtype
+
+LOG2E = math.log2(math.e)
+MASK_VALUE = -1e30  # masked logit (log2 units): exp2(MASK_VALUE - m) == 0 for any real m
+IMPLS = ("pallas", "pallas_interpret", "reference")
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def resolve_impl(impl: str | None, name: str) -> str:
+    """None -> 'pallas' on GPU, 'reference' elsewhere; otherwise one of IMPLS."""
+    if impl is None:
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl not in IMPLS:
+        raise ValueError(f"{name}: impl {impl!r} must be None or one of {IMPLS}")
+    return impl
+
+
+def check_pages(name: str, q_dtype, num_heads: int, head_dim: int, k_pages, v_pages,
+                k_scales, v_scales) -> None:
+    """Raises ValueError unless the pages (and scales, for int8 / fp8 pages) fit the queries."""
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"{name}: k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
+                         f"{v_pages.shape} {v_pages.dtype} must be one [KVH, P, S, D] shape "
+                         "and dtype")
+    num_kv_heads, _, page_size, page_head_dim = k_pages.shape
+    if page_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"{name}: q heads {num_heads} x head_dim {head_dim} do not fit pages "
+                         f"{k_pages.shape} (head_dim must match, heads a multiple of kv heads)")
+    if jnp.dtype(q_dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: q dtype {jnp.dtype(q_dtype)} must be bfloat16, float16 or "
+                         "float32")
+    quantized = is_quantized_kv_dtype(k_pages.dtype)
+    if not quantized and k_pages.dtype != jnp.dtype(q_dtype):
+        raise ValueError(f"{name}: pages of dtype {k_pages.dtype} must have q's dtype "
+                         f"{jnp.dtype(q_dtype)}, or be int8 / float8_e4m3fn with scales")
+    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError(f"{name}: k_scales and v_scales are required exactly for int8 / "
+                         f"float8_e4m3fn pages (pages {k_pages.dtype}, k_scales "
+                         f"{None if k_scales is None else k_scales.shape}, v_scales "
+                         f"{None if v_scales is None else v_scales.shape})")
+    if quantized and (k_scales.shape != k_pages.shape[:3] or v_scales.shape != k_pages.shape[:3]):
+        raise ValueError(f"{name}: k_scales {k_scales.shape} and v_scales {v_scales.shape} must "
+                         f"be {k_pages.shape[:3]} for pages {k_pages.shape}")
+    if not 1 <= page_size <= 1024:
+        raise ValueError(f"{name}: page_size {page_size} out of range for pages {k_pages.shape}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel helpers.
+
+
+def kv_slots(table_ref, table_base, tok, *, page_size: int, table_width: int, num_pages: int):
+    """Cache slot of each token position tok [BK] of one sequence, through its block table.
+
+    table_ref holds block tables (the sequence's row starts at flat index table_base); entries
+    past the table or past the cache are clamped, so a masked token never points off the pages.
+    """
+    # tok >= 0: truncating division (lax.div / lax.rem) is floor division, in fewer instructions.
+    entry = jnp.minimum(jax.lax.div(tok, page_size), table_width - 1)  # [BK]
+    page = table_ref[table_base + entry]  # [BK]
+    page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
+    return page * page_size + jax.lax.rem(tok, page_size)  # [BK]
+
+
+def load_rows(ref, rows, valid=None):
+    """ref [R, D] -> rows [M] of it as [M, D]; rows where valid [M] is False read as 0."""
+    cols = jnp.arange(ref.shape[-1], dtype=jnp.int32)
+    view = ref.at[rows[:, None], cols[None, :]]
+    if valid is None:
+        return plgpu.load(view)
+    mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], ref.shape[-1]))
+    zero = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
+    return plgpu.load(view, mask=mask, other=zero)
+
+
+def load_scales(ref, rows, valid=None):
+    """ref [R] -> ref[rows] [M] (float32); masked rows read as 0."""
+    if valid is None:
+        return plgpu.load(ref.at[rows])
+    return plgpu.load(ref.at[rows], mask=valid, other=0.0)
+
+
+def store_rows(ref, rows, value, valid):
+    """ref [R, D][rows] = value [M, D] for rows where valid [M]; other rows are left alone.
+
+    Masked rows are sent past the end of ref (the interpreter drops such writes; the GPU never
+    issues them), so they can never collide with a written row.
+    """
+    cols = jnp.arange(ref.shape[-1], dtype=jnp.int32)
+    rows = jnp.where(valid, rows, ref.shape[0])
+    mask = jnp.broadcast_to(valid[:, None], value.shape)
+    plgpu.store(ref.at[rows[:, None], cols[None, :]], value.astype(ref.dtype), mask=mask)
+
+
+def store_vector(ref, rows, value, valid):
+    """ref [R][rows] = value [M] where valid [M]."""
+    rows = jnp.where(valid, rows, ref.shape[0])
+    plgpu.store(ref.at[rows], value.astype(ref.dtype), mask=valid)
+
+
+def init_carry(num_rows: int, head_dim: int):
+    """(acc [M, D], running max m [M], running sum l [M]), float32."""
+    return (jnp.zeros((num_rows, head_dim), jnp.float32),
+            jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((num_rows,), jnp.float32))
+
+
+def attend_tile(q, k, v, k_scale, v_scale, mask, carry, *, sm_scale: float,
+                soft_cap: float | None):
+    """One online-softmax step: q [M, D] against keys k and values v [BK, D].
+
+    k, v are in q's dtype (int8 / fp8 tiles already converted); k_scale, v_scale [BK] are the
+    per-token dequantization scales or None; mask [M, BK] (True = visible) or None.
+    The K scale multiplies logit columns and the V scale the probability columns, which equals
+    attending to the dequantized pages. Returns the new carry.
+    """
+    acc, m, l = carry
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = plgpu.dot(q, k, trans_b=True, precision=precision)  # [M, BK] float32
+    if k_scale is not None:
+        s = s * k_scale[None, :]
+    if soft_cap is None:
+        s = s * (sm_scale * LOG2E)
+    else:
+        s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+    if mask is not None:
+        s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [M]
+    alpha = jnp.exp2(m - m_new)  # [M]
+    p = jnp.exp2(s - m_new[:, None])  # [M, BK]
+    l = l * alpha + jnp.sum(p, axis=1)
+    if v_scale is not None:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]
+    return acc, m_new, l
+
+
+def finish(carry):
+    """carry -> (normalized output [M, D] f32, log2-sum-exp [M]; MASK_VALUE if no key seen)."""
+    acc, m, l = carry
+    seen = l > 0
+    safe = jnp.where(seen, l, 1.0)
+    out = acc / safe[:, None]
+    lse = jnp.where(seen, m + jnp.log(safe) * (1.0 / math.log(2.0)), MASK_VALUE)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Outside the kernel.
+
+
+def merge_splits(out: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Flash-decoding merge: out [K, ..., D] partial outputs, lse [K, ...] (log2) -> [..., D].
+
+    Each split's output is already normalized over its keys; weighting by exp2(lse - max)
+    renormalizes over all keys. A row no split saw (all lse == MASK_VALUE) comes out as the
+    mean of zeros, i.e. 0.
+    """
+    top = jnp.max(lse, axis=0)  # [...]
+    w = jnp.exp2(lse - top[None])  # [K, ...]
+    total = jnp.sum(w, axis=0)
+    merged = jnp.sum(w[..., None] * out, axis=0) / total[..., None]
+    return merged.astype(dtype)
+
+
+def interpret_or_gpu(impl: str) -> bool:
+    """interpret flag for pl.pallas_call."""
+    return impl == "pallas_interpret"

@@ -1,0 +1,254 @@
+"""Decode attention over a paged KV cache: one query token per sequence (Pallas, Triton GPU).
+
+Cache layout, per layer (../shared/DESIGN.md): k_pages, v_pages [num_kv_heads, num_pages,
+page_size, head_dim]; a sequence's token at position p sits in page block_tables[b, p // S] at
+offset p % S. int8 / float8_e4m3fn pages carry per-token, per-head float32 scales
+[num_kv_heads, num_pages, page_size] (ops/kv_quant.py) and are dequantized in registers.
+
+Kernel: one program per (sequence, kv head, key split). The program loads the query rows of
+the kv head's whole group (grouped-query attention: G query heads share each K/V load; the
+rows are padded to 16, the smallest tl.dot tile), then walks its slice of the sequence's keys
+`block_k` tokens at a time, gathering each token's row through the block table, with an
+online softmax. With more than one split (flash-decoding) each program writes its normalized
+partial output and log-sum-exp, and `merge_splits` combines them in jnp.
+
+Tuning (`decode_config`): block_k keeps one K+V tile near 32-64 KiB; the number of key splits
+is chosen so that sequences x kv heads x splits fills the GPU about four programs deep
+(132 SMs on an H100/H200), while each split keeps at least two tiles of work for the longest
+sequence the block table allows. The split boundaries follow each sequence's actual length,
+so short sequences in a wide table still spread over all splits. Figures in docs/PERFORMANCE.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops import attention_tiles as tiles
+from ops.kv_quant import dequantize_pages
+
+NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static tiling of the decode kernel."""
+
+    block_k: int  # key tokens per loop step
+    num_splits: int  # programs per (sequence, kv head) along the keys
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: int,
+                  kv_itemsize: int) -> DecodeConfig:
+    """The tuning heuristic (see the module docstring)."""
+    block_k = 128 if head_dim <= 128 else 64
+    if kv_itemsize == 1 and head_dim <= 128:
+        block_k = 256
+    programs = batch * num_kv_heads
+    want = -(-4 * NUM_SMS // programs)  # splits to fill ~4 programs per SM
+    most = max(1, max_kv_tokens // (2 * block_k))  # >= 2 tiles per split at the widest
+    return DecodeConfig(block_k=block_k, num_splits=max(1, min(want, most, 64)))
+
+
+def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
+                   rows: int, block_k: int, page_size: int, num_pages: int, table_width: int,
+                   num_splits: int, sm_scale: float, soft_cap: float | None,
+                   sliding_window: int | None, quantized: bool, split_out: bool):
+    # lengths_ref: [B] int32, tokens in the cache per sequence (all sequences)
+    # tables_ref:  [W] int32, this sequence's block table
+    # q_ref:       [H, D], this sequence's query heads
+    # k_ref, v_ref: [P * S, D], this kv head's pages, one row per cache slot
+    # refs: (ks_ref [P * S] f32, vs_ref [P * S] f32 when quantized), then
+    #   o_ref [H, D] (q dtype, one split) or [H, D] f32 (this split's partial),
+    #   lse_ref [H] f32 (this split's log2-sum-exp) when split_out
+    if quantized:
+        ks_ref, vs_ref, *out_refs = refs
+    else:
+        ks_ref = vs_ref = None
+        out_refs = refs
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lengths_ref[b]
+
+    g = jnp.arange(rows, dtype=jnp.int32)  # [M] query rows of this kv head's group
+    row_ok = g < group
+    q_rows = jnp.where(row_ok, h * group + g, 0)  # [M]
+    q = tiles.load_rows(q_ref, q_rows, row_ok)  # [M, D]
+
+    lo = 0
+    if sliding_window is not None:  # keys at positions >= length - window are visible
+        lo = jnp.maximum(length - sliding_window, 0) // block_k * block_k
+    num_blocks = pl.cdiv(jnp.maximum(length - lo, 0), block_k)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = jnp.minimum(split * per_split, num_blocks)
+    last = jnp.minimum(first + per_split, num_blocks)
+
+    def body(i, carry):
+        tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK] key positions
+        ok = tok < length
+        if sliding_window is not None:
+            ok &= tok >= length - sliding_window
+        slots = tiles.kv_slots(tables_ref, 0, tok, page_size=page_size,
+                               table_width=table_width, num_pages=num_pages)  # [BK]
+        k = tiles.load_rows(k_ref, slots, ok).astype(q.dtype)  # [BK, D]
+        v = tiles.load_rows(v_ref, slots, ok).astype(q.dtype)  # [BK, D]
+        ks = vs = None
+        if quantized:
+            ks = tiles.load_scales(ks_ref, slots, ok)  # [BK]
+            vs = tiles.load_scales(vs_ref, slots, ok)  # [BK]
+        return tiles.attend_tile(q, k, v, ks, vs, ok[None, :], carry, sm_scale=sm_scale,
+                                 soft_cap=soft_cap)
+
+    carry = jax.lax.fori_loop(first, last, body, tiles.init_carry(rows, q.shape[-1]))
+    out, lse = tiles.finish(carry)  # [M, D], [M]
+    tiles.store_rows(out_refs[0], h * group + g, out, row_ok)
+    if split_out:
+        tiles.store_vector(out_refs[1], h * group + g, lse, row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sm_scale", "soft_cap",
+                                             "sliding_window", "interpret"))
+def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+                            config: DecodeConfig, sm_scale: float, soft_cap, sliding_window,
+                            interpret: bool):
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    table_width = block_tables.shape[1]
+    num_slots = num_pages * page_size
+    quantized = k_scales is not None
+    splits = config.num_splits
+    split_out = splits > 1
+
+    k_rows = k_pages.reshape(num_kv_heads, num_slots, head_dim)  # [KVH, P*S, D], free
+    v_rows = v_pages.reshape(num_kv_heads, num_slots, head_dim)
+    grid = (batch, num_kv_heads, splits)  # (sequence, kv head, key split)
+    in_specs = [
+        pl.BlockSpec((batch,), lambda b, h, s: (0,)),  # lengths
+        pl.BlockSpec((None, table_width), lambda b, h, s: (b, 0)),  # block table row
+        pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0)),  # q
+        pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0)),  # k pages
+        pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0)),  # v pages
+    ]
+    args = [lengths, block_tables, q, k_rows, v_rows]
+    if quantized:
+        in_specs += [pl.BlockSpec((None, num_slots), lambda b, h, s: (h, 0))] * 2
+        args += [k_scales.reshape(num_kv_heads, num_slots),
+                 v_scales.reshape(num_kv_heads, num_slots)]
+    if split_out:
+        out_shape = [jax.ShapeDtypeStruct((splits, batch, num_heads, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, batch, num_heads), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, num_heads, head_dim),
+                                  lambda b, h, s: (s, b, 0, 0)),
+                     pl.BlockSpec((None, None, num_heads), lambda b, h, s: (s, b, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), q.dtype)]
+        out_specs = [pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0))]
+    kernel = functools.partial(
+        _decode_kernel, group=group, rows=max(16, tiles.next_pow2(group)),
+        block_k=config.block_k, page_size=page_size, num_pages=num_pages,
+        table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, quantized=quantized, split_out=split_out)
+    outs = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret, name="paged_decode_attention",
+    )(*args)
+    if not split_out:
+        return outs[0]
+    return tiles.merge_splits(outs[0], outs[1], q.dtype)  # [B, H, D]
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    block_tables: jax.Array, lengths: jax.Array, *,
+                    k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                    scale: float | None = None, soft_cap: float | None = None,
+                    sliding_window: int | None = None, impl: str | None = None,
+                    config: DecodeConfig | None = None) -> jax.Array:
+    """Decode attention: one query token per sequence over that sequence's cached pages.
+
+    q: [B, H, D] the query of each sequence's newest token (bf16, fp16 or f32).
+    k_pages, v_pages: [KVH, P, S, D] in q's dtype, or int8 / float8_e4m3fn with
+      k_scales, v_scales: [KVH, P, S] float32 (value = page value * scale).
+    block_tables: int32 [B, W], physical page of each of a sequence's logical pages.
+    lengths: int32 [B], tokens in the cache per sequence (this step's token included, already
+      written); 0 marks a padding row, whose output is 0.
+    The query sits at position lengths[b] - 1 and sees keys at positions < lengths[b] (and,
+    with sliding_window, > position - sliding_window). scale defaults to D ** -0.5; soft_cap
+    applies soft_cap * tanh(logits / soft_cap). impl: None (Pallas on GPU, the jnp reference
+    elsewhere), 'pallas', 'pallas_interpret' (the Pallas kernel interpreted, for CPU tests) or
+    'reference'. config overrides the tuning heuristic `decode_config`.
+    Returns [B, H, D] in q's dtype.
+    """
+    name = "paged_attention"
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [batch, heads, head_dim], got {q.shape}")
+    batch, num_heads, head_dim = q.shape
+    tiles.check_pages(name, q.dtype, num_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(f"{name}: block_tables {block_tables.shape} must be [{batch}, W>=1] "
+                         f"for q {q.shape}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name}: lengths {lengths.shape} must be ({batch},) for q {q.shape}")
+    if block_tables.dtype != jnp.int32 or lengths.dtype != jnp.int32:
+        raise ValueError(f"{name}: block_tables ({block_tables.dtype}) and lengths "
+                         f"({lengths.dtype}) must be int32")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{name}: sliding_window {sliding_window} must be >= 1")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"{name}: soft_cap {soft_cap} must be > 0")
+    sm_scale = float(head_dim ** -0.5 if scale is None else scale)
+    kernel_ok = head_dim >= 16 and head_dim == tiles.next_pow2(head_dim)
+    resolved = tiles.resolve_impl(impl, name)
+    if resolved != "reference" and not kernel_ok:
+        if impl is not None:
+            raise ValueError(f"{name}: the Pallas kernel needs a power-of-two head_dim >= 16, "
+                             f"got q {q.shape}")
+        resolved = "reference"
+    if resolved == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, block_tables, lengths,
+                                         k_scales=k_scales, v_scales=v_scales, scale=sm_scale,
+                                         soft_cap=soft_cap, sliding_window=sliding_window)
+    if config is None:
+        config = decode_config(batch, k_pages.shape[0], block_tables.shape[1] * k_pages.shape[2],
+                               head_dim, jnp.dtype(k_pages.dtype).itemsize)
+    return _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales,
+                                   v_scales, config=config, sm_scale=sm_scale,
+                                   soft_cap=soft_cap, sliding_window=sliding_window,
+                                   interpret=tiles.interpret_or_gpu(resolved))
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, k_scales=None,
+                              v_scales=None, scale=None, soft_cap=None, sliding_window=None):
+    """Plain-jnp decode attention: dequantize, gather the pages, mask, softmax (float32)."""
+    if k_scales is not None:
+        k_pages = dequantize_pages(k_pages, k_scales)
+        v_pages = dequantize_pages(v_pages, v_scales)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    width = block_tables.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    hi = jax.lax.Precision.HIGHEST
+    k = k_pages[:, block_tables].reshape(num_kv_heads, batch, width * page_size, head_dim)
+    v = v_pages[:, block_tables].reshape(num_kv_heads, batch, width * page_size, head_dim)
+    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("bngd,nbkd->bngk", qg, k.astype(jnp.float32), precision=hi) * scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    key_pos = jnp.arange(width * page_size)  # [K]
+    visible = key_pos[None, :] < lengths[:, None]  # [B, K]
+    if sliding_window is not None:
+        visible &= key_pos[None, :] >= lengths[:, None] - sliding_window
+    logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
+    logits = jnp.where((lengths > 0)[:, None, None, None], logits, 0.0)  # padding rows
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, KVH, G, K]
+    out = jnp.einsum("bngk,nbkd->bngd", probs, v.astype(jnp.float32), precision=hi)
+    out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,330 @@
+"""Benchmark of the paged attention kernels against JAX's built-in Pallas kernel and XLA.
+
+    python -m scripts.bench_attention --json_out=attention.json
+    python -m scripts.bench_attention --modes=sweep     # tuning sweep of the kernels' tiles
+
+Shapes: 32 query heads, 8 kv heads, head_dim 128, page size 16, bf16 (flags change them).
+- calib: the card's two ceilings, measured in the same run: a large bf16 elementwise copy
+  (bytes read + written over time) and an 8192^3 bf16 matrix product (random data).
+- decode: batch x context, every sequence at full context; achieved TB/s = K+V bytes read
+  over time (the floor for decode), against ops.decode_attention.paged_attention, JAX's
+  jax.experimental.pallas.ops.gpu.paged_attention (defaults) and an XLA jnp attention (gather
+  the pages, bf16 einsums with float32 accumulation) on identical arrays.
+- prefill: one sequence's prompt chunk of T tokens attending causally to itself (plus a mixed
+  ragged batch); TFLOP/s = 4 * H * D * (causal query-key pairs) over time, against the XLA jnp
+  attention and cuDNN flash attention (jax.nn.dot_product_attention, contiguous K/V: a peer
+  that does no paging).
+
+Timing: each jitted program runs `--calls` calls on distinct input sets (distinct queries and
+block tables over page groups that together exceed the L2 cache); the program is queued
+`--queue` times and synchronized once; time per call = wall time / (queue x calls), median of
+`--runs`. The ~30 us dispatch of a jitted call is thus spread over many calls, as it is in a
+decode step that runs attention once per layer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from ops.decode_attention import DecodeConfig, decode_config, paged_attention
+from ops.ragged_attention import RaggedConfig, ragged_config, ragged_paged_attention
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("modes", ["calib", "decode", "prefill"], "calib, decode, prefill, sweep")
+flags.DEFINE_list("batches", ["1", "8", "32", "128"], "decode batch sizes")
+flags.DEFINE_list("contexts", ["512", "2048", "4096", "8192", "32768"], "decode contexts")
+flags.DEFINE_list("chunks", ["512", "1024", "2048", "4096", "8192"], "prefill chunk sizes")
+flags.DEFINE_integer("num_heads", 32, "query heads")
+flags.DEFINE_integer("num_kv_heads", 8, "kv heads")
+flags.DEFINE_integer("head_dim", 128, "head dim")
+flags.DEFINE_integer("page_size", 16, "tokens per page")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16"], "q / page dtype")
+flags.DEFINE_enum("kv_dtype", "", ["", "int8", "float8_e4m3fn"], "quantized pages (decode)")
+flags.DEFINE_integer("calls", 8, "attention calls (distinct inputs) per jitted program")
+flags.DEFINE_integer("queue", 5, "programs queued before one sync")
+flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
+flags.DEFINE_integer("peer_max_tokens", 1 << 19, "skip the XLA peer above batch x context")
+flags.DEFINE_string("json_out", "", "write all rows as JSON here")
+flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
+
+L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
+
+
+def time_per_call(fn, args, calls: int) -> float:
+    """Seconds per attention call: `fn(*args)` runs `calls` of them (see the module docstring)."""
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(FLAGS.runs):
+        start = time.perf_counter()
+        for _ in range(FLAGS.queue):
+            out = f(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / (FLAGS.queue * calls))
+    return statistics.median(samples)
+
+
+def calibrate() -> dict:
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (1 << 30,), jnp.bfloat16)  # 2 GiB
+    t = time_per_call(lambda x: x * 2, (x,), 1)
+    copy_tbs = 2 * x.nbytes / t / 1e12
+    del x
+    n = 8192
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    t = time_per_call(lambda a, b: a @ b, (a, b), 1)
+    mm_tflops = 2 * n ** 3 / t / 1e12
+    print(f"calib: copy {copy_tbs:.2f} TB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
+    return {"copy_TBps": copy_tbs, "matmul_TFLOPs": mm_tflops}
+
+
+def make_cache(num_seqs: int, pages_per_seq: int, calls: int, quantized: bool):
+    """Pages for `calls` input sets; sets share page groups only when a group exceeds L2."""
+    h, d, s = FLAGS.num_kv_heads, FLAGS.head_dim, FLAGS.page_size
+    dtype = jnp.dtype(FLAGS.kv_dtype or FLAGS.dtype) if quantized else jnp.dtype(FLAGS.dtype)
+    set_pages = num_seqs * pages_per_seq
+    set_bytes = 2 * set_pages * s * h * d * dtype.itemsize
+    groups = max(1, min(calls, math.ceil(L2_BYTES / set_bytes)))
+    num_pages = groups * set_pages
+    keys = jax.random.split(jax.random.key(7), 4)
+    shape = (h, num_pages, s, d)
+    if quantized:
+        k = jax.random.randint(keys[0], shape, -127, 128, jnp.int32).astype(jnp.int8)
+        v = jax.random.randint(keys[1], shape, -127, 128, jnp.int32).astype(jnp.int8)
+        if dtype != jnp.int8:
+            k = (k.astype(jnp.float32) * (448 / 127)).astype(dtype)
+            v = (v.astype(jnp.float32) * (448 / 127)).astype(dtype)
+        ks = jax.random.uniform(keys[2], shape[:3], jnp.float32, 0.001, 0.01)
+        vs = jax.random.uniform(keys[3], shape[:3], jnp.float32, 0.001, 0.01)
+    else:
+        k = jax.random.normal(keys[0], shape, dtype)
+        v = jax.random.normal(keys[1], shape, dtype)
+        ks = vs = None
+    rng = np.random.default_rng(0)
+    tables = np.stack([
+        (c % groups) * set_pages + rng.permutation(set_pages).reshape(num_seqs, pages_per_seq)
+        for c in range(calls)]).astype(np.int32)  # [calls, num_seqs, W]
+    return k, v, ks, vs, jnp.asarray(tables)
+
+
+def xla_decode(q, k_pages, v_pages, tables, lengths):
+    """XLA peer: gather the pages, bf16 einsums with float32 accumulation, masked softmax."""
+    b, h, d = q.shape
+    kvh, _, s, _ = k_pages.shape
+    w = tables.shape[1]
+    k = k_pages[:, tables].reshape(kvh, b, w * s, d)
+    v = v_pages[:, tables].reshape(kvh, b, w * s, d)
+    qg = q.reshape(b, kvh, h // kvh, d)
+    logits = jnp.einsum("bngd,nbkd->bngk", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * d ** -0.5
+    visible = jnp.arange(w * s)[None, :] < lengths[:, None]
+    logits = jnp.where(visible[:, None, None], logits, -1e30)
+    p = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bngk,nbkd->bngd", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+def builtin_decode(q, k_pages, v_pages, tables, lengths):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas.ops.gpu import paged_attention as builtin
+    return builtin.paged_attention(q, k_pages, v_pages, tables, lengths)
+
+
+def bench_decode(batch: int, context: int, calib: dict, config=None, peers=True) -> list[dict]:
+    calls = FLAGS.calls
+    quantized = bool(FLAGS.kv_dtype)
+    pages_per_seq = context // FLAGS.page_size
+    k, v, ks, vs, tables = make_cache(batch, pages_per_seq, calls, quantized)
+    qs = jax.random.normal(jax.random.key(3), (calls, batch, FLAGS.num_heads, FLAGS.head_dim),
+                           jnp.dtype(FLAGS.dtype))
+    lengths = jnp.full((batch,), context, jnp.int32)
+    itemsize = k.dtype.itemsize
+    kv_bytes = 2 * batch * context * FLAGS.num_kv_heads * FLAGS.head_dim * itemsize
+    if quantized:
+        kv_bytes += 2 * batch * context * FLAGS.num_kv_heads * 4
+    cfg = config or decode_config(batch, FLAGS.num_kv_heads, pages_per_seq * FLAGS.page_size,
+                                  FLAGS.head_dim, itemsize)
+
+    def ours(qs, k, v, ks, vs, tables):
+        return tuple(paged_attention(qs[c], k, v, tables[c], lengths, k_scales=ks, v_scales=vs,
+                                     impl=FLAGS.impl, config=cfg) for c in range(calls))
+
+    impls = [("pallasite", ours)]
+    if peers and not quantized:
+        impls.append(("jax_builtin", lambda qs, k, v, ks, vs, tables: tuple(
+            builtin_decode(qs[c], k, v, tables[c], lengths) for c in range(calls))))
+        if batch * context <= FLAGS.peer_max_tokens:
+            impls.append(("xla", lambda qs, k, v, ks, vs, tables: tuple(
+                xla_decode(qs[c], k, v, tables[c], lengths) for c in range(calls))))
+    rows = []
+    for name, fn in impls:
+        row = {"kind": "decode", "impl": name, "batch": batch, "context": context,
+               "kv_dtype": str(k.dtype), "config": str(cfg) if name == "pallasite" else ""}
+        try:
+            t = time_per_call(fn, (qs, k, v, ks, vs, tables), calls)
+            row.update(us=t * 1e6, TBps=kv_bytes / t / 1e12)
+            row["frac_copy"] = row["TBps"] / calib["copy_TBps"] if calib else None
+        except Exception as e:  # a peer that cannot run this shape is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
+def xla_prefill(q, k_pages, v_pages, tables, starts, kv_lens):
+    """XLA peer for one sequence: gather its pages, causal masked softmax, bf16 einsums."""
+    t, h, d = q.shape
+    kvh, _, s, _ = k_pages.shape
+    w = tables.shape[1]
+    k = k_pages[:, tables[0]].reshape(kvh, w * s, d)
+    v = v_pages[:, tables[0]].reshape(kvh, w * s, d)
+    qg = q.reshape(t, kvh, h // kvh, d)
+    logits = jnp.einsum("tngd,nkd->ngtk", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    pos = kv_lens[0] - t + jnp.arange(t)
+    visible = jnp.arange(w * s)[None, :] <= pos[:, None]
+    logits = jnp.where(visible[None, None], logits, -1e30)
+    p = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    out = jnp.einsum("ngtk,nkd->tngd", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(t, h, d).astype(q.dtype)
+
+
+def bench_prefill(chunk: int, calib: dict, config=None, peers=True, mixed=False) -> list[dict]:
+    """One sequence prefilling `chunk` tokens, or (mixed) a ragged step of several kinds."""
+    calls = max(2, FLAGS.calls // 2)
+    h, kvh, d, page = FLAGS.num_heads, FLAGS.num_kv_heads, FLAGS.head_dim, FLAGS.page_size
+    if mixed:  # 2 chunks of chunk/2 after chunk cached tokens, 4 verifications, 58 decodes
+        seqs = [(2 * (chunk // 2) + chunk, chunk // 2)] * 2 + [(4096, 5)] * 4 + [(4096, 1)] * 58
+    else:
+        seqs = [(chunk, chunk)]
+    kv_max = max(n for n, _ in seqs)
+    pages_per_seq = -(-kv_max // page)
+    k, v, _, _, tables = make_cache(len(seqs), pages_per_seq, calls, False)
+    num_tokens = sum(t for _, t in seqs)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum([t for _, t in seqs])]), jnp.int32)
+    kv_lens = jnp.asarray([n for n, _ in seqs], jnp.int32)
+    max_q_len = max(t for _, t in seqs)
+    qs = jax.random.normal(jax.random.key(5), (calls, num_tokens, h, d), jnp.dtype(FLAGS.dtype))
+    pairs = sum(t * (n - t) + t * (t + 1) // 2 for n, t in seqs)  # causal query-key pairs
+    flops = 4 * h * d * pairs
+    cfg = config or ragged_config(len(seqs), kvh, h // kvh, max_q_len, pages_per_seq * page, d)
+
+    def ours(qs, k, v, tables):
+        return tuple(ragged_paged_attention(qs[c], k, v, tables[c], starts, kv_lens,
+                                            max_q_len=max_q_len, impl=FLAGS.impl, config=cfg)
+                     for c in range(calls))
+
+    args = (qs, k, v, tables)
+    impls = [("pallasite", ours, args)]
+    if peers and not mixed:
+        impls.append(("xla", lambda qs, k, v, tables: tuple(
+            xla_prefill(qs[c], k, v, tables[c], starts, kv_lens) for c in range(calls)), args))
+
+        # cuDNN flash attention over the same K/V made contiguous ([1, T, KVH, D]) beforehand.
+        kc = jnp.stack([k[:, tables[c, 0]].reshape(kvh, -1, d)[:, :chunk].swapaxes(0, 1)[None]
+                        for c in range(calls)])
+        vc = jnp.stack([v[:, tables[c, 0]].reshape(kvh, -1, d)[:, :chunk].swapaxes(0, 1)[None]
+                        for c in range(calls)])
+
+        def cudnn(qs, kc, vc, tables):
+            del tables
+            return tuple(jax.nn.dot_product_attention(qs[c][None], kc[c], vc[c], is_causal=True,
+                                                      implementation="cudnn")
+                         for c in range(calls))
+        impls.append(("cudnn_contiguous", cudnn, (qs, kc, vc, tables)))
+    rows = []
+    for name, fn, fn_args in impls:
+        row = {"kind": "prefill_mixed" if mixed else "prefill", "impl": name, "chunk": chunk,
+               "tokens": num_tokens, "config": str(cfg) if name == "pallasite" else ""}
+        try:
+            t = time_per_call(fn, fn_args, calls)
+            row.update(us=t * 1e6, TFLOPs=flops / t / 1e12)
+            row["frac_matmul"] = row["TFLOPs"] / calib["matmul_TFLOPs"] if calib else None
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
+def sweep(calib: dict) -> list[dict]:
+    """Tile / warp / stage variants of both kernels at the target shapes."""
+    rows = []
+    for batch in (8, 32):
+        base = decode_config(batch, FLAGS.num_kv_heads, 4096, FLAGS.head_dim, 2)
+        for block_k, warps, stages in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2),
+                                       (128, 4, 3), (128, 8, 3), (256, 4, 2), (256, 8, 2),
+                                       (32, 4, 4)]:
+            for splits in sorted({base.num_splits, max(1, base.num_splits // 2),
+                                  2 * base.num_splits}):
+                if splits != base.num_splits and (block_k, warps, stages) != (128, 4, 3):
+                    continue
+                cfg = DecodeConfig(block_k, splits, warps, stages)
+                rows += bench_decode(batch, 4096, calib, config=cfg, peers=False)
+                print(rows[-1])
+    for block_m, block_k, warps, stages in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3),
+                                            (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4),
+                                            (128, 64, 8, 2), (64, 128, 4, 2), (128, 32, 8, 4)]:
+        cfg = RaggedConfig(block_m, block_k, 1, warps, stages)
+        rows += bench_prefill(4096, calib, config=cfg, peers=False)
+        print(rows[-1])
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'kind':14s} {'impl':17s} {'shape':>14s} {'us':>9s} {'TB/s':>6s} {'%copy':>6s} "
+          f"{'TFLOP/s':>8s} {'%mm':>5s}  config")
+    for r in rows:
+        shape = (f"B{r['batch']} ctx{r['context']}" if r["kind"] == "decode"
+                 else f"T{r['tokens']}")
+        if "error" in r:
+            print(f"{r['kind']:14s} {r['impl']:17s} {shape:>14s}  error: {r['error'][:90]}")
+            continue
+        tb = f"{r['TBps']:6.2f}" if "TBps" in r else " " * 6
+        fc = f"{100 * r['frac_copy']:5.0f}%" if r.get("frac_copy") else " " * 6
+        tf = f"{r['TFLOPs']:8.0f}" if "TFLOPs" in r else " " * 8
+        fm = f"{100 * r['frac_matmul']:4.0f}%" if r.get("frac_matmul") else " " * 5
+        print(f"{r['kind']:14s} {r['impl']:17s} {shape:>14s} {r['us']:9.1f} {tb} {fc} {tf} {fm}"
+              f"  {r['config']}")
+
+
+def main(argv):
+    del argv
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind}, jax {jax.__version__}")
+    calib = calibrate() if "calib" in FLAGS.modes else {}
+    rows = []
+    if "sweep" in FLAGS.modes:
+        rows += sweep(calib)
+    if "decode" in FLAGS.modes:
+        for batch in map(int, FLAGS.batches):
+            for context in map(int, FLAGS.contexts):
+                rows += bench_decode(batch, context, calib)
+                print_table(rows[-3:])
+    if "prefill" in FLAGS.modes:
+        for chunk in map(int, FLAGS.chunks):
+            rows += bench_prefill(chunk, calib)
+            print_table(rows[-3:])
+        rows += bench_prefill(2048, calib, mixed=True)
+    print()
+    print_table(rows)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"device": device.device_kind, "jax": jax.__version__, "calib": calib,
+                       "timing": "jitted program of --calls calls on distinct inputs, queued "
+                                 "--queue times, one sync; median of --runs",
+                       "flags": {k: FLAGS[k].value for k in
+                                 ("calls", "queue", "runs", "num_heads", "num_kv_heads",
+                                  "head_dim", "page_size", "dtype", "kv_dtype")},
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
