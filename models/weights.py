@@ -50,10 +50,20 @@ def hf_tensors_to_pure_dict(cfg: ModelConfig, tensors: dict[str, np.ndarray]) ->
 
 
 def model_from_pure_dict(cfg: ModelConfig, pure: dict, dtype=jnp.float32,
-                         sharding=None) -> LlamaForCausalLM:
-    """Builds the model from a nested dict of arrays (as written by nnx.to_pure_dict)."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype))
-    leaves = jax.tree.map(lambda a: jnp.asarray(a, dtype, device=sharding), pure)
+                         sharding=None, abstract=None) -> LlamaForCausalLM:
+    """Builds the model from a nested dict of arrays (as written by nnx.to_pure_dict).
+
+    Float arrays are cast to `dtype`; integer ones (packed quantized weights) keep theirs.
+    abstract: the shape-only model to fill (default `abstract_model(cfg, dtype)`); a quantized
+    checkpoint passes its own (quant.model.quantized_abstract_model).
+    """
+    graphdef, state = nnx.split(abstract if abstract is not None else abstract_model(cfg, dtype))
+
+    def cast(a):
+        floating = jnp.issubdtype(a.dtype, jnp.floating)
+        return jnp.asarray(a, dtype if floating else a.dtype, device=sharding)
+
+    leaves = jax.tree.map(cast, pure)
     nnx.replace_by_pure_dict(state, leaves)
     return nnx.merge(graphdef, state)
 
