@@ -1,7 +1,9 @@
 """Self-contained orbax checkpoints: weights, config and tokenizer in one directory.
 
 Layout of a checkpoint directory:
-    pallasite_config.json   the ModelConfig and the weight dtype
+    pallasite_config.json   the ModelConfig, the weight dtype and, for a quantized model, its
+                            quantization settings (quant.model.QuantConfig), from which the
+                            shape-only quantized model is rebuilt as the restore target
     params/                 orbax checkpoint of the model state (nested dict of arrays)
     tokenizer.json, tokenizer_config.json   (when the source had a tokenizer)
 
@@ -31,8 +33,12 @@ def is_orbax_checkpoint(path: str) -> bool:
 
 
 def save_checkpoint(output_dir: str, cfg: ModelConfig, model, tokenizer=None,
-                    overwrite: bool = False) -> None:
-    """Writes the model (in its own dtype), config and tokenizer to `output_dir` atomically."""
+                    overwrite: bool = False, quantization: dict | None = None) -> None:
+    """Writes the model (in its own dtype), config and tokenizer to `output_dir` atomically.
+
+    quantization: QuantConfig.to_dict() of a quantized model (its QuantizedWeights are saved
+    as their arrays: packed codes, scales, offsets, permutation).
+    """
     output_dir = os.path.abspath(output_dir)
     if os.path.exists(output_dir) and not overwrite:
         raise FileExistsError(f"{output_dir} already exists (pass overwrite to replace it)")
@@ -41,12 +47,16 @@ def save_checkpoint(output_dir: str, cfg: ModelConfig, model, tokenizer=None,
     tmp = tempfile.mkdtemp(prefix=os.path.basename(output_dir) + ".tmp-", dir=parent)
     try:
         pure = nnx.to_pure_dict(nnx.state(model))
-        dtype = str(jax.tree.leaves(pure)[0].dtype)
+        dtype = str(next(a.dtype for a in jax.tree.leaves(pure)
+                         if jnp.issubdtype(a.dtype, jnp.floating)))
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(os.path.join(tmp, "params"), pure)
         checkpointer.wait_until_finished()
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump({"model": config_to_dict(cfg), "dtype": dtype}, f, indent=2)
+            meta = {"model": config_to_dict(cfg), "dtype": dtype}
+            if quantization is not None:
+                meta["quantization"] = quantization
+            json.dump(meta, f, indent=2)
         if tokenizer is not None:
             tokenizer.save(tmp)
         if os.path.exists(output_dir):
@@ -74,15 +84,26 @@ def load_checkpoint(path: str, dtype=None):
             meta = json.load(f)
         cfg = config_from_dict(meta["model"])
         stored_dtype = jnp.dtype(meta["dtype"])
+        quantization = meta.get("quantization")
+        if quantization is not None:
+            from quant.model import QuantConfig, quantized_abstract_model
+            qcfg = QuantConfig.from_dict(quantization)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{config_path} is corrupt: {e}") from None
-    target = nnx.to_pure_dict(nnx.state(abstract_model(cfg, stored_dtype)))
+
+    def abstract(dtype):
+        if quantization is None:
+            return abstract_model(cfg, dtype)
+        return quantized_abstract_model(cfg, qcfg, dtype)
+
+    target = nnx.to_pure_dict(nnx.state(abstract(stored_dtype)))
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
     try:
         pure = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), target)
     except Exception as e:  # orbax raises many types for missing/corrupt data
         raise ValueError(f"cannot restore weights from {path}/params: {type(e).__name__}: "
                          f"{str(e)[:300]}") from None
-    model = model_from_pure_dict(cfg, pure, dtype or stored_dtype)
+    model = model_from_pure_dict(cfg, pure, dtype or stored_dtype,
+                                 abstract=abstract(dtype or stored_dtype))
     has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
     return cfg, model, (Tokenizer.from_dir(path) if has_tokenizer else None)
