@@ -25,21 +25,22 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizes. num_pages None: enough pages for max_num_seqs sequences of max_model_len."""
+    """Engine sizes.
+
+    The KV cache has `num_pages` pages if given; else, with `memory_fraction`, as many as fit in
+    that fraction of the device's memory (engine/memory.py); else enough for max_num_seqs
+    sequences of max_model_len tokens.
+    """
 
     max_model_len: int = 2048
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
     page_size: int = 16
     num_pages: int | None = None
+    memory_fraction: float | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
-
-    def resolved_num_pages(self) -> int:
-        if self.num_pages is not None:
-            return self.num_pages
-        return self.max_num_seqs * -(-self.max_model_len // self.page_size)
 
 
 @dataclasses.dataclass
@@ -62,6 +63,9 @@ class EngineStats:
     num_generated_tokens: int = 0
     step_time_s: float = 0.0
     host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
+    # Per step (number of sequences, host seconds, step seconds), when record_steps is on.
+    record_steps: bool = False
+    steps: list = dataclasses.field(default_factory=list)
 
 
 class LLMEngine:
@@ -73,14 +77,16 @@ class LLMEngine:
             raise ValueError(f"max_model_len={engine_cfg.max_model_len} exceeds the model's "
                              f"context of {cfg.max_position_embeddings} tokens")
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
-        num_pages = engine_cfg.resolved_num_pages()
+        num_pages = self._num_pages(cfg, model, engine_cfg)
         self.pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=engine_cfg.max_num_seqs,
                             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
                             max_model_len=engine_cfg.max_model_len,
                             enable_chunked_prefill=engine_cfg.enable_chunked_prefill), self.pool)
-        self.runner = ModelRunner(cfg, model, num_pages, engine_cfg.page_size)
+        self.runner = ModelRunner(cfg, model, num_pages, engine_cfg.page_size,
+                                  max_seqs=engine_cfg.max_num_seqs,
+                                  max_width=self.pool.pages_needed(engine_cfg.max_model_len))
         self.stats = EngineStats()
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._next_request = 0
@@ -89,6 +95,28 @@ class LLMEngine:
         self._group_of: dict[int, int] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._finished_groups: list[int] = []
+
+    def _num_pages(self, cfg: ModelConfig, model, engine_cfg: EngineConfig) -> int:
+        page_size, max_len = engine_cfg.page_size, engine_cfg.max_model_len
+        self.cache_plan = None
+        if engine_cfg.num_pages is not None:
+            num_pages = engine_cfg.num_pages
+        elif engine_cfg.memory_fraction is not None:
+            import jax
+            from flax import nnx
+            from engine.memory import plan_kv_cache
+            kv_dtype = jax.tree.leaves(nnx.state(model))[0].dtype
+            self.cache_plan = plan_kv_cache(
+                cfg, kv_dtype, page_size, max_len, engine_cfg.max_num_batched_tokens,
+                engine_cfg.max_num_seqs, engine_cfg.memory_fraction)
+            num_pages = self.cache_plan.num_pages
+        else:
+            num_pages = engine_cfg.max_num_seqs * -(-max_len // page_size)
+        pages_per_seq = -(-max_len // page_size)
+        self.kv_summary = (self.cache_plan.summary() if self.cache_plan else
+                           f"KV cache: {num_pages} pages x {page_size} tokens; at most "
+                           f"{num_pages // pages_per_seq} sequences of {max_len} tokens at once")
+        return num_pages
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -216,7 +244,10 @@ class LLMEngine:
         self.stats.num_generated_tokens += len(deltas)
         t3 = time.perf_counter()
         self.stats.step_time_s += t3 - t0
-        self.stats.host_time_s += (t1 - t0) + (t3 - t2)
+        host = (t1 - t0) + self.runner.last_prepare_s + (t3 - t2)
+        self.stats.host_time_s += host
+        if self.stats.record_steps:
+            self.stats.steps.append((len(requests), host, t3 - t0))
         return deltas
 
     def _append_token(self, request: Request, token: int, logprob, now: float) -> StreamDelta:
@@ -246,7 +277,10 @@ class LLMEngine:
         if (token in r.params.stop_token_ids
                 or (not r.params.ignore_eos and token in self.cfg.eos_token_ids)):
             return FinishReason.STOP
-        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self.engine_cfg.max_model_len:
+        # The context ends at max_model_len or where it fills the whole KV cache: a sequence
+        # longer than the pool could never be scheduled again (the engine would stall).
+        limit = min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
+        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= limit:
             return FinishReason.LENGTH
         return None
 
@@ -305,32 +339,39 @@ class LLMEngine:
 
     # ---- compilation --------------------------------------------------------------------------
 
-    def warmup(self, num_seqs: int, max_prompt_len: int, max_total_len: int,
-               progress=None) -> int:
-        """Compiles the programs a run of this size reaches; returns how many were new.
+    def warmup_shapes(self, num_seqs: int | None = None, max_total_len: int | None = None,
+                      prompt_lens: list[int] | None = None) -> list[tuple[int, int, int, int]]:
+        """The (tokens, seqs, pages, prefill seqs) programs a run can reach.
 
-        Decode batches shrink as requests finish and block tables grow with the sequences, so
-        every (batch bucket <= num_seqs, page-width bucket up to max_total_len) decode program is
-        compiled, plus the prefill program of num_seqs prompts of max_prompt_len tokens (chunked
-        by max_num_batched_tokens).
+        Decode steps: every batch bucket up to num_seqs times every page-width bucket up to
+        max_total_len. Prefill steps: every token bucket up to the step's token budget times every
+        bucket of the number of prefilling sequences; or, given the `prompt_lens` of a run whose
+        prompts all start at once, the one program of that first step.
         """
-        from engine.runner import MIN_PAGE_BUCKET, bucket
-        num_seqs = min(num_seqs, self.engine_cfg.max_num_seqs)
-        max_total_len = min(max_total_len, self.engine_cfg.max_model_len)
-        prefill_tokens = min(num_seqs * max_prompt_len, self.engine_cfg.max_num_batched_tokens)
-        prefill_seqs = min(num_seqs, -(-prefill_tokens // max(max_prompt_len, 1)))
-        shapes = [(prefill_tokens, prefill_seqs, self.pool.pages_needed(max_prompt_len),
-                   max(1, min(max_prompt_len, prefill_tokens)), prefill_seqs)]
-        batch_sizes = sorted({bucket(n) for n in range(1, num_seqs + 1)})
-        width = bucket(self.pool.pages_needed(max_prompt_len), MIN_PAGE_BUCKET)
-        while True:
-            shapes += [(b, b, width, 1, 0) for b in batch_sizes]
-            if width >= self.pool.pages_needed(max_total_len):
-                break
-            width *= 2
+        from engine.runner import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
+        cfg = self.engine_cfg
+        num_seqs = min(num_seqs or cfg.max_num_seqs, cfg.max_num_seqs)
+        max_total_len = min(max_total_len or cfg.max_model_len, cfg.max_model_len)
+        max_tokens = cfg.max_num_batched_tokens
+        seq_buckets = sorted({bucket(n) for n in range(1, num_seqs + 1)})
+        widths = sorted({bucket(self.pool.pages_needed(n), MIN_PAGE_BUCKET)
+                         for n in range(1, max_total_len + 1, self.pool.page_size)})
+        shapes = [(s, s, w, 0) for s in seq_buckets for w in widths]
+        if prompt_lens is not None:
+            tokens = min(sum(prompt_lens), max_tokens)
+            return shapes + [(tokens, len(prompt_lens), 1, len(prompt_lens))]
+        token_buckets = sorted({bucket(n, MIN_TOKEN_BUCKET) for n in range(2, max_tokens + 1)})
+        for n in token_buckets:
+            shapes += [(n, p, 1, p) for p in seq_buckets if 2 * p <= n]
+        return shapes
+
+    def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
+               prompt_lens: list[int] | None = None, progress=None) -> int:
+        """Compiles the programs of `warmup_shapes`; returns how many were new."""
+        shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
-        for i, (n, s, w, q, p) in enumerate(shapes):
-            self.runner.warmup(n, s, w, q, p if q > 1 else 0)
+        for i, shape in enumerate(shapes):
+            self.runner.warmup(*shape)
             if progress is not None:
                 progress(i + 1, len(shapes))
         return len(self.runner.compiled_shapes) - before

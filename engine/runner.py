@@ -9,6 +9,7 @@ prefill tokens (N, S, W, P). `bucket_key` gives the program a batch runs.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +53,20 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
-               num_prefill_seqs: int) -> tuple[int, int, int, int, int]:
-    """(N, S, W, max_q_len, max_prefill_seqs) of the program that runs such a batch."""
+               num_prefill_seqs: int, max_seqs: int, max_width: int
+               ) -> tuple[int, int, int, int, int]:
+    """(N, S, W, max_q_len, max_prefill_seqs) of the program that runs such a batch.
+
+    Decode-only steps (max_q_len 1) are keyed by the buckets of S and W. Steps with prefill tokens
+    pad S and W to their maxima (max_seqs, max_width) and the query bound to N, so they are keyed
+    by N and the number of prefilling sequences alone: few programs, all compiled at start-up.
+    """
     if max_q_len <= 1:
         s = bucket(num_seqs)
         return s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0
     n = bucket(num_tokens, MIN_TOKEN_BUCKET)
-    return n, bucket(num_seqs), bucket(width, MIN_PAGE_BUCKET), n, bucket(num_prefill_seqs)
+    return (n, bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET), n,
+            bucket(num_prefill_seqs))
 
 
 def _pad(a: np.ndarray, shape: tuple[int, ...], value: int) -> np.ndarray:
@@ -71,13 +79,15 @@ class ModelRunner:
     """Owns the weights and the KV cache on the device, and the jitted step and sampler."""
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
-                 page_size: int, kv_dtype=None):
+                 page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1):
         self.cfg = cfg
+        self.max_seqs, self.max_width = max_seqs, max_width
         self.graphdef, self.state = nnx.split(model)
         kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
         self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, kv_dtype)
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
+        self.last_prepare_s = 0.0
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("all_logits",))
 
     def _step_impl(self, state, cache, tokens, meta, logits_indices, all_logits=False):
@@ -88,7 +98,9 @@ class ModelRunner:
     def _padded(self, batch: StepBatch):
         q_lens = np.diff(batch.query_start_loc)
         key = bucket_key(len(batch.token_ids), batch.num_seqs, batch.block_tables.shape[1],
-                         int(q_lens.max(initial=1)), int((q_lens > 1).sum()))
+                         int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
+                         max(self.max_seqs, batch.num_seqs),
+                         max(self.max_width, batch.block_tables.shape[1]))
         n, s, w, max_q, max_prefill = key
         self.compiled_shapes.add(key)
         start = np.full(s + 1, batch.query_start_loc[-1], np.int32)
@@ -104,8 +116,13 @@ class ModelRunner:
         return tokens, meta, jnp.asarray(_pad(batch.logits_indices, (s,), 0))
 
     def execute(self, batch: StepBatch) -> jax.Array:
-        """Runs one step; returns each sequence's last-token logits, float32 [S, V] (on device)."""
+        """Runs one step; returns each sequence's last-token logits, float32 [S, V] (on device).
+
+        `last_prepare_s` records the host time spent padding and transferring the inputs.
+        """
+        start = time.perf_counter()
         tokens, meta, logits_indices = self._padded(batch)
+        self.last_prepare_s = time.perf_counter() - start
         logits, self.cache = self._step(self.state, self.cache, tokens, meta, logits_indices)
         return logits[: batch.num_seqs]
 
@@ -116,13 +133,19 @@ class ModelRunner:
                                         all_logits=True)
         return logits[: len(batch.token_ids)]
 
-    def warmup(self, num_tokens: int, num_seqs: int, num_pages: int, max_q_len: int,
+    def warmup(self, num_tokens: int, num_seqs: int, num_pages: int,
                num_prefill_seqs: int) -> None:
-        """Compiles the program of this bucket by running it on padding (nothing is written)."""
-        q_lens = np.zeros(num_seqs, np.int32)
-        q_lens[:num_prefill_seqs] = max_q_len
-        q_lens[num_prefill_seqs:] = 1
-        num_tokens = max(num_tokens, int(q_lens.sum()))
+        """Compiles the program of this bucket by running it on padding (nothing is written).
+
+        num_prefill_seqs 0: a decode step of num_seqs sequences; otherwise num_tokens tokens of
+        which num_prefill_seqs sequences hold two or more.
+        """
+        q_lens = np.ones(max(num_seqs, num_prefill_seqs), np.int32)
+        if num_prefill_seqs:
+            q_lens = np.full(num_prefill_seqs, 2, np.int32)
+            q_lens[0] += max(num_tokens - 2 * num_prefill_seqs, 0)
+        num_seqs = len(q_lens)
+        num_tokens = int(q_lens.sum())
         start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         dummy = StepBatch(token_ids=np.zeros(num_tokens, np.int32),
                           positions=np.zeros(num_tokens, np.int32),

@@ -21,14 +21,20 @@ def define_model_flags() -> None:
 
 
 def define_engine_flags() -> None:
-    """--max_model_len, --max_num_seqs, --page_size, --num_pages."""
+    """Engine sizing and batching flags."""
     flags.DEFINE_integer("max_model_len", None,
                          "Longest sequence (prompt + output) served (default: the model's context, "
                          "at most 2048).")
-    flags.DEFINE_integer("max_num_seqs", 8, "Most sequences decoded together.")
+    flags.DEFINE_integer("max_num_seqs", 8, "Most sequences running at once.")
+    flags.DEFINE_integer("max_num_batched_tokens", 512,
+                         "Most tokens computed in one step (longer prompts are chunked).")
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
-    flags.DEFINE_integer("num_pages", None,
-                         "KV-cache pages (default: max_num_seqs full-length sequences).")
+    flags.DEFINE_integer("num_pages", None, "KV-cache pages (overrides --memory_fraction).")
+    flags.DEFINE_float("memory_fraction", None,
+                       "Size the KV cache to fill this fraction of device memory (default: 0.9 "
+                       "on GPUs; on the CPU, room for max_num_seqs full-length sequences).")
+    flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached pages of shared prefixes.")
+    flags.DEFINE_bool("enable_chunked_prefill", True, "Split long prompts across steps.")
 
 
 def resolve_dtype(name: str | None):
@@ -42,10 +48,18 @@ def resolve_dtype(name: str | None):
 
 def engine_config_from_flags(FLAGS, cfg):
     """The EngineConfig of the engine flags for model config `cfg`."""
+    import jax
     from engine.llm_engine import EngineConfig
     max_model_len = FLAGS.max_model_len or min(2048, cfg.max_position_embeddings)
+    memory_fraction = FLAGS.memory_fraction
+    if memory_fraction is None and FLAGS.num_pages is None and jax.default_backend() != "cpu":
+        memory_fraction = 0.9
     return EngineConfig(max_model_len=max_model_len, max_num_seqs=FLAGS.max_num_seqs,
-                        page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, seed=FLAGS.seed)
+                        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                        page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+                        memory_fraction=memory_fraction,
+                        enable_prefix_caching=FLAGS.enable_prefix_caching,
+                        enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed)
 
 
 def fail(message: str) -> None:
@@ -72,3 +86,16 @@ def setup_jax() -> None:
     if flags.FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", flags.FLAGS.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def print_progress(label: str):
+    """A progress callback (done, total) that rewrites one line on stderr."""
+    import time
+    start = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        end = "\n" if done == total else ""
+        print(f"\r{label} {done}/{total} ({time.perf_counter() - start:.1f}s)", end=end,
+              file=sys.stderr, flush=True)
+
+    return report

@@ -82,9 +82,11 @@ def main(argv):
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         prompt_ids = build_prompts(loaded.tokenizer, FLAGS.prompt, FLAGS.chat)
         engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg)
+        print(engine.kv_summary, file=sys.stderr)
         if FLAGS.warmup:
             longest = max(len(p) for p in prompt_ids)
-            engine.warmup(len(prompt_ids), longest, longest + FLAGS.max_tokens)
+            engine.warmup(len(prompt_ids), longest + FLAGS.max_tokens,
+                          [len(p) for p in prompt_ids], progress=common.print_progress("compiling"))
         start = time.perf_counter()
         if FLAGS.json:
             outputs = engine.generate(prompt_ids, params)

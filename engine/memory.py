@@ -1,0 +1,90 @@
+"""KV-cache sizing from the memory the device has free (like vLLM's gpu_memory_utilization).
+
+budget = memory_fraction x device memory - memory in use (the weights) - activation reserve
+pages  = budget // bytes of one page across all layers (K and V)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from configs.model import ModelConfig
+from engine.kv_cache import kv_bytes_per_token
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePlan:
+    num_pages: int
+    page_size: int
+    bytes_per_page: int
+    device_bytes: int
+    in_use_bytes: int
+    reserve_bytes: int
+    max_model_len: int
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def max_full_length_seqs(self) -> int:
+        """Sequences of max_model_len tokens that fit at once."""
+        return self.num_pages // -(-self.max_model_len // self.page_size)
+
+    def summary(self) -> str:
+        gib = 2**30
+        return (f"KV cache: {self.num_pages} pages x {self.page_size} tokens = "
+                f"{self.num_pages * self.page_size} tokens, {self.cache_bytes / gib:.2f} GiB "
+                f"(device {self.device_bytes / gib:.1f} GiB, in use {self.in_use_bytes / gib:.2f}"
+                f" GiB, activation reserve {self.reserve_bytes / gib:.2f} GiB); at most "
+                f"{self.max_full_length_seqs} sequences of {self.max_model_len} tokens at once")
+
+
+def device_memory(device=None) -> tuple[int, int]:
+    """(total bytes the device may allocate, bytes in use now).
+
+    GPUs report both through memory_stats(); for the CPU the total is the host's available memory
+    (MemAvailable) plus what jax already holds.
+    """
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    in_use = sum(a.nbytes for a in jax.live_arrays())
+    with open("/proc/meminfo") as f:
+        available_kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+    return available_kib * 1024 + in_use, in_use
+
+
+def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
+                             dtype) -> int:
+    """A generous bound of one step's temporaries: per-token hidden/MLP/qkv activations at
+    float32 width, twice (XLA keeps a few alive at once), plus float32 logits and their sort for
+    sampling."""
+    per_token = 4 * (3 * cfg.hidden_size + 2 * cfg.intermediate_size
+                     + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    logits = 4 * cfg.vocab_size * max_num_seqs * 3
+    return 2 * per_token * max_num_batched_tokens + logits + (256 << 20)
+
+
+def plan_kv_cache(cfg: ModelConfig, kv_dtype, page_size: int, max_model_len: int,
+                  max_num_batched_tokens: int, max_num_seqs: int, memory_fraction: float,
+                  device=None) -> CachePlan:
+    """How many pages fit in `memory_fraction` of the device; ValueError if not one sequence."""
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    total, in_use = device_memory(device)
+    reserve = activation_reserve_bytes(cfg, max_num_batched_tokens, max_num_seqs, kv_dtype)
+    bytes_per_page = kv_bytes_per_token(cfg, jnp.dtype(kv_dtype)) * page_size
+    budget = int(total * memory_fraction) - in_use - reserve
+    num_pages = max(budget // bytes_per_page, 0)
+    plan = CachePlan(num_pages, page_size, bytes_per_page, total, in_use, reserve, max_model_len)
+    needed = -(-max_model_len // page_size)
+    if num_pages < needed:
+        raise ValueError(
+            f"memory_fraction={memory_fraction} leaves room for {num_pages} KV-cache pages, but "
+            f"one sequence of max_model_len={max_model_len} needs {needed} "
+            f"({plan.summary()}): raise --memory_fraction or lower --max_model_len")
+    return plan

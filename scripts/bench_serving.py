@@ -1,0 +1,234 @@
+"""Serving benchmark: continuous batching against static batching on a synthetic workload.
+
+    python -m scripts.bench_serving --model=llama3.2-1b --num_requests=500 --max_num_seqs=256
+
+A seeded workload of random-token prompts: input and output lengths drawn from log-normal
+distributions (long-tailed, like ShareGPT conversations), arrivals Poisson at --request_rate
+requests/s (inf: all at once). Requests ignore EOS and stop at their drawn output length, so both
+runs do the same useful work. The engine runs in process. In the same run a static-batching
+baseline (wait for a full batch, run it until its longest output is done) serves the same
+requests on the same model. Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import time
+
+import numpy as np
+from absl import app, flags
+
+from scripts import common
+
+common.define_model_flags()
+common.define_engine_flags()
+flags.DEFINE_integer("num_requests", 200, "Requests in the workload.")
+flags.DEFINE_float("request_rate", math.inf, "Poisson arrival rate, requests/s (inf: all at once).")
+flags.DEFINE_integer("input_len", 200, "Median prompt length (tokens).")
+flags.DEFINE_integer("output_len", 150, "Median output length (tokens).")
+flags.DEFINE_float("len_sigma", 0.8, "Sigma of the log-normal length distributions.")
+flags.DEFINE_integer("max_input_len", 1024, "Longest prompt drawn.")
+flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
+flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
+flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
+flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
+flags.DEFINE_integer("warmup_requests", 8, "Requests run (and discarded) first to compile.")
+flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float]  # seconds from the start
+
+
+def make_workload(seed: int, num: int, vocab: int, rate: float) -> Workload:
+    """Seeded long-tailed lengths, random token prompts, Poisson (or simultaneous) arrivals."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(median, longest, shortest):
+        drawn = rng.lognormal(math.log(median), FLAGS.len_sigma, num)
+        return np.clip(np.round(drawn), shortest, longest).astype(int).tolist()
+
+    prefix = rng.integers(0, vocab, FLAGS.shared_prefix_len).tolist()
+    prompts = [prefix + rng.integers(0, vocab, n).tolist()
+               for n in lengths(FLAGS.input_len, FLAGS.max_input_len, 4)]
+    outputs = lengths(FLAGS.output_len, FLAGS.max_output_len, 1)
+    gaps = np.zeros(num) if math.isinf(rate) else rng.exponential(1.0 / rate, num)
+    return Workload(prompts, outputs, np.cumsum(gaps).tolist())
+
+
+def percentiles(values) -> dict:
+    values = np.asarray(values, float)
+    if not len(values):
+        return {"p50": None, "p90": None, "p99": None}
+    return {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)}
+
+
+def run_continuous(engine, work: Workload) -> dict:
+    """Feeds requests at their arrival times into one engine stepping continuously."""
+    from engine.request import SamplingParams
+    order = list(range(len(work.prompts)))
+    ttft, tpot, latency, useful = [], [], [], 0
+    start = time.perf_counter()
+    next_i = 0
+    compiled_before = len(engine.runner.compiled_shapes)
+    while next_i < len(order) or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while next_i < len(order) and work.arrivals[next_i] <= now:
+            engine.add_request(work.prompts[next_i], SamplingParams(
+                max_tokens=work.output_lens[next_i], ignore_eos=True))
+            next_i += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, work.arrivals[next_i] - now))
+            continue
+        engine.step()
+        for request_id in engine.finished_request_ids():
+            out = engine.output_of(request_id)
+            n = len(out.output_ids)
+            useful += n
+            ttft.append(out.ttft_s)
+            latency.append(out.total_s)
+            if n > 1:
+                tpot.append((out.total_s - out.ttft_s) / (n - 1))
+    duration = time.perf_counter() - start
+    return summarize(duration, useful, ttft, tpot, latency) | {
+        "prefix_hit_rate": engine.pool.prefix_hit_rate,
+        "preemptions": engine.scheduler.num_preemptions,
+        "programs_compiled_during_run": len(engine.runner.compiled_shapes) - compiled_before,
+    }
+
+
+def run_static(engine, work: Workload, batch_size: int) -> dict:
+    """Waits for a full batch (in arrival order), runs it until its longest output is done."""
+    from engine.request import SamplingParams
+    ttft, tpot, latency, useful = [], [], [], 0
+    start = time.perf_counter()
+    for first in range(0, len(work.prompts), batch_size):
+        idx = list(range(first, min(first + batch_size, len(work.prompts))))
+        wait = work.arrivals[idx[-1]] - (time.perf_counter() - start)
+        if wait > 0:
+            time.sleep(wait)
+        longest = max(work.output_lens[i] for i in idx)
+        batch_start = time.perf_counter() - start
+        outs = engine.generate([work.prompts[i] for i in idx],
+                               SamplingParams(max_tokens=longest, ignore_eos=True))
+        done = time.perf_counter() - start
+        for i, out in zip(idx, outs):
+            queued = batch_start - work.arrivals[i]  # time spent waiting for the batch
+            n = work.output_lens[i]  # useful tokens; the rest is padding work
+            useful += n
+            ttft.append(queued + out.ttft_s)
+            latency.append(done - work.arrivals[i])
+            if n > 1:
+                tpot.append((out.total_s - out.ttft_s) / (longest - 1))
+    duration = time.perf_counter() - start
+    return summarize(duration, useful, ttft, tpot, latency)
+
+
+def summarize(duration, useful, ttft, tpot, latency) -> dict:
+    return {"duration_s": duration, "requests_per_s": len(ttft) / duration,
+            "output_tokens_per_s": useful / duration, "ttft_s": percentiles(ttft),
+            "tpot_s": percentiles(tpot), "latency_s": percentiles(latency)}
+
+
+def host_share(engine) -> dict:
+    """Host time (scheduling, batch building, detokenization) as a share of step time."""
+    steps = np.asarray(engine.stats.steps, float).reshape(-1, 3)
+    busiest = steps[steps[:, 0] >= steps[:, 0].max()] if len(steps) else steps
+    share = lambda s: float(s[:, 1].sum() / s[:, 2].sum()) if len(s) else None  # noqa: E731
+    return {"host_share_all_steps": share(steps),
+            "host_share_at_max_running": share(busiest),
+            "max_running": int(steps[:, 0].max()) if len(steps) else 0,
+            "mean_step_s_at_max_running": float(busiest[:, 2].mean()) if len(busiest) else None}
+
+
+def print_table(results: dict) -> None:
+    rows = [("", "continuous", "static")]
+    c, s = results["continuous"], results.get("static") or {}
+
+    def fmt(x, digits=3):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    rows.append(("requests/s", fmt(c["requests_per_s"]), fmt(s.get("requests_per_s"))))
+    rows.append(("output tokens/s", fmt(c["output_tokens_per_s"], 1),
+                 fmt(s.get("output_tokens_per_s"), 1)))
+    for metric in ("ttft_s", "tpot_s", "latency_s"):
+        for q in ("p50", "p90", "p99"):
+            rows.append((f"{metric[:-2]} {q} (s)", fmt(c[metric][q], 4),
+                         fmt((s.get(metric) or {}).get(q), 4)))
+    rows.append(("prefix hit rate", fmt(c["prefix_hit_rate"]), "-"))
+    rows.append(("preemptions", str(c["preemptions"]), "-"))
+    rows.append(("host share of step", fmt(c["host_share_all_steps"]), "-"))
+    rows.append((f"host share at {c['max_running']} running", fmt(c["host_share_at_max_running"]),
+                 "-"))
+    width = max(len(r[0]) for r in rows)
+    for r in rows:
+        print(f"{r[0]:<{width}}  {r[1]:>12}  {r[2]:>12}")
+    if s:
+        print(f"continuous / static throughput: "
+              f"{c['output_tokens_per_s'] / s['output_tokens_per_s']:.2f}x")
+
+
+def main(argv):
+    del argv
+    common.setup_jax()
+    try:
+        import jax
+
+        from engine.llm_engine import LLMEngine
+        from models.loader import EMBEDDED_PRESETS, load_model
+
+        random = FLAGS.random_weights or FLAGS.model not in EMBEDDED_PRESETS
+        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), random, FLAGS.seed)
+        engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
+        longest = FLAGS.shared_prefix_len + FLAGS.max_input_len + FLAGS.max_output_len
+        if longest > engine_cfg.max_model_len:
+            raise ValueError(f"shared_prefix_len + max_input_len + max_output_len = {longest} "
+                             f"exceeds max_model_len {engine_cfg.max_model_len}")
+        work = make_workload(FLAGS.seed, FLAGS.num_requests, loaded.cfg.vocab_size,
+                             FLAGS.request_rate)
+        warm = make_workload(FLAGS.seed + 1, FLAGS.warmup_requests, loaded.cfg.vocab_size,
+                             math.inf)
+    except common.USER_ERRORS as e:
+        common.fail(str(e))
+    results = {"model": FLAGS.model, "device": str(jax.devices()[0].device_kind),
+               "num_requests": FLAGS.num_requests, "request_rate": FLAGS.request_rate,
+               "input_len_median": FLAGS.input_len, "output_len_median": FLAGS.output_len,
+               "mean_input_len": float(np.mean([len(p) for p in work.prompts])),
+               "mean_output_len": float(np.mean(work.output_lens)),
+               "engine": dataclasses.asdict(engine_cfg)}
+
+    engine = LLMEngine(loaded.cfg, loaded.model, None, engine_cfg)
+    print(engine.kv_summary)
+    start = time.perf_counter()
+    results["programs_compiled_at_start"] = engine.warmup(
+        max_total_len=longest, progress=common.print_progress("compiling"))
+    results["warmup_s"] = time.perf_counter() - start
+    run_continuous(engine, warm)
+    engine.stats = type(engine.stats)(record_steps=True)
+    results["continuous"] = run_continuous(engine, work) | host_share(engine)
+    del engine
+    gc.collect()
+    if FLAGS.static_baseline:
+        batch = FLAGS.static_batch_size or engine_cfg.max_num_seqs
+        static_cfg = dataclasses.replace(engine_cfg, max_num_seqs=batch,
+                                         enable_prefix_caching=False)
+        engine = LLMEngine(loaded.cfg, loaded.model, None, static_cfg)
+        engine.warmup(max_total_len=longest, progress=common.print_progress("compiling"))
+        run_static(engine, warm, batch)
+        results["static"] = run_static(engine, work, batch) | {"batch_size": batch}
+        results["continuous_over_static"] = (results["continuous"]["output_tokens_per_s"]
+                                             / results["static"]["output_tokens_per_s"])
+    print_table(results)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
