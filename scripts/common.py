@@ -37,6 +37,31 @@ def define_engine_flags() -> None:
     flags.DEFINE_bool("enable_chunked_prefill", True, "Split long prompts across steps.")
 
 
+def define_quant_flags() -> None:
+    """--group_size, --symmetric, --act_order, --calib_text, --calib_tokens, --calib_seq_len."""
+    flags.DEFINE_integer("group_size", 128,
+                         "INT4 group size along the input dim (<= 0: per output channel).")
+    flags.DEFINE_bool("symmetric", False, "INT4: symmetric grid (no offsets); default asymmetric.")
+    flags.DEFINE_bool("act_order", False, "GPTQ: quantize input channels by decreasing activity.")
+    flags.DEFINE_string("calib_text", None,
+                        "UTF-8 calibration text for GPTQ / AWQ (default: the built-in text of "
+                        "quant/calibration.py, held apart from eval_ppl's default text).")
+    flags.DEFINE_integer("calib_tokens", 16384, "Calibration tokens (GPTQ, AWQ).")
+    flags.DEFINE_integer("calib_seq_len", 512, "Tokens per calibration row.")
+
+
+def quantize_from_flags(loaded, method: str) -> dict:
+    """Quantizes loaded.model in place with `method` and the quantization flags (quant/model.py).
+
+    Returns the settings to store with a checkpoint.
+    """
+    from quant.model import QuantConfig, quantize_loaded
+    f = flags.FLAGS
+    qcfg = QuantConfig(method, group_size=f.group_size, symmetric=f.symmetric,
+                       act_order=f.act_order)
+    return quantize_loaded(loaded, qcfg, f.calib_text, f.calib_tokens, f.calib_seq_len)
+
+
 def resolve_dtype(name: str | None):
     """The jnp dtype for --dtype, defaulting by backend."""
     import jax
