@@ -356,6 +356,8 @@ class LLMEngine:
         seq_buckets = sorted({bucket(n) for n in range(1, num_seqs + 1)})
         widths = sorted({bucket(self.pool.pages_needed(n), MIN_PAGE_BUCKET)
                          for n in range(1, max_total_len + 1, self.pool.page_size)})
+        if self.runner.fixed_width:
+            widths = widths[-1:]
         shapes = [(s, s, w, 0) for s in seq_buckets for w in widths]
         if prompt_lens is not None:
             tokens = min(sum(prompt_lens), max_tokens)

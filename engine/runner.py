@@ -64,6 +64,11 @@ def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
     if max_q_len <= 1:
         s = bucket(num_seqs)
         return s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0
+    return prefill_bucket_key(num_tokens, num_prefill_seqs, max_seqs, max_width)
+
+
+def prefill_bucket_key(num_tokens: int, num_prefill_seqs: int, max_seqs: int, max_width: int):
+    """The key of a step with prefill tokens (see bucket_key)."""
     n = bucket(num_tokens, MIN_TOKEN_BUCKET)
     return (n, bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET), n,
             bucket(num_prefill_seqs))
@@ -82,6 +87,9 @@ class ModelRunner:
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1):
         self.cfg = cfg
         self.max_seqs, self.max_width = max_seqs, max_width
+        # The GPU kernels read only each sequence's own pages, so a block table as wide as the
+        # longest sequence costs nothing there: one width means fewer programs to compile.
+        self.fixed_width = jax.default_backend() == "gpu"
         self.graphdef, self.state = nnx.split(model)
         kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
         self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, kv_dtype)
@@ -97,7 +105,10 @@ class ModelRunner:
 
     def _padded(self, batch: StepBatch):
         q_lens = np.diff(batch.query_start_loc)
-        key = bucket_key(len(batch.token_ids), batch.num_seqs, batch.block_tables.shape[1],
+        width = batch.block_tables.shape[1]
+        if self.fixed_width:
+            width = max(self.max_width, width)
+        key = bucket_key(len(batch.token_ids), batch.num_seqs, width,
                          int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
                          max(self.max_seqs, batch.num_seqs),
                          max(self.max_width, batch.block_tables.shape[1]))

@@ -16,7 +16,7 @@ from flax import nnx
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache
 from ops.matmul import linear
-from ops.paged_attention import ragged_attention_by_groups, write_kv
+from ops.paged_attention import step_attention, write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -117,7 +117,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
-        out = ragged_attention_by_groups(
+        out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs)  # [N, H, D]
         return self.o_proj(out.reshape(num_tokens, cfg.num_heads * d)), k_pages, v_pages

@@ -160,3 +160,21 @@ def ragged_attention_by_groups(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         rows = jnp.where(offsets < lens[:, None], tokens, num_tokens).reshape(-1)
         out = out.at[rows].set(prefilled.reshape((-1,) + q.shape[1:]), mode="drop")
     return out
+
+
+def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                   block_tables: jax.Array, query_start_loc: jax.Array, kv_lens: jax.Array, *,
+                   max_q_len: int, max_prefill_seqs: int) -> jax.Array:
+    """The engine's attention over a ragged step: the Pallas kernel on GPU, else jnp.
+
+    Arguments as in `ragged_attention_by_groups`. On GPU the ragged Pallas kernel
+    (ops/ragged_attention.py) reads only each sequence's own pages; elsewhere the grouped jnp
+    reference runs.
+    """
+    if jax.default_backend() == "gpu":
+        from ops.ragged_attention import ragged_paged_attention
+        return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
+                                      kv_lens, max_q_len=max_q_len)
+    return ragged_attention_by_groups(q, k_pages, v_pages, block_tables, query_start_loc,
+                                      kv_lens, max_q_len=max_q_len,
+                                      max_prefill_seqs=max_prefill_seqs)
