@@ -12,11 +12,14 @@ rows are padded to 16, the smallest tl.dot tile), then walks its slice of the se
 online softmax. With more than one split (flash-decoding) each program writes its normalized
 partial output and log-sum-exp, and `merge_splits` combines them in jnp.
 
-Tuning (`decode_config`): block_k keeps one K+V tile near 32-64 KiB; the number of key splits
-is chosen so that sequences x kv heads x splits fills the GPU about four programs deep
-(132 SMs on an H100/H200), while each split keeps at least two tiles of work for the longest
-sequence the block table allows. The split boundaries follow each sequence's actual length,
-so short sequences in a wide table still spread over all splits. Figures in docs/PERFORMANCE.md.
+Tuning (`decode_config`, from a sweep on an H200 at 32 q / 8 kv heads, head_dim 128, page 16):
+block_k = 128 tokens per step (a 64 KiB K+V tile in bf16; 64 for head_dim 256), 4 warps,
+3 pipeline stages (64-token tiles, 8 warps, 2 or 4-5 stages and 256-token tiles measured equal
+or slower). Key splits: about two programs per SM over sequences x kv heads (132 SMs on an
+H100/H200), but at least 2 tiles per split for the longest sequence the block table allows:
+B=8 at 4k context -> 4 splits (2: +25%, 9: +10% time), B=32 -> 1, B=1 at 32k -> 32. The split
+boundaries follow each sequence's actual length, so short sequences in a wide table still
+spread over all splits. Figures in docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
@@ -46,14 +49,12 @@ class DecodeConfig:
 
 def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: int,
                   kv_itemsize: int) -> DecodeConfig:
-    """The tuning heuristic (see the module docstring)."""
+    """The tuning heuristic (see the module docstring; measurements in docs/PERFORMANCE.md)."""
     block_k = 128 if head_dim <= 128 else 64
-    if kv_itemsize == 1 and head_dim <= 128:
-        block_k = 256
     programs = batch * num_kv_heads
-    want = -(-4 * NUM_SMS // programs)  # splits to fill ~4 programs per SM
+    want = max(1, round(2 * NUM_SMS / programs))  # about two programs per SM
     most = max(1, max_kv_tokens // (2 * block_k))  # >= 2 tiles per split at the widest
-    return DecodeConfig(block_k=block_k, num_splits=max(1, min(want, most, 64)))
+    return DecodeConfig(block_k=block_k, num_splits=min(want, most, 64))
 
 
 def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,

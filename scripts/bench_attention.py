@@ -53,6 +53,7 @@ flags.DEFINE_integer("queue", 5, "programs queued before one sync")
 flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
 flags.DEFINE_integer("peer_max_tokens", 1 << 19, "skip the XLA peer above batch x context")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
+flags.DEFINE_list("ragged_config", [], "override: block_m,block_k,num_warps,num_stages")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
 
 L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
@@ -73,18 +74,22 @@ def time_per_call(fn, args, calls: int) -> float:
 
 
 def calibrate() -> dict:
+    """The card's ceilings: copy (read + write) and read-only bandwidth, bf16 matmul rate."""
     key = jax.random.key(0)
-    x = jax.random.normal(key, (1 << 30,), jnp.bfloat16)  # 2 GiB
-    t = time_per_call(lambda x: x * 2, (x,), 1)
+    x = jax.random.bits(key, (1 << 30,), jnp.uint32)  # 4 GiB
+    t = time_per_call(lambda x: x ^ jnp.uint32(1), (x,), 1)  # one pass: read + write
     copy_tbs = 2 * x.nbytes / t / 1e12
+    t = time_per_call(lambda x: jnp.max(x), (x,), 1)  # read only
+    read_tbs = x.nbytes / t / 1e12
     del x
     n = 8192
     a = jax.random.normal(key, (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     t = time_per_call(lambda a, b: a @ b, (a, b), 1)
     mm_tflops = 2 * n ** 3 / t / 1e12
-    print(f"calib: copy {copy_tbs:.2f} TB/s (read + write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
-    return {"copy_TBps": copy_tbs, "matmul_TFLOPs": mm_tflops}
+    print(f"calib: copy {copy_tbs:.2f} TB/s (read + write), read {read_tbs:.2f} TB/s, "
+          f"bf16 matmul {mm_tflops:.0f} TFLOP/s")
+    return {"copy_TBps": copy_tbs, "read_TBps": read_tbs, "matmul_TFLOPs": mm_tflops}
 
 
 def make_cache(num_seqs: int, pages_per_seq: int, calls: int, quantized: bool):
@@ -215,6 +220,9 @@ def bench_prefill(chunk: int, calib: dict, config=None, peers=True, mixed=False)
     qs = jax.random.normal(jax.random.key(5), (calls, num_tokens, h, d), jnp.dtype(FLAGS.dtype))
     pairs = sum(t * (n - t) + t * (t + 1) // 2 for n, t in seqs)  # causal query-key pairs
     flops = 4 * h * d * pairs
+    if config is None and FLAGS.ragged_config:
+        bm, bk, warps, stages = map(int, FLAGS.ragged_config)
+        config = RaggedConfig(bm, bk, 1, warps, stages)
     cfg = config or ragged_config(len(seqs), kvh, h // kvh, max_q_len, pages_per_seq * page, d)
 
     def ours(qs, k, v, tables):
@@ -255,23 +263,23 @@ def bench_prefill(chunk: int, calib: dict, config=None, peers=True, mixed=False)
 
 
 def sweep(calib: dict) -> list[dict]:
-    """Tile / warp / stage variants of both kernels at the target shapes."""
+    """Tile / warp / stage / split variants of both kernels at the target shapes."""
     rows = []
-    for batch in (8, 32):
-        base = decode_config(batch, FLAGS.num_kv_heads, 4096, FLAGS.head_dim, 2)
-        for block_k, warps, stages in [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2),
-                                       (128, 4, 3), (128, 8, 3), (256, 4, 2), (256, 8, 2),
-                                       (32, 4, 4)]:
-            for splits in sorted({base.num_splits, max(1, base.num_splits // 2),
-                                  2 * base.num_splits}):
-                if splits != base.num_splits and (block_k, warps, stages) != (128, 4, 3):
-                    continue
-                cfg = DecodeConfig(block_k, splits, warps, stages)
-                rows += bench_decode(batch, 4096, calib, config=cfg, peers=False)
-                print(rows[-1])
-    for block_m, block_k, warps, stages in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3),
-                                            (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4),
-                                            (128, 64, 8, 2), (64, 128, 4, 2), (128, 32, 8, 4)]:
+    decode = [(8, 4096, c) for c in [(128, 2, 4, 3), (128, 3, 4, 3), (128, 4, 4, 3),
+                                     (128, 5, 4, 3), (128, 4, 4, 4), (128, 4, 8, 3),
+                                     (64, 4, 4, 3), (64, 6, 4, 3), (64, 4, 4, 5),
+                                     (64, 8, 4, 4), (64, 4, 2, 3), (256, 2, 8, 2)]]
+    decode += [(8, 8192, c) for c in [(128, 2, 4, 3), (128, 4, 4, 3), (128, 6, 4, 3),
+                                      (64, 4, 4, 4)]]
+    decode += [(32, 4096, c) for c in [(128, 1, 4, 3), (128, 2, 4, 3), (64, 2, 4, 4)]]
+    for batch, context, (block_k, splits, warps, stages) in decode:
+        rows += bench_decode(batch, context, calib, peers=False,
+                             config=DecodeConfig(block_k, splits, warps, stages))
+        print(rows[-1])
+    for block_m, block_k, warps, stages in [(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 4),
+                                            (128, 64, 4, 2), (128, 16, 4, 4), (256, 32, 8, 3),
+                                            (256, 64, 8, 3), (256, 32, 8, 4), (64, 32, 4, 4),
+                                            (128, 32, 4, 5)]:
         cfg = RaggedConfig(block_m, block_k, 1, warps, stages)
         rows += bench_prefill(4096, calib, config=cfg, peers=False)
         print(rows[-1])
@@ -295,35 +303,43 @@ def print_table(rows: list[dict]) -> None:
               f"  {r['config']}")
 
 
+def write_json(calib: dict, rows: list[dict]) -> None:
+    if not FLAGS.json_out:
+        return
+    with open(FLAGS.json_out, "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "calib": calib,
+                   "timing": "jitted program of --calls calls on distinct inputs, queued "
+                             "--queue times, one sync; median of --runs",
+                   "flags": {k: FLAGS[k].value for k in
+                             ("calls", "queue", "runs", "num_heads", "num_kv_heads",
+                              "head_dim", "page_size", "dtype", "kv_dtype")},
+                   "rows": rows}, f, indent=1)
+
+
 def main(argv):
     del argv
-    device = jax.devices()[0]
-    print(f"device: {device.device_kind}, jax {jax.__version__}")
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     calib = calibrate() if "calib" in FLAGS.modes else {}
     rows = []
     if "sweep" in FLAGS.modes:
         rows += sweep(calib)
+        write_json(calib, rows)
     if "decode" in FLAGS.modes:
         for batch in map(int, FLAGS.batches):
             for context in map(int, FLAGS.contexts):
                 rows += bench_decode(batch, context, calib)
                 print_table(rows[-3:])
+                write_json(calib, rows)
     if "prefill" in FLAGS.modes:
         for chunk in map(int, FLAGS.chunks):
             rows += bench_prefill(chunk, calib)
             print_table(rows[-3:])
+            write_json(calib, rows)
         rows += bench_prefill(2048, calib, mixed=True)
     print()
     print_table(rows)
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"device": device.device_kind, "jax": jax.__version__, "calib": calib,
-                       "timing": "jitted program of --calls calls on distinct inputs, queued "
-                                 "--queue times, one sync; median of --runs",
-                       "flags": {k: FLAGS[k].value for k in
-                                 ("calls", "queue", "runs", "num_heads", "num_kv_heads",
-                                  "head_dim", "page_size", "dtype", "kv_dtype")},
-                       "rows": rows}, f, indent=1)
+    write_json(calib, rows)
 
 
 if __name__ == "__main__":
