@@ -52,6 +52,8 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None
+    # Per new token (logprob, {token id: logprob} of the top N), when params.logprobs is set.
+    logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -271,7 +273,8 @@ class LLMEngine:
                 self._finished_groups.append(group_id)
         group_id = self._group_of[request.request_id]
         index = self._groups[group_id].index(request)
-        return StreamDelta(group_id, index, text, [token], reason)
+        return StreamDelta(group_id, index, text, [token], reason,
+                           None if logprob is None else [logprob])
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if (token in r.params.stop_token_ids
