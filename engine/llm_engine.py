@@ -8,9 +8,11 @@ applies stop conditions and frees the pages of finished requests.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Iterator, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from configs.model import ModelConfig
@@ -18,9 +20,10 @@ from engine.block_pool import BlockPool
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams)
-from engine.runner import ModelRunner, StepBatch
+from engine.runner import ModelRunner, StepBatch, bucket, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.speculative import SpecConfig, SpecStats, propose_ngram, verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,21 +77,40 @@ class LLMEngine:
     """Runs many requests together over one model and one paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, model, tokenizer=None,
-                 engine_cfg: EngineConfig = EngineConfig()):
+                 engine_cfg: EngineConfig = EngineConfig(), spec_config: SpecConfig | None = None,
+                 draft=None, mesh=None):
+        """draft: (ModelConfig, model) of the draft model when spec_config.method == 'draft'."""
         if engine_cfg.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={engine_cfg.max_model_len} exceeds the model's "
                              f"context of {cfg.max_position_embeddings} tokens")
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
-        num_pages = self._num_pages(cfg, model, engine_cfg)
-        self.pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
+        make_runner = ModelRunner
+        if mesh is None:
+            num_pages = self._num_pages(cfg, model, engine_cfg)
+            self.pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
+        else:  # sharded over a (data, model) mesh: engine/sharded_runner.py
+            from engine.sharded_runner import sharded_engine_parts
+            num_pages, self.pool, make_runner = sharded_engine_parts(
+                mesh, cfg, engine_cfg, lambda c: self._num_pages(c, model, engine_cfg))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=engine_cfg.max_num_seqs,
                             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
                             max_model_len=engine_cfg.max_model_len,
                             enable_chunked_prefill=engine_cfg.enable_chunked_prefill), self.pool)
-        self.runner = ModelRunner(cfg, model, num_pages, engine_cfg.page_size,
-                                  max_seqs=engine_cfg.max_num_seqs,
-                                  max_width=self.pool.pages_needed(engine_cfg.max_model_len))
+        max_width = self.pool.pages_needed(engine_cfg.max_model_len)
+        self.runner = make_runner(cfg, model, num_pages, engine_cfg.page_size,
+                                  max_seqs=engine_cfg.max_num_seqs, max_width=max_width)
+        self.spec_config, self.spec_stats, self.draft = spec_config, SpecStats(), None
+        if spec_config is not None and spec_config.method == "draft":
+            if draft is None:
+                raise ValueError("speculative method 'draft' needs a draft model (--draft_model)")
+            draft_cfg, draft_model = draft
+            if draft_cfg.vocab_size != cfg.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs "
+                                 f"from the target's ({cfg.vocab_size})")
+            from engine.draft import DraftProposer
+            self.draft = DraftProposer(draft_cfg, draft_model, num_pages, engine_cfg.page_size,
+                                       engine_cfg.max_num_seqs, max_width)
         self.stats = EngineStats()
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._next_request = 0
@@ -135,6 +157,8 @@ class LLMEngine:
                 else int(self._rng.integers(2**32))
             request = Request(self._next_request, list(prompt_ids), params, seed,
                               priority=priority, arrival_time=now)
+            if self.spec_config is not None:  # start optimistic: k proposals
+                request.spec_ema_accepted = float(self.spec_config.num_speculative_tokens)
             if index > 0 and self.engine_cfg.enable_prefix_caching:
                 request.wait_for = samples[0]  # share the first sample's prompt pages
             self._next_request += 1
@@ -190,60 +214,63 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
 
     def _build_batch(self, output: SchedulerOutput) -> StepBatch:
-        page_size = self.pool.page_size
-        items = output.scheduled
-        counts = np.asarray([it.num_new_tokens for it in items], np.int32)
-        start = np.zeros(len(items) + 1, np.int32)
-        np.cumsum(counts, out=start[1:])
-        width = max(len(it.request.pages) for it in items)
-        token_ids = np.empty(start[-1], np.int32)
-        positions = np.empty(start[-1], np.int32)
-        slots = np.empty(start[-1], np.int32)
-        tables = np.zeros((len(items), width), np.int32)
-        kv_lens = np.empty(len(items), np.int32)
-        for i, it in enumerate(items):
-            r, first, n = it.request, it.request.num_computed_tokens, it.num_new_tokens
-            pages = np.asarray(r.pages, np.int32)
-            pos = np.arange(first, first + n, dtype=np.int32)
-            sl = slice(start[i], start[i + 1])
-            token_ids[sl] = r.token_ids[first:first + n] if n > 1 else [r.token_ids[first]]
-            positions[sl] = pos
-            slots[sl] = pages[pos // page_size] * page_size + pos % page_size
-            tables[i, : len(pages)] = pages
-            kv_lens[i] = first + n
-        return StepBatch(token_ids, positions, slots, tables, start, kv_lens, start[1:] - 1)
+        rows = []
+        for it in output.scheduled:
+            r, first = it.request, it.request.num_computed_tokens
+            tokens = r.token_ids[first:first + it.num_new_tokens - len(r.spec_tokens)]
+            rows.append((tokens + r.spec_tokens, first, r.pages))
+        return make_step_batch(rows, self.pool.page_size)
 
     def step(self) -> list[StreamDelta]:
         """Runs one schedule -> run -> postprocess round; returns the new text of each sample."""
         t0 = time.perf_counter()
+        if self.spec_config is not None:
+            self._plan_speculation()
         output = self.scheduler.schedule()
         if not output.scheduled:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could schedule nothing although requests wait")
             return []
+        requests = [it.request for it in output.scheduled]
+        spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
+        draft_probs = self._propose(output, spec_rows) if spec_rows else None
         batch = self._build_batch(output)
         t1 = time.perf_counter()
-        logits = self.runner.execute(batch)
-        requests = [it.request for it in output.scheduled]
+        if spec_rows:
+            all_logits = self.runner.execute_all_logits(batch)  # [N, V]
+            logits = all_logits[jnp.asarray(batch.logits_indices)]
+            accepted, spec_tokens = self._verify(all_logits, batch, requests, draft_probs)
+        else:
+            logits = self.runner.execute(batch)
         tokens, chosen, top_ids, top_logprobs = self.runner.sample(
             logits, SamplingArrays.from_requests(requests))  # waits for the device
         t2 = time.perf_counter()
-        completes = [it.request.num_computed_tokens + it.num_new_tokens >= it.request.num_tokens
-                     for it in output.scheduled]
+        new_tokens = []
+        for i, it in enumerate(output.scheduled):
+            r = it.request
+            complete = r.num_computed_tokens + it.num_new_tokens >= r.num_tokens + len(r.spec_tokens)
+            if not complete:
+                new_tokens.append([])  # a prefill chunk short of the prompt's end
+            elif r.spec_tokens:
+                a = int(accepted[i])
+                new_tokens.append(spec_tokens[i, : a + 1].tolist())
+                self._after_verification(r, it, a)
+            else:
+                new_tokens.append([int(tokens[i])])
         self.scheduler.update_computed(output)
         deltas = []
         for i, request in enumerate(requests):
-            if not completes[i]:
-                continue  # a prefill chunk short of the prompt's end: its sample is discarded
+            if not new_tokens[i]:
+                continue
             logprob = None
             if chosen is not None and request.params.logprobs is not None:
                 k = request.params.logprobs
                 logprob = (float(chosen[i]), dict(zip(top_ids[i, :k].tolist(),
                                                       top_logprobs[i, :k].tolist())))
-            deltas.append(self._append_token(request, int(tokens[i]), logprob, t2))
+            deltas.append(self._append_tokens(request, new_tokens[i], logprob, t2))
         self.stats.num_steps += 1
         self.stats.num_computed_tokens += output.num_tokens
-        self.stats.num_generated_tokens += len(deltas)
+        self.stats.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         t3 = time.perf_counter()
         self.stats.step_time_s += t3 - t0
         host = (t1 - t0) + self.runner.last_prepare_s + (t3 - t2)
@@ -252,29 +279,105 @@ class LLMEngine:
             self.stats.steps.append((len(requests), host, t3 - t0))
         return deltas
 
-    def _append_token(self, request: Request, token: int, logprob, now: float) -> StreamDelta:
-        request.output_ids.append(token)
+    # ---- speculative decoding ---------------------------------------------------------------
+
+    def _plan_speculation(self) -> None:
+        """Sets each running request's lookahead (and n-gram proposals) for this step."""
+        spec = self.spec_config
+        running = self.scheduler.running
+        enabled = len(running) <= spec.max_batch
+        for r in running:
+            r.lookahead, r.spec_tokens = 0, []
+            if (not enabled or r.num_tokens - r.num_computed_tokens != 1
+                    or r.params.uses_penalties or r.params.logprobs is not None):
+                continue
+            if r.spec_ema_accepted < 0.2 and len(r.output_ids) % 4:
+                continue  # proposals keep failing: only probe every fourth token
+            room = min(r.params.max_tokens - len(r.output_ids) - 1,
+                       self.engine_cfg.max_model_len - r.num_tokens - 1)
+            k = min(room, spec.num_speculative_tokens,
+                    max(1, math.ceil(r.spec_ema_accepted) + 1))
+            if k <= 0:
+                continue
+            if spec.method == "ngram":
+                r.spec_tokens = propose_ngram(r.token_ids, k, spec.ngram_min, spec.ngram_max)
+                k = len(r.spec_tokens)
+            r.lookahead = k
+
+    def _propose(self, output: SchedulerOutput, spec_rows: list[int]):
+        """Fills the speculating requests' proposals (draft model); returns q [S, K, V] or None."""
+        items = [output.scheduled[i] for i in spec_rows]
+        for it in items:  # the scheduler may have cut the lookahead to the token budget
+            it.request.spec_tokens = it.request.spec_tokens[: it.request.lookahead]
+        if self.draft is None:
+            return None
+        requests = [it.request for it in items]
+        proposals, q = self.draft.propose(requests, max(r.lookahead for r in requests))
+        for r, proposal in zip(requests, proposals):
+            r.spec_tokens = proposal
+        rows = bucket(len(output.scheduled))
+        k = self.spec_config.num_speculative_tokens
+        full = jnp.zeros((rows, k, q.shape[-1]), q.dtype)
+        return full.at[jnp.asarray(spec_rows), : q.shape[1]].set(q)
+
+    def _verify(self, all_logits, batch: StepBatch, requests: list[Request], draft_probs):
+        """Exact acceptance of every speculating row's proposal (engine/speculative.py)."""
+        k = self.spec_config.num_speculative_tokens
+        rows = bucket(len(requests))
+        ends = batch.query_start_loc[1:] - 1  # each row's last token
+        num_draft = np.zeros(rows, np.int32)
+        draft_tokens = np.zeros((rows, k), np.int32)
+        for i, r in enumerate(requests):
+            num_draft[i] = len(r.spec_tokens)
+            draft_tokens[i, : len(r.spec_tokens)] = r.spec_tokens
+        index = np.zeros((rows, k + 1), np.int32)
+        index[: len(requests)] = np.minimum(
+            (ends - num_draft[: len(requests)])[:, None] + np.arange(k + 1), ends[:, None])
+        arrays = SamplingArrays.from_requests(requests).padded(rows)
+        accepted, tokens = verify(
+            all_logits[jnp.asarray(index)], jnp.asarray(draft_tokens), jnp.asarray(num_draft),
+            draft_probs, *(jnp.asarray(a) for a in (arrays.temperature, arrays.top_k,
+                                                    arrays.top_p, arrays.min_p, arrays.seeds,
+                                                    arrays.steps)))
+        return np.asarray(accepted), np.asarray(tokens)
+
+    def _after_verification(self, r: Request, item, accepted: int) -> None:
+        """Moves the counters past the accepted tokens only: the rejected ones' K/V is garbage
+        that later tokens overwrite (the rollback), and adapts the request's k."""
+        item.num_new_tokens = item.num_new_tokens - len(r.spec_tokens) + accepted
+        self.spec_stats.record(len(r.spec_tokens), accepted)
+        r.spec_ema_accepted = 0.7 * r.spec_ema_accepted + 0.3 * accepted
+        r.num_draft_computed = min(r.num_draft_computed,
+                                   r.num_computed_tokens + item.num_new_tokens)
+        r.spec_tokens, r.lookahead = [], 0
+
+    def _append_tokens(self, request: Request, new_tokens: list[int], logprob,
+                       now: float) -> StreamDelta:
+        """Appends a step's tokens to a request (stopping early at a stop condition)."""
         if logprob is not None:
             request.output_logprobs.append(logprob)
         if request.first_token_time is None:
             request.first_token_time = now
-        reason = self._stop_reason(request, token)
-        text = ""
+        reason, text, appended = None, "", []
         detokenizer = self._detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            text = detokenizer.add(request.output_ids, reason is not None)
-            if reason is None and detokenizer.stopped_at is not None:
-                reason = FinishReason.STOP
+        for token in new_tokens:
+            request.output_ids.append(token)
+            appended.append(token)
+            reason = self._stop_reason(request, token)
+            if detokenizer is not None:
+                text += detokenizer.add(request.output_ids, reason is not None)
+                if reason is None and detokenizer.stopped_at is not None:
+                    reason = FinishReason.STOP
+            if reason is not None:
+                break
+        group_id = self._group_of[request.request_id]
         if reason is not None:
             self.scheduler.finish(request, reason)
             request.finish_time = now
-            group_id = self._group_of[request.request_id]
             if all(r.finished for r in self._groups[group_id]):
                 self._finished_groups.append(group_id)
-        group_id = self._group_of[request.request_id]
         index = self._groups[group_id].index(request)
-        return StreamDelta(group_id, index, text, [token], reason,
-                           None if logprob is None else [logprob])
+        return StreamDelta(group_id, index, text, appended, reason)
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if (token in r.params.stop_token_ids

@@ -90,6 +90,12 @@ class Request:
     num_prefix_hit_tokens: int = 0
     num_preemptions: int = 0
     output_logprobs: list = dataclasses.field(default_factory=list)
+    # Speculative decoding: proposed tokens to verify this step (at most `lookahead`, which the
+    # engine sets before scheduling), the draft model's cached tokens, the adaptive k.
+    lookahead: int = 0
+    spec_tokens: list[int] = dataclasses.field(default_factory=list)
+    num_draft_computed: int = 0
+    spec_ema_accepted: float = 0.0
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None

@@ -46,6 +46,36 @@ class StepBatch:
         return len(self.kv_lens)
 
 
+def make_step_batch(rows, page_size: int) -> StepBatch:
+    """Builds a ragged StepBatch from rows of (tokens to compute, first position, pages).
+
+    A row computes its tokens at positions first, first + 1, ...; their K/V go to the slots of
+    the row's pages (a position past the row's pages is not written: slot -1).
+    """
+    counts = np.asarray([len(tokens) for tokens, _, _ in rows], np.int32)
+    start = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum(counts, out=start[1:])
+    width = max(len(pages) for _, _, pages in rows)
+    token_ids = np.empty(start[-1], np.int32)
+    positions = np.empty(start[-1], np.int32)
+    slots = np.empty(start[-1], np.int32)
+    tables = np.zeros((len(rows), width), np.int32)
+    kv_lens = np.empty(len(rows), np.int32)
+    for i, (tokens, first, pages) in enumerate(rows):
+        pages = np.asarray(pages, np.int32)
+        pos = np.arange(first, first + len(tokens), dtype=np.int32)
+        page_index = pos // page_size
+        inside = page_index < len(pages)
+        sl = slice(start[i], start[i + 1])
+        token_ids[sl] = tokens
+        positions[sl] = pos
+        slots[sl] = np.where(inside, pages[np.minimum(page_index, len(pages) - 1)] * page_size
+                             + pos % page_size, -1)
+        tables[i, : len(pages)] = pages
+        kv_lens[i] = first + len(tokens)
+    return StepBatch(token_ids, positions, slots, tables, start, kv_lens, start[1:] - 1)
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
     n = max(n, minimum)

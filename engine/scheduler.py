@@ -39,7 +39,8 @@ class SchedulerConfig:
 @dataclasses.dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on;
+    # for a speculating request: its last token plus request.lookahead proposed tokens
 
 
 @dataclasses.dataclass
@@ -110,7 +111,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            # Speculation: room for the proposed tokens after the last one (see lookahead).
+            lookahead = min(request.lookahead, budget - 1) if remaining == 1 else 0
+            request.lookahead = max(lookahead, 0)
+            num_new = min(remaining + request.lookahead, budget)
             while not self.pool.grow(request.pages, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -158,6 +163,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._release(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed = 0
+        request.lookahead = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         heapq.heappush(self._waiting, (request.priority, -1 - self.num_preemptions, request))
