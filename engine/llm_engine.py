@@ -377,7 +377,8 @@ class LLMEngine:
             if all(r.finished for r in self._groups[group_id]):
                 self._finished_groups.append(group_id)
         index = self._groups[group_id].index(request)
-        return StreamDelta(group_id, index, text, appended, reason)
+        return StreamDelta(group_id, index, text, appended, reason,
+                           None if logprob is None else [logprob])
 
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if (token in r.params.stop_token_ids
