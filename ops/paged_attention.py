@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ops.sharded_attention import active_mesh, sharded_step_attention, sharded_write_kv
+
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -22,6 +24,8 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
     Slots outside [0, P * S) (padding) are dropped. Returns the updated pages; when the pages
     are donated to the enclosing jit, XLA performs the scatter in place.
     """
+    if (mesh := active_mesh()) is not None:  # a sharded step: write per shard (shard_map)
+        return sharded_write_kv(mesh, k_pages, v_pages, k, v, slot_mapping)
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"write_kv: k {k.shape} and v {v.shape} must be [N, {num_kv_heads}, "
@@ -169,8 +173,13 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     Arguments as in `ragged_attention_by_groups`. On GPU the ragged Pallas kernel
     (ops/ragged_attention.py) reads only each sequence's own pages; elsewhere the grouped jnp
-    reference runs.
+    reference runs. Under a sharded step's mesh each shard runs this on its own heads and
+    sequences (ops/sharded_attention.py).
     """
+    if (mesh := active_mesh()) is not None:
+        return sharded_step_attention(mesh, q, k_pages, v_pages, block_tables, query_start_loc,
+                                      kv_lens, max_q_len=max_q_len,
+                                      max_prefill_seqs=max_prefill_seqs)
     if jax.default_backend() == "gpu":
         from ops.ragged_attention import ragged_paged_attention
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,

@@ -1,0 +1,79 @@
+"""The device mesh of sharded inference, and multi-process start-up.
+
+Two mesh axes:
+    data    data parallelism: the step's sequences (and the KV-cache pages) split into `dp`
+            groups, each served by its own copy of the weights
+    model   tensor parallelism: weights and KV heads split over `tp` devices (engine/sharding.py)
+
+The mesh is `dp x tp` devices in `jax.devices()` order, so a `model` group is `tp` consecutive
+devices: with several processes (hosts) that keeps tensor parallelism inside a host as long as
+tp <= the devices per host, and spreads data parallelism across hosts.
+
+Several processes: every process runs the same program (JAX's multi-controller model) after
+`initialize_distributed`; they all step the same engine on the same inputs, and only process 0
+prints, serves or writes (`is_main_process`).
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+DATA = "data"
+MODEL = "model"
+AXES = (DATA, MODEL)
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
+    """A (data=dp, model=tp) mesh over the first dp * tp of `devices` (default: all devices).
+
+    tp * dp must divide the number of devices (and equal it when there are several processes,
+    since every process must own a part of the mesh); otherwise ValueError says why.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    for name, value in (("tp", tp), ("dp", dp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    count = tp * dp
+    if len(devices) % count:
+        raise ValueError(f"tp={tp} x dp={dp} = {count} devices does not divide the "
+                         f"{len(devices)} devices available ({_describe(devices)})")
+    if jax.process_count() > 1 and count != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes tp x dp must use all "
+                         f"{len(devices)} devices, got tp={tp} x dp={dp} = {count}")
+    grid = [devices[i * tp:(i + 1) * tp] for i in range(dp)]
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def mesh_shape(mesh: Mesh) -> tuple[int, int]:
+    """(tp, dp) of a mesh built by make_mesh."""
+    return mesh.shape[MODEL], mesh.shape[DATA]
+
+
+def _describe(devices) -> str:
+    kinds = sorted({d.device_kind for d in devices})
+    return f"{', '.join(kinds)}; {jax.process_count()} process(es)"
+
+
+def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
+                           process_id: int | None) -> bool:
+    """Joins the processes of a multi-host run (jax.distributed.initialize); False if single.
+
+    Must run before any other jax call. All three values are needed unless a cluster manager
+    (Slurm, Open MPI, TPU) lets jax find them; num_processes 1 (or None) and no coordinator
+    means a single process, and nothing is initialized.
+    """
+    if coordinator_address is None and (num_processes or 1) == 1:
+        return False
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    if (process_id is not None and num_processes is not None
+            and not 0 <= process_id < num_processes):
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+    return True
+
+
+def is_main_process() -> bool:
+    """True on the one process that prints, serves and writes (process 0)."""
+    return jax.process_index() == 0

@@ -1,0 +1,231 @@
+"""The model runner over a device mesh: tensor parallelism and data parallelism in one step.
+
+Data parallelism is one scheduler over a data-sharded batch, not dp engine replicas:
+  * one jitted SPMD program per step drives every device (one launch, one compile cache), and
+    with several processes every process runs the same engine loop on the same inputs, so JAX's
+    multi-controller runtime is the only communication layer: no request router between
+    replicas, and multi-host data and tensor parallelism are the same code;
+  * the host side stays the one engine loop; the only data-parallel piece on the host is the
+    page pool (engine/sharded_pool.py), which keeps each sequence inside one data shard;
+  * the price: the data shards step in lockstep (padded to the largest shard's bucket), and a
+    prefix is cached per shard.
+
+Layout of one step (engine.runner.StepBatch in, global page ids): the sequences are grouped by the
+data shard of their pages; each group is padded to a common bucket (N tokens, S sequences, W
+pages wide) with its slots, block tables and query offsets local to its shard, and the groups
+are laid end to end along the `data` axis: tokens [dp * N], block tables [dp * S, W], query
+starts [dp * (S + 1)], ... Under the mesh the attention and KV write run per shard
+(ops/sharded_attention.py); everything else is ordinary jnp partitioned by XLA from the weights'
+shardings (engine/sharding.py). Logits come back replicated, in the batch's sequence order.
+
+The step takes and returns explicitly sharded arrays (in_shardings / out_shardings) and donates
+the cache, as the single-device runner does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from configs.model import ModelConfig
+from engine.mesh import DATA, mesh_shape
+from engine.runner import (MIN_PAGE_BUCKET, ModelRunner, StepBatch, bucket,
+                           prefill_bucket_key)
+from engine.sampling import SamplingArrays, sample_step
+from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
+                             shard_state)
+from models.llama import AttentionMetadata, forward
+
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+
+
+@dataclasses.dataclass
+class ShardedStep:
+    """One step's device inputs laid out per data shard, and where the results go back."""
+
+    key: tuple[int, int, int, int, int]  # (N, S, W, max_q_len, max_prefill_seqs) per shard
+    arrays: dict[str, jax.Array]
+    seq_rows: np.ndarray  # [num_seqs]: row of each sequence in the step's [dp * S] logits
+    token_rows: np.ndarray  # [num_tokens]: row of each token in the step's [dp * N] tokens
+
+
+class ShardedModelRunner(ModelRunner):
+    """ModelRunner whose weights, cache and step are laid out over a (data, model) mesh.
+
+    num_pages counts the pages of one data shard (the cache holds dp times as many).
+    """
+
+    def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
+                 max_seqs: int = 1, max_width: int = 1, *, mesh):
+        self.mesh = mesh
+        self.tp, self.dp = mesh_shape(mesh)
+        self.model_cfg = cfg
+        self.plan = attention_plan(cfg, self.tp)
+        self.max_seqs, self.max_width = max_seqs, max_width
+        self.fixed_width = jax.default_backend() == "gpu"
+        self.graphdef, state = nnx.split(model)
+        self.state, self.cfg = shard_state(state, cfg, mesh)
+        kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
+        self.pages_per_shard = num_pages
+        self.cache = init_sharded_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
+        self.page_size = page_size
+        self.compiled_shapes: set[tuple] = set()
+        self.last_prepare_s = 0.0
+        data = NamedSharding(mesh, P(DATA))
+        self._data = data
+        self._tables = NamedSharding(mesh, P(DATA, None))
+        self._replicated = replicated(mesh)
+        shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
+        self._step = jax.jit(
+            self._sharded_step, donate_argnums=(1,),
+            static_argnums=(9, 10, 11),
+            in_shardings=(shardings(self.state), shardings(self.cache), data, data, data,
+                          self._tables, data, data, data),
+            out_shardings=(self._replicated, shardings(self.cache)))
+        self._take_rows = jax.jit(lambda a, rows: a[rows], out_shardings=self._replicated)
+
+    def _sharded_step(self, state, cache, tokens, positions, slot_mapping, block_tables,
+                      query_start_loc, kv_lens, logits_indices, max_q_len: int,
+                      max_prefill_seqs: int, all_logits: bool):
+        model = nnx.merge(self.graphdef, state)
+        meta = AttentionMetadata(positions, slot_mapping, block_tables, query_start_loc,
+                                 kv_lens, max_q_len=max_q_len, max_prefill_seqs=max_prefill_seqs)
+        return forward(model, cache, tokens, meta, self.cfg,
+                       None if all_logits else logits_indices)
+
+    # ---- layout ------------------------------------------------------------------------------
+
+    def _shard_of_seqs(self, batch: StepBatch) -> np.ndarray:
+        """Data shard of each sequence: that of its pages (warm-up padding: round robin)."""
+        shard = batch.block_tables[:, 0] // self.pages_per_shard
+        dummy = batch.kv_lens == 0  # only warm-up batches have sequences without tokens
+        shard[dummy] = np.arange(int(dummy.sum())) % self.dp
+        return np.minimum(shard, self.dp - 1)
+
+    def _layout(self, batch: StepBatch) -> ShardedStep:
+        dp, pages, page_size = self.dp, self.pages_per_shard, self.page_size
+        q_lens = np.diff(batch.query_start_loc)
+        shard = self._shard_of_seqs(batch)
+        groups = [np.flatnonzero(shard == d) for d in range(dp)]
+        width = batch.block_tables.shape[1]
+        if self.fixed_width:
+            width = max(self.max_width, width)
+        max_q = int(q_lens.max(initial=1))
+        if max_q <= 1:
+            s = bucket(max(len(g) for g in groups))
+            key = (s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0)
+        else:
+            key = prefill_bucket_key(max(int(q_lens[g].sum()) for g in groups),
+                                     max(int((q_lens[g] > 1).sum()) for g in groups),
+                                     max(self.max_seqs, batch.num_seqs),
+                                     max(self.max_width, batch.block_tables.shape[1]))
+        n, s, w, _, _ = key
+        tokens = np.zeros((dp, n), np.int32)
+        positions = np.zeros((dp, n), np.int32)
+        slots = np.full((dp, n), -1, np.int32)
+        tables = np.zeros((dp, s, w), np.int32)
+        starts = np.zeros((dp, s + 1), np.int32)
+        kv_lens = np.zeros((dp, s), np.int32)
+        last = np.zeros((dp, s), np.int32)
+        seq_rows = np.zeros(batch.num_seqs, np.int64)
+        token_rows = np.zeros(len(batch.token_ids), np.int64)
+        for d, group in enumerate(groups):
+            offset = d * pages
+            t = 0
+            for j, i in enumerate(group):
+                a, b = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+                tokens[d, t:t + b - a] = batch.token_ids[a:b]
+                positions[d, t:t + b - a] = batch.positions[a:b]
+                slot = batch.slot_mapping[a:b]
+                slots[d, t:t + b - a] = np.where(slot >= 0, slot - offset * page_size, -1)
+                row = batch.block_tables[i]
+                mine = (row >= offset) & (row < offset + pages)
+                tables[d, j, :len(row)] = np.where(mine, row - offset, 0)
+                token_rows[a:b] = d * n + t + np.arange(b - a)
+                t += b - a
+                starts[d, j + 1] = t
+                kv_lens[d, j] = batch.kv_lens[i]
+                last[d, j] = d * n + t - 1
+                seq_rows[i] = d * s + j
+            starts[d, len(group) + 1:] = t
+        data, tab = self._data, self._tables
+        arrays = dict(tokens=put(tokens.reshape(-1), data),
+                      positions=put(positions.reshape(-1), data),
+                      slot_mapping=put(slots.reshape(-1), data),
+                      block_tables=put(tables.reshape(dp * s, w), tab),
+                      query_start_loc=put(starts.reshape(-1), data),
+                      kv_lens=put(kv_lens.reshape(-1), data),
+                      logits_indices=put(np.maximum(last, 0).reshape(-1), data))
+        self.compiled_shapes.add(key)
+        return ShardedStep(key, arrays, seq_rows, token_rows)
+
+    def _run(self, step: ShardedStep, all_logits: bool) -> jax.Array:
+        a = step.arrays
+        with jax.set_mesh(self.mesh):
+            logits, self.cache = self._step(
+                self.state, self.cache, a["tokens"], a["positions"], a["slot_mapping"],
+                a["block_tables"], a["query_start_loc"], a["kv_lens"], a["logits_indices"],
+                step.key[3], step.key[4], all_logits)
+        return logits
+
+    def _rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:
+        if np.array_equal(rows, np.arange(len(rows))):
+            return logits[: len(rows)]
+        return self._take_rows(logits, put(rows.astype(np.int32), self._replicated))
+
+    # ---- the ModelRunner interface -----------------------------------------------------------
+
+    def execute(self, batch: StepBatch) -> jax.Array:
+        """One step; each sequence's last-token logits, float32 [S, V], replicated."""
+        start = time.perf_counter()
+        step = self._layout(batch)
+        self.last_prepare_s = time.perf_counter() - start
+        return self._rows(self._run(step, all_logits=False), step.seq_rows)
+
+    def execute_all_logits(self, batch: StepBatch) -> jax.Array:
+        """One step; the logits of every token, float32 [N, V], replicated."""
+        step = self._layout(batch)
+        return self._rows(self._run(step, all_logits=True), step.token_rows)
+
+    def sample(self, logits: jax.Array, arrays: SamplingArrays):
+        """As ModelRunner.sample, with the per-row parameters placed on the mesh (replicated)."""
+        s = logits.shape[0]
+        rows = bucket(s)
+        logits = self._take_rows(logits, put(np.minimum(np.arange(rows), s - 1).astype(np.int32),
+                                              self._replicated))
+        padded = arrays.padded(rows)
+        placed = {f: put(getattr(padded, f), self._replicated) for f in _SAMPLING_FIELDS}
+        penalties = padded.penalties
+        if penalties is not None:
+            penalties = tuple(put(np.asarray(p), self._replicated) for p in penalties)
+        padded = dataclasses.replace(padded, **placed, penalties=penalties)
+        results = sample_step(logits, padded)
+        return tuple(None if r is None else np.asarray(r)[:s] for r in results)
+
+
+def sharded_engine_parts(mesh, cfg: ModelConfig, engine_cfg, num_pages_for):
+    """(pages per data shard, page pool, runner factory) of an LLMEngine sharded over `mesh`.
+
+    num_pages_for(cfg) sizes the cache as the engine does; it gets a config with the KV heads one
+    device stores, so a memory fraction counts each device's own share of a page.
+    """
+    import functools
+
+    from engine.block_pool import BlockPool
+    from engine.sharded_pool import ShardedBlockPool
+    from engine.sharding import kv_local_config
+
+    _, dp = mesh_shape(mesh)
+    num_pages = num_pages_for(kv_local_config(cfg, mesh))
+    if dp == 1:
+        pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
+    else:
+        pool = ShardedBlockPool(dp, num_pages, engine_cfg.page_size,
+                                engine_cfg.enable_prefix_caching)
+    return num_pages, pool, functools.partial(ShardedModelRunner, mesh=mesh)
