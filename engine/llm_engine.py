@@ -447,31 +447,41 @@ class LLMEngine:
     # ---- compilation --------------------------------------------------------------------------
 
     def warmup_shapes(self, num_seqs: int | None = None, max_total_len: int | None = None,
-                      prompt_lens: list[int] | None = None) -> list[tuple[int, int, int, int]]:
-        """The (tokens, seqs, pages, prefill seqs) programs a run can reach.
+                      prompt_lens: list[int] | None = None) -> list[tuple[list[int], int, bool]]:
+        """The steps (tokens of each sequence, block-table width, all logits?) whose programs a
+        run can reach.
 
         Decode steps: every batch bucket up to num_seqs times every page-width bucket up to
-        max_total_len. Prefill steps: every token bucket up to the step's token budget times every
-        bucket of the number of prefilling sequences; or, given the `prompt_lens` of a run whose
-        prompts all start at once, the one program of that first step.
+        max_total_len; with speculation, the same with k + 1 tokens per sequence. Prefill steps:
+        every token bucket up to the step's token budget times every bucket of the number of
+        prefilling sequences; or, given the `prompt_lens` of a run whose prompts all start at
+        once, that first step only.
         """
         from engine.runner import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
         cfg = self.engine_cfg
         num_seqs = min(num_seqs or cfg.max_num_seqs, cfg.max_num_seqs)
         max_total_len = min(max_total_len or cfg.max_model_len, cfg.max_model_len)
-        max_tokens = cfg.max_num_batched_tokens
         seq_buckets = sorted({bucket(n) for n in range(1, num_seqs + 1)})
         widths = sorted({bucket(self.pool.pages_needed(n), MIN_PAGE_BUCKET)
                          for n in range(1, max_total_len + 1, self.pool.page_size)})
         if self.runner.fixed_width:
             widths = widths[-1:]
-        shapes = [(s, s, w, 0) for s in seq_buckets for w in widths]
+        shapes = [([1] * s, w, False) for s in seq_buckets for w in widths]
+        if self.spec_config is not None:
+            k1 = self.spec_config.num_speculative_tokens + 1
+            shapes += [([k1] * s, w, True) for s in seq_buckets
+                       if s <= bucket(self.spec_config.max_batch) for w in widths]
         if prompt_lens is not None:
-            tokens = min(sum(prompt_lens), max_tokens)
-            return shapes + [(tokens, len(prompt_lens), 1, len(prompt_lens))]
-        token_buckets = sorted({bucket(n, MIN_TOKEN_BUCKET) for n in range(2, max_tokens + 1)})
+            budget = cfg.max_num_batched_tokens
+            return shapes + [([min(n, budget) for n in prompt_lens], 1, False)]
+        token_buckets = sorted({bucket(n, MIN_TOKEN_BUCKET)
+                                for n in range(2, cfg.max_num_batched_tokens + 1)})
         for n in token_buckets:
-            shapes += [(n, p, 1, p) for p in seq_buckets if 2 * p <= n]
+            for p in seq_buckets:
+                if 2 * p <= n:
+                    q_lens = [2] * p
+                    q_lens[0] = n - 2 * (p - 1)
+                    shapes.append((q_lens, 1, False))
         return shapes
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
@@ -479,8 +489,8 @@ class LLMEngine:
         """Compiles the programs of `warmup_shapes`; returns how many were new."""
         shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
-        for i, shape in enumerate(shapes):
-            self.runner.warmup(*shape)
+        for i, (q_lens, width, all_logits) in enumerate(shapes):
+            self.runner.warmup(q_lens, width, all_logits)
             if progress is not None:
                 progress(i + 1, len(shapes))
         return len(self.runner.compiled_shapes) - before

@@ -23,6 +23,7 @@ from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 4
+MAX_SHORT_Q = 16  # steps whose sequences compute at most this many tokens each
 
 
 @dataclasses.dataclass
@@ -87,18 +88,18 @@ def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
                ) -> tuple[int, int, int, int, int]:
     """(N, S, W, max_q_len, max_prefill_seqs) of the program that runs such a batch.
 
-    Decode-only steps (max_q_len 1) are keyed by the buckets of S and W. Steps with prefill tokens
-    pad S and W to their maxima (max_seqs, max_width) and the query bound to N, so they are keyed
-    by N and the number of prefilling sequences alone: few programs, all compiled at start-up.
+    Decode-only steps (max_q_len 1) are keyed by the buckets of S and W. Steps whose sequences each
+    compute at most MAX_SHORT_Q tokens (speculative verification, short prompts) by S, W and the
+    bucket q of max_q_len (N = S * q). Longer prefill steps pad S and W to their maxima (max_seqs,
+    max_width) and the query bound to N, so they are keyed by N and the number of prefilling
+    sequences alone: few programs, all compiled at start-up.
     """
     if max_q_len <= 1:
         s = bucket(num_seqs)
         return s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0
-    return prefill_bucket_key(num_tokens, num_prefill_seqs, max_seqs, max_width)
-
-
-def prefill_bucket_key(num_tokens: int, num_prefill_seqs: int, max_seqs: int, max_width: int):
-    """The key of a step with prefill tokens (see bucket_key)."""
+    if max_q_len <= MAX_SHORT_Q:  # short runs: speculative verification, small prompts
+        s, q = bucket(num_seqs), bucket(max_q_len)
+        return s * q, s, bucket(width, MIN_PAGE_BUCKET), q, s
     n = bucket(num_tokens, MIN_TOKEN_BUCKET)
     return (n, bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET), n,
             bucket(num_prefill_seqs))
@@ -174,17 +175,10 @@ class ModelRunner:
                                         all_logits=True)
         return logits[: len(batch.token_ids)]
 
-    def warmup(self, num_tokens: int, num_seqs: int, num_pages: int,
-               num_prefill_seqs: int) -> None:
-        """Compiles the program of this bucket by running it on padding (nothing is written).
-
-        num_prefill_seqs 0: a decode step of num_seqs sequences; otherwise num_tokens tokens of
-        which num_prefill_seqs sequences hold two or more.
-        """
-        q_lens = np.ones(max(num_seqs, num_prefill_seqs), np.int32)
-        if num_prefill_seqs:
-            q_lens = np.full(num_prefill_seqs, 2, np.int32)
-            q_lens[0] += max(num_tokens - 2 * num_prefill_seqs, 0)
+    def warmup(self, q_lens, num_pages: int, all_logits: bool = False) -> None:
+        """Compiles the program of a step whose sequences compute q_lens tokens each, by running
+        it on padding (nothing is written)."""
+        q_lens = np.asarray(q_lens, np.int32)
         num_seqs = len(q_lens)
         num_tokens = int(q_lens.sum())
         start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -194,8 +188,10 @@ class ModelRunner:
                           block_tables=np.zeros((num_seqs, num_pages), np.int32),
                           query_start_loc=start, kv_lens=np.zeros(num_seqs, np.int32),
                           logits_indices=np.maximum(start[1:] - 1, 0))
-        logits = self.execute(dummy)
-        self.sample(logits, SamplingArrays.defaults(num_seqs))
+        if all_logits:
+            self.execute_all_logits(dummy).block_until_ready()
+        else:
+            self.sample(self.execute(dummy), SamplingArrays.defaults(num_seqs))
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):
         """Samples one token per row of `logits` [S, V]; returns host numpy results.

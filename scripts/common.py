@@ -124,3 +124,30 @@ def print_progress(label: str):
               file=sys.stderr, flush=True)
 
     return report
+
+
+def define_speculative_flags() -> None:
+    """--speculative, --draft_model, --num_speculative_tokens, --ngram_min/max, --spec_max_batch."""
+    flags.DEFINE_enum("speculative", "none", ["none", "ngram", "draft"],
+                      "Speculative decoding: n-gram prompt lookup or a draft model.")
+    flags.DEFINE_string("draft_model", None, "Draft model (any --model form) for --speculative=draft.")
+    flags.DEFINE_integer("num_speculative_tokens", 4, "Most tokens proposed per step.")
+    flags.DEFINE_integer("ngram_min", 1, "Shortest n-gram matched by the n-gram proposer.")
+    flags.DEFINE_integer("ngram_max", 4, "Longest n-gram matched by the n-gram proposer.")
+    flags.DEFINE_integer("spec_max_batch", 16, "No speculation in steps with more running requests.")
+
+
+def speculation_from_flags(FLAGS, dtype):
+    """(SpecConfig or None, (draft cfg, draft model) or None) from the speculative flags."""
+    from engine.speculative import SpecConfig
+    if FLAGS.speculative == "none":
+        return None, None
+    spec = SpecConfig(FLAGS.speculative, FLAGS.num_speculative_tokens, FLAGS.ngram_min,
+                      FLAGS.ngram_max, FLAGS.spec_max_batch)
+    if FLAGS.speculative != "draft":
+        return spec, None
+    if not FLAGS.draft_model:
+        raise ValueError("--speculative=draft needs --draft_model")
+    from models.loader import load_model
+    draft = load_model(FLAGS.draft_model, dtype)
+    return spec, (draft.cfg, draft.model)

@@ -16,6 +16,7 @@ from scripts import common
 
 common.define_model_flags()
 common.define_engine_flags()
+common.define_speculative_flags()
 flags.DEFINE_multi_string("prompt", None, "A prompt; repeat the flag for several requests.")
 flags.DEFINE_integer("max_tokens", 128, "Most tokens generated per prompt.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
@@ -81,7 +82,8 @@ def main(argv):
                             FLAGS.seed)
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         prompt_ids = build_prompts(loaded.tokenizer, FLAGS.prompt, FLAGS.chat)
-        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg)
+        spec, draft = common.speculation_from_flags(FLAGS, common.resolve_dtype(FLAGS.dtype))
+        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft)
         print(engine.kv_summary, file=sys.stderr)
         if FLAGS.warmup:
             longest = max(len(p) for p in prompt_ids)
@@ -105,6 +107,11 @@ def main(argv):
         print(f"[{len(outputs)} prompt(s), {sum(len(p) for p in prompt_ids)} prompt tokens, "
               f"{generated} generated in {elapsed:.2f}s; time to first token {ttft:.2f}s; "
               f"decode {decode_rate:.1f} tokens/s]")
+        if spec is not None:
+            stats = engine.spec_stats
+            print(f"[speculative {spec.method}: {stats.num_drafts} drafts, {stats.num_draft_tokens}"
+                  f" drafted, {stats.num_accepted_tokens} accepted ({stats.acceptance_rate:.0%}); "
+                  f"mean acceptance length {stats.mean_acceptance_length:.2f}]")
     except common.USER_ERRORS as e:
         common.fail(str(e))
 
