@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from configs.model import ModelConfig
 from engine.mesh import DATA, mesh_shape
-from engine.runner import (MIN_PAGE_BUCKET, ModelRunner, StepBatch, bucket,
-                           prefill_bucket_key)
+from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepBatch,
+                           bucket, bucket_key)
 from engine.sampling import SamplingArrays, sample_step
 from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
                              shard_state)
@@ -108,6 +108,21 @@ class ShardedModelRunner(ModelRunner):
         shard[dummy] = np.arange(int(dummy.sum())) % self.dp
         return np.minimum(shard, self.dp - 1)
 
+    def _bucket(self, q_lens, groups, width, batch: StepBatch) -> tuple[int, int, int, int, int]:
+        """The single-device bucket of the largest shard, which fits every shard's part."""
+        tokens = max(int(q_lens[g].sum()) for g in groups)
+        seqs = max(len(g) for g in groups)
+        prefill = max(int((q_lens[g] > 1).sum()) for g in groups)
+        max_q = int(q_lens.max(initial=1))
+        max_seqs = max(self.max_seqs, batch.num_seqs)
+        key = bucket_key(tokens, seqs, width, max_q, prefill, max_seqs,
+                         max(self.max_width, batch.block_tables.shape[1]))
+        n, s, w, q, p = key
+        if n >= tokens and s >= seqs and w >= width and q >= max_q and p >= prefill:
+            return key
+        n = bucket(tokens, MIN_TOKEN_BUCKET)  # a safe bound if the bucket rules change
+        return n, bucket(max_seqs), bucket(width, MIN_PAGE_BUCKET), n, bucket(prefill)
+
     def _layout(self, batch: StepBatch) -> ShardedStep:
         dp, pages, page_size = self.dp, self.pages_per_shard, self.page_size
         q_lens = np.diff(batch.query_start_loc)
@@ -116,15 +131,7 @@ class ShardedModelRunner(ModelRunner):
         width = batch.block_tables.shape[1]
         if self.fixed_width:
             width = max(self.max_width, width)
-        max_q = int(q_lens.max(initial=1))
-        if max_q <= 1:
-            s = bucket(max(len(g) for g in groups))
-            key = (s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0)
-        else:
-            key = prefill_bucket_key(max(int(q_lens[g].sum()) for g in groups),
-                                     max(int((q_lens[g] > 1).sum()) for g in groups),
-                                     max(self.max_seqs, batch.num_seqs),
-                                     max(self.max_width, batch.block_tables.shape[1]))
+        key = self._bucket(q_lens, groups, width, batch)
         n, s, w, _, _ = key
         tokens = np.zeros((dp, n), np.int32)
         positions = np.zeros((dp, n), np.int32)
