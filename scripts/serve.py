@@ -1,0 +1,77 @@
+"""OpenAI-compatible HTTP server: `python -m scripts.serve --model=smollm2-135m --port=8000`.
+
+Loads the model, sizes the KV cache (the summary is printed), compiles the engine's programs,
+then listens: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream=true gives
+server-sent events), GET /health, GET /metrics (Prometheus). SIGTERM or Ctrl-C stops admitting
+new requests (503), lets running ones finish for up to --shutdown_timeout seconds, then exits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from absl import app, flags
+
+from scripts import common
+
+common.define_model_flags()
+common.define_engine_flags()
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port; the address is printed).")
+flags.DEFINE_string("api_key", None, "If set, /v1/ requests need 'Authorization: Bearer <key>' "
+                    "(default: the PALLASITE_API_KEY environment variable, if set).")
+flags.DEFINE_string("served_model_name", None, "The model id clients send (default: --model).")
+flags.DEFINE_integer("max_waiting", 256, "Most sequences waiting to start; above it, 429.")
+flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body; above it, 413.")
+flags.DEFINE_float("shutdown_timeout", 30.0, "Seconds running requests get to finish on SIGTERM.")
+flags.DEFINE_bool("warmup", True, "Compile every program the engine can reach before listening.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    common.setup_jax()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    for name in ("max_waiting", "max_body_bytes"):
+        if getattr(FLAGS, name) < 1:
+            common.fail(f"--{name} must be >= 1")
+    if FLAGS.shutdown_timeout < 0:
+        common.fail("--shutdown_timeout must be >= 0")
+    try:
+        from engine.llm_engine import LLMEngine
+        from engine.server.app import Server
+        from engine.server.serving import run_until_signal
+        from models.loader import load_model
+
+        start = time.perf_counter()
+        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
+                            FLAGS.seed)
+        engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
+        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg)
+        print(engine.kv_summary, file=sys.stderr, flush=True)
+        if FLAGS.warmup:
+            engine.warmup(progress=common.print_progress("compiling"))
+        print(f"ready in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+        server = Server(engine, FLAGS.served_model_name or FLAGS.model,
+                        api_key=FLAGS.api_key or os.environ.get("PALLASITE_API_KEY"),
+                        max_waiting=FLAGS.max_waiting, max_body_bytes=FLAGS.max_body_bytes,
+                        shutdown_timeout=FLAGS.shutdown_timeout)
+    except common.USER_ERRORS as e:
+        common.fail(str(e))
+
+    def listening(host, port):
+        print(f"serving {server.model_name!r} on http://{host}:{port} (OpenAI API under /v1)",
+              flush=True)
+
+    try:
+        run_until_signal(server, FLAGS.host, FLAGS.port, listening)
+    except OSError as e:
+        common.fail(f"cannot listen on {FLAGS.host}:{FLAGS.port}: {e.strerror or e}")
+    print("server stopped", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,103 @@
+"""Load: 64 concurrent streaming clients with random prompts, some hanging up early.
+
+Bounded: 64 requests of at most 24 tokens each, on loopback, under a 120 s deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+
+from tests.server.conftest import API_KEY, MODEL, metric
+
+NUM_CLIENTS = 64
+
+
+async def one_client(client: httpx.AsyncClient, rng: random.Random, hang_up_after: int | None):
+    """Runs one streaming request; returns (status, data events, hung up)."""
+    if rng.random() < 0.5:
+        prompt = [rng.randrange(3, 256) for _ in range(rng.randint(1, 40))]
+    else:
+        prompt = " ".join(rng.choice(["sea", "sky", "the", "blue", "wind", "a"])
+                          for _ in range(rng.randint(1, 20)))
+    kind = rng.choice(["completions", "chat/completions"])
+    body = {"model": MODEL, "max_tokens": rng.randint(1, 24), "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": rng.choice([0.0, 0.8]),
+            "seed": rng.randrange(1000), "ignore_eos": rng.random() < 0.5}
+    if kind == "completions":
+        body["prompt"] = prompt
+    else:
+        text = prompt if isinstance(prompt, str) else "sea " * min(len(prompt), 20)
+        body["messages"] = [{"role": "user", "content": text}]
+    events = []
+    async with client.stream("POST", f"/v1/{kind}", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, [response.text], False
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if hang_up_after is not None and len(events) >= hang_up_after:
+                    return 200, events, True  # leaving the block closes the connection
+    return 200, events, False
+
+
+def check_stream(events: list[str]) -> None:
+    """A complete stream: JSON chunks of one id, every choice finished, usage, then [DONE]."""
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    assert len({c["id"] for c in chunks}) == 1
+    finished = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"] is not None]
+    assert len(finished) == 1 and finished[0]["finish_reason"] in ("stop", "length")
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] >= 1
+    token_chunks = [c for c in chunks[:-1] if c["choices"]
+                    and "role" not in c["choices"][0].get("delta", {})]
+    assert len(token_chunks) == usage["completion_tokens"]  # one chunk per generated token
+
+
+def server_errors(metrics_text: str) -> float:
+    """5xx answers so far, from the request counter."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+               if line.startswith("pallasite_http_requests_total") and 'status="5' in line)
+
+
+def test_64_concurrent_streams_some_hanging_up(server, http):
+    rng = random.Random(0)
+    hang_ups = [rng.randint(1, 3) if i % 4 == 0 else None for i in range(NUM_CLIENTS)]
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0, limits=limits,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+            return await asyncio.gather(*(one_client(client, random.Random(i), hang_ups[i])
+                                          for i in range(NUM_CLIENTS)))
+
+    errors_before = server_errors(http.get("/metrics").text)
+    start = time.monotonic()
+    results = asyncio.run(asyncio.wait_for(run_all(), timeout=120.0))
+    elapsed = time.monotonic() - start
+    statuses = [status for status, _, _ in results]
+    assert statuses == [200] * NUM_CLIENTS, [r for r in results if r[0] != 200][:3]
+    completed = [events for _, events, hung_up in results if not hung_up]
+    assert len(completed) >= NUM_CLIENTS * 3 // 4 - 1
+    for events in completed:
+        check_stream(events)
+
+    deadline = time.monotonic() + 10.0
+    while True:  # the hung-up requests are aborted; every page comes back
+        text = http.get("/metrics").text
+        idle = (metric(text, "pallasite_num_requests_running") == 0
+                and metric(text, "pallasite_num_requests_waiting") == 0
+                and metric(text, "pallasite_kv_cache_pages_used") == 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle, text
+    assert metric(text, "pallasite_kv_cache_pages_total") > 0
+    assert server_errors(text) == errors_before, "5xx answers under load"
+    assert elapsed < 120.0
