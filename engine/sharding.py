@@ -271,3 +271,22 @@ def abstract_with_shardings(tree, cfg: ModelConfig, mesh):
     shardings = tree_shardings(tree, cfg, mesh)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         tree, shardings)
+
+
+def storage_layout(model, cfg: ModelConfig, tp: int):
+    """The model with every weight split as the rules split it at `tp`, over tp host CPUs.
+
+    orbax writes each array in chunks of its shards, so a checkpoint saved from this layout is
+    read shard by shard when restored at any tp dividing this one (scripts/convert_checkpoint.py).
+    """
+    from flax import nnx
+
+    from engine.mesh import make_mesh
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < tp:
+        raise ValueError(f"storage layout over tp={tp} needs {tp} host CPU devices, found "
+                         f"{len(cpus)} (set XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
+    mesh = make_mesh(tp, 1, cpus[:tp])
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, tree_shardings(state, cfg, mesh)))

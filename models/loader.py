@@ -21,19 +21,26 @@ class LoadedModel:
 
 
 def load_model(spec: str, dtype=jnp.float32, random_weights: bool = False,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, mesh=None) -> LoadedModel:
     """Loads the model named by `spec`.
 
     spec: a preset name (`smollm2-135m` loads the embedded GGUF; other presets need
     `random_weights=True`, which builds random weights of the preset's real shapes), a `.gguf`
     file, an HF checkpoint directory (config.json + safetensors) or an orbax directory written by
     scripts/convert_checkpoint.py.
+    mesh: a (data, model) device mesh (engine/mesh.py): every weight goes straight onto its
+    shards by the partition rules of engine/sharding.py (an orbax checkpoint is restored onto
+    them, each process reading its own shards); None: the default device.
     """
     from models.weights import model_from_tensors, random_model
 
     if spec in PRESETS:
         cfg = get_preset(spec)
         if random_weights:
+            if mesh is not None:
+                from engine.sharding import random_model_on_mesh
+                return LoadedModel(cfg, random_model_on_mesh(cfg, seed, dtype, mesh), None,
+                                   f"random:{spec}")
             return LoadedModel(cfg, random_model(cfg, seed, dtype), None, f"random:{spec}")
         if spec not in EMBEDDED_PRESETS:
             raise ValueError(f"preset {spec!r} has no embedded weights: pass a GGUF file, an HF "
@@ -47,12 +54,16 @@ def load_model(spec: str, dtype=jnp.float32, random_weights: bool = False,
     if os.path.isdir(spec):
         from models.orbax_io import is_orbax_checkpoint, load_checkpoint
         if is_orbax_checkpoint(spec):
-            cfg, model, tokenizer = load_checkpoint(spec, dtype)
+            cfg, model, tokenizer = load_checkpoint(spec, dtype, mesh=mesh)
             return LoadedModel(cfg, model, tokenizer, spec)
         from models.hf_loader import load_hf_dir
         loaded = load_hf_dir(spec)
     else:
         from models.gguf_loader import load_gguf
         loaded = load_gguf(spec)
-    model = model_from_tensors(loaded.config, loaded.tensors, dtype, source=spec)
+    place = None
+    if mesh is not None:
+        from engine.sharding import leaf_placer
+        place = leaf_placer(loaded.config, mesh)
+    model = model_from_tensors(loaded.config, loaded.tensors, dtype, source=spec, place=place)
     return LoadedModel(loaded.config, model, loaded.tokenizer, spec)

@@ -67,10 +67,12 @@ def save_checkpoint(output_dir: str, cfg: ModelConfig, model, tokenizer=None,
         raise
 
 
-def load_checkpoint(path: str, dtype=None):
+def load_checkpoint(path: str, dtype=None, mesh=None):
     """Restores (config, model, tokenizer or None) from a directory written by save_checkpoint.
 
-    dtype None keeps the stored dtype; otherwise weights are cast to `dtype`.
+    dtype None keeps the stored dtype; otherwise weights are cast to `dtype`. mesh: restore each
+    weight directly onto its shards of this (data, model) mesh (engine/sharding.py): every
+    process reads only the parts its devices hold, whatever mesh the checkpoint was written from.
     """
     from models.tokenizer import Tokenizer
 
@@ -97,7 +99,11 @@ def load_checkpoint(path: str, dtype=None):
         return quantized_abstract_model(cfg, qcfg, dtype)
 
     target = nnx.to_pure_dict(nnx.state(abstract(stored_dtype)))
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
+    if mesh is None:
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
+    else:
+        from engine.sharding import abstract_with_shardings
+        target = abstract_with_shardings(target, cfg, mesh)
     try:
         pure = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), target)
     except Exception as e:  # orbax raises many types for missing/corrupt data

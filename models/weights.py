@@ -50,26 +50,31 @@ def hf_tensors_to_pure_dict(cfg: ModelConfig, tensors: dict[str, np.ndarray]) ->
 
 
 def model_from_pure_dict(cfg: ModelConfig, pure: dict, dtype=jnp.float32,
-                         sharding=None, abstract=None) -> LlamaForCausalLM:
+                         sharding=None, abstract=None, place=None) -> LlamaForCausalLM:
     """Builds the model from a nested dict of arrays (as written by nnx.to_pure_dict).
 
     Float arrays are cast to `dtype`; integer ones (packed quantized weights) keep theirs.
     abstract: the shape-only model to fill (default `abstract_model(cfg, dtype)`); a quantized
     checkpoint passes its own (quant.model.quantized_abstract_model).
+    place: a function (key path, host numpy array in its final dtype) -> device array that puts
+    each host weight where it belongs, e.g. on its shards of a mesh (engine.sharding.leaf_placer).
     """
     graphdef, state = nnx.split(abstract if abstract is not None else abstract_model(cfg, dtype))
 
-    def cast(a):
+    def cast(path, a):
         floating = jnp.issubdtype(a.dtype, jnp.floating)
+        if place is not None and isinstance(a, np.ndarray):
+            return place(path, np.asarray(a, dtype if floating else a.dtype))
         return jnp.asarray(a, dtype if floating else a.dtype, device=sharding)
 
-    leaves = jax.tree.map(cast, pure)
+    leaves = jax.tree_util.tree_map_with_path(cast, pure)
     nnx.replace_by_pure_dict(state, leaves)
     return nnx.merge(graphdef, state)
 
 
 def model_from_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32,
-                       source: str = "checkpoint") -> LlamaForCausalLM:
-    """Validates HF-named tensors against `cfg` and builds the model in `dtype`."""
+                       source: str = "checkpoint", place=None) -> LlamaForCausalLM:
+    """Validates HF-named tensors against `cfg` and builds the model in `dtype` (place: as in
+    model_from_pure_dict)."""
     validate_tensors(cfg, tensors, source)
-    return model_from_pure_dict(cfg, hf_tensors_to_pure_dict(cfg, tensors), dtype)
+    return model_from_pure_dict(cfg, hf_tensors_to_pure_dict(cfg, tensors), dtype, place=place)
