@@ -7,7 +7,8 @@ distributions (long-tailed, like ShareGPT conversations), arrivals Poisson at --
 requests/s (inf: all at once). Requests ignore EOS and stop at their drawn output length, so both
 runs do the same useful work. The engine runs in process. In the same run a static-batching
 baseline (wait for a full batch, run it until its longest output is done) serves the same
-requests on the same model. Prints a table and writes JSON.
+requests on the same model. Prints a table and writes JSON. With --url the same workload
+drives a running server over HTTP instead (scripts/bench_http.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default:
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
 flags.DEFINE_integer("warmup_requests", 8, "Requests run (and discarded) first to compile.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+flags.DEFINE_string("url", None, "Drive a running server (scripts.serve) at this address "
+                    "over HTTP instead of an in-process engine (scripts/bench_http.py).")
+flags.DEFINE_string("api_key", None, "With --url: the server's API key.")
 FLAGS = flags.FLAGS
 
 
@@ -176,6 +180,9 @@ def print_table(results: dict) -> None:
 
 def main(argv):
     del argv
+    if FLAGS.url:
+        from scripts import bench_http
+        return bench_http.main(FLAGS, make_workload, summarize, print_table)
     common.setup_jax()
     try:
         import jax
