@@ -92,15 +92,19 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     if penalties is not None:
         logits = apply_penalties(logits, *penalties)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
-    cut = filtered_logits(logits, safe_temperature, top_k, top_p, min_p)
 
-    def draw(seed, step, row):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.categorical(key, row).astype(jnp.int32)
+    def sample_rows():
+        safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
+        cut = filtered_logits(logits, safe_temperature, top_k, top_p, min_p)
 
-    sampled = jax.vmap(draw)(seeds, steps, cut)
-    return jnp.where(temperature > 0, sampled, greedy)
+        def draw(seed, step, row):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            return jax.random.categorical(key, row).astype(jnp.int32)
+
+        return jnp.where(temperature > 0, jax.vmap(draw)(seeds, steps, cut), greedy)
+
+    # An all-greedy batch skips the sort over the vocabulary that the cuts need.
+    return jax.lax.cond(jnp.any(temperature > 0), sample_rows, lambda: greedy)
 
 
 def _pad_rows(a: np.ndarray, rows: int, value) -> np.ndarray:

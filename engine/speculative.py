@@ -123,15 +123,35 @@ def verify(target_logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Arr
     """
     rows, k1, vocab = target_logits.shape
     k = k1 - 1
-    positions = jnp.arange(k1)
+    greedy = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, K+1]
+    is_draft = jnp.arange(k)[None, :] < num_draft[:, None]  # [S, K]
+    safe_draft = jnp.clip(draft_tokens, 0, vocab - 1)
+
+    def greedy_only():
+        ok = (safe_draft == greedy[:, :k]) & is_draft
+        a = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)
+        final = jnp.take_along_axis(greedy, a[:, None], axis=1)[:, 0]
+        tokens = jnp.concatenate([safe_draft, jnp.zeros((rows, 1), jnp.int32)], axis=1)
+        return a.astype(jnp.int32), tokens.at[jnp.arange(rows), a].set(final)
+
+    def with_sampling():
+        return _verify_sampled(target_logits, greedy, safe_draft, is_draft, num_draft,
+                               draft_probs, temperature, top_k, top_p, min_p, seeds, steps)
+
+    # An all-greedy batch skips the sort over the vocabulary that the cuts need.
+    return jax.lax.cond(jnp.any(temperature > 0), with_sampling, greedy_only)
+
+
+def _verify_sampled(target_logits, greedy, safe_draft, is_draft, num_draft, draft_probs,
+                    temperature, top_k, top_p, min_p, seeds, steps):
+    """`verify` for batches with sampled rows (greedy rows follow the greedy rule)."""
+    rows, k1, vocab = target_logits.shape
+    k = k1 - 1
     flat = target_logits.reshape(rows * k1, vocab)
     rep = lambda a: jnp.repeat(a, k1)  # noqa: E731  [S] -> [S*(K+1)]
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     cut = filtered_logits(flat, rep(safe_t), rep(top_k), rep(top_p), rep(min_p))
     p = jax.nn.softmax(cut, axis=-1).reshape(rows, k1, vocab)  # [S, K+1, V]
-    greedy = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, K+1]
-    is_draft = positions[None, :k] < num_draft[:, None]  # [S, K]
-    safe_draft = jnp.clip(draft_tokens, 0, vocab - 1)
     p_draft = jnp.take_along_axis(p[:, :k], safe_draft[..., None], axis=-1)[..., 0]  # [S, K]
     if draft_probs is None:
         q_draft = jnp.ones_like(p_draft)

@@ -9,6 +9,7 @@ speed-up over plain decoding, and the acceptance figures. Prints a table and wri
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -62,7 +63,9 @@ def main(argv):
 
         dtype = common.resolve_dtype(FLAGS.dtype)
         loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed)
-        engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
+        # Without the prefix cache every run repeats the warm-up's steps (and programs) exactly.
+        engine_cfg = dataclasses.replace(common.engine_config_from_flags(FLAGS, loaded.cfg),
+                                         enable_prefix_caching=False)
         prompt_ids = [loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(
             [{"role": "user", "content": p}])) for p in PROMPTS]
         params = SamplingParams(max_tokens=FLAGS.max_tokens, ignore_eos=True)
