@@ -10,6 +10,8 @@ kernels plug in behind `paged_attention` (dispatch by backend); on CPU the refer
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -172,15 +174,16 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """The engine's attention over a ragged step: the Pallas kernel on GPU, else jnp.
 
     Arguments as in `ragged_attention_by_groups`. On GPU the ragged Pallas kernel
-    (ops/ragged_attention.py) reads only each sequence's own pages; elsewhere the grouped jnp
-    reference runs. Under a sharded step's mesh each shard runs this on its own heads and
+    (ops/ragged_attention.py) reads only each sequence's own pages; elsewhere, or with the
+    environment variable PALLASITE_ATTENTION=reference (read when a step is compiled), the grouped
+    jnp reference runs. Under a sharded step's mesh each shard runs this on its own heads and
     sequences (ops/sharded_attention.py).
     """
     if (mesh := active_mesh()) is not None:
         return sharded_step_attention(mesh, q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len,
                                       max_prefill_seqs=max_prefill_seqs)
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" and os.environ.get("PALLASITE_ATTENTION") != "reference":
         from ops.ragged_attention import ragged_paged_attention
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len)

@@ -35,7 +35,10 @@ flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
-flags.DEFINE_integer("warmup_requests", 8, "Requests run (and discarded) first to compile.")
+flags.DEFINE_enum("warmup", "shapes", ["shapes", "rerun"],
+                  "shapes: compile every program a run can reach at start (LLMEngine.warmup); "
+                  "rerun: run the same workload once untimed first (fewer programs compiled; "
+                  "exact with --request_rate=inf, where the schedule is deterministic).")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 flags.DEFINE_string("url", None, "Drive a running server (scripts.serve) at this address "
                     "over HTTP instead of an in-process engine (scripts/bench_http.py).")
@@ -178,6 +181,20 @@ def print_table(results: dict) -> None:
               f"{c['output_tokens_per_s'] / s['output_tokens_per_s']:.2f}x")
 
 
+def warm_up(engine, longest: int, rerun) -> int:
+    """Compiles per --warmup; returns the number of programs compiled."""
+    before = len(engine.runner.compiled_shapes)
+    if FLAGS.warmup == "shapes":
+        engine.warmup(max_total_len=longest, progress=common.print_progress("compiling"))
+    else:
+        rerun()
+        engine.pool = type(engine.pool)(engine.pool.num_pages, engine.pool.page_size,
+                                        engine.pool.enable_prefix_caching)  # forget the cache
+        engine.scheduler.pool = engine.pool
+        engine.scheduler.num_preemptions = 0
+    return len(engine.runner.compiled_shapes) - before
+
+
 def main(argv):
     del argv
     if FLAGS.url:
@@ -199,8 +216,6 @@ def main(argv):
                              f"exceeds max_model_len {engine_cfg.max_model_len}")
         work = make_workload(FLAGS.seed, FLAGS.num_requests, loaded.cfg.vocab_size,
                              FLAGS.request_rate)
-        warm = make_workload(FLAGS.seed + 1, FLAGS.warmup_requests, loaded.cfg.vocab_size,
-                             math.inf)
     except common.USER_ERRORS as e:
         common.fail(str(e))
     results = {"model": FLAGS.model, "device": str(jax.devices()[0].device_kind),
@@ -213,10 +228,9 @@ def main(argv):
     engine = LLMEngine(loaded.cfg, loaded.model, None, engine_cfg)
     print(engine.kv_summary)
     start = time.perf_counter()
-    results["programs_compiled_at_start"] = engine.warmup(
-        max_total_len=longest, progress=common.print_progress("compiling"))
+    results["programs_compiled_at_start"] = warm_up(engine, longest, lambda: run_continuous(
+        engine, work))
     results["warmup_s"] = time.perf_counter() - start
-    run_continuous(engine, warm)
     engine.stats = type(engine.stats)(record_steps=True)
     results["continuous"] = run_continuous(engine, work) | host_share(engine)
     del engine
@@ -226,8 +240,7 @@ def main(argv):
         static_cfg = dataclasses.replace(engine_cfg, max_num_seqs=batch,
                                          enable_prefix_caching=False)
         engine = LLMEngine(loaded.cfg, loaded.model, None, static_cfg)
-        engine.warmup(max_total_len=longest, progress=common.print_progress("compiling"))
-        run_static(engine, warm, batch)
+        warm_up(engine, longest, lambda: run_static(engine, work, batch))
         results["static"] = run_static(engine, work, batch) | {"batch_size": batch}
         results["continuous_over_static"] = (results["continuous"]["output_tokens_per_s"]
                                              / results["static"]["output_tokens_per_s"])
