@@ -21,7 +21,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from scripts import common
+from scripts import common, parallel
 
 common.define_model_flags()
 common.define_engine_flags()
@@ -205,10 +205,16 @@ def main(argv):
         import jax
 
         from engine.llm_engine import LLMEngine
+        from engine.mesh import is_main_process
         from models.loader import EMBEDDED_PRESETS, load_model
 
+        mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
+        if jax.process_count() > 1 and not math.isinf(FLAGS.request_rate):
+            raise ValueError("with several processes --request_rate must be inf: arrivals timed "
+                             "by each process's clock would give the processes different steps")
         random = FLAGS.random_weights or FLAGS.model not in EMBEDDED_PRESETS
-        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), random, FLAGS.seed)
+        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), random, FLAGS.seed,
+                            mesh=mesh)
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         longest = FLAGS.shared_prefix_len + FLAGS.max_input_len + FLAGS.max_output_len
         if longest > engine_cfg.max_model_len:
@@ -223,9 +229,12 @@ def main(argv):
                "input_len_median": FLAGS.input_len, "output_len_median": FLAGS.output_len,
                "mean_input_len": float(np.mean([len(p) for p in work.prompts])),
                "mean_output_len": float(np.mean(work.output_lens)),
-               "engine": dataclasses.asdict(engine_cfg)}
+               "engine": dataclasses.asdict(engine_cfg),
+               "mesh": None if mesh is None else dict(mesh.shape)}
 
-    engine = LLMEngine(loaded.cfg, loaded.model, None, engine_cfg)
+    engine = LLMEngine(loaded.cfg, loaded.model, None, engine_cfg, mesh=mesh)
+    if mesh is not None:
+        print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}")
     print(engine.kv_summary)
     start = time.perf_counter()
     results["programs_compiled_at_start"] = warm_up(engine, longest, lambda: run_continuous(
@@ -239,13 +248,13 @@ def main(argv):
         batch = FLAGS.static_batch_size or engine_cfg.max_num_seqs
         static_cfg = dataclasses.replace(engine_cfg, max_num_seqs=batch,
                                          enable_prefix_caching=False)
-        engine = LLMEngine(loaded.cfg, loaded.model, None, static_cfg)
+        engine = LLMEngine(loaded.cfg, loaded.model, None, static_cfg, mesh=mesh)
         warm_up(engine, longest, lambda: run_static(engine, work, batch))
         results["static"] = run_static(engine, work, batch) | {"batch_size": batch}
         results["continuous_over_static"] = (results["continuous"]["output_tokens_per_s"]
                                              / results["static"]["output_tokens_per_s"])
     print_table(results)
-    if FLAGS.json_out:
+    if FLAGS.json_out and is_main_process():
         with open(FLAGS.json_out, "w") as f:
             json.dump(results, f, indent=2)
 

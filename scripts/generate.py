@@ -12,7 +12,7 @@ import time
 
 from absl import app, flags
 
-from scripts import common
+from scripts import common, parallel
 
 common.define_model_flags()
 common.define_engine_flags()
@@ -76,14 +76,19 @@ def main(argv):
         from engine.request import SamplingParams
         from models.loader import load_model
 
+        mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
+
         params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                                 top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.sample_seed)
         loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
-                            FLAGS.seed)
+                            FLAGS.seed, mesh=mesh)
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         prompt_ids = build_prompts(loaded.tokenizer, FLAGS.prompt, FLAGS.chat)
         spec, draft = common.speculation_from_flags(FLAGS, common.resolve_dtype(FLAGS.dtype))
-        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft)
+        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft,
+                           mesh=mesh)
+        if mesh is not None:
+            print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr)
         if FLAGS.warmup:
             longest = max(len(p) for p in prompt_ids)
