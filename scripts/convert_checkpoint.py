@@ -10,18 +10,22 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from scripts import common
+from scripts import common, parallel
 
 flags.DEFINE_string("input", "smollm2-135m",
                     "GGUF file, HF checkpoint directory, orbax directory or embedded preset name.")
 flags.DEFINE_string("output", None, "Directory to create.")
 flags.DEFINE_enum("dtype", "bfloat16", common.DTYPES, "Dtype of the stored weights.")
 flags.DEFINE_bool("overwrite", False, "Replace --output if it exists.")
+flags.DEFINE_integer("storage_tp", 8,
+                     "Store each weight in chunks of its shards at this tensor-parallel size, so "
+                     "a run at any tp dividing it reads only its own shards (1: whole arrays).")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
+    parallel.host_devices(FLAGS.storage_tp)  # before jax starts: CPUs to lay the shards out on
     common.setup_jax()
     if not FLAGS.output:
         common.fail("--output is required")
@@ -30,7 +34,11 @@ def main(argv):
         from models.orbax_io import save_checkpoint
 
         loaded = load_model(FLAGS.input, common.resolve_dtype(FLAGS.dtype))
-        save_checkpoint(FLAGS.output, loaded.cfg, loaded.model, loaded.tokenizer,
+        model = loaded.model
+        if FLAGS.storage_tp > 1:  # orbax writes every array in chunks of its shards
+            from engine.sharding import storage_layout
+            model = storage_layout(model, loaded.cfg, FLAGS.storage_tp)
+        save_checkpoint(FLAGS.output, loaded.cfg, model, loaded.tokenizer,
                         overwrite=FLAGS.overwrite)
     except common.USER_ERRORS as e:
         common.fail(str(e))

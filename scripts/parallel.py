@@ -46,6 +46,14 @@ def setup_parallel():
     return make_mesh(tp, dp)
 
 
+def host_devices(count: int) -> None:
+    """Asks for `count` host CPU devices (XLA_FLAGS), unless set already; call before jax starts."""
+    flag = "--xla_force_host_platform_device_count"
+    current = os.environ.get("XLA_FLAGS", "")
+    if count > 1 and flag not in current:
+        os.environ["XLA_FLAGS"] = f"{current} {flag}={count}".strip()
+
+
 def describe(mesh) -> str:
     """One line on the mesh, the device kind and the attention layout (for the scripts' logs)."""
     import jax
