@@ -18,6 +18,7 @@ from scripts import common
 
 common.define_model_flags()
 common.define_engine_flags()
+common.define_speculative_flags()
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port; the address is printed).")
 flags.DEFINE_string("api_key", None, "If set, /v1/ requests need 'Authorization: Bearer <key>' "
@@ -47,10 +48,11 @@ def main(argv):
         from models.loader import load_model
 
         start = time.perf_counter()
-        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
-                            FLAGS.seed)
+        dtype = common.resolve_dtype(FLAGS.dtype)
+        loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed)
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
-        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg)
+        spec, draft = common.speculation_from_flags(FLAGS, dtype)
+        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft)
         print(engine.kv_summary, file=sys.stderr, flush=True)
         if FLAGS.warmup:
             engine.warmup(progress=common.print_progress("compiling"))
