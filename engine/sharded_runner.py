@@ -182,6 +182,7 @@ class ShardedModelRunner(ModelRunner):
         return logits
 
     def _rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:
+        """logits[rows] (rows: host ints), replicated."""
         if np.array_equal(rows, np.arange(len(rows))):
             return logits[: len(rows)]
         return self._take_rows(logits, put(rows.astype(np.int32), self._replicated))
@@ -190,10 +191,16 @@ class ShardedModelRunner(ModelRunner):
 
     def execute(self, batch: StepBatch) -> jax.Array:
         """One step; each sequence's last-token logits, float32 [S, V], replicated."""
+        return self.execute_padded(batch)[: batch.num_seqs]
+
+    def execute_padded(self, batch: StepBatch) -> jax.Array:
+        """One step; the sequences' logits padded to [bucket(S), V] (padding rows repeat the
+        last sequence's), replicated, in the batch's order."""
         start = time.perf_counter()
         step = self._layout(batch)
         self.last_prepare_s = time.perf_counter() - start
-        return self._rows(self._run(step, all_logits=False), step.seq_rows)
+        rows = step.seq_rows[np.minimum(np.arange(bucket(batch.num_seqs)), batch.num_seqs - 1)]
+        return self._rows(self._run(step, all_logits=False), rows)
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """One step; the logits of every token, float32 [N, V], replicated."""
@@ -201,11 +208,12 @@ class ShardedModelRunner(ModelRunner):
         return self._rows(self._run(step, all_logits=True), step.token_rows)
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):
-        """As ModelRunner.sample, with the per-row parameters placed on the mesh (replicated)."""
-        s = logits.shape[0]
+        """As ModelRunner.sample (logits [S, V] or padded), with the per-row parameters placed
+        on the mesh (replicated)."""
+        s = len(arrays.temperature)
         rows = bucket(s)
-        logits = self._take_rows(logits, put(np.minimum(np.arange(rows), s - 1).astype(np.int32),
-                                              self._replicated))
+        if logits.shape[0] != rows:
+            logits = self._rows(logits, np.minimum(np.arange(rows), s - 1))
         padded = arrays.padded(rows)
         placed = {f: put(getattr(padded, f), self._replicated) for f in _SAMPLING_FIELDS}
         penalties = padded.penalties
@@ -214,7 +222,6 @@ class ShardedModelRunner(ModelRunner):
         padded = dataclasses.replace(padded, **placed, penalties=penalties)
         results = sample_step(logits, padded)
         return tuple(None if r is None else np.asarray(r)[:s] for r in results)
-
 
 def sharded_engine_parts(mesh, cfg: ModelConfig, engine_cfg, num_pages_for):
     """(pages per data shard, page pool, runner factory) of an LLMEngine sharded over `mesh`.

@@ -38,13 +38,16 @@ def head_axis(mesh, num_heads: int, num_kv_heads: int):
     return MODEL if num_heads % tp == 0 and num_kv_heads % tp == 0 else None
 
 
-def sharded_write_kv(mesh, k_pages, v_pages, k, v, slot_mapping):
-    """write_kv per shard: k, v [N, KVH, D] split (data, heads); slots local to the data shard."""
+def sharded_write_kv(mesh, k_pages, v_pages, k, v, slot_mapping, **options):
+    """write_kv per shard: k, v [N, KVH, D] split (data, heads); slots local to the data shard.
+
+    options: write_kv's static keyword options, passed to every shard.
+    """
     from ops.paged_attention import write_kv
 
     heads = head_axis(mesh, k.shape[1], k.shape[1])
     pages = P(heads, DATA, None, None)
-    fn = jax.shard_map(write_kv, mesh=mesh, check_vma=False,
+    fn = jax.shard_map(functools.partial(write_kv, **options), mesh=mesh, check_vma=False,
                        in_specs=(pages, pages, P(DATA, heads, None), P(DATA, heads, None),
                                  P(DATA)),
                        out_specs=(pages, pages))
