@@ -20,6 +20,7 @@ from configs.model import ModelConfig
 from engine.kv_cache import KVCache, init_kv_cache
 from engine.sampling import SamplingArrays, sample_step
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
+from ops.kv_quant import is_quantized_kv_dtype
 
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 4
@@ -123,6 +124,13 @@ class ModelRunner:
         self.fixed_width = jax.default_backend() == "gpu"
         self.graphdef, self.state = nnx.split(model)
         kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
+        # int8 / fp8 KV: until the model stores quantized pages, the pages keep the model's float
+        # dtype and each new K/V row is rounded through the quantized type at the write (the
+        # reference numerics, ops.paged_attention.write_kv's kv_quant).
+        self.kv_quant = None
+        if is_quantized_kv_dtype(kv_dtype):
+            self.kv_quant = jnp.dtype(kv_dtype).name
+            kv_dtype = model.embed_tokens.embedding.get_value().dtype
         self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, kv_dtype)
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
@@ -153,7 +161,7 @@ class ModelRunner:
             block_tables=jnp.asarray(_pad(batch.block_tables, (s, w), 0)),
             query_start_loc=jnp.asarray(start),
             kv_lens=jnp.asarray(_pad(batch.kv_lens, (s,), 0)),
-            max_q_len=max_q, max_prefill_seqs=max_prefill)
+            max_q_len=max_q, max_prefill_seqs=max_prefill, kv_quant=self.kv_quant)
         tokens = jnp.asarray(_pad(batch.token_ids, (n,), 0))
         return tokens, meta, jnp.asarray(_pad(batch.logits_indices, (s,), 0))
 
@@ -207,15 +215,16 @@ class ModelRunner:
 
 
 def full_sequence_logits(cfg: ModelConfig, model: LlamaForCausalLM, token_ids: np.ndarray,
-                         page_size: int = 16) -> np.ndarray:
+                         page_size: int = 16, kv_dtype=None) -> np.ndarray:
     """Logits of every position of each row of token_ids [B, T], one prefill in a fresh cache.
 
     Returns float32 numpy [B, T, V]. Used by perplexity evaluation and numerics tests.
+    kv_dtype: the KV cache's dtype (default: the model's); int8 / float8_e4m3fn quantize K/V.
     """
     token_ids = np.asarray(token_ids, np.int32)
     batch, seq = token_ids.shape
     pages_per_row = -(-seq // page_size)
-    runner = ModelRunner(cfg, model, batch * pages_per_row, page_size)
+    runner = ModelRunner(cfg, model, batch * pages_per_row, page_size, kv_dtype)
     positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
     tables = np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)
     slots = np.take_along_axis(tables, positions // page_size, axis=1) * page_size \

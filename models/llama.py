@@ -31,6 +31,8 @@ class AttentionMetadata:
     kv_lens          [S]      cached tokens of each sequence once this step's tokens are written
     max_q_len, max_prefill_seqs (static): bounds of the query tokens of one sequence and of the
       number of sequences with more than one (see ops.paged_attention.ragged_attention_by_groups)
+    kv_quant (static): None, or 'int8' / 'float8_e4m3fn' to round new K/V through that type at
+      the cache write (reference numerics of a quantized cache; ops.paged_attention.write_kv)
     """
 
     positions: jax.Array
@@ -40,6 +42,7 @@ class AttentionMetadata:
     kv_lens: jax.Array
     max_q_len: int = dataclasses.field(default=1, metadata=dict(static=True))
     max_prefill_seqs: int = dataclasses.field(default=0, metadata=dict(static=True))
+    kv_quant: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -116,7 +119,8 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, d)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping,
+                                    kv_quant=meta.kv_quant)
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs)  # [N, H, D]

@@ -15,17 +15,23 @@ import os
 import jax
 import jax.numpy as jnp
 
+from ops.kv_quant import quantize_kv
 from ops.sharded_attention import active_mesh, sharded_step_attention, sharded_write_kv
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+             slot_mapping: jax.Array, kv_quant: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Scatters new keys and values into the pages at flat slot indices.
 
     k_pages, v_pages: [KVH, P, S, D]; k, v: [N, KVH, D]; slot_mapping: int32 [N].
     Slots outside [0, P * S) (padding) are dropped. Returns the updated pages; when the pages
     are donated to the enclosing jit, XLA performs the scatter in place.
+    kv_quant: 'int8' or 'float8_e4m3fn' rounds each new row (token, head) of k and v through that
+    type with its own scale (ops.kv_quant.quantize_kv) before storing it in the float pages: the
+    numerics of a quantized cache, as a reference, until the model stores quantized pages.
     """
+    if kv_quant is not None:
+        k, v = _quantize_dequantize_kv(k, kv_quant), _quantize_dequantize_kv(v, kv_quant)
     if (mesh := active_mesh()) is not None:  # a sharded step: write per shard (shard_map)
         return sharded_write_kv(mesh, k_pages, v_pages, k, v, slot_mapping)
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
@@ -42,6 +48,12 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
     k_pages = k_pages.at[:, page, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[:, page, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
     return k_pages, v_pages
+
+
+def _quantize_dequantize_kv(x: jax.Array, dtype: str) -> jax.Array:
+    """x [..., D] rounded through `dtype` with one scale per row, back in x's dtype."""
+    values, scales = quantize_kv(x, dtype)
+    return (values.astype(jnp.float32) * scales[..., None]).astype(x.dtype)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
