@@ -128,9 +128,14 @@ def unpack_codes(w: QuantizedWeight) -> jax.Array:
 
 
 def expand_groups(per_group: jax.Array, group_size: int, in_features: int) -> jax.Array:
-    """[G, N] -> [K, N]: row k gets group k // group_size."""
-    return jnp.repeat(per_group, group_size, axis=0, total_repeat_length=num_groups(
-        in_features, group_size) * group_size)[:in_features]
+    """[G, N] -> [K, N]: row k gets group k // group_size.
+
+    A broadcast and reshape, not a gather: under tensor parallelism the scales of a kernel split
+    by rows then expand on each shard without moving (engine/sharding.py).
+    """
+    groups, n = per_group.shape
+    rows = jnp.broadcast_to(per_group[:, None, :], (groups, group_size, n))
+    return rows.reshape(groups * group_size, n)[:in_features]
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32, unpermute: bool = True) -> jax.Array:
