@@ -4,6 +4,11 @@ The text is tokenized without special tokens, cut to its first --num_tokens toke
 one forward pass through the paged cache; perplexity = exp(mean negative log-likelihood of each
 token given the ones before it). The default text is CPython's pydoc topics
 (`pydoc_data.topics.topics`, joined in key order by blank lines), which ships with every CPython.
+
+--quant=METHOD quantizes the weights on the fly (quant/model.py; GPTQ and AWQ calibrate on
+--calib_text, by default a built-in text other than this evaluation text); a quantized checkpoint
+written by scripts/quantize.py is evaluated with --model=DIR. --kv_cache_dtype=bf16|int8|fp8
+stores K/V in that type (int8 / fp8 with per-token, per-head scales).
 """
 from __future__ import annotations
 
@@ -20,6 +25,12 @@ flags.DEFINE_string("text_file", None, "UTF-8 text to evaluate on (default: pydo
 flags.DEFINE_integer("num_tokens", 2048, "Evaluate on the first this-many tokens of the text.")
 flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
 flags.DEFINE_string("json_out", None, "Also write the result as JSON to this file.")
+flags.DEFINE_enum("quant", None, ["int8", "int8_asym", "int4_rtn", "int4_gptq", "int4_awq"],
+                  "Quantize the weights on the fly with this method before evaluating.")
+common.define_quant_flags()
+flags.DEFINE_enum("kv_cache_dtype", None, ["bf16", "int8", "fp8"],
+                  "KV cache dtype (default: the model's dtype); fp8 is float8_e4m3fn.")
+KV_DTYPES = {"bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}
 FLAGS = flags.FLAGS
 
 
@@ -29,7 +40,8 @@ def default_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def perplexity_of_ids(cfg, model, ids: list[int], page_size: int = 16) -> tuple[float, float]:
+def perplexity_of_ids(cfg, model, ids: list[int], page_size: int = 16,
+                      kv_dtype=None) -> tuple[float, float]:
     """(perplexity, mean NLL) of `ids` under the model, in one forward pass through the cache."""
     from engine.runner import full_sequence_logits
 
@@ -38,7 +50,7 @@ def perplexity_of_ids(cfg, model, ids: list[int], page_size: int = 16) -> tuple[
         raise ValueError(f"need at least 2 tokens to measure perplexity, got {n}")
     if n > cfg.max_position_embeddings:
         raise ValueError(f"{n} tokens exceed the model's context of {cfg.max_position_embeddings}")
-    logits = full_sequence_logits(cfg, model, np.asarray([ids]), page_size)[0]
+    logits = full_sequence_logits(cfg, model, np.asarray([ids]), page_size, kv_dtype)[0]
     logits = logits.astype(np.float64)  # [n, V]
     logits -= logits.max(-1, keepdims=True)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -51,6 +63,7 @@ def main(argv):
     common.setup_jax()
     try:
         from models.loader import load_model
+        from quant.model import model_nbytes
 
         if FLAGS.num_tokens < 2:
             raise ValueError(f"--num_tokens must be >= 2, got {FLAGS.num_tokens}")
@@ -63,14 +76,21 @@ def main(argv):
                             FLAGS.seed)
         if loaded.tokenizer is None:
             raise ValueError(f"model {FLAGS.model!r} has no tokenizer to encode the text with")
+        quant = common.quantize_from_flags(loaded, FLAGS.quant) if FLAGS.quant else None
         ids = loaded.tokenizer.encode(text)[: FLAGS.num_tokens]
-        ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, FLAGS.page_size)
+        kv_dtype = KV_DTYPES[FLAGS.kv_cache_dtype] if FLAGS.kv_cache_dtype else None
+        ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, FLAGS.page_size, kv_dtype)
     except common.USER_ERRORS as e:
         common.fail(str(e))
     result = {"model": FLAGS.model, "text": FLAGS.text_file or "pydoc_data.topics",
-              "num_tokens": len(ids), "mean_nll": nll, "perplexity": ppl}
+              "num_tokens": len(ids), "mean_nll": nll, "perplexity": ppl,
+              "weight_bytes": model_nbytes(loaded.model), "quant": quant,
+              "kv_cache_dtype": FLAGS.kv_cache_dtype}
+    extras = "".join(f", {name} {value}" for name, value in (
+        ("--quant", FLAGS.quant), ("KV cache", FLAGS.kv_cache_dtype)) if value)
     print(f"perplexity {ppl:.4f} (mean NLL {nll:.5f}) over {len(ids)} tokens of "
-          f"{result['text']} with {FLAGS.model}")
+          f"{result['text']} with {FLAGS.model}{extras}; weights "
+          f"{result['weight_bytes'] / 2**20:.1f} MiB")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(result, f, indent=2)
