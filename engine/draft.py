@@ -66,8 +66,7 @@ class DraftProposer:
         tokens_so_far, probs = [], []
         batch = make_step_batch(rows, self.page_size)
         for i in range(k):
-            logits = self.runner.execute(batch)
-            logits = jnp.pad(logits, ((0, bucket(num) - num), (0, 0)))
+            logits = self.runner.execute_padded(batch)  # [bucket(num), V]
             steps = padded.steps + i
             token, q = draft_sample(logits, *(jnp.asarray(a) for a in (
                 padded.temperature, padded.top_k, padded.top_p, padded.min_p, padded.seeds,

@@ -241,7 +241,7 @@ class LLMEngine:
             logits = all_logits[jnp.asarray(batch.logits_indices)]
             accepted, spec_tokens = self._verify(all_logits, batch, requests, draft_probs)
         else:
-            logits = self.runner.execute(batch)
+            logits = self.runner.execute_padded(batch)
         tokens, chosen, top_ids, top_logprobs = self.runner.sample(
             logits, SamplingArrays.from_requests(requests))  # waits for the device
         t2 = time.perf_counter()

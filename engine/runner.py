@@ -52,30 +52,27 @@ def make_step_batch(rows, page_size: int) -> StepBatch:
     """Builds a ragged StepBatch from rows of (tokens to compute, first position, pages).
 
     A row computes its tokens at positions first, first + 1, ...; their K/V go to the slots of
-    the row's pages (a position past the row's pages is not written: slot -1).
+    the row's pages (a position past the row's pages is not written: slot -1). Vectorized over
+    tokens: the per-row Python work is one list extension and one table row.
     """
-    counts = np.asarray([len(tokens) for tokens, _, _ in rows], np.int32)
-    start = np.zeros(len(rows) + 1, np.int32)
+    num_rows = len(rows)
+    counts = np.fromiter((len(tokens) for tokens, _, _ in rows), np.int32, num_rows)
+    firsts = np.fromiter((first for _, first, _ in rows), np.int32, num_rows)
+    num_pages = np.fromiter((len(pages) for _, _, pages in rows), np.int32, num_rows)
+    start = np.zeros(num_rows + 1, np.int32)
     np.cumsum(counts, out=start[1:])
-    width = max(len(pages) for _, _, pages in rows)
-    token_ids = np.empty(start[-1], np.int32)
-    positions = np.empty(start[-1], np.int32)
-    slots = np.empty(start[-1], np.int32)
-    tables = np.zeros((len(rows), width), np.int32)
-    kv_lens = np.empty(len(rows), np.int32)
-    for i, (tokens, first, pages) in enumerate(rows):
-        pages = np.asarray(pages, np.int32)
-        pos = np.arange(first, first + len(tokens), dtype=np.int32)
-        page_index = pos // page_size
-        inside = page_index < len(pages)
-        sl = slice(start[i], start[i + 1])
-        token_ids[sl] = tokens
-        positions[sl] = pos
-        slots[sl] = np.where(inside, pages[np.minimum(page_index, len(pages) - 1)] * page_size
-                             + pos % page_size, -1)
+    token_ids = np.fromiter((t for tokens, _, _ in rows for t in tokens), np.int32, start[-1])
+    tables = np.zeros((num_rows, max(int(num_pages.max()), 1)), np.int32)
+    for i, (_, _, pages) in enumerate(rows):
         tables[i, : len(pages)] = pages
-        kv_lens[i] = first + len(tokens)
-    return StepBatch(token_ids, positions, slots, tables, start, kv_lens, start[1:] - 1)
+    row_of_token = np.repeat(np.arange(num_rows), counts)  # [N]
+    positions = (firsts[row_of_token] + np.arange(start[-1], dtype=np.int32)
+                 - start[:-1][row_of_token]).astype(np.int32)
+    page_index = positions // page_size
+    inside = page_index < num_pages[row_of_token]
+    page = tables[row_of_token, np.minimum(page_index, tables.shape[1] - 1)]
+    slots = np.where(inside, page * page_size + positions % page_size, -1).astype(np.int32)
+    return StepBatch(token_ids, positions, slots, tables, start, firsts + counts, start[1:] - 1)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -155,26 +152,32 @@ class ModelRunner:
         self.compiled_shapes.add(key)
         start = np.full(s + 1, batch.query_start_loc[-1], np.int32)
         start[: batch.num_seqs + 1] = batch.query_start_loc
+        # numpy inputs go straight into the jitted step, which transfers them itself (no
+        # separate dispatch per array).
         meta = AttentionMetadata(
-            positions=jnp.asarray(_pad(batch.positions, (n,), 0)),
-            slot_mapping=jnp.asarray(_pad(batch.slot_mapping, (n,), -1)),
-            block_tables=jnp.asarray(_pad(batch.block_tables, (s, w), 0)),
-            query_start_loc=jnp.asarray(start),
-            kv_lens=jnp.asarray(_pad(batch.kv_lens, (s,), 0)),
+            positions=_pad(batch.positions, (n,), 0),
+            slot_mapping=_pad(batch.slot_mapping, (n,), -1),
+            block_tables=_pad(batch.block_tables, (s, w), 0),
+            query_start_loc=start,
+            kv_lens=_pad(batch.kv_lens, (s,), 0),
             max_q_len=max_q, max_prefill_seqs=max_prefill, kv_quant=self.kv_quant)
-        tokens = jnp.asarray(_pad(batch.token_ids, (n,), 0))
-        return tokens, meta, jnp.asarray(_pad(batch.logits_indices, (s,), 0))
+        return _pad(batch.token_ids, (n,), 0), meta, _pad(batch.logits_indices, (s,), 0)
 
     def execute(self, batch: StepBatch) -> jax.Array:
-        """Runs one step; returns each sequence's last-token logits, float32 [S, V] (on device).
+        """Runs one step; returns each sequence's last-token logits, float32 [S, V] (on device)."""
+        return self.execute_padded(batch)[: batch.num_seqs]
 
-        `last_prepare_s` records the host time spent padding and transferring the inputs.
+    def execute_padded(self, batch: StepBatch) -> jax.Array:
+        """Like `execute`, but returns the logits of the padded batch, [bucket(S), V], without
+        the slicing op (the engine's hot path samples padded rows and drops them on the host).
+
+        `last_prepare_s` records the host time spent padding the inputs.
         """
         start = time.perf_counter()
         tokens, meta, logits_indices = self._padded(batch)
         self.last_prepare_s = time.perf_counter() - start
         logits, self.cache = self._step(self.state, self.cache, tokens, meta, logits_indices)
-        return logits[: batch.num_seqs]
+        return logits
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
@@ -202,14 +205,16 @@ class ModelRunner:
             self.sample(self.execute(dummy), SamplingArrays.defaults(num_seqs))
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):
-        """Samples one token per row of `logits` [S, V]; returns host numpy results.
+        """Samples one token per row of `logits` [S, V] (or of the padded logits of
+        `execute_padded`: only the first len(arrays.temperature) rows are returned).
 
-        Returns (token ids [S], chosen logprobs [S], top ids [S, K], top logprobs [S, K]); the
-        last three are None unless arrays.num_logprobs > 0.
+        Returns host numpy (token ids [S], chosen logprobs [S], top ids [S, K], top logprobs
+        [S, K]); the last three are None unless arrays.num_logprobs > 0.
         """
-        s = logits.shape[0]
+        s = len(arrays.temperature)
         rows = bucket(s)
-        logits = jnp.pad(logits, ((0, rows - s), (0, 0)))
+        if logits.shape[0] != rows:
+            logits = jnp.pad(logits[:s], ((0, rows - s), (0, 0)))
         results = sample_step(logits, arrays.padded(rows))
         return tuple(None if r is None else np.asarray(r)[:s] for r in results)
 

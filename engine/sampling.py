@@ -184,12 +184,9 @@ def sample_step(logits: jax.Array, arrays: SamplingArrays):
 
     The logprob entries are None when arrays.num_logprobs is 0.
     """
-    penalties = None
-    if arrays.penalties is not None:
-        penalties = tuple(jnp.asarray(a) for a in arrays.penalties)
-    tokens = sample(logits, jnp.asarray(arrays.temperature), jnp.asarray(arrays.top_k),
-                    jnp.asarray(arrays.top_p), jnp.asarray(arrays.seeds),
-                    jnp.asarray(arrays.steps), jnp.asarray(arrays.min_p), penalties)
+    # numpy arguments: the jitted sampler transfers them itself.
+    tokens = sample(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.seeds,
+                    arrays.steps, arrays.min_p, arrays.penalties)
     if not arrays.num_logprobs:
         return tokens, None, None, None
     return (tokens,) + logprobs_of(logits, tokens, arrays.num_logprobs)
