@@ -1,0 +1,324 @@
+"""Sharded-inference scenarios, each run in a fresh process with fake CPU devices.
+
+    python -m tests.sharding.scenarios NAME [--devices=8] [worker options]
+
+jax fixes its device count when it starts, and the rest of the test suite runs in one process
+with one CPU device, so every scenario runs in a subprocess started by `run_scenario` with
+XLA_FLAGS=--xla_force_host_platform_device_count set before jax is imported. A scenario prints
+one line `RESULT <json>`; the tests in this directory assert on it. Meshes are written
+"TPxDP" (tensor-parallel size x data-parallel size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MARK = "RESULT "
+MESHES = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2))
+MAX_TOKENS = 8
+
+
+def device_env(devices: int) -> dict:
+    """The environment of a subprocess with `devices` fake CPU devices."""
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+
+
+def run_scenario(name: str, *args: str, devices: int = 8, timeout: float = 600) -> dict:
+    """Runs scenario `name` in a subprocess with `devices` fake CPU devices; returns its result."""
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.scenarios", name, *args],
+                          cwd=ROOT, env=device_env(devices), capture_output=True, text=True,
+                          timeout=timeout)
+    return parse_result(proc)
+
+
+def parse_result(proc) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"scenario failed (exit {proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+def mesh_name(tp: int, dp: int) -> str:
+    return f"{tp}x{dp}"
+
+
+# ---- shared pieces (import jax lazily: the pytest process only uses run_scenario) -----------
+
+def quant_available() -> bool:
+    try:
+        from quant.model import QuantConfig, quantize_model  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def tiny_weights(cfg, seed: int) -> dict:
+    """Random weights of cfg as a nested dict of host arrays (normal 0.02; norms near 1).
+
+    Drawn with numpy, so every process of a multi-process run draws the same ones quickly.
+    """
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from models.weights import abstract_model
+    rng = np.random.default_rng(seed)
+    shapes = nnx.to_pure_dict(nnx.state(abstract_model(cfg)))
+
+    def draw(path, a):
+        if jax.tree_util.keystr(path).endswith("['weight']"):  # RMSNorm
+            return (1.0 + 0.1 * rng.standard_normal(a.shape)).astype(np.float32)
+        return (0.02 * rng.standard_normal(a.shape)).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def tiny_model(cfg_name: str, quant: str | None, seed: int = 3, mesh=None):
+    """(cfg, model) of a tiny preset with tiny_weights, INT4-quantized when `quant`; on `mesh`
+    (placed by the partition rules) if given."""
+    from configs.model import get_preset
+    from models.weights import model_from_pure_dict
+    cfg = get_preset(cfg_name)
+    place = None
+    if mesh is not None:
+        from engine.sharding import leaf_placer
+        place = leaf_placer(cfg, mesh)
+    model = model_from_pure_dict(cfg, tiny_weights(cfg, seed), place=place)
+    if quant is not None:
+        from quant.model import QuantConfig, quantize_model
+        quantize_model(cfg, model, QuantConfig(quant, group_size=32), progress=False)
+    return cfg, model
+
+
+def tiny_prompts(cfg, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 11, 16, 3)]
+
+
+def engine_config():
+    from engine.llm_engine import EngineConfig
+    return EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                        page_size=8)
+
+
+def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
+           tokenizer=None) -> dict:
+    """Greedy tokens and their log-probabilities of each prompt, run together in one engine."""
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+    engine = LLMEngine(cfg, model, tokenizer, engine_config(), mesh=mesh)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                   logprobs=0))
+    return {"tokens": [o.output_ids for o in outs],
+            "logprobs": [[lp[0] for lp in o.outputs[0].logprobs] for o in outs],
+            "plan": None if mesh is None else engine.runner.plan.reason}
+
+
+# ---- scenarios ----------------------------------------------------------------------------------
+
+# (config, quantization, meshes) of the tiny scenario: tiny-llama31 (8 query / 2 KV heads) splits
+# its KV heads at tp 2 and repeats them at tp 4 and 8; tiny-qwen2 (one KV head, q/k/v biases)
+# repeats its KV head and biases; tiny-llama's 4 query heads do not split over tp 8 (replicated).
+TINY_CASES = (("tiny-llama31", None, MESHES), ("tiny-qwen2", None, ((4, 1), (2, 2))),
+              ("tiny-llama", None, ((8, 1),)), ("tiny-llama31", "int4_rtn", MESHES))
+
+
+def case_key(cfg_name: str, quant: str | None) -> str:
+    return f"{cfg_name}/{quant or 'float32'}"
+
+
+def scenario_tiny(args) -> dict:
+    """Greedy runs of tiny configs on one device and on every mesh (float32 and INT4)."""
+    from engine.mesh import make_mesh
+    cases = [c for c in TINY_CASES if c[1] is None or quant_available()]
+    results = {}
+    for cfg_name, quant, meshes in cases:
+        cfg, model = tiny_model(cfg_name, quant)
+        prompts = tiny_prompts(cfg)
+        key = case_key(cfg_name, quant)
+        results[key] = {"one_device": greedy(cfg, model, prompts)}
+        for tp, dp in meshes:
+            results[key][mesh_name(tp, dp)] = greedy(cfg, model, prompts, make_mesh(tp, dp))
+    return {"cases": results, "quant": quant_available()}
+
+
+def scenario_smollm2(args) -> dict:
+    """The real SmolLM2 (9 query / 3 KV heads: attention replicated) on a few meshes."""
+    import numpy as np
+
+    from engine.mesh import make_mesh
+    from models.gguf_loader import find_smollm2_gguf
+    from models.loader import load_model
+    try:
+        find_smollm2_gguf()
+    except FileNotFoundError as e:
+        return {"skip": str(e)}
+    golden = dict(np.load(os.path.join(ROOT, "tests", "golden", "smollm2.npz")))
+    names = ("france", "fibonacci")
+    prompts = [golden[n + "_ids"].tolist() for n in names]
+    loaded = load_model("smollm2-135m")
+    results = {"golden": [golden[n + "_greedy_ids"][:MAX_TOKENS].tolist() for n in names]}
+    for tp, dp in ((4, 1), (2, 2)):
+        results[mesh_name(tp, dp)] = greedy(loaded.cfg, loaded.model, prompts,
+                                            make_mesh(tp, dp))
+    return results
+
+
+def scenario_checkpoint(args) -> dict:
+    """Saved at tp=2 (and in tp=8 storage chunks), restored onto other meshes."""
+    import shutil
+    import tempfile
+
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from engine.mesh import make_mesh
+    from engine.sharding import storage_layout
+    from models.loader import load_model
+    from models.orbax_io import load_checkpoint, save_checkpoint
+
+    out, tmp = {}, tempfile.mkdtemp()
+    try:
+        cases = [("tiny-llama31", None)] + ([("tiny-llama31", "int4_rtn")]
+                                            if quant_available() else [])
+        for cfg_name, quant in cases:
+            key = case_key(cfg_name, quant)
+            cfg, model = tiny_model(cfg_name, quant, seed=5)
+            prompts = tiny_prompts(cfg, seed=1)
+            reference = greedy(cfg, model, prompts)
+            # Save from a model laid out at tp=2 (its arrays are sharded: chunks of tp=2 shards).
+            saved_at = make_mesh(2, 1)
+            graphdef, state = nnx.split(model)
+            from engine.sharding import tree_shardings
+            sharded = nnx.merge(graphdef, jax.device_put(state, tree_shardings(state, cfg,
+                                                                                saved_at)))
+            settings = None
+            if quant is not None:
+                from quant.model import QuantConfig
+                settings = QuantConfig(quant, group_size=32).to_dict()
+            path = os.path.join(tmp, key.replace("/", "_"))
+            save_checkpoint(path, cfg, sharded, quantization=settings)
+            restored_mesh = make_mesh(4, 2)
+            _, restored, _ = load_checkpoint(path, mesh=restored_mesh)
+            leaves = jax.tree_util.tree_leaves_with_path(nnx.state(restored))
+            specs = {jax.tree_util.keystr(p): str(a.sharding.spec) for p, a in leaves}
+            same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+                jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(restored))))
+            out[key] = {"reference": reference,
+                        "restored_tp4": greedy(cfg, restored, prompts, restored_mesh),
+                        "weights_equal": same, "specs": specs}
+        # The converter's layout: every weight in the chunks of its tp=8 shards.
+        cfg, model = tiny_model("tiny-llama31", None, seed=5)
+        path = os.path.join(tmp, "storage")
+        save_checkpoint(path, cfg, storage_layout(model, cfg, 8))
+        meta = ocp.StandardCheckpointer().metadata(os.path.join(path, "params")).item_metadata
+        out["storage_chunks"] = {
+            "embedding": list(meta["embed_tokens"]["embedding"].storage.chunk_shape),
+            "down_proj": list(meta["layers"]["0"]["mlp"]["down_proj"]["kernel"].storage.chunk_shape)}
+        loaded = load_model(path, mesh=make_mesh(2, 1))
+        out["storage_restored_equal"] = all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+                jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded.model))))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def scenario_hlo(args) -> dict:
+    """Collectives, weight all-gathers and cache donation of compiled decode and prefill steps."""
+    from tests.sharding.hlo import step_report
+    from engine.mesh import make_mesh
+    from configs.model import SMOLLM2_135M
+    from models.weights import model_from_pure_dict
+
+    out = {}
+    cases = [("tiny-llama31", None, (2, 1)), ("tiny-llama31", None, (4, 1)),
+             ("tiny-llama31", None, (8, 1)), ("tiny-llama31", None, (4, 2))]
+    if quant_available():
+        cases += [("tiny-llama31", "int4_rtn", (2, 1)), ("tiny-llama31", "int4_rtn", (4, 1))]
+    models = {}
+    for cfg_name, quant, (tp, dp) in cases:
+        if (cfg_name, quant) not in models:
+            models[cfg_name, quant] = tiny_model(cfg_name, quant)
+        cfg, model = models[cfg_name, quant]
+        out[f"{case_key(cfg_name, quant)}/{mesh_name(tp, dp)}"] = step_report(
+            cfg, model, make_mesh(tp, dp))
+    smol = SMOLLM2_135M.replace(num_layers=2)  # real head counts: attention replicated
+    out["smollm2-2layers/float32/4x1"] = step_report(
+        smol, model_from_pure_dict(smol, tiny_weights(smol, 0)), make_mesh(4, 1))
+    return out
+
+
+def scenario_worker(args) -> dict:
+    """One process of a multi-process run (jax.distributed on loopback)."""
+    from engine.mesh import initialize_distributed, is_main_process, make_mesh
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    import jax
+    from configs.model import get_preset
+    cfg = get_preset("tiny-llama31")
+    prompts = tiny_prompts(cfg)
+    out = {"process_count": jax.process_count(), "local_devices": jax.local_device_count(),
+           "devices": jax.device_count()}
+    for tp, dp in ((4, 2), (8, 1)):
+        mesh = make_mesh(tp, dp)
+        _, model = tiny_model("tiny-llama31", None, mesh=mesh)
+        out[mesh_name(tp, dp)] = greedy(cfg, model, prompts, mesh)
+    if is_main_process():  # the same model on this process's first device, unsharded
+        with jax.default_device(jax.local_devices()[0]):
+            _, model = tiny_model("tiny-llama31", None)
+            out["one_device"] = greedy(cfg, model, prompts)
+    return out
+
+
+SCENARIOS = {"tiny": scenario_tiny, "smollm2": scenario_smollm2,
+             "checkpoint": scenario_checkpoint, "hlo": scenario_hlo, "worker": scenario_worker}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name", choices=sorted(SCENARIOS))
+    parser.add_argument("--coordinator_address")
+    parser.add_argument("--num_processes", type=int)
+    parser.add_argument("--process_id", type=int)
+    args = parser.parse_args()
+    result = SCENARIOS[args.name](args)
+    print(MARK + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+
+
+def run_workers(num_processes: int = 2, devices: int = 4, timeout: float = 600) -> list[dict]:
+    """Runs the `worker` scenario as num_processes processes joined by jax.distributed on
+    loopback, each with `devices` fake CPU devices; returns each process's result."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = device_env(devices)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tests.sharding.scenarios", "worker",
+         f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
+         f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(num_processes)]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(parse_result(subprocess.CompletedProcess(
+                proc.args, proc.returncode, stdout, stderr)))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results

@@ -1,0 +1,43 @@
+"""Greedy outputs on every mesh equal one device's (tiny configs float32 and INT4, SmolLM2)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.sharding.scenarios import MAX_TOKENS, TINY_CASES, case_key, mesh_name
+
+RUNS = [(case_key(cfg, quant), mesh_name(tp, dp)) for cfg, quant, meshes in TINY_CASES
+        for tp, dp in meshes]
+
+
+@pytest.mark.parametrize("case,mesh", RUNS, ids=[f"{c}-{m}" for c, m in RUNS])
+def test_tiny_greedy_equals_one_device(scenario, case, mesh):
+    result = scenario("tiny")
+    if case not in result["cases"]:
+        pytest.skip("quantized weights (quant/) are not available")
+    runs = result["cases"][case]
+    expected, got = runs["one_device"], runs[mesh]
+    assert got["tokens"] == expected["tokens"], got["plan"]
+    assert all(len(t) == MAX_TOKENS for t in got["tokens"])
+    # Not only the argmax: the chosen tokens' log-probabilities agree to float32 rounding.
+    np.testing.assert_allclose(got["logprobs"], expected["logprobs"], atol=1e-5)
+
+
+def test_tiny_layouts_cover_every_attention_plan(scenario):
+    plans = {f"{case}/{mesh}": runs[mesh]["plan"] for case, runs in scenario("tiny")["cases"].items()
+             for mesh in runs if mesh != "one_device"}
+    assert "4 query and 1 KV heads per shard" in plans["tiny-llama31/float32/2x1"]
+    assert "each repeated 4 times" in plans["tiny-llama31/float32/8x1"]  # 2 KV heads, tp 8
+    assert "1 KV heads < tp=4: each repeated 4 times" in plans["tiny-qwen2/float32/4x1"]
+    assert "replicated" in plans["tiny-llama/float32/8x1"]  # 4 query heads over 8 shards
+
+
+@pytest.mark.parametrize("mesh", ["4x1", "2x2"])
+def test_smollm2_greedy_matches_transformers(scenario, mesh):
+    """The real model (9 query / 3 KV heads: attention replicated, MLP and vocabulary split)
+    gives HF transformers' greedy tokens (tests/golden) on the mesh."""
+    result = scenario("smollm2")
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    assert result[mesh]["tokens"] == result["golden"]
+    assert "9 query heads do not split" in result[mesh]["plan"]
