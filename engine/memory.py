@@ -48,7 +48,7 @@ def device_memory(device=None) -> tuple[int, int]:
     GPUs report both through memory_stats(); for the CPU the total is the host's available memory
     (MemAvailable) plus what jax already holds.
     """
-    device = device or jax.local_devices()[0]  # this process's (several processes: a mesh)
+    device = device or jax.local_devices()[0]  # jax.devices()[0] may be another process's
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
