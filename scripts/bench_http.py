@@ -9,7 +9,8 @@ Each request is a streaming /v1/completions call whose prompt is the workload's 
 does the same work as in process. Arrivals follow the same seeded schedule. Time to first token
 is the time to the first chunk carrying a token; the output token count comes from the stream's
 usage chunk (`stream_options.include_usage`). Prefix hit rate and preemptions are read from the
-server's /metrics. Host time per step is only known in process.
+server's /metrics. Host time per step is only known in process. --warmup=rerun sends the
+whole workload once untimed first; otherwise a few warm-up requests go first.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import time
 
 import aiohttp
 import numpy as np
+
+WARMUP_REQUESTS = 8
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
@@ -95,7 +98,10 @@ def main(FLAGS, make_workload, summarize, print_table) -> None:
         common.fail(f"shared_prefix_len + max_input_len + max_output_len = {longest} exceeds "
                     f"the server's max_model_len {max_model_len}")
     work = make_workload(FLAGS.seed, FLAGS.num_requests, vocab, FLAGS.request_rate)
-    warm = make_workload(FLAGS.seed + 1, FLAGS.warmup_requests, vocab, math.inf)
+    # --warmup=rerun: the whole workload once untimed; otherwise (the server compiled its
+    # programs at start) a few requests, to open connections and touch the common programs.
+    warm = (work if FLAGS.warmup == "rerun"
+            else make_workload(FLAGS.seed + 1, WARMUP_REQUESTS, vocab, math.inf))
     asyncio.run(_run(url, model, warm.prompts, warm.output_lens, warm.arrivals, headers))
 
     before = _get(url, "/metrics", headers)
