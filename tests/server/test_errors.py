@@ -186,14 +186,24 @@ def test_engine_failure_fails_its_requests_with_500_and_serving_goes_on(server, 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(server, http):
     engine = server.server.engine
+    original = engine.step
+
+    def slow_step():  # 100 tokens take 3 s or more: the request is surely running at hang-up
+        time.sleep(0.03)
+        return original()
+
     before = metric(http.get("/metrics").text, "pallasite_requests_finished_total",
                     reason="abort")
     body = completion(prompt="once upon a time", max_tokens=100, stream=True, ignore_eos=True)
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass
-        assert metric(http.get("/metrics").text, "pallasite_kv_cache_pages_used") > 0
+    engine.step = slow_step
+    try:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            assert metric(http.get("/metrics").text, "pallasite_kv_cache_pages_used") > 0
+    finally:
+        engine.step = original
     # the connection is closed: the request is aborted and its pages freed within moments
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
