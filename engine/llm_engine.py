@@ -232,6 +232,8 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could schedule nothing although requests wait")
             return []
         requests = [it.request for it in output.scheduled]
+        for r in requests:  # the scheduler may have cut the lookahead to the token budget, or
+            r.spec_tokens = r.spec_tokens[: r.lookahead]  # to 0 (a preempted, readmitted request)
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
         draft_probs = self._propose(output, spec_rows) if spec_rows else None
         batch = self._build_batch(output)
@@ -307,8 +309,6 @@ class LLMEngine:
     def _propose(self, output: SchedulerOutput, spec_rows: list[int]):
         """Fills the speculating requests' proposals (draft model); returns q [S, K, V] or None."""
         items = [output.scheduled[i] for i in spec_rows]
-        for it in items:  # the scheduler may have cut the lookahead to the token budget
-            it.request.spec_tokens = it.request.spec_tokens[: it.request.lookahead]
         if self.draft is None:
             return None
         requests = [it.request for it in items]
