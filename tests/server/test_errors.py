@@ -184,7 +184,8 @@ def test_engine_failure_fails_its_requests_with_500_and_serving_goes_on(server, 
     assert metric(text, "pallasite_requests_finished_total", reason="error") >= 2
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_pages(server, http):
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_pages(server, http, stream):
     engine = server.server.engine
     original = engine.step
 
@@ -194,14 +195,18 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server, http):
 
     before = metric(http.get("/metrics").text, "pallasite_requests_finished_total",
                     reason="abort")
-    body = completion(prompt="once upon a time", max_tokens=100, stream=True, ignore_eos=True)
+    body = completion(prompt="once upon a time", max_tokens=100, stream=stream, ignore_eos=True)
     engine.step = slow_step
     try:
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass
-            assert metric(http.get("/metrics").text, "pallasite_kv_cache_pages_used") > 0
+        if stream:  # hang up after the first chunk
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                while not next(lines).startswith("data: "):
+                    pass
+                assert metric(http.get("/metrics").text, "pallasite_kv_cache_pages_used") > 0
+        else:  # give up waiting for the whole answer
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body, timeout=1.0)
     finally:
         engine.step = original
     # the connection is closed: the request is aborted and its pages freed within moments
