@@ -150,7 +150,7 @@ class Server:
                               code="request_too_large") from None
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise bad_request(f"the request body is not valid JSON: {e}", None,
                               "invalid_json") from None
 

@@ -171,7 +171,7 @@ def _common(body: dict, kind: str) -> GenerateRequest:
     s["repetition_penalty"] = _number(body, "repetition_penalty", 0.0, 10.0, lo_open=True,
                                       allowed="in (0, 10]")
     s["min_p"] = _number(body, "min_p", 0.0, 1.0)
-    top_k = _int(body, "top_k", -1, None, allowed="an integer >= -1 (-1 or 0: off)")
+    top_k = _int(body, "top_k", -1, 2**31 - 1, allowed="an integer in [-1, 2**31) (-1 or 0: off)")
     s["top_k"] = None if top_k is None else max(top_k, 0)
     seed = _int(body, "seed", -2**63, 2**64 - 1, allowed="a 64-bit integer")
     s["seed"] = None if seed is None else seed % 2**32

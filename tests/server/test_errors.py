@@ -72,6 +72,9 @@ def chat(**fields) -> dict:
     ("/v1/completions", completion(n=1000), "n"),
     ("/v1/completions", completion(max_tokens=0), "max_tokens"),
     ("/v1/completions", completion(logprobs=21), "logprobs"),
+    ("/v1/completions", completion(top_k=2**40), "top_k"),
+    ("/v1/completions", completion(max_tokens=10**30), "max_tokens"),
+    ("/v1/completions", completion(prompt=[-1, 5]), "prompt"),
     ("/v1/completions", completion(presence_penalty=2.5), "presence_penalty"),
     ("/v1/completions", completion(frequency_penalty=-3), "frequency_penalty"),
     ("/v1/completions", completion(stop=[""]), "stop"),
@@ -90,7 +93,8 @@ def test_bad_fields_give_400(http, path, body, param):
 
 
 def test_malformed_json_gives_400(http):
-    for raw in (b"{bad json", b"", b"\xff\xfe", b"[1, 2]", b"null"):
+    for raw in (b"{bad json", b"", b"\xff\xfe", b"[1, 2]", b"null", b"[" * 50_000,
+                b'{"prompt": "x", "temperature": NaN}'):
         assert_openai_error(http.post("/v1/chat/completions", content=raw,
                                       headers={"Content-Type": "application/json"}), 400)
     assert_still_serving(http)
