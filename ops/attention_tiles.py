@@ -41,6 +41,29 @@ def resolve_impl(impl: str | None, name: str) -> str:
     return impl
 
 
+def resolve_options(name: str, impl: str | None, q_shape: tuple, scale: float | None,
+                    soft_cap: float | None, sliding_window: int | None) -> tuple[str, float]:
+    """Validates the shared attention options; returns (implementation, softmax scale).
+
+    impl None falls back to the reference when the kernel cannot take the head_dim (a power of
+    two >= 16); an explicitly requested kernel raises instead.
+    """
+    head_dim = q_shape[-1]
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{name}: sliding_window {sliding_window} must be >= 1")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"{name}: soft_cap {soft_cap} must be > 0")
+    sm_scale = float(head_dim ** -0.5 if scale is None else scale)
+    kernel_ok = head_dim >= 16 and head_dim == next_pow2(head_dim)
+    resolved = resolve_impl(impl, name)
+    if resolved != "reference" and not kernel_ok:
+        if impl is not None:
+            raise ValueError(f"{name}: the Pallas kernel needs a power-of-two head_dim >= 16, "
+                             f"got q {q_shape}")
+        resolved = "reference"
+    return resolved, sm_scale
+
+
 def check_pages(name: str, q_dtype, num_heads: int, head_dim: int, k_pages, v_pages,
                 k_scales, v_scales) -> None:
     """Raises ValueError unless the pages (and scales, for int8 / fp8 pages) fit the queries."""

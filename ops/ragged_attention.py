@@ -263,18 +263,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             raise ValueError(f"{name}: {what} must be int32, got {arr.dtype}")
     if not isinstance(max_q_len, int) or max_q_len < 1:
         raise ValueError(f"{name}: max_q_len must be a static int >= 1, got {max_q_len!r}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{name}: sliding_window {sliding_window} must be >= 1")
-    if soft_cap is not None and soft_cap <= 0:
-        raise ValueError(f"{name}: soft_cap {soft_cap} must be > 0")
-    sm_scale = float(head_dim ** -0.5 if scale is None else scale)
-    kernel_ok = head_dim >= 16 and head_dim == tiles.next_pow2(head_dim)
-    resolved = tiles.resolve_impl(impl, name)
-    if resolved != "reference" and not kernel_ok:
-        if impl is not None:
-            raise ValueError(f"{name}: the Pallas kernel needs a power-of-two head_dim >= 16, "
-                             f"got q {q.shape}")
-        resolved = "reference"
+    resolved, sm_scale = tiles.resolve_options(name, impl, q.shape, scale, soft_cap,
+                                               sliding_window)
     if resolved == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, block_tables, query_start_loc, kv_lens, max_q_len=max_q_len,
