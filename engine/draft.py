@@ -66,7 +66,8 @@ class DraftProposer:
         tokens_so_far, probs = [], []
         batch = make_step_batch(rows, self.page_size)
         for i in range(k):
-            logits = self.runner.execute_padded(batch)  # [bucket(num), V]
+            # A long catch-up step pads the batch to the runner's max_seqs: keep bucket(num) rows.
+            logits = self.runner.execute_padded(batch)[: bucket(num)]  # [bucket(num), V]
             steps = padded.steps + i
             token, q = draft_sample(logits, *(jnp.asarray(a) for a in (
                 padded.temperature, padded.top_k, padded.top_p, padded.min_p, padded.seeds,
