@@ -41,6 +41,7 @@ from engine.sampling import SamplingArrays, sample_step
 from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
                              shard_state)
 from models.llama import AttentionMetadata, forward
+from ops.kv_quant import is_quantized_kv_dtype
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
 
@@ -72,6 +73,10 @@ class ShardedModelRunner(ModelRunner):
         self.graphdef, state = nnx.split(model)
         self.state, self.cfg = shard_state(state, cfg, mesh)
         kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
+        self.kv_quant = None
+        if is_quantized_kv_dtype(kv_dtype):  # as ModelRunner: float pages, rounded K/V rows
+            self.kv_quant = jnp.dtype(kv_dtype).name
+            kv_dtype = model.embed_tokens.embedding.get_value().dtype
         self.pages_per_shard = num_pages
         self.cache = init_sharded_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
         self.page_size = page_size
@@ -95,7 +100,8 @@ class ShardedModelRunner(ModelRunner):
                       max_prefill_seqs: int, all_logits: bool):
         model = nnx.merge(self.graphdef, state)
         meta = AttentionMetadata(positions, slot_mapping, block_tables, query_start_loc,
-                                 kv_lens, max_q_len=max_q_len, max_prefill_seqs=max_prefill_seqs)
+                                 kv_lens, max_q_len=max_q_len, max_prefill_seqs=max_prefill_seqs,
+                                 kv_quant=self.kv_quant)
         return forward(model, cache, tokens, meta, self.cfg,
                        None if all_logits else logits_indices)
 
