@@ -237,6 +237,7 @@ class LLMEngine:
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
         draft_probs = self._propose(output, spec_rows) if spec_rows else None
         batch = self._build_batch(output)
+        batch.verification = bool(spec_rows)
         t1 = time.perf_counter()
         if spec_rows:
             all_logits = self.runner.execute_all_logits(batch)  # [N, V]
@@ -448,8 +449,8 @@ class LLMEngine:
 
     def warmup_shapes(self, num_seqs: int | None = None, max_total_len: int | None = None,
                       prompt_lens: list[int] | None = None) -> list[tuple[list[int], int, bool]]:
-        """The steps (tokens of each sequence, block-table width, all logits?) whose programs a
-        run can reach.
+        """The steps (tokens of each sequence, block-table width, verification?) whose programs
+        a run can reach.
 
         Decode steps: every batch bucket up to num_seqs times every page-width bucket up to
         max_total_len; with speculation, the same with k + 1 tokens per sequence. Prefill steps:
@@ -489,8 +490,8 @@ class LLMEngine:
         """Compiles the programs of `warmup_shapes`; returns how many were new."""
         shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
-        for i, (q_lens, width, all_logits) in enumerate(shapes):
-            self.runner.warmup(q_lens, width, all_logits)
+        for i, (q_lens, width, verification) in enumerate(shapes):
+            self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
             if progress is not None:
                 progress(i + 1, len(shapes))
         return len(self.runner.compiled_shapes) - before

@@ -37,8 +37,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 disables it), got "
+                             f"{self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not 0 <= self.seed < 2**32:

@@ -24,7 +24,7 @@ from ops.kv_quant import is_quantized_kv_dtype
 
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 4
-MAX_SHORT_Q = 16  # steps whose sequences compute at most this many tokens each
+MAX_SHORT_Q = 16  # speculative verification steps: at most this many tokens per sequence
 
 
 @dataclasses.dataclass
@@ -42,6 +42,7 @@ class StepBatch:
     query_start_loc: np.ndarray
     kv_lens: np.ndarray
     logits_indices: np.ndarray
+    verification: bool = False  # a speculative verification step (see bucket_key)
 
     @property
     def num_seqs(self) -> int:
@@ -82,20 +83,20 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
-               num_prefill_seqs: int, max_seqs: int, max_width: int
-               ) -> tuple[int, int, int, int, int]:
+               num_prefill_seqs: int, max_seqs: int, max_width: int,
+               verification: bool = False) -> tuple[int, int, int, int, int]:
     """(N, S, W, max_q_len, max_prefill_seqs) of the program that runs such a batch.
 
-    Decode-only steps (max_q_len 1) are keyed by the buckets of S and W. Steps whose sequences each
-    compute at most MAX_SHORT_Q tokens (speculative verification, short prompts) by S, W and the
-    bucket q of max_q_len (N = S * q). Longer prefill steps pad S and W to their maxima (max_seqs,
+    Decode-only steps (max_q_len 1) are keyed by the buckets of S and W. Speculative verification
+    steps whose sequences each compute at most MAX_SHORT_Q tokens by S, W and the bucket q of
+    max_q_len (N = S * q). Longer prefill steps pad S and W to their maxima (max_seqs,
     max_width) and the query bound to N, so they are keyed by N and the number of prefilling
     sequences alone: few programs, all compiled at start-up.
     """
     if max_q_len <= 1:
         s = bucket(num_seqs)
         return s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0
-    if max_q_len <= MAX_SHORT_Q:  # short runs: speculative verification, small prompts
+    if verification and max_q_len <= MAX_SHORT_Q:
         s, q = bucket(num_seqs), bucket(max_q_len)
         return s * q, s, bucket(width, MIN_PAGE_BUCKET), q, s
     n = bucket(num_tokens, MIN_TOKEN_BUCKET)
@@ -147,7 +148,7 @@ class ModelRunner:
         key = bucket_key(len(batch.token_ids), batch.num_seqs, width,
                          int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
                          max(self.max_seqs, batch.num_seqs),
-                         max(self.max_width, batch.block_tables.shape[1]))
+                         max(self.max_width, batch.block_tables.shape[1]), batch.verification)
         n, s, w, max_q, max_prefill = key
         self.compiled_shapes.add(key)
         start = np.full(s + 1, batch.query_start_loc[-1], np.int32)
@@ -186,7 +187,8 @@ class ModelRunner:
                                         all_logits=True)
         return logits[: len(batch.token_ids)]
 
-    def warmup(self, q_lens, num_pages: int, all_logits: bool = False) -> None:
+    def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
+               verification: bool = False) -> None:
         """Compiles the program of a step whose sequences compute q_lens tokens each, by running
         it on padding (nothing is written)."""
         q_lens = np.asarray(q_lens, np.int32)
@@ -198,7 +200,8 @@ class ModelRunner:
                           slot_mapping=np.full(num_tokens, -1, np.int32),
                           block_tables=np.zeros((num_seqs, num_pages), np.int32),
                           query_start_loc=start, kv_lens=np.zeros(num_seqs, np.int32),
-                          logits_indices=np.maximum(start[1:] - 1, 0))
+                          logits_indices=np.maximum(start[1:] - 1, 0),
+                          verification=verification)
         if all_logits:
             self.execute_all_logits(dummy).block_until_ready()
         else:
