@@ -99,8 +99,10 @@ def load_checkpoint(path: str, dtype=None, mesh=None):
         return quantized_abstract_model(cfg, qcfg, dtype)
 
     target = nnx.to_pure_dict(nnx.state(abstract(stored_dtype)))
-    if mesh is None:
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
+    if mesh is None:  # onto the default device, whatever layout the arrays were saved from
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                              target)
     else:
         from engine.sharding import abstract_with_shardings
         target = abstract_with_shardings(target, cfg, mesh)
