@@ -1,6 +1,6 @@
 """The figures of docs/QUANTIZATION.md: perplexity, weight size and greedy chat answers per row.
 
-    python -m quant.report --ckpt_dir=/tmp/smollm2-quant --json_out=/tmp/quant_report.json
+    python -m quant.report --ckpt_dir=/tmp/smollm2-quant --report_json=/tmp/quant_report.json
 
 Each row is a model as `scripts.eval_ppl` evaluates it (same function, same default text, same
 token count): the float model, or a checkpoint written by `scripts.quantize` into --ckpt_dir
@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from scripts import eval_ppl  # its perplexity function and default text (and its flags)
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "How many legs does a spider have?")
@@ -37,7 +39,7 @@ ROWS = (
 )
 
 flags.DEFINE_string("ckpt_dir", "/tmp/smollm2-quant", "Directory of the quantized checkpoints.")
-flags.DEFINE_string("json_out", None, "Write the rows as JSON here.")
+flags.DEFINE_string("report_json", None, "Write the rows as JSON here.")
 flags.DEFINE_integer("max_tokens", 48, "Greedy tokens per chat answer.")
 flags.DEFINE_multi_string("only", None, "Only the rows with these labels.")
 FLAGS = flags.FLAGS
@@ -80,7 +82,6 @@ def greedy_answers(cfg, model, tokenizer, prompts, max_tokens: int, kv_dtype=Non
 def evaluate_row(label, ckpt, dtype, kv_dtype, eval_ids_text: str) -> dict | None:
     from models.loader import load_model
     from quant.model import model_nbytes
-    from scripts.eval_ppl import perplexity_of_ids
 
     spec = "smollm2-135m" if ckpt is None else os.path.join(FLAGS.ckpt_dir, ckpt)
     if not os.path.exists(spec) and ckpt is not None:
@@ -89,7 +90,7 @@ def evaluate_row(label, ckpt, dtype, kv_dtype, eval_ids_text: str) -> dict | Non
     loaded = load_model(spec, jnp.dtype(dtype))
     ids = loaded.tokenizer.encode(eval_ids_text)[:2048]
     start = time.perf_counter()
-    ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, 16, kv_dtype)
+    ppl, nll = eval_ppl.perplexity_of_ids(loaded.cfg, loaded.model, ids, 16, kv_dtype)
     answers = greedy_answers(loaded.cfg, loaded.model, loaded.tokenizer, PROMPTS,
                              FLAGS.max_tokens, kv_dtype)
     row = {"label": label, "model": spec, "dtype": dtype, "kv_cache_dtype": kv_dtype,
@@ -103,13 +104,11 @@ def evaluate_row(label, ckpt, dtype, kv_dtype, eval_ids_text: str) -> dict | Non
 
 def main(argv):
     del argv
-    from scripts.eval_ppl import default_text
-
-    text = default_text()
+    text = eval_ppl.default_text()
     rows = [r for r in ROWS if not FLAGS.only or r[0] in FLAGS.only]
     results = [row for row in (evaluate_row(*r, text) for r in rows) if row is not None]
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
+    if FLAGS.report_json:
+        with open(FLAGS.report_json, "w") as f:
             json.dump(results, f, indent=1)
 
 
