@@ -24,7 +24,8 @@ def step_batches(page_size: int, max_width_pages: int):
                        slot_mapping=np.arange(4, dtype=np.int32) * page_size * 2 + 9,
                        block_tables=np.arange(8, dtype=np.int32).reshape(4, 2),
                        query_start_loc=np.arange(5, dtype=np.int32),
-                       kv_lens=np.full(4, 10, np.int32), logits_indices=np.arange(4, dtype=np.int32))
+                       kv_lens=np.full(4, 10, np.int32),
+                       logits_indices=np.arange(4, dtype=np.int32))
     lens = np.array([16, 5], np.int32)
     start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)

@@ -182,7 +182,7 @@ def scenario_checkpoint(args) -> dict:
     from flax import nnx
 
     from engine.mesh import make_mesh
-    from engine.sharding import storage_layout
+    from engine.sharding import storage_layout, tree_shardings
     from models.loader import load_model
     from models.orbax_io import load_checkpoint, save_checkpoint
 
@@ -198,7 +198,6 @@ def scenario_checkpoint(args) -> dict:
             # Save from a model laid out at tp=2 (its arrays are sharded: chunks of tp=2 shards).
             saved_at = make_mesh(2, 1)
             graphdef, state = nnx.split(model)
-            from engine.sharding import tree_shardings
             sharded = nnx.merge(graphdef, jax.device_put(state, tree_shardings(state, cfg,
                                                                                 saved_at)))
             settings = None
@@ -223,7 +222,8 @@ def scenario_checkpoint(args) -> dict:
         meta = ocp.StandardCheckpointer().metadata(os.path.join(path, "params")).item_metadata
         out["storage_chunks"] = {
             "embedding": list(meta["embed_tokens"]["embedding"].storage.chunk_shape),
-            "down_proj": list(meta["layers"]["0"]["mlp"]["down_proj"]["kernel"].storage.chunk_shape)}
+            "down_proj": list(meta["layers"]["0"]["mlp"]["down_proj"]["kernel"]
+                              .storage.chunk_shape)}
         loaded = load_model(path, mesh=make_mesh(2, 1))
         out["storage_restored_equal"] = all(
             np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(

@@ -24,7 +24,8 @@ def test_tiny_greedy_equals_one_device(scenario, case, mesh):
 
 
 def test_tiny_layouts_cover_every_attention_plan(scenario):
-    plans = {f"{case}/{mesh}": runs[mesh]["plan"] for case, runs in scenario("tiny")["cases"].items()
+    cases = scenario("tiny")["cases"]
+    plans = {f"{case}/{mesh}": runs[mesh]["plan"] for case, runs in cases.items()
              for mesh in runs if mesh != "one_device"}
     assert "4 query and 1 KV heads per shard" in plans["tiny-llama31/float32/2x1"]
     assert "each repeated 4 times" in plans["tiny-llama31/float32/8x1"]  # 2 KV heads, tp 8
