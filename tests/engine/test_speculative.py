@@ -188,6 +188,20 @@ def test_greedy_speculation_equals_plain_greedy(make_engine, plain_outputs, meth
         assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("method", [None, "draft-self"])
+def test_speculated_tokens_are_prefix_cached(make_engine, method):
+    """Pages filled by accepted proposals join the prefix cache like decoded ones: a follow-up
+    request that extends the whole sequence hits all its full pages (a 13-token prompt puts
+    page boundaries inside the accepted runs)."""
+    engine = make_engine(ENGINE, method)
+    prompt = repetitive_prompts(0, [13])[0]
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=45, ignore_eos=True))
+    sequence = prompt + out.output_ids
+    [follow_up] = engine.generate([sequence + [5]], SamplingParams(max_tokens=1))
+    assert follow_up.num_prefix_hit_tokens == len(sequence) // 16 * 16
+    check_all_free(engine)
+
+
 def test_smollm2_ngram_repeat_paragraph_equals_plain_greedy(smollm2):
     """The real model repeating a paragraph: n-gram speculation gives the plain greedy tokens
     with well over one token per verification step."""
