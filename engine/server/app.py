@@ -183,7 +183,7 @@ class Server:
         self._check_admitting()
         req = parse(await self._read_json(request))
         if req.model is not None and req.model != self.model_name:
-            raise OpenAIError(404, f"the model '{req.model}' does not exist; this server serves "
+            raise OpenAIError(400, f"the model '{req.model}' does not exist; this server serves "
                               f"'{self.model_name}'", "invalid_request_error", "model",
                               "model_not_found")
         loop = asyncio.get_running_loop()

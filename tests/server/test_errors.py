@@ -112,10 +112,10 @@ def test_prompt_longer_than_the_context_gives_400(http):
     assert_still_serving(http)
 
 
-def test_unknown_model_gives_404_model_not_found(http, client):
-    assert_openai_error(http.post("/v1/completions", json=completion(model="gpt-17")), 404,
+def test_unknown_model_gives_400_model_not_found(http, client):
+    assert_openai_error(http.post("/v1/completions", json=completion(model="gpt-17")), 400,
                         "model", "model_not_found")
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="gpt-17", messages=MESSAGES)
     assert_still_serving(http)
 
