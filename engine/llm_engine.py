@@ -296,8 +296,10 @@ class LLMEngine:
                 continue
             if r.spec_ema_accepted < 0.2 and len(r.output_ids) % 4:
                 continue  # proposals keep failing: only probe every fourth token
-            room = min(r.params.max_tokens - len(r.output_ids) - 1,
-                       self.engine_cfg.max_model_len - r.num_tokens - 1)
+            # Within max_tokens and the context (as _stop_reason): a lookahead past the whole
+            # pool's pages would make the request preempt itself, and the step stall.
+            limit = min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
+            room = min(r.params.max_tokens - len(r.output_ids) - 1, limit - r.num_tokens - 1)
             k = min(room, spec.num_speculative_tokens,
                     max(1, math.ceil(r.spec_ema_accepted) + 1))
             if k <= 0:
