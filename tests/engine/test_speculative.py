@@ -202,6 +202,20 @@ def test_speculated_tokens_are_prefix_cached(make_engine, method):
     check_all_free(engine)
 
 
+def test_speculation_stops_at_the_end_of_a_small_pool(make_engine):
+    """A sequence that fills the whole KV cache (3 pages, less than max_model_len) ends there
+    like plain decoding; proposals never reach past the pool (the request would preempt itself
+    and the engine stall)."""
+    small = dataclasses.replace(ENGINE, num_pages=3)
+    prompt = repetitive_prompts(0, [14])[0]
+    params = SamplingParams(max_tokens=45, ignore_eos=True)
+    [want] = make_engine(small).generate([prompt], params)
+    engine = make_engine(small, "draft-self")
+    [got] = engine.generate([prompt], params)
+    assert got.output_ids == want.output_ids and len(prompt + got.output_ids) == 3 * 16
+    check_all_free(engine)
+
+
 def test_smollm2_ngram_repeat_paragraph_equals_plain_greedy(smollm2):
     """The real model repeating a paragraph: n-gram speculation gives the plain greedy tokens
     with well over one token per verification step."""
