@@ -1,4 +1,5 @@
-"""Tests of the GGUF loader and the tokenizer (HF directories: test_hf_loader.py), on fresh random data and the real SmolLM2.
+"""Tests of the GGUF loader and the tokenizer, on fresh random data and the real SmolLM2
+(HF directories: test_hf_loader.py).
 
 GGUF files are written here with gguf.GGUFWriter from random HF-layout weights, permuted for
 interleaved RoPE the way llama.cpp's converter does it; the loaders must give the originals back.
