@@ -37,6 +37,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    # One [hidden, (H + 2 KVH) * D] q/k/v kernel and one [hidden, 2 I] gate/up kernel per layer
+    # instead of five (models.llama.fuse_projections; fewer, larger matmuls in a decode step).
+    # Checkpoints store the unfused layout; fusion happens after loading, on one device.
+    fused_projections: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
 

@@ -86,9 +86,18 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). The kernel [in, out] may be a quantized weight (see ops/matmul.py)."""
+    """y = x @ kernel (+ bias). The kernel [in, out] may be a quantized weight (see ops/matmul.py).
 
-    def __init__(self, din: int, dout: int, rngs: nnx.Rngs, dtype, bias: bool = False):
+    `weights=(kernel, bias or None)` builds the layer from existing arrays instead of drawing
+    random ones (din, dout, rngs and dtype are then unused): fuse_projections uses it.
+    """
+
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs | None, dtype, bias: bool = False,
+                 *, weights: tuple | None = None):
+        if weights is not None:
+            self.kernel = nnx.Param(weights[0])
+            self.bias = None if weights[1] is None else nnx.Param(weights[1])
+            return
         init = nnx.initializers.normal(stddev=0.02)
         self.kernel = nnx.Param(init(rngs.params(), (din, dout), dtype))
         self.bias = nnx.Param(init(rngs.params(), (dout,), dtype)) if bias else None
@@ -105,18 +114,31 @@ def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs, dtype, bias=F
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(cfg, h, cfg.num_heads * d, rngs, dtype, cfg.attention_bias)
-        self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
-        self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
+        if cfg.fused_projections:  # columns: q (H * D), then k (KVH * D), then v (KVH * D)
+            self.qkv_proj = _linear(cfg, h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, rngs,
+                                    dtype, cfg.attention_bias)
+        else:
+            self.q_proj = _linear(cfg, h, cfg.num_heads * d, rngs, dtype, cfg.attention_bias)
+            self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
+            self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, rngs, dtype)
+
+    def project_qkv(self, x: jax.Array, cfg: ModelConfig):
+        """q [N, H * D], k [N, KVH * D], v [N, KVH * D] of x [N, hidden]."""
+        if not hasattr(self, "qkv_proj"):
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_cols, kv_cols = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = self.qkv_proj(x)  # [N, (H + 2 KVH) * D]
+        return qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray):
         num_tokens = x.shape[0]
         d = cfg.head_dim
-        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, d)  # [N, H, D]
-        k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, d)  # [N, KVH, D]
-        v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, d)
+        q, k, v = self.project_qkv(x, cfg)
+        q = q.reshape(num_tokens, cfg.num_heads, d)  # [N, H, D]
+        k = k.reshape(num_tokens, cfg.num_kv_heads, d)  # [N, KVH, D]
+        v = v.reshape(num_tokens, cfg.num_kv_heads, d)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping,
@@ -130,12 +152,21 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(cfg, h, i, rngs, dtype)
-        self.up_proj = _linear(cfg, h, i, rngs, dtype)
+        if cfg.fused_projections:  # columns: gate (I), then up (I)
+            self.gate_up_proj = _linear(cfg, h, 2 * i, rngs, dtype)
+        else:
+            self.gate_proj = _linear(cfg, h, i, rngs, dtype)
+            self.up_proj = _linear(cfg, h, i, rngs, dtype)
         self.down_proj = _linear(cfg, i, h, rngs, dtype)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate_up = self.gate_up_proj(x)  # [N, 2 I]
+            i = gate_up.shape[-1] // 2
+            gate, up = gate_up[:, :i], gate_up[:, i:]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -190,3 +221,50 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     else:
         logits = model.lm_head(x)
     return logits.astype(jnp.float32), KVCache(tuple(k_all), tuple(v_all))
+
+
+def _concat_kernels(kernels: list):
+    """Concatenates [K, n_i] kernels along the output axis: float arrays, or quantized weights
+    (quant/qtensor.py) of one format, whose columns are independent (own scales and offsets)."""
+    first = kernels[0]
+    if isinstance(first, jax.Array | np.ndarray):
+        return jnp.concatenate(kernels, axis=1)
+    fields = ("bits", "group_size", "layout")
+    if any(getattr(k, "perm", None) is not None for k in kernels) or any(
+            tuple(getattr(k, f) for f in fields) != tuple(getattr(first, f) for f in fields)
+            for k in kernels):
+        raise ValueError("fuse_projections: quantized kernels must share bits, group size and "
+                         "layout and have no act-order permutation")
+    cat = lambda name: (None if getattr(first, name) is None  # noqa: E731
+                        else jnp.concatenate([getattr(k, name) for k in kernels], axis=1))
+    return dataclasses.replace(first, packed=cat("packed"), scales=cat("scales"),
+                               offsets=cat("offsets"))
+
+
+def _fused_linear(parent, names: tuple[str, ...]) -> Linear:
+    """One Linear whose columns are those of parent's `names` layers, which are removed."""
+    layers = [getattr(parent, n) for n in names]
+    kernel = _concat_kernels([m.kernel.get_value() for m in layers])
+    biases = [None if m.bias is None else m.bias.get_value() for m in layers]
+    bias = None if biases[0] is None else jnp.concatenate(biases)
+    for n in names:
+        delattr(parent, n)  # frees each old kernel once nothing else holds it
+    return Linear(0, 0, None, None, weights=(kernel, bias))
+
+
+def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
+                     ) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Fuses each layer's q/k/v and gate/up kernels into one kernel each, in place.
+
+    Returns (cfg with fused_projections=True, the same model object). The fused model computes
+    the same function: its products are the unfused ones side by side. Layer by layer, so peak
+    memory grows by one layer's kernels. Quantize before fusing (quant/model.py names the
+    unfused layers); quantized kernels are concatenated column-wise. Sharding rules
+    (engine/sharding.py) know only the unfused names: fused weights are for one device.
+    """
+    if cfg.fused_projections:
+        raise ValueError("fuse_projections: the model is already fused")
+    for layer in model.layers:
+        layer.self_attn.qkv_proj = _fused_linear(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        layer.mlp.gate_up_proj = _fused_linear(layer.mlp, ("gate_proj", "up_proj"))
+    return cfg.replace(fused_projections=True), model
