@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops.matmul import register_quantized_matmul
+from ops.quant_matmul import int4_matmul, int8_matmul, resolve_impl
 
 LAYOUT_INT4 = "int4_k8"
 LAYOUT_INT8 = "int8_kn"
@@ -199,7 +200,20 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return jnp.dot(x, kernel, preferred_element_type=jnp.float32)
 
 
-register_quantized_matmul(QuantizedWeight, quantized_matmul_reference)
+def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [..., K] @ w -> [..., N]: what ops.matmul.linear runs for a QuantizedWeight.
+
+    On GPU the Pallas W4A16 / W8A16 kernels of ops/quant_matmul.py (which fall back to XLA's
+    dequantize + dot where that measures faster, at large M); elsewhere, or with
+    PALLASITE_MATMUL=reference, `quantized_matmul_reference`.
+    """
+    if resolve_impl("linear", None) == "reference":
+        return quantized_matmul_reference(x, w)
+    fn = int4_matmul if w.layout == LAYOUT_INT4 else int8_matmul
+    return fn(x, w.packed, w.scales, w.offsets, group_size=w.group_size, perm=w.perm)
+
+
+register_quantized_matmul(QuantizedWeight, quantized_matmul)
 
 
 def split_columns(w: QuantizedWeight, sizes) -> list[QuantizedWeight]:

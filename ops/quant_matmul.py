@@ -1,0 +1,393 @@
+"""Weight-only quantized matmul, W4A16 and W8A16: x [M, K] @ dequantize(W) [K, N] (Pallas, Triton GPU).
+
+Weights arrive in the packed layouts of quant/qtensor.py, read as they are stored:
+    int4  packed int32 [K/8, N]: rows 8i..8i+7 of column n in packed[i, n], row 8i+j in bits
+          4j..4j+3. A row of words is contiguous along N, so a tile [R, BN] is R coalesced rows.
+    int8  codes uint8 [K, N].
+    scales (and asymmetric offsets) [ceil(K / group_size), N] in a float dtype:
+          symmetric w = s * (c - 2^(bits-1)), asymmetric w = s * c + offset.
+
+Kernel: one program per (row block, column block, K split). It walks its slice of K one tile at a
+time (block_k rows: R = block_k / 8 words for int4), dequantizes the tile in registers and
+accumulates in float32:
+  * Unpacking without integer-to-float conversions (a slow instruction): nibble j of a word is
+    masked in place and OR-ed under an exponent that makes its lowest bit worth 1, so
+    `bitcast(bits) - magic` is exactly c - zero as a float32 (one LOP3 and one FADD per weight).
+    Nibbles 4..7 come from the word shifted right by 16 (one shift per four weights).
+  * The K order inside a tile is free: nibble j of R words holds rows 8i + j, so the tile is R x
+    BN weights times the activation columns 8i + j (a strided load of x, which sits in cache).
+    The 8 rows of a word always share a group (group_size is a multiple of 8).
+  * block_m < 16 ("fma" path, decode with one or two rows): plain float32 multiply-adds into a
+    [R, BN] accumulator per row; the group scale multiplies the sum over a word's 8 nibbles
+    once (and the offset the sum of its 8 activations), so a weight costs about three
+    instructions and no data leaves registers; the accumulator is reduced over R once, at the
+    end.
+  * block_m >= 16 ("dot" path): the scaled tile, cast to the activation dtype, feeds tl.dot
+    (tensor cores), 8 dots of K = R per int4 tile.
+  * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
+    are summed in jnp (a small fused reduction).
+For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
+the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
+docs/PERFORMANCE.md). PALLASITE_MATMUL=reference|pallas|pallas_interpret overrides dispatch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLS = ("pallas", "pallas_interpret", "reference")
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
+EXP_ONE = {0: 150, 1: 146, 2: 142, 3: 138}  # biased exponent making bit 4j worth 1.0
+MAGIC_BITS = 0x4B000000  # float32 2^23: its lowest mantissa bit is worth 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Static tiling of the quantized matmul kernel (all sizes powers of two)."""
+
+    block_m: int  # activation rows per program: < 16 fma path, >= 16 tl.dot path
+    block_n: int  # output columns per program
+    block_k: int  # K rows per loop step (int4: a multiple of 8; dot path: >= 16 words)
+    num_splits: int = 1  # programs along K
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulConfig | None:
+    """The tuning heuristic: a kernel config, or None where XLA's dequantize + dot is faster."""
+    if m > 128:
+        return None  # compute-bound: XLA's bf16 matmul (see docs/PERFORMANCE.md)
+    if m <= 2:
+        cfg = MatmulConfig(block_m=_next_pow2(m), block_n=128 // _next_pow2(m),
+                           block_k=256 if bits == 4 else 32, num_warps=4, num_stages=3)
+    else:
+        bm = max(16, _next_pow2(m))
+        cfg = MatmulConfig(block_m=bm, block_n=128 if bm <= 32 else 64,
+                           block_k=256 if bits == 4 else 64, num_warps=4, num_stages=3)
+    rows = k // 8 if bits == 4 else k
+    step = cfg.block_k // 8 if bits == 4 else cfg.block_k
+    tiles = -(-rows // step)
+    programs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    splits = max(1, min(round(2 * NUM_SMS / programs), tiles // 2, 16))
+    return dataclasses.replace(cfg, num_splits=splits)
+
+
+def _dequant_tile(word, j: int, zero: int, bits: int):
+    """Code j of each packed element (int32 [R, BN]) minus `zero`, as exact float32 [R, BN]."""
+    if bits == 8:  # word holds one code in bits 0..7
+        f = jax.lax.bitcast_convert_type(word | MAGIC_BITS, jnp.float32)
+        return f - (float(2 ** 23) + zero)
+    half = word if j < 4 else jax.lax.shift_right_logical(word, 16)
+    jj = j % 4
+    bits_ = (half & (0xF << (4 * jj))) | (EXP_ONE[jj] << 23)
+    f = jax.lax.bitcast_convert_type(bits_, jnp.float32)
+    return f - (float(2 ** (23 - 4 * jj)) + zero)
+
+
+def _load(ref, rows, cols, row_ok, col_ok, dtype=None):
+    """ref[rows[:, None], cols[None, :]] masked (None: known in bounds); masked reads are 0."""
+    view = ref.at[rows[:, None], cols[None, :]]
+    if row_ok is None and col_ok is None:
+        out = plgpu.load(view)
+    else:
+        shape = (rows.shape[0], cols.shape[0])
+        mask = jnp.ones(shape, jnp.bool_)
+        if row_ok is not None:
+            mask = mask & row_ok[:, None]
+        if col_ok is not None:
+            mask = mask & col_ok[None, :]
+        zero = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
+        out = plgpu.load(view, mask=mask, other=zero)
+    return out if dtype is None else out.astype(dtype)
+
+
+def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
+                   group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
+                   num_splits: int, asymmetric: bool):
+    # x_ref:  [M, K] activations (act-order already gathered), x dtype
+    # w_ref:  [K/8, N] int32 (int4) or [K, N] uint8 (int8): the packed weights, `rows` rows
+    # s_ref:  [G, N] group scales; refs: (o_ref [G, N] offsets when asymmetric), out_ref:
+    #         [M, N] in x's dtype (one split) or [M, N] float32 (this split's partial)
+    o_ref = refs[0] if asymmetric else None
+    out_ref = refs[-1]
+    mb, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    per_word = 8 if bits == 4 else 1  # K rows per packed row
+    zero = 0 if asymmetric else 2 ** (bits - 1)
+    cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
+    col_ok = cols < n if n % block_n else None
+    num_tiles = pl.cdiv(rows, step)
+    per_split = pl.cdiv(num_tiles, num_splits)
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
+    uniform = group_rows % step == 0 or num_groups == 1
+    dot_path = block_m >= 16
+    x_rows = mb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [BM]
+    x_row_ok = x_rows < m if m % block_m else None
+    k_total = rows * per_word
+
+    def tile_params(t):
+        r = t * step + jnp.arange(step, dtype=jnp.int32)  # [R] packed rows of this tile
+        r_ok = r < rows if rows % step else None
+        if uniform:  # the whole tile sits in one group: one scale row, broadcast over R
+            g = jnp.full((1,), jnp.minimum(t * step // group_rows, num_groups - 1), jnp.int32)
+        else:
+            g = jnp.minimum(r // group_rows, num_groups - 1)  # [R] group of each packed row
+        s = _load(s_ref, g, cols, None, col_ok, jnp.float32)  # [R, BN]
+        o = _load(o_ref, g, cols, None, col_ok, jnp.float32) if asymmetric else None
+        return r, r_ok, s, o
+
+    def x_cols(r, j):
+        return r * per_word + j  # [R] activation columns of code j of rows r
+
+    if dot_path:
+        def body(t, acc):  # acc [BM, BN] float32
+            r, r_ok, s, o = tile_params(t)
+            word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
+            for j in range(per_word):
+                w = _dequant_tile(word, j, zero, bits)  # [R, BN] c - zero
+                w = w * s + o if asymmetric else w * s
+                kc = x_cols(r, j)
+                k_ok = kc < k_total if r_ok is not None else None
+                xj = _load(x_ref, x_rows, kc, x_row_ok, k_ok)  # [BM, R]
+                acc += plgpu.dot(xj, w.astype(xj.dtype))
+            return acc
+
+        acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_m, block_n), jnp.float32))
+        mask = jnp.ones(acc.shape, jnp.bool_)
+        if x_row_ok is not None:
+            mask &= x_row_ok[:, None]
+        if col_ok is not None:
+            mask &= col_ok[None, :]
+        out_rows = jnp.where(x_rows < m, x_rows, m)  # masked rows go past the end
+        plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
+                    mask=mask)
+        return
+
+    def body(t, accs):  # accs: block_m x [R, BN] float32
+        r, r_ok, s, o = tile_params(t)
+        word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
+        codes = [_dequant_tile(word, j, zero, bits) for j in range(per_word)]  # [R, BN] each
+        new = []
+        for i, acc in enumerate(accs):
+            row = jnp.minimum(mb * block_m + i, m - 1)
+            xs = []
+            for j in range(per_word):
+                kc = x_cols(r, j)
+                view = x_ref.at[row, kc]
+                xs.append(plgpu.load(view, mask=kc < k_total, other=0.0) if r_ok is not None
+                          else plgpu.load(view))  # [R]
+            part = xs[0].astype(jnp.float32)[:, None] * codes[0]
+            for j in range(1, per_word):
+                part += xs[j].astype(jnp.float32)[:, None] * codes[j]  # [R, BN]
+            part = part * s
+            if asymmetric:
+                xsum = sum(x.astype(jnp.float32) for x in xs)  # [R]
+                part += xsum[:, None] * o
+            new.append(acc + part)
+        return tuple(new)
+
+    step_shape = (step, block_n)
+    accs = jax.lax.fori_loop(first, last, body,
+                             tuple(jnp.zeros(step_shape, jnp.float32) for _ in range(block_m)))
+    for i, acc in enumerate(accs):
+        row_i = mb * block_m + i
+        out = jnp.sum(acc, axis=0)[None, :]  # [1, BN]
+        row_vec = jnp.full((1,), row_i, jnp.int32)
+        ok = jnp.broadcast_to((row_vec < m)[:, None], out.shape)
+        if col_ok is not None:
+            ok &= col_ok[None, :]
+        out_row = jnp.where(row_vec < m, row_vec, m)
+        plgpu.store(out_ref.at[out_row[:, None], cols[None, :]], out.astype(out_ref.dtype),
+                    mask=ok)
+
+
+def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config: MatmulConfig,
+                   interpret: bool):
+    m, k = x.shape
+    rows, n = w.shape
+    num_groups = scales.shape[0]
+    asymmetric = offsets is not None
+    per_word = 8 if bits == 4 else 1
+    step = config.block_k // per_word
+    splits = config.num_splits
+    grid = (pl.cdiv(m, config.block_m), pl.cdiv(n, config.block_n), splits)  # (rows, cols, K split)
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
+    in_specs = [full((m, k)), full((rows, n)), full((num_groups, n))]
+    args = [x, w, scales]
+    if asymmetric:
+        in_specs.append(full((num_groups, n)))
+        args.append(offsets)
+    if splits > 1:
+        out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0))
+    else:
+        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+        out_spec = full((m, n))
+    kernel = functools.partial(
+        _matmul_kernel, bits=bits, m=m, n=n, rows=rows, group_rows=max(1, group_size // per_word),
+        num_groups=num_groups, block_m=config.block_m, block_n=config.block_n, step=step,
+        num_splits=splits, asymmetric=asymmetric)
+    out = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret, name=f"int{bits}_matmul",
+    )(*args)
+    if splits > 1:
+        return out.sum(axis=0).astype(x.dtype)
+    return out
+
+
+def resolve_impl(name: str, impl: str | None) -> str:
+    """impl None: PALLASITE_MATMUL if set, else 'pallas' on GPU and 'reference' elsewhere."""
+    impl = impl or os.environ.get("PALLASITE_MATMUL") or None
+    if impl is None:
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if impl not in IMPLS:
+        raise ValueError(f"{name}: impl {impl!r} must be None or one of {IMPLS}")
+    return impl
+
+
+def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
+           config: MatmulConfig | None) -> tuple[int, int]:
+    """Raises ValueError naming the shapes unless the operands fit; returns (K, N)."""
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: x dtype {x.dtype} must be bfloat16, float16 or float32")
+    want = jnp.int32 if bits == 4 else jnp.uint8
+    if w.ndim != 2 or w.dtype != want:
+        raise ValueError(f"{name}: packed weights {w.shape} {w.dtype} must be 2-D {jnp.dtype(want)}")
+    rows, n = w.shape
+    k = rows * 8 if bits == 4 else rows
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"{name}: x {x.shape} does not fit packed weights {w.shape} (K = {k})")
+    if group_size < 1 or (bits == 4 and group_size % 8):
+        raise ValueError(f"{name}: group_size {group_size} must be >= 1"
+                         + (" and a multiple of 8 (a packed word's rows share a group)"
+                            if bits == 4 else ""))
+    groups = -(-k // group_size)
+    if scales.shape != (groups, n) or jnp.dtype(scales.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: scales {scales.shape} {scales.dtype} must be float "
+                         f"[{groups}, {n}] for K={k} in groups of {group_size}")
+    if offsets is not None and (offsets.shape != (groups, n)
+                                or jnp.dtype(offsets.dtype) not in FLOAT_DTYPES):
+        raise ValueError(f"{name}: offsets {offsets.shape} {offsets.dtype} must be float "
+                         f"[{groups}, {n}] like scales {scales.shape}")
+    if perm is not None and (perm.shape != (k,) or not jnp.issubdtype(perm.dtype, jnp.integer)):
+        raise ValueError(f"{name}: perm {perm.shape} {perm.dtype} must be integer [{k}]")
+    if config is not None:
+        per_word = 8 if bits == 4 else 1
+        sizes = (config.block_m, config.block_n, config.block_k // per_word)
+        if (not all(map(_pow2, sizes)) or config.block_k % per_word or config.num_splits < 1
+                or (config.block_m >= 16 and sizes[2] < 16) or config.block_n < 16):
+            raise ValueError(f"{name}: config {config} needs power-of-two blocks, block_n >= "
+                             f"16, block_k a multiple of {per_word} and, for block_m >= 16, "
+                             f"block_k >= {16 * per_word}")
+    return k, n
+
+
+def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl, config):
+    k, n = _check(name, bits, x, w, scales, offsets, group_size, perm, config)
+    resolved = resolve_impl(name, impl)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    if config is None and resolved == "pallas" and impl is None and m > 0:
+        config = matmul_config(bits, m, k, n, group_size)
+        if config is None:
+            resolved = "reference"  # XLA's dequantize + dot measures faster here
+    if resolved == "reference" or m == 0:
+        ref = int4_matmul_reference if bits == 4 else int8_matmul_reference
+        out = ref(x2, w, scales, offsets, group_size=group_size, perm=perm)
+        return out.astype(x.dtype).reshape(*lead, n)
+    if config is None:
+        config = (matmul_config(bits, m, k, n, group_size)
+                  or MatmulConfig(block_m=64, block_n=64, block_k=128 if bits == 4 else 32))
+    if perm is not None:
+        x2 = jnp.take(x2, perm, axis=1)  # stored row order (act-order)
+    out = _pallas_matmul(x2, w, scales, offsets, bits=bits, group_size=group_size,
+                         config=config, interpret=resolved == "pallas_interpret")
+    return out.reshape(*lead, n)
+
+
+def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
+                offsets: jax.Array | None = None, *, group_size: int,
+                perm: jax.Array | None = None, impl: str | None = None,
+                config: MatmulConfig | None = None) -> jax.Array:
+    """W4A16: x [..., K] @ the int4 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
+
+    packed: int32 [K/8, N] (layout int4_k8 of quant/qtensor.py). scales, offsets: float
+    [ceil(K / group_size), N]; without offsets w = s * (c - 8), with them w = s * c + offset.
+    group_size: a multiple of 8 (K for per-channel scales; the last group may be shorter).
+    perm: act-order, int32 [K]: stored row k multiplies input channel perm[k].
+    impl: None (PALLASITE_MATMUL, else Pallas on GPU with the XLA fallback of `matmul_config`,
+    the reference elsewhere), 'pallas', 'pallas_interpret' (CPU tests) or 'reference'.
+    config overrides the tuning heuristic `matmul_config`.
+    """
+    return _quantized_matmul("int4_matmul", 4, x, packed, scales, offsets, group_size, perm,
+                             impl, config)
+
+
+def int8_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
+                offsets: jax.Array | None = None, *, group_size: int,
+                perm: jax.Array | None = None, impl: str | None = None,
+                config: MatmulConfig | None = None) -> jax.Array:
+    """W8A16: x [..., K] @ the int8 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
+
+    codes: uint8 [K, N] (layout int8_kn); without offsets w = s * (c - 128), with them
+    w = s * c + offset; other arguments as in `int4_matmul` (any group_size >= 1).
+    """
+    return _quantized_matmul("int8_matmul", 8, x, codes, scales, offsets, group_size, perm,
+                             impl, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# References: dequantize the very same packed arrays, then one XLA dot (also the large-M path).
+
+
+def _dequantize(codes, scales, offsets, group_size: int, bits: int, dtype):
+    """codes int32 [K, N] -> float weights [K, N] in dtype (computed in float32)."""
+    k, n = codes.shape
+    groups = scales.shape[0]
+    expand = lambda a: jnp.broadcast_to(  # noqa: E731  [G, N] -> [K, N]
+        a.astype(jnp.float32)[:, None, :], (groups, group_size, n)).reshape(-1, n)[:k]
+    c = codes.astype(jnp.float32)
+    if offsets is None:
+        w = expand(scales) * (c - 2 ** (bits - 1))
+    else:
+        w = expand(scales) * c + expand(offsets)
+    return w.astype(dtype)
+
+
+def int4_matmul_reference(x, packed, scales, offsets=None, *, group_size: int, perm=None):
+    """x [M, K] @ dequantize(packed int32 [K/8, N]) -> [M, N] float32 (XLA dot, x's dtype)."""
+    rows, n = packed.shape
+    words = jax.lax.bitcast_convert_type(packed, jnp.uint32)[:, None, :]  # [K/8, 1, N]
+    shifts = (4 * jnp.arange(8, dtype=jnp.uint32))[None, :, None]  # [1, 8, 1]
+    codes = ((words >> shifts) & 0xF).astype(jnp.int32).reshape(rows * 8, n)  # [K, N]
+    if perm is not None:
+        x = jnp.take(x, perm, axis=-1)
+    w = _dequantize(codes, scales, offsets, group_size, 4, x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def int8_matmul_reference(x, codes, scales, offsets=None, *, group_size: int, perm=None):
+    """x [M, K] @ dequantize(codes uint8 [K, N]) -> [M, N] float32 (XLA dot, x's dtype)."""
+    if perm is not None:
+        x = jnp.take(x, perm, axis=-1)
+    w = _dequantize(codes.astype(jnp.int32), scales, offsets, group_size, 8, x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)

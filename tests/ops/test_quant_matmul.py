@@ -1,0 +1,198 @@
+"""ops.quant_matmul (W4A16 / W8A16) against its jnp reference and a float64 numpy product.
+
+Every case draws fresh random codes, scales, offsets and activations (never zeros) and packs them
+with quant/qtensor.py's packers, so kernel and references read the very same packed arrays. On
+CPU the Pallas kernel runs with interpret=True on small K / N of the Llama structure (K a multiple
+of the group or not, N not a multiple of the column block); on a GPU the same cases run compiled
+and the Llama-3.1-8B shapes are added. A CPU test lowers both kernel paths to Triton IR for an
+H200, which catches unsupported constructs without a GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops.matmul import linear
+from ops.quant_matmul import (MatmulConfig, int4_matmul, int4_matmul_reference, int8_matmul,
+                              int8_matmul_reference, matmul_config)
+from quant.qtensor import dequantize, make_quantized_weight
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPL = "pallas" if ON_GPU else "pallas_interpret"
+# Relative L2 error against the reference: the outputs are rounded to the activation dtype.
+TOL = {"bfloat16": 1.5e-2, "float16": 3e-3, "float32": 1e-4}
+
+
+def make_weight(rng, bits, k, n, group_size, asymmetric, act_order, scale_dtype):
+    codes = rng.integers(0, 2 ** bits, (k, n))
+    groups = -(-k // group_size)
+    scales = jnp.asarray(rng.uniform(0.5, 1.5, (groups, n)) / 2 ** bits, scale_dtype)
+    offsets = (jnp.asarray(rng.normal(0.0, 0.3, (groups, n)), scale_dtype)
+               if asymmetric else None)
+    perm = rng.permutation(k) if act_order else None
+    return make_quantized_weight(codes, scales, offsets, bits, group_size, perm=perm)
+
+
+def run_case(*, bits, m, k, n, group_size, asymmetric=False, dtype="bfloat16", act_order=False,
+             config=None, impl=IMPL, seed=0, lead=None):
+    rng = np.random.default_rng(seed)
+    w = make_weight(rng, bits, k, n, group_size, asymmetric, act_order, dtype)
+    shape = (*lead, k) if lead else (m, k)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    fn, ref_fn = ((int4_matmul, int4_matmul_reference) if bits == 4
+                  else (int8_matmul, int8_matmul_reference))
+    kw = dict(group_size=group_size, perm=w.perm)
+    out = fn(x, w.packed, w.scales, w.offsets, impl=impl, config=config, **kw)
+    assert out.shape == (*shape[:-1], n) and out.dtype == x.dtype
+    out = np.asarray(out.astype(jnp.float32)).reshape(-1, n)
+    x2 = x.reshape(-1, k)
+    ref = np.asarray(ref_fn(x2, w.packed, w.scales, w.offsets, **kw))
+    assert np.all(np.isfinite(out))
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < TOL[dtype], f"vs reference: {err:.2e}"
+    # Independent float64 product: qtensor's dequantize (un-permuted) and numpy.
+    want = np.asarray(x2, np.float64) @ np.asarray(dequantize(w, jnp.float32), np.float64)
+    err = np.linalg.norm(out - want) / np.linalg.norm(want)
+    assert err < TOL[dtype], f"vs float64: {err:.2e}"
+
+
+# (bits, m, k, n, group_size, asymmetric, dtype, act_order)
+CASES = [
+    (4, 1, 512, 384, 128, False, "bfloat16", False),
+    (4, 1, 320, 96, 128, True, "float16", False),  # last group 64 rows, N % 64 != 0
+    (4, 3, 512, 256, 32, False, "float16", True),
+    (4, 3, 256, 384, 256, True, "bfloat16", False),  # per channel
+    (4, 16, 512, 256, 64, True, "bfloat16", False),
+    (4, 16, 320, 160, 32, False, "float16", False),
+    (4, 64, 256, 128, 128, False, "bfloat16", True),
+    (4, 64, 512, 192, 512, True, "float16", False),
+    (4, 300, 256, 128, 64, False, "bfloat16", False),
+    (4, 2, 256, 128, 64, False, "float32", False),
+    (8, 1, 512, 384, 512, False, "bfloat16", False),  # per channel (the INT8 preset)
+    (8, 1, 300, 96, 300, True, "float16", False),  # K not a multiple of 8 or 16
+    (8, 3, 256, 256, 128, True, "bfloat16", True),
+    (8, 16, 384, 128, 32, False, "float16", False),
+    (8, 16, 256, 256, 64, True, "bfloat16", False),
+    (8, 64, 256, 128, 256, False, "bfloat16", False),
+    (8, 300, 128, 128, 128, True, "float16", False),
+]
+
+
+@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,act_order", CASES)
+def test_matches_references(bits, m, k, n, group_size, asymmetric, dtype, act_order):
+    run_case(bits=bits, m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric,
+             dtype=dtype, act_order=act_order, seed=m + k + n + group_size)
+
+
+@pytest.mark.parametrize("bits,config", [
+    (4, MatmulConfig(block_m=1, block_n=32, block_k=64, num_splits=3)),  # splits > tiles/split
+    (4, MatmulConfig(block_m=2, block_n=64, block_k=128, num_splits=1)),
+    (4, MatmulConfig(block_m=16, block_n=32, block_k=128, num_splits=2)),  # 16 words of 8 rows
+    (4, MatmulConfig(block_m=32, block_n=64, block_k=256, num_splits=1)),
+    (8, MatmulConfig(block_m=1, block_n=64, block_k=16, num_splits=4)),
+    (8, MatmulConfig(block_m=2, block_n=32, block_k=32, num_splits=2)),
+    (8, MatmulConfig(block_m=16, block_n=64, block_k=32, num_splits=1)),
+])
+def test_explicit_configs(bits, config):
+    # K = 448: 14 groups of 32, a partial last tile for every block_k above.
+    run_case(bits=bits, m=5, k=448, n=96, group_size=32, asymmetric=True, config=config,
+             seed=config.block_m * 7 + config.num_splits)
+
+
+def test_leading_dims_and_linear_dispatch(monkeypatch):
+    run_case(bits=4, m=None, k=256, n=128, group_size=64, lead=(2, 3), seed=3)
+    rng = np.random.default_rng(4)
+    w = make_weight(rng, 4, 256, 128, 64, True, True, "bfloat16")
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    ref = np.asarray(linear(x, w).astype(jnp.float32))
+    if not ON_GPU:  # CPU default: the reference; the env var forces the kernel through linear
+        want = int4_matmul_reference(x, w.packed, w.scales, w.offsets, group_size=64,
+                                     perm=w.perm).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(ref, np.asarray(want.astype(jnp.float32)))
+        monkeypatch.setenv("PALLASITE_MATMUL", "pallas_interpret")
+    out = np.asarray(linear(x, w).astype(jnp.float32))
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL["bfloat16"]
+
+
+def test_heuristic_configs_are_valid():
+    for bits in (4, 8):
+        for m in (1, 2, 3, 4, 16, 17, 64, 128, 256, 1024):
+            for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (512, 96)):
+                cfg = matmul_config(bits, m, k, n, 128)
+                if cfg is None:
+                    assert m > 16
+                    continue
+                per_word = 8 if bits == 4 else 1
+                assert cfg.block_m >= m or cfg.block_m >= 16
+                assert cfg.num_splits >= 1 and cfg.block_k % per_word == 0
+
+
+def test_validation():
+    rng = np.random.default_rng(5)
+    w = make_weight(rng, 4, 256, 64, 64, False, False, "bfloat16")
+    x = jnp.ones((2, 256), jnp.bfloat16) * 0.5
+    bad = [
+        dict(x=x[:, :128]),  # K mismatch
+        dict(x=x.astype(jnp.int32)),
+        dict(packed=w.packed.astype(jnp.uint8)),
+        dict(scales=w.scales[:2]),
+        dict(offsets=w.scales[:, :32]),
+        dict(group_size=60),  # not a multiple of 8
+        dict(perm=jnp.arange(128)),
+        dict(config=MatmulConfig(block_m=16, block_n=64, block_k=64)),  # 8 words < 16 for tl.dot
+        dict(config=MatmulConfig(block_m=3, block_n=64, block_k=64)),
+    ]
+    base = dict(x=x, packed=w.packed, scales=w.scales, offsets=None, group_size=64, perm=None,
+                config=None)
+    for change in bad:
+        a = {**base, **change}
+        with pytest.raises(ValueError, match="int4_matmul"):
+            int4_matmul(a["x"], a["packed"], a["scales"], a["offsets"],
+                        group_size=a["group_size"], perm=a["perm"], config=a["config"],
+                        impl="pallas_interpret")
+    with pytest.raises(ValueError, match=r"\(32, 64\) int32"):
+        int8_matmul(x, w.packed, w.scales, group_size=64)  # int32 words given to int8
+    with pytest.raises(ValueError, match="impl"):
+        int4_matmul(x, w.packed, w.scales, group_size=64, impl="triton")
+
+
+LLAMA = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Llama-3.1-8B shapes: GPU only (compiled kernel)")
+@pytest.mark.parametrize("k,n", LLAMA)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_llama_shapes(bits, k, n):
+    for m, group, asym, dtype in ((1, 128, False, "bfloat16"), (3, 32, True, "float16"),
+                                  (16, 64, False, "bfloat16"), (64, k, True, "bfloat16"),
+                                  (300, 128, False, "float16")):
+        if bits == 8 and group != k and m in (1, 16):
+            group = k  # the INT8 preset is per channel
+        for impl in (None, "pallas"):
+            run_case(bits=bits, m=m, k=k, n=n, group_size=group, asymmetric=asym, dtype=dtype,
+                     impl=impl, seed=m + n)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.parametrize("bits,block_m,asymmetric", [(4, 1, False), (4, 2, True), (4, 16, True),
+                                                     (8, 1, True), (8, 16, False)])
+def test_lowers_to_triton_for_h200(monkeypatch, bits, block_m, asymmetric):
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    spec = jax.ShapeDtypeStruct
+    k, n, group = 4096, 6144, 128
+    packed = spec((k // 8, n), jnp.int32) if bits == 4 else spec((k, n), jnp.uint8)
+    scales = spec((k // group, n), jnp.bfloat16)
+    config = matmul_config(bits, block_m, k, n, group)
+    fn = int4_matmul if bits == 4 else int8_matmul
+
+    def f(x, w, s, o):
+        return fn(x, w, s, o, group_size=group, impl="pallas", config=config)
+
+    text = jax.jit(f).trace(spec((block_m, k), jnp.bfloat16), packed, scales,
+                            scales if asymmetric else None).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
