@@ -1,0 +1,253 @@
+"""Benchmark of the W4A16 / W8A16 matmul kernels (ops/quant_matmul.py) against XLA's bf16 dot.
+
+    python -m scripts.bench_matmul --json_out=matmul.json
+    python -m scripts.bench_matmul --modes=sweep --shapes=4096x4096,4096x28672 --ms=1,16
+
+Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fused gate+up
+4096x28672, down 14336x4096, lm head 4096x128256) at M = 1 ... 1024 rows of bf16 activations.
+- calib: the card's copy bandwidth (bytes read + written over time) in the same run.
+- bench: per shape and M: XLA's bf16 dot (the peer), int4 / int8 through the kernel, through
+  XLA's dequantize + dot (the reference, the large-M fallback) and through the dispatch of
+  `matmul_config` (the faster of the two as the heuristic picks it), and jax's Mosaic GPU
+  `hopper_mixed_type_matmul_mgpu` (int8 x bf16, per-channel scales applied after) where it runs.
+  TB/s = weight bytes read (packed codes + scales) over time; speedup = bf16 time / time.
+- sweep: the kernel's tile configurations at the given shapes and M (tuning).
+
+Timing: each jitted program runs `--calls` products on distinct inputs (weights rotate over
+enough sets to exceed the 60 MB L2); it is queued `--queue` times and synchronized once; time per
+product = wall time / (queue x calls), median of `--runs` (the method of bench_attention.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from ops.quant_matmul import (MatmulConfig, int4_matmul, int4_matmul_reference, int8_matmul,
+                              int8_matmul_reference, matmul_config)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("modes", ["calib", "bench"], "calib, bench, sweep")
+flags.DEFINE_list("shapes", ["4096x6144", "4096x4096", "4096x28672", "14336x4096",
+                             "4096x128256"], "K x N")
+flags.DEFINE_list("ms", ["1", "4", "16", "64", "256", "1024"], "activation rows")
+flags.DEFINE_list("bits", ["4", "8"], "weight bits")
+flags.DEFINE_integer("group_size", 128, "int4 group size (int8 is per channel)")
+flags.DEFINE_integer("calls", 8, "products (distinct inputs) per jitted program")
+flags.DEFINE_integer("queue", 3, "programs queued before one sync")
+flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
+flags.DEFINE_bool("mgpu", True, "time jax's hopper_mixed_type_matmul_mgpu (int8) too")
+flags.DEFINE_string("json_out", "", "write all rows as JSON here")
+flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
+
+L2_BYTES = 60 << 20
+
+
+def time_per_call(fn, args, calls: int) -> float:
+    """Seconds per product: `fn(*args)` runs `calls` of them (see the module docstring)."""
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(FLAGS.runs):
+        start = time.perf_counter()
+        for _ in range(FLAGS.queue):
+            out = f(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / (FLAGS.queue * calls))
+    return statistics.median(samples)
+
+
+def calibrate() -> dict:
+    x = jax.random.bits(jax.random.key(0), (1 << 29,), jnp.uint32)  # 2 GiB
+    t = time_per_call(lambda x: x ^ jnp.uint32(1), (x,), 1)
+    copy = 2 * x.nbytes / t / 1e12
+    print(f"calib: copy {copy:.2f} TB/s (read + write)")
+    return {"copy_TBps": copy}
+
+
+def num_sets(set_bytes: int) -> int:
+    """Weight sets so that `calls` consecutive products never find their weights in L2."""
+    return max(2, min(FLAGS.calls, math.ceil(4 * L2_BYTES / set_bytes)))
+
+
+def make_weights(bits: int, k: int, n: int, group: int, sets: int, key):
+    """Random packed codes (never zeros) and scales for `sets` weight sets."""
+    k1, k2 = jax.random.split(key)
+    if bits == 4:
+        packed = jax.lax.bitcast_convert_type(
+            jax.random.bits(k1, (sets, k // 8, n), jnp.uint32), jnp.int32)
+    else:
+        packed = jax.random.bits(k1, (sets, k, n), jnp.uint8)
+    scales = jax.random.uniform(k2, (sets, -(-k // group), n), jnp.float32, 0.001, 0.01)
+    return packed, scales.astype(jnp.bfloat16)
+
+
+def mgpu_fn(k: int, n: int, m: int):
+    """jax's Mosaic GPU int8 x bf16 kernel for y = x @ W: computes W^T [N, K] @ x^T [K, M]."""
+    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+    mp = max(64, -(-m // 64) * 64)
+    cfg = mixed.TuningConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=4,
+                             epi_tile_n=64, epi_tile_m=64,
+                             wg_dimension=mixed.MatmulDimension.M)
+
+    def fn(x, wt, s):  # x [M, K] bf16, wt int8 [N, K], s [1, N]
+        xt = jnp.pad(x, ((0, mp - m), (0, 0))).T  # [K, Mp]
+        y = mixed.mixed_matmul_kernel(wt, xt, out_dtype=jnp.bfloat16, config=cfg)  # [N, Mp]
+        return (y[:, :m].T.astype(jnp.float32) * s.astype(jnp.float32)).astype(jnp.bfloat16)
+    return fn
+
+
+def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[dict]:
+    rows = []
+    calls = FLAGS.calls
+    bf16_sets = num_sets(2 * k * n)
+    wb = jax.random.normal(jax.random.key(1), (bf16_sets, k, n), jnp.bfloat16)
+    for m in ms:
+        xs = jax.random.normal(jax.random.key(2 + m), (calls, m, k), jnp.bfloat16)
+        base = dict(K=k, N=n, M=m)
+        if sweep is None:
+            t_bf16 = time_per_call(lambda xs, w: tuple(
+                jnp.dot(xs[c], w[c % bf16_sets], preferred_element_type=jnp.float32).astype(
+                    jnp.bfloat16) for c in range(calls)), (xs, wb), calls)
+            rows.append({**base, "impl": "xla_bf16", "us": t_bf16 * 1e6,
+                         "TBps": 2 * k * n / t_bf16 / 1e12, "speedup": 1.0})
+            report(rows[-1], calib)
+        else:
+            t_bf16 = None
+        for bits in map(int, FLAGS.bits):
+            group = FLAGS.group_size if bits == 4 else k
+            packed_bytes = k * n // (2 if bits == 4 else 1)
+            scale_bytes = 2 * -(-k // group) * n
+            sets = num_sets(packed_bytes + scale_bytes)
+            w, s = make_weights(bits, k, n, group, sets, jax.random.key(10 + bits))
+            fn = int4_matmul if bits == 4 else int8_matmul
+            ref = int4_matmul_reference if bits == 4 else int8_matmul_reference
+            heur = matmul_config(bits, m, k, n, group)
+            if sweep is not None:
+                variants = [(f"int{bits}_kernel", "pallas", cfg) for cfg in sweep(bits, m)]
+            else:
+                variants = [(f"int{bits}_kernel", FLAGS.impl, heur),
+                            (f"int{bits}_xla", "reference", None)]
+            by_name = {}
+            for name, impl, cfg in variants:
+                def prog(xs, w, s, impl=impl, cfg=cfg):
+                    out = []
+                    for c in range(calls):
+                        if impl == "reference":
+                            y = ref(xs[c], w[c % sets], s[c % sets], group_size=group)
+                            out.append(y.astype(jnp.bfloat16))
+                        else:
+                            out.append(fn(xs[c], w[c % sets], s[c % sets], group_size=group,
+                                          impl=impl, config=cfg))
+                    return tuple(out)
+                row = {**base, "impl": name, "bits": bits, "group": group,
+                       "config": str(cfg or "")}
+                try:
+                    t = time_per_call(prog, (xs, w, s), calls)
+                    row.update(us=t * 1e6, TBps=(packed_bytes + scale_bytes) / t / 1e12)
+                    if t_bf16:
+                        row["speedup"] = t_bf16 / t
+                    by_name[name] = t
+                except Exception as e:  # a config the compiler rejects is reported, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+                report(row, calib)
+            if sweep is None and by_name:  # what the default dispatch runs
+                pick = f"int{bits}_kernel" if heur is not None else f"int{bits}_xla"
+                if pick in by_name:
+                    t = by_name[pick]
+                    rows.append({**base, "impl": f"int{bits}", "bits": bits, "via": pick,
+                                 "us": t * 1e6, "TBps": (packed_bytes + scale_bytes) / t / 1e12,
+                                 "speedup": t_bf16 / t})
+                    report(rows[-1], calib)
+            if sweep is None and bits == 8 and FLAGS.mgpu:
+                rows.append(bench_mgpu(k, n, m, xs, t_bf16, calib))
+            del w, s
+    del wb
+    return rows
+
+
+def bench_mgpu(k, n, m, xs, t_bf16, calib) -> dict:
+    row = {"K": k, "N": n, "M": m, "impl": "mgpu_int8_peer", "bits": 8}
+    try:
+        calls = FLAGS.calls
+        sets = num_sets(k * n)
+        wt = jax.random.bits(jax.random.key(5), (sets, n, k), jnp.uint8).astype(jnp.int8)
+        s = jax.random.uniform(jax.random.key(6), (sets, 1, n), jnp.float32, 0.001, 0.01)
+        fn = mgpu_fn(k, n, m)
+        t = time_per_call(lambda xs, wt, s: tuple(
+            fn(xs[c], wt[c % sets], s[c % sets]) for c in range(calls)), (xs, wt, s), calls)
+        row.update(us=t * 1e6, TBps=(k * n + 4 * n) / t / 1e12, speedup=t_bf16 / t)
+    except Exception as e:  # recorded as n/a with the reason
+        row["error"] = f"n/a: {type(e).__name__}: {str(e)[:300]}"
+    report(row, calib)
+    return row
+
+
+def report(row: dict, calib: dict) -> None:
+    if "error" in row:
+        print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<5} {row['impl']:<16} {row['error']}")
+        return
+    frac = row["TBps"] / calib["copy_TBps"] if calib else float("nan")
+    row["frac_copy"] = frac
+    print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<5} {row['impl']:<16} {row['us']:9.1f} us "
+          f"{row['TBps']:5.2f} TB/s ({frac:4.0%} of copy) x{row.get('speedup', float('nan')):5.2f}"
+          f"  {row.get('config', '') or row.get('via', '')}")
+
+
+def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:
+    """Tile variants around the heuristic for one row count (num_splits filled in by main)."""
+    out = []
+    if m <= 2:
+        bm = 1 if m == 1 else 2
+        for bn in (128, 256):
+            for bk in ((256, 512) if bits == 4 else (32, 64)):
+                for warps in (4, 8):
+                    out.append(MatmulConfig(bm, bn // bm, bk, 0, warps, 3))
+    else:
+        bm = max(16, 1 << (m - 1).bit_length())
+        bk = 256 if bits == 4 else 64
+        out = [MatmulConfig(bm, bn, bk, 0, 4, 3) for bn in (64, 128, 256)]
+        out += [MatmulConfig(bm, 128, bk, 0, 8, 3), MatmulConfig(bm, 128, 2 * bk, 0, 4, 2)]
+    return out
+
+
+def main(_):
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    calib = calibrate() if "calib" in FLAGS.modes and FLAGS.impl == "pallas" else {}
+    shapes = [tuple(int(v) for v in s.split("x")) for s in FLAGS.shapes]
+    ms = [int(m) for m in FLAGS.ms]
+    rows = []
+    if "sweep" in FLAGS.modes:
+        def sweep(bits, m):  # splits from the heuristic's rule for each tile shape
+            out = []
+            for cfg in sweep_configs(bits, m):
+                auto = matmul_config(bits, m, k, n, FLAGS.group_size if bits == 4 else k)
+                splits = auto.num_splits if auto and auto.block_n == cfg.block_n else 0
+                if not splits:
+                    per_word = 8 if bits == 4 else 1
+                    tiles = -(-k // cfg.block_k)
+                    progs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+                    splits = max(1, min(round(264 / progs), tiles // 2, 16))
+                    del per_word
+                out.append(dataclasses.replace(cfg, num_splits=splits))
+            return out
+        for k, n in shapes:
+            rows += bench_shape(k, n, ms, calib, sweep=sweep)
+    if "bench" in FLAGS.modes:
+        for k, n in shapes:
+            rows += bench_shape(k, n, ms, calib)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"calib": calib, "device": jax.devices()[0].device_kind,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
