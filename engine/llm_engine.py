@@ -3,27 +3,29 @@
 `LLMEngine.step()` asks the scheduler which tokens of which requests to compute (decodes, prefill
 chunks and prefix-cache hits mixed in one ragged batch), builds the step batch, runs one jitted
 model step and one jitted sampler, then appends the sampled tokens, detokenizes incrementally,
-applies stop conditions and frees the pages of finished requests.
+applies stop conditions and frees the pages of finished requests. With asynchronous scheduling
+(the default) the host does all that for step n while the device runs step n+1, which reads its
+input tokens from step n's samples on the device; speculative rounds live in
+engine/spec_rounds.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Iterator, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
-                            SamplingParams)
-from engine.runner import ModelRunner, StepBatch, bucket, make_step_batch
+                            SamplingParams, logprob_entry)
+from engine.runner import ModelRunner, fetch_samples, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.speculative import SpecConfig, SpecStats, propose_ngram, verify
+from engine.spec_rounds import SpeculativeRounds
+from engine.speculative import SpecConfig, SpecStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    # Schedule step n+1 while step n runs (see LLMEngine.step); speculative decoding, penalties
+    # and a sharded runner run synchronously.
+    async_scheduling: bool = True
 
 
 @dataclasses.dataclass
@@ -68,12 +73,23 @@ class EngineStats:
     num_generated_tokens: int = 0
     step_time_s: float = 0.0
     host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
-    # Per step (number of sequences, host seconds, step seconds), when record_steps is on.
+    # Host time during which the device had nothing queued (an upper bound; see LLMEngine.step).
+    exposed_host_time_s: float = 0.0
+    # Per step (sequences launched, host s, step s, exposed host s), when record_steps is on.
     record_steps: bool = False
     steps: list = dataclasses.field(default_factory=list)
 
 
-class LLMEngine:
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step whose samples the host has not read yet."""
+
+    requests: list[Request]  # one per row
+    completes: list[bool]  # the row's sample is its request's next token (not a partial prefill)
+    results: tuple  # runner.sample_device's device arrays (tokens padded to sample_rows)
+
+
+class LLMEngine(SpeculativeRounds):
     """Runs many requests together over one model and one paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, model, tokenizer=None,
@@ -119,6 +135,9 @@ class LLMEngine:
         self._group_of: dict[int, int] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._finished_groups: list[int] = []
+        self._in_flight: _InFlight | None = None  # the launched step not read yet
+        self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
+        self._wait_s = 0.0
 
     def _num_pages(self, cfg: ModelConfig, model, engine_cfg: EngineConfig) -> int:
         page_size, max_len = engine_cfg.page_size, engine_cfg.max_model_len
@@ -159,6 +178,8 @@ class LLMEngine:
                               priority=priority, arrival_time=now)
             if self.spec_config is not None:  # start optimistic: k proposals
                 request.spec_ema_accepted = float(self.spec_config.num_speculative_tokens)
+            if params.uses_penalties:
+                self._penalized.add(request.request_id)
             if index > 0 and self.engine_cfg.enable_prefix_caching:
                 request.wait_for = samples[0]  # share the first sample's prompt pages
             self._next_request += 1
@@ -197,11 +218,13 @@ class LLMEngine:
                 self.scheduler.abort(request)
                 request.finish_reason = FinishReason.ABORT
                 request.finish_time = time.perf_counter()
+                self._penalized.discard(request.request_id)
         if request_id in self._groups and request_id not in self._finished_groups:
             self._finished_groups.append(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether requests wait, run, or have tokens in flight."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -213,146 +236,125 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _build_batch(self, output: SchedulerOutput) -> StepBatch:
-        rows = []
-        for it in output.scheduled:
-            r, first = it.request, it.request.num_computed_tokens
-            tokens = r.token_ids[first:first + it.num_new_tokens - len(r.spec_tokens)]
-            rows.append((tokens + r.spec_tokens, first, r.pages))
-        return make_step_batch(rows, self.pool.page_size)
-
     def step(self) -> list[StreamDelta]:
-        """Runs one schedule -> run -> postprocess round; returns the new text of each sample."""
+        """Runs one schedule -> run -> postprocess round; returns the new text of each sample.
+
+        With asynchronous scheduling (EngineConfig.async_scheduling) a round schedules and
+        launches step n+1 before it reads the tokens of step n, which is still running: the
+        host's scheduling, batch building and detokenization hide behind the device's work.
+        Step n+1 reads the tokens step n sampled on the device; a request that step n ended
+        (EOS, a stop string) computes one token too many, which is dropped. The deltas a round
+        returns are step n's.
+        """
         t0 = time.perf_counter()
-        if self.spec_config is not None:
-            self._plan_speculation()
-        output = self.scheduler.schedule()
-        if not output.scheduled:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could schedule nothing although requests wait")
-            return []
-        requests = [it.request for it in output.scheduled]
-        for r in requests:  # the scheduler may have cut the lookahead to the token budget, or
-            r.spec_tokens = r.spec_tokens[: r.lookahead]  # to 0 (a preempted, readmitted request)
-        spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
-        draft_probs = self._propose(output, spec_rows) if spec_rows else None
-        batch = self._build_batch(output)
-        batch.verification = bool(spec_rows)
-        t1 = time.perf_counter()
-        if spec_rows:
-            all_logits = self.runner.execute_all_logits(batch)  # [N, V]
-            logits = all_logits[jnp.asarray(batch.logits_indices)]
-            accepted, spec_tokens = self._verify(all_logits, batch, requests, draft_probs)
-        else:
-            logits = self.runner.execute_padded(batch)
-        tokens, chosen, top_ids, top_logprobs = self.runner.sample(
-            logits, SamplingArrays.from_requests(requests))  # waits for the device
-        t2 = time.perf_counter()
-        new_tokens = []
-        for i, it in enumerate(output.scheduled):
-            r = it.request
-            complete = r.num_computed_tokens + it.num_new_tokens >= r.num_tokens + len(r.spec_tokens)
-            if not complete:
-                new_tokens.append([])  # a prefill chunk short of the prompt's end
-            elif r.spec_tokens:
-                a = int(accepted[i])
-                new_tokens.append(spec_tokens[i, : a + 1].tolist())
-                self._after_verification(r, it, a)
-            else:
-                new_tokens.append([int(tokens[i])])
-        self.scheduler.update_computed(output)
-        deltas = []
-        for i, request in enumerate(requests):
-            if not new_tokens[i]:
-                continue
-            logprob = None
-            if chosen is not None and request.params.logprobs is not None:
-                k = request.params.logprobs
-                logprob = (float(chosen[i]), dict(zip(top_ids[i, :k].tolist(),
-                                                      top_logprobs[i, :k].tolist())))
-            deltas.append(self._append_tokens(request, new_tokens[i], logprob, t2))
+        self._wait_s = 0.0
+        overlap = self._can_overlap()
+        try:
+            num_seqs, deltas = self._round(overlap)
+        except BaseException:
+            self._in_flight = None  # a failed round leaves nothing in flight
+            raise
+        wall = time.perf_counter() - t0
+        host = wall - self._wait_s
         self.stats.num_steps += 1
-        self.stats.num_computed_tokens += output.num_tokens
         self.stats.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
-        t3 = time.perf_counter()
-        self.stats.step_time_s += t3 - t0
-        host = (t1 - t0) + self.runner.last_prepare_s + (t3 - t2)
+        self.stats.step_time_s += wall
         self.stats.host_time_s += host
+        # The device idles during host work unless it was still busy when the host came to
+        # wait: host time exposed (an upper bound when overlapping).
+        exposed = host if not overlap or self._wait_s < 1e-4 else 0.0
+        self.stats.exposed_host_time_s += exposed
         if self.stats.record_steps:
-            self.stats.steps.append((len(requests), host, t3 - t0))
+            self.stats.steps.append((num_seqs, host, wall, exposed))
         return deltas
 
-    # ---- speculative decoding ---------------------------------------------------------------
+    def _can_overlap(self) -> bool:
+        """Asynchronous scheduling needs every token id on the host only for speculation and
+        penalties (which count the output tokens)."""
+        return (self.engine_cfg.async_scheduling and self.spec_config is None
+                and self.runner.supports_async_scheduling and not self._penalized)
 
-    def _plan_speculation(self) -> None:
-        """Sets each running request's lookahead (and n-gram proposals) for this step."""
-        spec = self.spec_config
-        running = self.scheduler.running
-        enabled = len(running) <= spec.max_batch
-        for r in running:
-            r.lookahead, r.spec_tokens = 0, []
-            if (not enabled or r.num_tokens - r.num_computed_tokens != 1
-                    or r.params.uses_penalties or r.params.logprobs is not None):
-                continue
-            if r.spec_ema_accepted < 0.2 and len(r.output_ids) % 4:
-                continue  # proposals keep failing: only probe every fourth token
-            # Within max_tokens and the context (as _stop_reason): a lookahead past the whole
-            # pool's pages would make the request preempt itself, and the step stall.
-            limit = min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
-            room = min(r.params.max_tokens - len(r.output_ids) - 1, limit - r.num_tokens - 1)
-            k = min(room, spec.num_speculative_tokens,
-                    max(1, math.ceil(r.spec_ema_accepted) + 1))
-            if k <= 0:
-                continue
-            if spec.method == "ngram":
-                r.spec_tokens = propose_ngram(r.token_ids, k, spec.ngram_min, spec.ngram_max)
-                k = len(r.spec_tokens)
-            r.lookahead = k
+    def _round(self, overlap: bool) -> tuple[int, list[StreamDelta]]:
+        """(sequences launched, deltas) of one round; see `step`."""
+        deltas = []
+        had_in_flight = self._in_flight is not None
+        if had_in_flight and not overlap:
+            deltas = self._finish(self._in_flight)
+            self._in_flight = None
+        if self.spec_config is not None:
+            launched, spec_deltas = self._speculative_step()
+            return launched, deltas + spec_deltas
+        self._hold_ending_requests()
+        output = self.scheduler.schedule()
+        launched = self._launch(output) if output.scheduled else None
+        if self._in_flight is not None:
+            deltas += self._finish(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not overlap:
+            deltas += self._finish(launched)
+            self._in_flight = None
+        if launched is None and not had_in_flight and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could schedule nothing although requests wait")
+        return (0 if launched is None else len(launched.requests)), deltas
 
-    def _propose(self, output: SchedulerOutput, spec_rows: list[int]):
-        """Fills the speculating requests' proposals (draft model); returns q [S, K, V] or None."""
-        items = [output.scheduled[i] for i in spec_rows]
-        if self.draft is None:
-            return None
-        requests = [it.request for it in items]
-        proposals, q = self.draft.propose(requests, max(r.lookahead for r in requests))
-        for r, proposal in zip(requests, proposals):
-            r.spec_tokens = proposal
-        rows = bucket(len(output.scheduled))
-        k = self.spec_config.num_speculative_tokens
-        full = jnp.zeros((rows, k, q.shape[-1]), q.dtype)
-        return full.at[jnp.asarray(spec_rows), : q.shape[1]].set(q)
+    def _hold_ending_requests(self) -> None:
+        """Marks the requests whose in-flight token ends them by length (max_tokens or the
+        context): the scheduler skips them."""
+        limit = self._context_limit()
+        for r in self.scheduler.running:
+            r.hold = r.num_pending > 0 and (
+                len(r.output_ids) + r.num_pending >= r.params.max_tokens
+                or r.num_tokens + r.num_pending >= limit)
 
-    def _verify(self, all_logits, batch: StepBatch, requests: list[Request], draft_probs):
-        """Exact acceptance of every speculating row's proposal (engine/speculative.py)."""
-        k = self.spec_config.num_speculative_tokens
-        rows = bucket(len(requests))
-        ends = batch.query_start_loc[1:] - 1  # each row's last token
-        num_draft = np.zeros(rows, np.int32)
-        draft_tokens = np.zeros((rows, k), np.int32)
+    def _launch(self, output: SchedulerOutput) -> "_InFlight":
+        """Builds the step batch, runs the step and the sampler; does not wait for them."""
+        prev = self._in_flight
+        requests = [it.request for it in output.scheduled]
+        rows, completes, placeholders, sources = [], [], [], []
+        num_tokens = 0
+        for i, it in enumerate(output.scheduled):
+            r, first, n = it.request, it.request.num_computed_tokens, it.num_new_tokens
+            tokens = r.tokens_between(first, first + n)
+            if len(tokens) < n:  # its last token is in flight: read it from prev's samples
+                tokens = tokens + [0]
+                placeholders.append(num_tokens + n - 1)
+                sources.append(r.pending_row)
+            rows.append((tokens, first, r.pages))
+            completes.append(first + n >= r.num_tokens + r.num_pending)
+            num_tokens += n
+        batch = make_step_batch(rows, self.pool.page_size)
+        sample_index = None
+        if placeholders:
+            sample_index = np.full(num_tokens, -1, np.int32)
+            sample_index[placeholders] = sources
+        logits = self.runner.execute_padded(
+            batch, None if prev is None else prev.results[0], sample_index)
+        results = self.runner.sample_device(logits, SamplingArrays.from_requests(requests))
+        self.scheduler.update_computed(output)
+        self.stats.num_computed_tokens += output.num_tokens
         for i, r in enumerate(requests):
-            num_draft[i] = len(r.spec_tokens)
-            draft_tokens[i, : len(r.spec_tokens)] = r.spec_tokens
-        index = np.zeros((rows, k + 1), np.int32)
-        index[: len(requests)] = np.minimum(
-            (ends - num_draft[: len(requests)])[:, None] + np.arange(k + 1), ends[:, None])
-        arrays = SamplingArrays.from_requests(requests).padded(rows)
-        accepted, tokens = verify(
-            all_logits[jnp.asarray(index)], jnp.asarray(draft_tokens), jnp.asarray(num_draft),
-            draft_probs, *(jnp.asarray(a) for a in (arrays.temperature, arrays.top_k,
-                                                    arrays.top_p, arrays.min_p, arrays.seeds,
-                                                    arrays.steps)))
-        return np.asarray(accepted), np.asarray(tokens)
+            if completes[i]:
+                r.num_pending += 1
+                r.pending_row = i
+        return _InFlight(requests, completes, results)
 
-    def _after_verification(self, r: Request, item, accepted: int) -> None:
-        """Moves the counters past the accepted tokens only: the rejected ones' K/V is garbage
-        that later tokens overwrite (the rollback), and adapts the request's k."""
-        item.num_new_tokens = item.num_new_tokens - len(r.spec_tokens) + accepted
-        self.spec_stats.record(len(r.spec_tokens), accepted)
-        r.spec_ema_accepted = 0.7 * r.spec_ema_accepted + 0.3 * accepted
-        r.num_draft_computed = min(r.num_draft_computed,
-                                   r.num_computed_tokens + item.num_new_tokens)
-        r.spec_tokens, r.lookahead = [], 0
+    def _finish(self, flight: "_InFlight") -> list[StreamDelta]:
+        """Reads a launched step's samples (waiting for the device) and appends them."""
+        start = time.perf_counter()
+        tokens, chosen, top_ids, top_logprobs = fetch_samples(flight.results,
+                                                              len(flight.requests))
+        now = time.perf_counter()
+        self._wait_s += now - start
+        deltas = []
+        for i, request in enumerate(flight.requests):
+            if not flight.completes[i]:
+                continue  # a prefill chunk short of the prompt's end
+            request.num_pending -= 1
+            if request.finished:
+                continue  # ended or aborted while this step ran: the token is dropped
+            logprob = logprob_entry(request, i, chosen, top_ids, top_logprobs)
+            deltas.append(self._append_tokens(request, [int(tokens[i])], logprob, now))
+        return deltas
 
     def _append_tokens(self, request: Request, new_tokens: list[int], logprob,
                        now: float) -> StreamDelta:
@@ -376,6 +378,7 @@ class LLMEngine:
         group_id = self._group_of[request.request_id]
         if reason is not None:
             self.scheduler.finish(request, reason)
+            self._penalized.discard(request.request_id)
             request.finish_time = now
             if all(r.finished for r in self._groups[group_id]):
                 self._finished_groups.append(group_id)
@@ -383,14 +386,16 @@ class LLMEngine:
         return StreamDelta(group_id, index, text, appended, reason,
                            None if logprob is None else [logprob])
 
+    def _context_limit(self) -> int:
+        """The context ends at max_model_len or where it fills the whole KV cache: a sequence
+        longer than the pool could never be scheduled again (the engine would stall)."""
+        return min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
+
     def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
         if (token in r.params.stop_token_ids
                 or (not r.params.ignore_eos and token in self.cfg.eos_token_ids)):
             return FinishReason.STOP
-        # The context ends at max_model_len or where it fills the whole KV cache: a sequence
-        # longer than the pool could never be scheduled again (the engine would stall).
-        limit = min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
-        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= limit:
+        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self._context_limit():
             return FinishReason.LENGTH
         return None
 

@@ -97,6 +97,12 @@ class Request:
     spec_tokens: list[int] = dataclasses.field(default_factory=list)
     num_draft_computed: int = 0
     spec_ema_accepted: float = 0.0
+    # Asynchronous scheduling (engine/llm_engine.py): tokens sampled on the device whose ids the
+    # host has not read yet (0, 1, or briefly 2), the row of the newest one in its step, and
+    # whether the request waits for them before it may be scheduled again (they end it).
+    num_pending: int = 0
+    pending_row: int = -1
+    hold: bool = False
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
@@ -108,6 +114,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole token list."""
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
 
     @property
     def finished(self) -> bool:
@@ -154,3 +169,12 @@ class RequestOutput:
         decode_time = self.total_s - self.ttft_s
         generated = sum(len(o.token_ids) for o in self.outputs) - len(self.outputs)
         return generated / decode_time if decode_time > 0 else float("nan")
+
+
+def logprob_entry(request: Request, row: int, chosen, top_ids, top_logprobs):
+    """(logprob of the chosen token, {token id: logprob} of the top N) of a row, or None."""
+    if chosen is None or request.params.logprobs is None:
+        return None
+    k = request.params.logprobs
+    return (float(chosen[row]), dict(zip(top_ids[row, :k].tolist(),
+                                         top_logprobs[row, :k].tolist())))

@@ -113,6 +113,8 @@ def _pad(a: np.ndarray, shape: tuple[int, ...], value: int) -> np.ndarray:
 class ModelRunner:
     """Owns the weights and the KV cache on the device, and the jitted step and sampler."""
 
+    supports_async_scheduling = True  # steps can read input tokens from the last step's samples
+
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1):
         self.cfg = cfg
@@ -133,9 +135,17 @@ class ModelRunner:
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
         self.last_prepare_s = 0.0
+        # Sampled tokens come back padded to this many rows, so that a step can read its input
+        # tokens from the previous step's samples on the device (asynchronous scheduling).
+        self.sample_rows = bucket(max_seqs)
+        self._no_samples = jnp.zeros((self.sample_rows,), jnp.int32)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("all_logits",))
 
-    def _step_impl(self, state, cache, tokens, meta, logits_indices, all_logits=False):
+    def _step_impl(self, state, cache, tokens, meta, logits_indices, prev_samples, sample_index,
+                   all_logits=False):
+        """tokens [N]; a token with sample_index[t] >= 0 is prev_samples[sample_index[t]]
+        instead (a token the previous step sampled, whose id the host has not read)."""
+        tokens = jnp.where(sample_index >= 0, prev_samples[jnp.maximum(sample_index, 0)], tokens)
         model = nnx.merge(self.graphdef, state)
         return forward(model, cache, tokens, meta, self.cfg,
                        None if all_logits else logits_indices)
@@ -168,22 +178,35 @@ class ModelRunner:
         """Runs one step; returns each sequence's last-token logits, float32 [S, V] (on device)."""
         return self.execute_padded(batch)[: batch.num_seqs]
 
-    def execute_padded(self, batch: StepBatch) -> jax.Array:
+    def _step_inputs(self, batch: StepBatch, prev_samples: jax.Array | None = None,
+                     sample_index: np.ndarray | None = None) -> tuple:
+        """(tokens, meta, logits_indices, prev_samples, sample_index): the step's arguments
+        after the state and the cache, padded to the batch's bucket."""
+        tokens, meta, logits_indices = self._padded(batch)
+        index = _pad(np.zeros(0, np.int32) if sample_index is None else sample_index,
+                     tokens.shape, -1)
+        return (tokens, meta, logits_indices,
+                self._no_samples if prev_samples is None else prev_samples, index)
+
+    def execute_padded(self, batch: StepBatch, prev_samples: jax.Array | None = None,
+                       sample_index: np.ndarray | None = None) -> jax.Array:
         """Like `execute`, but returns the logits of the padded batch, [bucket(S), V], without
         the slicing op (the engine's hot path samples padded rows and drops them on the host).
 
-        `last_prepare_s` records the host time spent padding the inputs.
+        prev_samples: the padded tokens [sample_rows] of the previous step's `sample_device`;
+        sample_index int32 [N]: token t of the batch is prev_samples[sample_index[t]] where that
+        is >= 0 (the host's token id there is a placeholder). `last_prepare_s` records the host
+        time spent padding the inputs.
         """
         start = time.perf_counter()
-        tokens, meta, logits_indices = self._padded(batch)
+        inputs = self._step_inputs(batch, prev_samples, sample_index)
         self.last_prepare_s = time.perf_counter() - start
-        logits, self.cache = self._step(self.state, self.cache, tokens, meta, logits_indices)
+        logits, self.cache = self._step(self.state, self.cache, *inputs)
         return logits
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
-        tokens, meta, logits_indices = self._padded(batch)
-        logits, self.cache = self._step(self.state, self.cache, tokens, meta, logits_indices,
+        logits, self.cache = self._step(self.state, self.cache, *self._step_inputs(batch),
                                         all_logits=True)
         return logits[: len(batch.token_ids)]
 
@@ -207,19 +230,33 @@ class ModelRunner:
         else:
             self.sample(self.execute(dummy), SamplingArrays.defaults(num_seqs))
 
-    def sample(self, logits: jax.Array, arrays: SamplingArrays):
+    def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
         """Samples one token per row of `logits` [S, V] (or of the padded logits of
-        `execute_padded`: only the first len(arrays.temperature) rows are returned).
+        `execute_padded`), without waiting for the device.
 
-        Returns host numpy (token ids [S], chosen logprobs [S], top ids [S, K], top logprobs
-        [S, K]); the last three are None unless arrays.num_logprobs > 0.
+        Returns device arrays (token ids [sample_rows] zero-padded, chosen logprobs, top ids,
+        top logprobs), the last three None unless arrays.num_logprobs > 0; their copy to the
+        host has started. `fetch_samples` reads them.
         """
         s = len(arrays.temperature)
         rows = bucket(s)
         if logits.shape[0] != rows:
             logits = jnp.pad(logits[:s], ((0, rows - s), (0, 0)))
-        results = sample_step(logits, arrays.padded(rows))
-        return tuple(None if r is None else np.asarray(r)[:s] for r in results)
+        results = sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows)
+        for r in results:
+            if r is not None:
+                r.copy_to_host_async()
+        return results
+
+    def sample(self, logits: jax.Array, arrays: SamplingArrays):
+        """`sample_device`, then waits: host numpy (token ids [S], chosen logprobs [S], top ids
+        [S, K], top logprobs [S, K]), only the first len(arrays.temperature) rows."""
+        return fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+
+
+def fetch_samples(results: tuple, num_rows: int) -> tuple:
+    """The first num_rows rows of `sample_device`'s results as host numpy (waits for them)."""
+    return tuple(None if r is None else np.asarray(r)[:num_rows] for r in results)
 
 
 def full_sequence_logits(cfg: ModelConfig, model: LlamaForCausalLM, token_ids: np.ndarray,

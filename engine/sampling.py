@@ -78,10 +78,10 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, num_logprobs: int):
     return chosen, top_ids.astype(jnp.int32), top_values
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("out_rows",))
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seeds: jax.Array, steps: jax.Array, min_p: jax.Array | None = None,
-           penalties: tuple | None = None) -> jax.Array:
+           penalties: tuple | None = None, out_rows: int | None = None) -> jax.Array:
     """Picks one token per row.
 
     logits [B, V] float32; temperature float32 [B] (0 = greedy); top_k int32 [B]; top_p float32
@@ -104,7 +104,10 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         return jnp.where(temperature > 0, jax.vmap(draw)(seeds, steps, cut), greedy)
 
     # An all-greedy batch skips the sort over the vocabulary that the cuts need.
-    return jax.lax.cond(jnp.any(temperature > 0), sample_rows, lambda: greedy)
+    tokens = jax.lax.cond(jnp.any(temperature > 0), sample_rows, lambda: greedy)
+    if out_rows is not None and out_rows > tokens.shape[0]:
+        tokens = jnp.pad(tokens, (0, out_rows - tokens.shape[0]))
+    return tokens
 
 
 def _pad_rows(a: np.ndarray, rows: int, value) -> np.ndarray:
@@ -143,7 +146,9 @@ class SamplingArrays:
             top_p=np.asarray([p.top_p for p in params], np.float32),
             min_p=np.asarray([p.min_p for p in params], np.float32),
             seeds=np.asarray([r.seed for r in requests], np.uint32),
-            steps=np.asarray([len(r.output_ids) for r in requests], np.int32))
+            # The index of the token being drawn: tokens still in flight count (asynchronous
+            # scheduling), so a seeded request draws the same tokens either way.
+            steps=np.asarray([len(r.output_ids) + r.num_pending for r in requests], np.int32))
         if any(p.uses_penalties for p in params):
             arrays.penalties = (
                 _token_matrix([r.prompt_ids for r in requests]),
@@ -179,14 +184,16 @@ def _token_matrix(token_lists) -> np.ndarray:
     return out
 
 
-def sample_step(logits: jax.Array, arrays: SamplingArrays):
+def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None = None):
     """Samples a padded batch: (tokens [S], chosen logprobs, top ids, top logprobs) on device.
 
-    The logprob entries are None when arrays.num_logprobs is 0.
+    The logprob entries are None when arrays.num_logprobs is 0. With `out_rows`, tokens are
+    padded to [out_rows] (see `sample`).
     """
     # numpy arguments: the jitted sampler transfers them itself.
     tokens = sample(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.seeds,
-                    arrays.steps, arrays.min_p, arrays.penalties)
+                    arrays.steps, arrays.min_p, arrays.penalties, out_rows=out_rows)
     if not arrays.num_logprobs:
         return tokens, None, None, None
-    return (tokens,) + logprobs_of(logits, tokens, arrays.num_logprobs)
+    rows = logits.shape[0]
+    return (tokens,) + logprobs_of(logits, tokens[:rows], arrays.num_logprobs)

@@ -91,9 +91,9 @@ class Scheduler:
         self._release(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request (running, or preempted while its last token was in flight)."""
         request.finish_reason = reason
-        self.running.remove(request)
-        self._release(request)
+        self.abort(request)
 
     def _release(self, request: Request) -> None:
         self.pool.free(request.pages)
@@ -111,7 +111,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            remaining = request.num_tokens - request.num_computed_tokens
+            if request.hold:  # its in-flight token ends it: nothing more to compute
+                i += 1
+                continue
+            # Tokens sampled on the device but not yet read (asynchronous scheduling) are
+            # computed like known ones: the step reads their ids on the device.
+            remaining = request.num_tokens + request.num_pending - request.num_computed_tokens
             # Speculation: room for the proposed tokens after the last one (see lookahead).
             lookahead = min(request.lookahead, budget - 1) if remaining == 1 else 0
             request.lookahead = max(lookahead, 0)
@@ -132,6 +137,8 @@ class Scheduler:
         while (self._waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self._waiting[0][2]
+            if request.num_pending:
+                break  # preempted while a token was in flight: readmitted once it is read
             if request.wait_for is not None and not request.wait_for.prompt_cached:
                 break  # a parallel sample waits until its sibling's prompt pages are cached
             if not self._admit(request, budget, scheduled):

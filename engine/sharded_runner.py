@@ -59,8 +59,11 @@ class ShardedStep:
 class ShardedModelRunner(ModelRunner):
     """ModelRunner whose weights, cache and step are laid out over a (data, model) mesh.
 
-    num_pages counts the pages of one data shard (the cache holds dp times as many).
+    num_pages counts the pages of one data shard (the cache holds dp times as many). Its steps
+    take their input tokens from the host only: the engine schedules synchronously over it.
     """
+
+    supports_async_scheduling = False
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
                  max_seqs: int = 1, max_width: int = 1, *, mesh):
@@ -213,9 +216,9 @@ class ShardedModelRunner(ModelRunner):
         step = self._layout(batch)
         return self._rows(self._run(step, all_logits=True), step.token_rows)
 
-    def sample(self, logits: jax.Array, arrays: SamplingArrays):
-        """As ModelRunner.sample (logits [S, V] or padded), with the per-row parameters placed
-        on the mesh (replicated)."""
+    def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
+        """As ModelRunner.sample_device (logits [S, V] or padded), with the per-row parameters
+        placed on the mesh (replicated); tokens are not padded past bucket(S)."""
         s = len(arrays.temperature)
         rows = bucket(s)
         if logits.shape[0] != rows:
@@ -226,8 +229,7 @@ class ShardedModelRunner(ModelRunner):
         if penalties is not None:
             penalties = tuple(put(np.asarray(p), self._replicated) for p in penalties)
         padded = dataclasses.replace(padded, **placed, penalties=penalties)
-        results = sample_step(logits, padded)
-        return tuple(None if r is None else np.asarray(r)[:s] for r in results)
+        return sample_step(logits, padded)
 
 def sharded_engine_parts(mesh, cfg: ModelConfig, engine_cfg, num_pages_for):
     """(pages per data shard, page pool, runner factory) of an LLMEngine sharded over `mesh`.

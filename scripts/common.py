@@ -35,6 +35,10 @@ def define_engine_flags() -> None:
                        "on GPUs; on the CPU, room for max_num_seqs full-length sequences).")
     flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached pages of shared prefixes.")
     flags.DEFINE_bool("enable_chunked_prefill", True, "Split long prompts across steps.")
+    flags.DEFINE_bool("async_scheduling", True,
+                      "Schedule and launch the next step while the device runs the current one "
+                      "(host work hides behind device work); speculation and penalties run "
+                      "synchronously.")
 
 
 def define_quant_flags() -> None:
@@ -84,7 +88,8 @@ def engine_config_from_flags(FLAGS, cfg):
                         page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                         memory_fraction=memory_fraction,
                         enable_prefix_caching=FLAGS.enable_prefix_caching,
-                        enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed)
+                        enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
+                        async_scheduling=FLAGS.async_scheduling)
 
 
 def fail(message: str) -> None:

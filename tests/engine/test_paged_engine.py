@@ -7,7 +7,6 @@ attention and MLP then matter, and greedy continuations vary from token to token
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import re
 
@@ -179,10 +178,8 @@ def run_last_logits(runner: ModelRunner, rows) -> np.ndarray:
 
 
 def padded_args(runner: ModelRunner, batch: StepBatch):
-    """(tokens, meta, logits_indices) exactly as runner.execute passes them to the step."""
-    if "min_tokens" in inspect.signature(runner._padded).parameters:
-        return runner._padded(batch, 16)
-    return runner._padded(batch)
+    """The step's arguments after (state, cache), exactly as runner.execute passes them."""
+    return runner._step_inputs(batch)
 
 
 def take_pages(rng, num_pages, *lengths):

@@ -1,0 +1,152 @@
+"""Speculative rounds of the LLM engine: proposals (n-gram or draft model), one verification
+step over every proposed token, exact acceptance (engine/speculative.py).
+
+A mixin of `LLMEngine` (engine/llm_engine.py): these methods use its scheduler, pool, runner,
+draft proposer and stats. Speculative rounds run synchronously: the proposals need the last
+token of every request on the host.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from engine.request import Request, logprob_entry
+from engine.runner import StepBatch, bucket, make_step_batch
+from engine.sampling import SamplingArrays
+from engine.scheduler import SchedulerOutput
+from engine.speculative import propose_ngram, verify
+
+
+class SpeculativeRounds:
+    """The speculative half of LLMEngine."""
+
+    def _speculative_step(self) -> tuple[int, list]:
+        """One synchronous round with speculation: proposals, one verification step, exact
+        acceptance; returns (sequences run, deltas)."""
+        self._plan_speculation()
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could schedule nothing although requests wait")
+            return 0, []
+        requests = [it.request for it in output.scheduled]
+        for r in requests:  # the scheduler may have cut the lookahead to the token budget, or
+            r.spec_tokens = r.spec_tokens[: r.lookahead]  # to 0 (a preempted, readmitted request)
+        spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
+        draft_probs = self._propose(output, spec_rows) if spec_rows else None
+        batch = self._build_batch(output)
+        batch.verification = bool(spec_rows)
+        if spec_rows:
+            all_logits = self.runner.execute_all_logits(batch)  # [N, V]
+            logits = all_logits[jnp.asarray(batch.logits_indices)]
+            accepted, spec_tokens = self._verify(all_logits, batch, requests, draft_probs)
+        else:
+            logits = self.runner.execute_padded(batch)
+        wait_start = time.perf_counter()
+        tokens, chosen, top_ids, top_logprobs = self.runner.sample(
+            logits, SamplingArrays.from_requests(requests))  # waits for the device
+        now = time.perf_counter()
+        self._wait_s += now - wait_start
+        new_tokens = []
+        for i, it in enumerate(output.scheduled):
+            r = it.request
+            complete = r.num_computed_tokens + it.num_new_tokens >= r.num_tokens + len(r.spec_tokens)
+            if not complete:
+                new_tokens.append([])  # a prefill chunk short of the prompt's end
+            elif r.spec_tokens:
+                a = int(accepted[i])
+                new_tokens.append(spec_tokens[i, : a + 1].tolist())
+                self._after_verification(r, it, a)
+            else:
+                new_tokens.append([int(tokens[i])])
+        self.scheduler.update_computed(output)
+        self.stats.num_computed_tokens += output.num_tokens
+        deltas = []
+        for i, request in enumerate(requests):
+            if not new_tokens[i]:
+                continue
+            logprob = logprob_entry(request, i, chosen, top_ids, top_logprobs)
+            deltas.append(self._append_tokens(request, new_tokens[i], logprob, now))
+        return len(requests), deltas
+
+    def _build_batch(self, output: SchedulerOutput) -> StepBatch:
+        """The step batch of a speculative round: each row's known tokens and its proposals."""
+        rows = []
+        for it in output.scheduled:
+            r, first = it.request, it.request.num_computed_tokens
+            tokens = r.tokens_between(first, first + it.num_new_tokens - len(r.spec_tokens))
+            rows.append((tokens + r.spec_tokens, first, r.pages))
+        return make_step_batch(rows, self.pool.page_size)
+
+    def _plan_speculation(self) -> None:
+        """Sets each running request's lookahead (and n-gram proposals) for this step."""
+        spec = self.spec_config
+        running = self.scheduler.running
+        enabled = len(running) <= spec.max_batch
+        for r in running:
+            r.lookahead, r.spec_tokens = 0, []
+            if (not enabled or r.num_tokens - r.num_computed_tokens != 1
+                    or r.params.uses_penalties or r.params.logprobs is not None):
+                continue
+            if r.spec_ema_accepted < 0.2 and len(r.output_ids) % 4:
+                continue  # proposals keep failing: only probe every fourth token
+            # Within max_tokens and the context (as _stop_reason): a lookahead past the whole
+            # pool's pages would make the request preempt itself, and the step stall.
+            limit = self._context_limit()
+            room = min(r.params.max_tokens - len(r.output_ids) - 1, limit - r.num_tokens - 1)
+            k = min(room, spec.num_speculative_tokens,
+                    max(1, math.ceil(r.spec_ema_accepted) + 1))
+            if k <= 0:
+                continue
+            if spec.method == "ngram":
+                r.spec_tokens = propose_ngram(r.token_ids, k, spec.ngram_min, spec.ngram_max)
+                k = len(r.spec_tokens)
+            r.lookahead = k
+
+    def _propose(self, output: SchedulerOutput, spec_rows: list[int]):
+        """Fills the speculating requests' proposals (draft model); returns q [S, K, V] or None."""
+        items = [output.scheduled[i] for i in spec_rows]
+        if self.draft is None:
+            return None
+        requests = [it.request for it in items]
+        proposals, q = self.draft.propose(requests, max(r.lookahead for r in requests))
+        for r, proposal in zip(requests, proposals):
+            r.spec_tokens = proposal
+        rows = bucket(len(output.scheduled))
+        k = self.spec_config.num_speculative_tokens
+        full = jnp.zeros((rows, k, q.shape[-1]), q.dtype)
+        return full.at[jnp.asarray(spec_rows), : q.shape[1]].set(q)
+
+    def _verify(self, all_logits, batch: StepBatch, requests: list[Request], draft_probs):
+        """Exact acceptance of every speculating row's proposal (engine/speculative.py)."""
+        k = self.spec_config.num_speculative_tokens
+        rows = bucket(len(requests))
+        ends = batch.query_start_loc[1:] - 1  # each row's last token
+        num_draft = np.zeros(rows, np.int32)
+        draft_tokens = np.zeros((rows, k), np.int32)
+        for i, r in enumerate(requests):
+            num_draft[i] = len(r.spec_tokens)
+            draft_tokens[i, : len(r.spec_tokens)] = r.spec_tokens
+        index = np.zeros((rows, k + 1), np.int32)
+        index[: len(requests)] = np.minimum(
+            (ends - num_draft[: len(requests)])[:, None] + np.arange(k + 1), ends[:, None])
+        arrays = SamplingArrays.from_requests(requests).padded(rows)
+        accepted, tokens = verify(
+            all_logits[jnp.asarray(index)], jnp.asarray(draft_tokens), jnp.asarray(num_draft),
+            draft_probs, *(jnp.asarray(a) for a in (arrays.temperature, arrays.top_k,
+                                                    arrays.top_p, arrays.min_p, arrays.seeds,
+                                                    arrays.steps)))
+        return np.asarray(accepted), np.asarray(tokens)
+
+    def _after_verification(self, r: Request, item, accepted: int) -> None:
+        """Moves the counters past the accepted tokens only: the rejected ones' K/V is garbage
+        that later tokens overwrite (the rollback), and adapts the request's k."""
+        item.num_new_tokens = item.num_new_tokens - len(r.spec_tokens) + accepted
+        self.spec_stats.record(len(r.spec_tokens), accepted)
+        r.spec_ema_accepted = 0.7 * r.spec_ema_accepted + 0.3 * accepted
+        r.num_draft_computed = min(r.num_draft_computed,
+                                   r.num_computed_tokens + item.num_new_tokens)
+        r.spec_tokens, r.lookahead = [], 0
