@@ -202,9 +202,13 @@ class ShardedModelRunner(ModelRunner):
         """One step; each sequence's last-token logits, float32 [S, V], replicated."""
         return self.execute_padded(batch)[: batch.num_seqs]
 
-    def execute_padded(self, batch: StepBatch) -> jax.Array:
+    def execute_padded(self, batch: StepBatch, prev_samples=None,
+                       sample_index: np.ndarray | None = None) -> jax.Array:
         """One step; the sequences' logits padded to [bucket(S), V] (padding rows repeat the
-        last sequence's), replicated, in the batch's order."""
+        last sequence's), replicated, in the batch's order. Input tokens come from the host
+        only (supports_async_scheduling is False)."""
+        if sample_index is not None:
+            raise ValueError("a sharded step reads its input tokens from the host only")
         start = time.perf_counter()
         step = self._layout(batch)
         self.last_prepare_s = time.perf_counter() - start
