@@ -1,0 +1,250 @@
+"""The measurements behind scripts/bench_decode.py: models, caches, step batches, timers, floors.
+
+Everything here runs the engine's own pieces: random weights of a preset's real shapes built on
+the device (models.weights.random_model), the ModelRunner's jitted step (engine/runner.py) over a
+paged KV cache whose pages hold random values, and step batches from engine.runner's
+make_step_batch. Nothing here asserts a speed.
+
+Words used below:
+    context   the tokens a decode step attends to: the KV length after the step's own write
+    bytes     what one decode step must read: every weight it multiplies by (the token embedding
+              only for the rows it gathers, unless it doubles as the output head) plus the K and V
+              of every sequence's context
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.model import ModelConfig
+from engine.kv_cache import KVCache, kv_bytes_per_token
+from engine.runner import ModelRunner, StepBatch, make_step_batch
+from engine.sampling import SamplingArrays
+
+QUANT_METHODS = {"none": None, "int8": "int8", "int4": "int4_rtn"}
+
+
+# ---- model and cache ------------------------------------------------------------------------
+
+def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: bool = False,
+                mesh=None):
+    """(cfg, model): random weights of cfg's shapes made on the device (on the mesh's shards with
+    a mesh), RTN-quantized on the device with `quant` ('int8', 'int4': group 128), then fused
+    (models.llama.fuse_projections) when `fused`."""
+    from models.llama import fuse_projections
+
+    model = random_weights(cfg, seed, dtype, mesh)
+    if QUANT_METHODS[quant] is not None:
+        from quant.model import QuantConfig, quantize_model
+        quantize_model(cfg, model, QuantConfig(QUANT_METHODS[quant], group_size=128),
+                       progress=False)
+    if fused:
+        if mesh is not None:
+            raise ValueError("fused projections are for one device (no --tp)")
+        cfg, model = fuse_projections(cfg, model)
+    return cfg, model
+
+
+def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
+    """A model of cfg's shapes with normal(0, 0.02) weights (RMSNorm weights 1), made on the
+    device (on the mesh's shards by engine/sharding.py's rules with a mesh).
+
+    One small jitted generator per distinct (shape, sharding), called once per weight: compiling
+    the whole initializer as one program (models.weights.random_model) makes XLA build one
+    kernel per weight, which took minutes for llama3.1-8b on the H200.
+    """
+    from flax import nnx
+
+    from models.llama import LlamaForCausalLM
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0),
+                                                                            dtype)))
+    shardings = None
+    if mesh is not None:
+        from engine.sharding import tree_shardings
+        shardings = jax.tree.leaves(tree_shardings(abstract, cfg, mesh))
+    generators = {}
+
+    def generator(shape, dtype, sharding, ones):
+        key = (shape, jnp.dtype(dtype).name, sharding, ones)
+        if key not in generators:
+            fill = ((lambda k: jnp.ones(shape, dtype)) if ones else
+                    (lambda k: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)))
+            generators[key] = jax.jit(fill, out_shardings=sharding)
+        return generators[key]
+
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    base = jax.random.key(seed)
+    values = []
+    for i, (path, leaf) in enumerate(paths_leaves):
+        ones = "norm" in jax.tree_util.keystr(path)
+        sharding = shardings[i] if shardings is not None else None
+        values.append(generator(leaf.shape, leaf.dtype, sharding, ones)(
+            jax.random.fold_in(base, i)))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+
+
+def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_size: int,
+                mesh=None) -> ModelRunner:
+    """A runner whose cache holds max_batch sequences of max_context tokens (+ padding page)."""
+    width = -(-max_context // page_size)
+    num_pages = max_batch * width + 1
+    if mesh is None:
+        return ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch, max_width=width)
+    from engine.sharded_runner import ShardedModelRunner
+    return ShardedModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch,
+                              max_width=width, mesh=mesh)
+
+
+def fill_cache_random(runner: ModelRunner, seed: int) -> None:
+    """Overwrites every K and V page of the runner's cache with normal(0, 1) values, in place
+    (one small jitted program, donated page by page: no second copy of the cache)."""
+    cache = runner.cache
+    first = cache.k_pages[0]
+    fill = jax.jit(lambda a, key: jax.random.normal(key, a.shape, a.dtype),
+                   donate_argnums=0, out_shardings=first.sharding)
+    keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k_pages))
+    k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k_pages))
+    v = tuple(fill(a, keys[len(k) + i]) for i, a in enumerate(cache.v_pages))
+    runner.cache = KVCache(k, v)
+    jax.block_until_ready(runner.cache)
+
+
+def page_tables(num_seqs: int, pages_per_seq: int, seed: int) -> np.ndarray:
+    """int32 [num_seqs, pages_per_seq]: distinct pages, shuffled as after a long serving run."""
+    order = np.random.default_rng(seed).permutation(num_seqs * pages_per_seq)
+    return order.reshape(num_seqs, pages_per_seq).astype(np.int32)
+
+
+def decode_batch(tokens: np.ndarray, first_positions, tables: np.ndarray,
+                 page_size: int) -> StepBatch:
+    """One decode token per sequence: token b at position first_positions[b] (its K/V is written
+    there; it attends to positions 0 .. first_positions[b])."""
+    rows = [([int(t)], int(p), table) for t, p, table in zip(tokens, first_positions, tables)]
+    return make_step_batch(rows, page_size)
+
+
+def prefill_batch(tokens: np.ndarray, table: np.ndarray, page_size: int) -> StepBatch:
+    """One sequence computing its first len(tokens) tokens (a prompt from an empty cache)."""
+    return make_step_batch([(tokens.tolist(), 0, table)], page_size)
+
+
+# ---- floors -----------------------------------------------------------------------------------
+
+def array_nbytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def weight_bytes_per_step(cfg: ModelConfig, model, batch: int) -> int:
+    """Weight bytes a decode step of `batch` sequences reads (see the module docstring)."""
+    from flax import nnx
+    total = array_nbytes(nnx.state(model))
+    if not cfg.tie_word_embeddings:  # the embedding is only gathered: `batch` rows of it
+        table = model.embed_tokens.embedding.get_value()
+        row = table.shape[1] * jnp.dtype(table.dtype).itemsize
+        total -= table.shape[0] * row - batch * row
+    return total
+
+
+def kv_bytes_per_step(cfg: ModelConfig, kv_dtype, batch: int, context: int) -> int:
+    """K and V bytes a decode step reads: every sequence's whole context in every layer."""
+    return batch * context * kv_bytes_per_token(cfg, kv_dtype)
+
+
+def prefill_flops(cfg: ModelConfig, num_tokens: int) -> float:
+    """FLOPs of one sequence's causal prefill of num_tokens (projections, attention, one row of
+    the output head)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    proj = 2 * cfg.num_layers * (h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * i)
+    pairs = num_tokens * (num_tokens + 1) / 2
+    attention = 4 * cfg.num_layers * cfg.num_heads * d * pairs
+    return proj * num_tokens + attention + 2 * h * cfg.vocab_size
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+def compile_count(runner: ModelRunner) -> int:
+    """Programs the runner's jitted step holds (jax's own count, not the runner's bucket keys)."""
+    size = getattr(runner._step, "_cache_size", None)
+    return int(size()) if size is not None else -1
+
+
+def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) -> dict:
+    """Seconds per step with `steps` steps queued and one sync, as the engine issues them
+    (ModelRunner.execute_padded: host padding and dispatch included). Median of `runs`."""
+    jax.block_until_ready(runner.execute_padded(batch))  # compile and warm
+    before = compile_count(runner)
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = runner.execute_padded(batch)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / steps)
+    return {"step_s": statistics.median(samples), "step_s_min": min(samples),
+            "step_s_max": max(samples), "compiles_during_timing": compile_count(runner) - before}
+
+
+def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,
+                tables: np.ndarray, steps: int) -> tuple[np.ndarray, float]:
+    """The engine's decode loop without a scheduler: each step builds its StepBatch on the host,
+    runs the jitted step and the sampler (greedy), and takes the tokens back to the host before
+    the next step (one sync per step). Returns (tokens [batch, steps], seconds per step, after a
+    first untimed step)."""
+    arrays = SamplingArrays.defaults(len(tokens))
+    out, start = [], None
+    for i in range(steps + 1):
+        positions = np.full(len(tokens), first_position + i, np.int32)
+        logits = runner.execute_padded(decode_batch(tokens, positions, tables,
+                                                    runner.page_size))
+        tokens = runner.sample(logits, arrays)[0]
+        if i == 0:
+            start = time.perf_counter()
+        else:
+            out.append(tokens)
+    return np.stack(out, axis=1), (time.perf_counter() - start) / steps
+
+
+def _time_fn(fn, args, runs: int = 3, queue: int = 5) -> float:
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(queue):
+            out = f(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / queue)
+    return statistics.median(samples)
+
+
+def calibrate(copy_bytes: int = 4 << 30, matmul: int = 8192) -> dict:
+    """The card's ceilings, measured now: copy bandwidth (bytes read + written by one elementwise
+    pass over `copy_bytes` of uint32), read-only bandwidth (a max over them) and the bf16 matrix
+    rate (matmul^3 product of random values)."""
+    n = copy_bytes // 4
+    x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
+    copy_s = _time_fn(lambda x: x ^ jnp.uint32(1), (x,))
+    read_s = _time_fn(lambda x: jnp.max(x), (x,))
+    del x
+    a, b = (jax.random.normal(k, (matmul, matmul), jnp.bfloat16)
+            for k in jax.random.split(jax.random.key(1)))
+    mm_s = _time_fn(lambda a, b: a @ b, (a, b))
+    return {"copy_bytes_per_s": 2 * copy_bytes / copy_s, "read_bytes_per_s": copy_bytes / read_s,
+            "matmul_flops_per_s": 2 * matmul ** 3 / mm_s, "copy_bytes": copy_bytes,
+            "matmul_size": matmul}
+
+
+def decode_floor_s(step_bytes: int, copy_bytes_per_s: float) -> float:
+    return step_bytes / copy_bytes_per_s
+
+
+def roofline_tokens_per_s(cfg: ModelConfig, weight_bytes: int, kv_dtype, batch: int,
+                          context: int, copy_bytes_per_s: float) -> float:
+    """Tokens/s at the memory floor for `batch` sequences at `context`."""
+    step = weight_bytes + kv_bytes_per_step(cfg, kv_dtype, batch, context)
+    return batch * copy_bytes_per_s / step if step else math.inf

@@ -1,0 +1,154 @@
+"""scripts/bench_decode.py and its parts on the CPU with tiny configs (no timing is asserted)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.model import get_preset
+from engine.kv_cache import kv_bytes_per_token
+from scripts import decode_profile
+from scripts import decode_steps as ds
+
+
+def greedy_tokens(name: str, fused: bool, quant: str = "none", steps: int = 6) -> np.ndarray:
+    """Greedy tokens of 3 sequences at context 40 over a random cache, via the bench's loop."""
+    cfg, model = ds.build_model(get_preset(name), jnp.float32, seed=5, quant=quant, fused=fused)
+    runner = ds.make_runner(cfg, model, max_batch=3, max_context=48, page_size=8)
+    ds.fill_cache_random(runner, seed=6)
+    tables = ds.page_tables(3, 6, seed=7)
+    first = np.random.default_rng(8).integers(0, cfg.vocab_size, 3)
+    tokens, _ = ds.greedy_loop(runner, first, 40 - steps - 1, tables, steps)
+    return tokens
+
+
+@pytest.mark.parametrize("name,quant", [("tiny-llama31", "none"), ("tiny-qwen2", "none"),
+                                        ("tiny-llama31", "int8"), ("tiny-llama31", "int4")])
+def test_fused_projections_give_the_same_greedy_tokens(name, quant):
+    plain = greedy_tokens(name, fused=False, quant=quant)
+    fused = greedy_tokens(name, fused=True, quant=quant)
+    assert plain.shape == (3, 6)
+    np.testing.assert_array_equal(plain, fused)
+
+
+def test_fused_model_has_fused_kernels_of_the_concatenated_columns():
+    cfg = get_preset("tiny-qwen2")
+    _, plain = ds.build_model(cfg, jnp.float32, seed=1)
+    fused_cfg, fused = ds.build_model(cfg, jnp.float32, seed=1, fused=True)
+    assert fused_cfg.fused_projections and not cfg.fused_projections
+    a, f = plain.layers[1].self_attn, fused.layers[1].self_attn
+    assert not hasattr(f, "q_proj")
+    want = np.concatenate([np.asarray(m.kernel.get_value()) for m in (a.q_proj, a.k_proj,
+                                                                      a.v_proj)], axis=1)
+    np.testing.assert_array_equal(np.asarray(f.qkv_proj.kernel.get_value()), want)
+    want_bias = np.concatenate([np.asarray(m.bias.get_value()) for m in (a.q_proj, a.k_proj,
+                                                                         a.v_proj)])
+    np.testing.assert_array_equal(np.asarray(f.qkv_proj.bias.get_value()), want_bias)
+    assert fused.layers[0].mlp.gate_up_proj.kernel.get_value().shape == (
+        cfg.hidden_size, 2 * cfg.intermediate_size)
+    # the same parameter count as the unfused model
+    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m)))  # noqa: E731
+    assert count(fused) == count(plain) == cfg.num_params()
+
+
+def test_random_weights_are_seeded_normal_and_norms_are_one():
+    cfg = get_preset("tiny-llama31")
+    a = ds.random_weights(cfg, 3, jnp.float32)
+    b = ds.random_weights(cfg, 3, jnp.float32)
+    c = ds.random_weights(cfg, 4, jnp.float32)
+    ka = np.asarray(a.layers[0].mlp.up_proj.kernel.get_value())
+    np.testing.assert_array_equal(ka, np.asarray(b.layers[0].mlp.up_proj.kernel.get_value()))
+    assert not np.array_equal(ka, np.asarray(c.layers[0].mlp.up_proj.kernel.get_value()))
+    assert not np.array_equal(ka, np.asarray(a.layers[1].mlp.up_proj.kernel.get_value()))
+    assert 0.015 < ka.std() < 0.025
+    np.testing.assert_array_equal(np.asarray(a.layers[1].input_layernorm.weight[...]), 1.0)
+    np.testing.assert_array_equal(np.asarray(a.norm.weight[...]), 1.0)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama31", "tiny-llama"])  # untied, tied output head
+def test_bytes_per_step_count_the_weights_read_and_the_kv(name):
+    cfg = get_preset(name)
+    _, model = ds.build_model(cfg, jnp.bfloat16, seed=0)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    total = 2 * cfg.num_params()  # bf16
+    read = total if cfg.tie_word_embeddings else total - 2 * v * h + 2 * 4 * h
+    assert ds.weight_bytes_per_step(cfg, model, batch=4) == read
+    kv = ds.kv_bytes_per_step(cfg, jnp.bfloat16, batch=3, context=100)
+    assert kv == 3 * 100 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    assert kv == 300 * kv_bytes_per_token(cfg, jnp.bfloat16)
+
+
+def test_prefill_flops_match_the_parameter_count():
+    cfg = get_preset("tiny-llama31")
+    h, t = cfg.hidden_size, 64
+    matmul_params = cfg.num_params() - 2 * cfg.vocab_size * h - (2 * cfg.num_layers + 1) * h
+    pairs = t * (t + 1) // 2
+    want = (2 * matmul_params * t + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
+            + 2 * h * cfg.vocab_size)
+    assert ds.prefill_flops(cfg, t) == pytest.approx(want)
+
+
+def test_summarize_trace_counts_stream_kernels_once():
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+            {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8"}},
+            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    kernels = [("sm90_xmma_gemm_bf16", 7, 0, 10), ("loop_add_fusion", 7, 12, 2),
+               ("ragged_attention_kernel", 8, 5, 10), ("sm90_xmma_gemm_bf16", 7, 30, 10)]
+    events = meta + [{"ph": "X", "pid": 1, "tid": tid, "name": n, "ts": ts, "dur": d}
+                     for n, tid, ts, d in kernels]
+    events += [{"ph": "X", "pid": 1, "tid": 9, "name": "dot.1", "ts": 0, "dur": 40},
+               {"ph": "X", "pid": 2, "tid": 1, "name": "host work", "ts": 0, "dur": 99}]
+    s = decode_profile.summarize_trace({"traceEvents": events}, steps=2)
+    assert s["kernels_per_step"] == 2
+    assert s["busy_s_per_step"] == pytest.approx(25e-6 / 2)  # [0, 15) and [30, 40)
+    assert s["kernel_sum_s_per_step"] == pytest.approx(32e-6 / 2)
+    assert s["span_s_per_step"] == pytest.approx(40e-6 / 2)
+    kinds = {r["name"]: r["s_per_step"] for r in s["by_kind"]}
+    assert kinds["matmul"] == pytest.approx(10e-6) and kinds["attention"] == pytest.approx(5e-6)
+    assert s["by_name"][0]["name"] == "sm90_xmma_gemm_bf16"
+    assert "error" in decode_profile.summarize_trace({"traceEvents": meta[1:2]}, steps=1)
+    assert "busy" in decode_profile.format_summary(s)
+
+
+def test_bench_decode_runs_end_to_end(tmp_path):
+    out = tmp_path / "decode.json"
+    args = ["--model=tiny-llama31", "--batch=1,3", "--context=24,40", "--prefill=16",
+            "--variants=base,fused", "--dtype=float32", "--steps=2", "--runs=1",
+            "--loop_steps=2", "--greedy_steps=3", "--greedy_batch=2", "--greedy_context=32",
+            "--page_size=8", "--nocalibrate", "--nohf", f"--json_out={out}",
+            "--profile=tiny-llama31:1:24", "--profile_steps=1",
+            f"--profile_dir={tmp_path / 'prof'}"]
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_decode", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = res["decode"]
+    assert [(r["variant"], r["batch"], r["context"]) for r in rows] == [
+        (v, b, c) for v in ("base", "fused") for b in (1, 3) for c in (24, 40)]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["compiles_during_timing"] == 0
+        assert r["tokens_per_s"] > 0 and r["loop_step_s"] > 0 and 0 < r["mbu"]
+        assert r["kv_bytes"] == r["batch"] * r["context"] * kv_bytes_per_token(
+            get_preset("tiny-llama31"), jnp.float32)
+    assert {r["prompt_tokens"] for r in res["prefill"]} == {16}
+    assert res["greedy_check"]["tiny-llama31"]["results"]["fused"]["equal"] is True
+    assert len(res["profiles"]) == 2  # traced (no device events on the CPU: an error entry)
+    assert all("traced_wall_s_per_step" in p for p in res["profiles"])
+    assert "| tiny-llama31 | fused | 3 | 40 |" in proc.stdout
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    png = tmp_path / "decode.png"
+    subprocess.run([sys.executable, "-m", "scripts.bench_decode", f"--plot_from={out}",
+                    f"--plot_out={png}"], check=True, timeout=120)
+    assert png.read_bytes()[:4] == b"\x89PNG"
