@@ -69,16 +69,27 @@ def _next_pow2(n: int) -> int:
 
 
 def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulConfig | None:
-    """The tuning heuristic: a kernel config, or None where XLA's dequantize + dot is faster."""
+    """The tuning heuristic: a kernel config, or None where XLA's dequantize + dot is faster.
+
+    Tiles from a sweep on an H200 (scripts/bench_matmul.py --modes=sweep, 4096x4096 and
+    4096x28672 at M = 1, 16, 64; docs/PERFORMANCE.md); splits give about two programs per SM.
+    """
     if m > 128:
-        return None  # compute-bound: XLA's bf16 matmul (see docs/PERFORMANCE.md)
+        return None  # compute-bound: XLA's dequantize + bf16 dot (see docs/PERFORMANCE.md)
     if m <= 2:
-        cfg = MatmulConfig(block_m=_next_pow2(m), block_n=128 // _next_pow2(m),
-                           block_k=256 if bits == 4 else 32, num_warps=4, num_stages=3)
+        wide = n >= 16384
+        if bits == 4:
+            cfg = MatmulConfig(block_m=_next_pow2(m), block_n=(256 if wide else 128) // m,
+                               block_k=256 if wide else 512, num_warps=8)
+        else:
+            cfg = MatmulConfig(block_m=_next_pow2(m), block_n=256 // m, block_k=32, num_warps=8)
+    elif m <= 16:
+        cfg = (MatmulConfig(block_m=16, block_n=128, block_k=512, num_stages=2) if bits == 4
+               else MatmulConfig(block_m=16, block_n=128, block_k=64, num_warps=8))
     else:
         bm = max(16, _next_pow2(m))
-        cfg = MatmulConfig(block_m=bm, block_n=128 if bm <= 32 else 64,
-                           block_k=256 if bits == 4 else 64, num_warps=4, num_stages=3)
+        cfg = MatmulConfig(block_m=bm, block_n=128 if bm <= 64 else 64,
+                           block_k=256 if bits == 4 else 64)
     rows = k // 8 if bits == 4 else k
     step = cfg.block_k // 8 if bits == 4 else cfg.block_k
     tiles = -(-rows // step)

@@ -42,7 +42,10 @@ flags.DEFINE_integer("group_size", 128, "int4 group size (int8 is per channel)")
 flags.DEFINE_integer("calls", 8, "products (distinct inputs) per jitted program")
 flags.DEFINE_integer("queue", 3, "programs queued before one sync")
 flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
-flags.DEFINE_bool("mgpu", True, "time jax's hopper_mixed_type_matmul_mgpu (int8) too")
+flags.DEFINE_integer("mgpu_max_m", 1 << 30, "time jax's hopper_mixed_type_matmul_mgpu (int8) "
+                     "up to this M")
+flags.DEFINE_enum("variants", "all", ["all", "dispatch"], "all: kernel and XLA dequant at every "
+                  "M; dispatch: only what matmul_config picks")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
 
@@ -79,13 +82,18 @@ def num_sets(set_bytes: int) -> int:
 def make_weights(bits: int, k: int, n: int, group: int, sets: int, key):
     """Random packed codes (never zeros) and scales for `sets` weight sets."""
     k1, k2 = jax.random.split(key)
-    if bits == 4:
-        packed = jax.lax.bitcast_convert_type(
-            jax.random.bits(k1, (sets, k // 8, n), jnp.uint32), jnp.int32)
-    else:
-        packed = jax.random.bits(k1, (sets, k, n), jnp.uint8)
-    scales = jax.random.uniform(k2, (sets, -(-k // group), n), jnp.float32, 0.001, 0.01)
-    return packed, scales.astype(jnp.bfloat16)
+    packed, scales = [], []
+    for i in range(sets):  # separate arrays: a slice of a stacked array is copied before a dot
+        ka, kb = jax.random.split(jax.random.fold_in(k1, i))
+        if bits == 4:
+            packed.append(jax.lax.bitcast_convert_type(
+                jax.random.bits(ka, (k // 8, n), jnp.uint32), jnp.int32))
+        else:
+            packed.append(jax.random.bits(ka, (k, n), jnp.uint8))
+        scales.append(jax.random.uniform(kb, (-(-k // group), n), jnp.float32, 0.001,
+                                         0.01).astype(jnp.bfloat16))
+    del k2
+    return tuple(packed), tuple(scales)
 
 
 def mgpu_fn(k: int, n: int, m: int):
@@ -107,9 +115,11 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
     rows = []
     calls = FLAGS.calls
     bf16_sets = num_sets(2 * k * n)
-    wb = jax.random.normal(jax.random.key(1), (bf16_sets, k, n), jnp.bfloat16)
+    wb = tuple(jax.random.normal(jax.random.key(100 + i), (k, n), jnp.bfloat16)
+               for i in range(bf16_sets))
     for m in ms:
-        xs = jax.random.normal(jax.random.key(2 + m), (calls, m, k), jnp.bfloat16)
+        xs = tuple(jax.random.normal(jax.random.key(1000 * m + c), (m, k), jnp.bfloat16)
+                   for c in range(calls))
         base = dict(K=k, N=n, M=m)
         if sweep is None:
             t_bf16 = time_per_call(lambda xs, w: tuple(
@@ -134,6 +144,8 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
             else:
                 variants = [(f"int{bits}_kernel", FLAGS.impl, heur),
                             (f"int{bits}_xla", "reference", None)]
+                if FLAGS.variants == "dispatch":
+                    variants = [variants[0] if heur is not None else variants[1]]
             by_name = {}
             for name, impl, cfg in variants:
                 def prog(xs, w, s, impl=impl, cfg=cfg):
@@ -166,7 +178,7 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
                                  "us": t * 1e6, "TBps": (packed_bytes + scale_bytes) / t / 1e12,
                                  "speedup": t_bf16 / t})
                     report(rows[-1], calib)
-            if sweep is None and bits == 8 and FLAGS.mgpu:
+            if sweep is None and bits == 8 and m <= FLAGS.mgpu_max_m:
                 rows.append(bench_mgpu(k, n, m, xs, t_bf16, calib))
             del w, s
     del wb
@@ -178,8 +190,10 @@ def bench_mgpu(k, n, m, xs, t_bf16, calib) -> dict:
     try:
         calls = FLAGS.calls
         sets = num_sets(k * n)
-        wt = jax.random.bits(jax.random.key(5), (sets, n, k), jnp.uint8).astype(jnp.int8)
-        s = jax.random.uniform(jax.random.key(6), (sets, 1, n), jnp.float32, 0.001, 0.01)
+        wt = tuple(jax.random.bits(jax.random.key(50 + i), (n, k), jnp.uint8).astype(jnp.int8)
+                   for i in range(sets))
+        s = tuple(jax.random.uniform(jax.random.key(60 + i), (1, n), jnp.float32, 0.001, 0.01)
+                  for i in range(sets))
         fn = mgpu_fn(k, n, m)
         t = time_per_call(lambda xs, wt, s: tuple(
             fn(xs[c], wt[c % sets], s[c % sets]) for c in range(calls)), (xs, wt, s), calls)

@@ -21,8 +21,9 @@ from quant.qtensor import dequantize, make_quantized_weight
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas" if ON_GPU else "pallas_interpret"
-# Relative L2 error against the reference: the outputs are rounded to the activation dtype.
-TOL = {"bfloat16": 1.5e-2, "float16": 3e-3, "float32": 1e-4}
+# Relative L2 error against the reference: the outputs are rounded to the activation dtype (and
+# XLA's float32 dot on GPU runs in TF32).
+TOL = {"bfloat16": 1.5e-2, "float16": 3e-3, "float32": 1e-3}
 
 
 def make_weight(rng, bits, k, n, group_size, asymmetric, act_order, scale_dtype):
