@@ -307,17 +307,21 @@ def plot(results: dict, path: str) -> None:
                         label=f"{key[0]} {key[1]} ctx {key[2]}")
         ax.plot(b, [r["roofline_tokens_per_s"] for r in mine], "--", color=line.get_color(),
                 alpha=0.6)
-        peers = sorted((p for p in results.get("hf", []) if "tokens_per_s" in p
-                        and p["model"] == key[0] and p["context"] == key[2]),
-                       key=lambda p: p["batch"])
-        if peers:
-            ax.plot([p["batch"] for p in peers], [p["tokens_per_s"] for p in peers], "x:",
-                    color=line.get_color(), alpha=0.8)
+        if key[1] != "base":
+            continue  # the peer is drawn once per model and context
+        for mode, mark in (("eager", "x:"), ("static cache + torch.compile", "+")):
+            peers = sorted((p for p in results.get("hf", []) if "tokens_per_s" in p and
+                            (p["model"], p["mode"], p["context"]) == (key[0], mode, key[2])),
+                           key=lambda p: p["batch"])
+            if peers:
+                ax.plot([p["batch"] for p in peers], [p["tokens_per_s"] for p in peers], mark,
+                        color=line.get_color(), alpha=0.8, markersize=9)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch (sequences)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("Decode tokens/s (solid), memory roofline (dashed), HF transformers (x)")
+    ax.set_title("Decode tokens/s (solid), memory roofline (dashed), HF eager (x), compiled (+)",
+                 fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
