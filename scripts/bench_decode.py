@@ -103,7 +103,8 @@ def run_hf_peer(results: dict) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.join(os.path.dirname(os.path.abspath(FLAGS.json_out or "x")), "hf_peer.json")
     jobs = [(m, FLAGS.hf_batch, FLAGS.hf_context, []) for m in FLAGS.model]
-    jobs += [(m, ["1"], FLAGS.hf_context[:1], ["--static_compile"]) for m in FLAGS.hf_static_compile]
+    jobs += [(m, ["1"], FLAGS.hf_context[:1], ["--static_compile"])
+             for m in FLAGS.hf_static_compile]
     for model, batches, contexts, extra in jobs:
         cmd = [sys.executable, "-m", "scripts.decode_hf_peer", f"--model={model}",
                f"--batch={','.join(batches)}", f"--context={','.join(contexts)}",
