@@ -13,7 +13,6 @@ Words used below:
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
@@ -237,14 +236,3 @@ def calibrate(copy_bytes: int = 4 << 30, matmul: int = 8192) -> dict:
     return {"copy_bytes_per_s": 2 * copy_bytes / copy_s, "read_bytes_per_s": copy_bytes / read_s,
             "matmul_flops_per_s": 2 * matmul ** 3 / mm_s, "copy_bytes": copy_bytes,
             "matmul_size": matmul}
-
-
-def decode_floor_s(step_bytes: int, copy_bytes_per_s: float) -> float:
-    return step_bytes / copy_bytes_per_s
-
-
-def roofline_tokens_per_s(cfg: ModelConfig, weight_bytes: int, kv_dtype, batch: int,
-                          context: int, copy_bytes_per_s: float) -> float:
-    """Tokens/s at the memory floor for `batch` sequences at `context`."""
-    step = weight_bytes + kv_bytes_per_step(cfg, kv_dtype, batch, context)
-    return batch * copy_bytes_per_s / step if step else math.inf
