@@ -19,6 +19,7 @@ from flax import nnx
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache, init_kv_cache
 from engine.sampling import SamplingArrays, sample_step
+from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from ops.kv_quant import is_quantized_kv_dtype
 
@@ -139,18 +140,34 @@ class ModelRunner:
         # tokens from the previous step's samples on the device (asynchronous scheduling).
         self.sample_rows = bucket(max_seqs)
         self._no_samples = jnp.zeros((self.sample_rows,), jnp.int32)
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("all_logits",))
+        # The weights go to the jitted step as a flat tuple of arrays: jax flattens a tuple in
+        # C++, an nnx.State through Python callbacks on every call.
+        self._weights, self._weights_def = jax.tree.flatten(self.state)
+        self._weights = tuple(self._weights)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,),
+                             static_argnames=("layout", "all_logits"))
 
-    def _step_impl(self, state, cache, tokens, meta, logits_indices, prev_samples, sample_index,
+    def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
-        """tokens [N]; a token with sample_index[t] >= 0 is prev_samples[sample_index[t]]
-        instead (a token the previous step sampled, whose id the host has not read)."""
-        tokens = jnp.where(sample_index >= 0, prev_samples[jnp.maximum(sample_index, 0)], tokens)
-        model = nnx.merge(self.graphdef, state)
-        return forward(model, cache, tokens, meta, self.cfg,
-                       None if all_logits else logits_indices)
+        """One model step over the inputs packed by engine/step_inputs.py.
 
-    def _padded(self, batch: StepBatch):
+        A token whose sample_index is >= 0 is prev_samples[sample_index] instead of the host's
+        id (a token the previous step sampled, whose id the host has not read yet).
+        """
+        x = unpack(packed, layout)
+        index = x["sample_index"]
+        tokens = jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], x["tokens"])
+        meta = AttentionMetadata(
+            positions=x["positions"], slot_mapping=x["slot_mapping"],
+            block_tables=x["block_tables"], query_start_loc=x["query_start_loc"],
+            kv_lens=x["kv_lens"], max_q_len=layout.max_q_len,
+            max_prefill_seqs=layout.max_prefill_seqs, kv_quant=self.kv_quant)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        return forward(model, cache, tokens, meta, self.cfg,
+                       None if all_logits else x["logits_indices"])
+
+    def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
+        """(layout, packed int32 inputs) of the batch padded to its bucket."""
         q_lens = np.diff(batch.query_start_loc)
         width = batch.block_tables.shape[1]
         if self.fixed_width:
@@ -163,30 +180,30 @@ class ModelRunner:
         self.compiled_shapes.add(key)
         start = np.full(s + 1, batch.query_start_loc[-1], np.int32)
         start[: batch.num_seqs + 1] = batch.query_start_loc
-        # numpy inputs go straight into the jitted step, which transfers them itself (no
-        # separate dispatch per array).
-        meta = AttentionMetadata(
-            positions=_pad(batch.positions, (n,), 0),
-            slot_mapping=_pad(batch.slot_mapping, (n,), -1),
-            block_tables=_pad(batch.block_tables, (s, w), 0),
-            query_start_loc=start,
-            kv_lens=_pad(batch.kv_lens, (s,), 0),
-            max_q_len=max_q, max_prefill_seqs=max_prefill, kv_quant=self.kv_quant)
-        return _pad(batch.token_ids, (n,), 0), meta, _pad(batch.logits_indices, (s,), 0)
+        layout = StepLayout(n, s, w, max_q, max_prefill)
+        packed = pack(layout, {
+            "tokens": _pad(batch.token_ids, (n,), 0),
+            "positions": _pad(batch.positions, (n,), 0),
+            "slot_mapping": _pad(batch.slot_mapping, (n,), -1),
+            "block_tables": _pad(batch.block_tables, (s, w), 0),
+            "query_start_loc": start,
+            "kv_lens": _pad(batch.kv_lens, (s,), 0),
+            "logits_indices": _pad(batch.logits_indices, (s,), 0),
+            "sample_index": _pad(np.zeros(0, np.int32) if sample_index is None
+                                 else sample_index, (n,), -1)})
+        return layout, packed
 
     def execute(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns each sequence's last-token logits, float32 [S, V] (on device)."""
         return self.execute_padded(batch)[: batch.num_seqs]
 
-    def _step_inputs(self, batch: StepBatch, prev_samples: jax.Array | None = None,
-                     sample_index: np.ndarray | None = None) -> tuple:
-        """(tokens, meta, logits_indices, prev_samples, sample_index): the step's arguments
-        after the state and the cache, padded to the batch's bucket."""
-        tokens, meta, logits_indices = self._padded(batch)
-        index = _pad(np.zeros(0, np.int32) if sample_index is None else sample_index,
-                     tokens.shape, -1)
-        return (tokens, meta, logits_indices,
-                self._no_samples if prev_samples is None else prev_samples, index)
+    def _step_args(self, batch: StepBatch, prev_samples: jax.Array | None = None,
+                   sample_index: np.ndarray | None = None) -> tuple:
+        """Every argument of the jitted step for this batch: (weights, cache, packed inputs,
+        prev_samples, layout)."""
+        layout, packed = self._padded(batch, sample_index)
+        return (self._weights, self.cache, packed,
+                self._no_samples if prev_samples is None else prev_samples, layout)
 
     def execute_padded(self, batch: StepBatch, prev_samples: jax.Array | None = None,
                        sample_index: np.ndarray | None = None) -> jax.Array:
@@ -199,15 +216,14 @@ class ModelRunner:
         time spent padding the inputs.
         """
         start = time.perf_counter()
-        inputs = self._step_inputs(batch, prev_samples, sample_index)
+        args = self._step_args(batch, prev_samples, sample_index)
         self.last_prepare_s = time.perf_counter() - start
-        logits, self.cache = self._step(self.state, self.cache, *inputs)
+        logits, self.cache = self._step(*args)
         return logits
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
-        logits, self.cache = self._step(self.state, self.cache, *self._step_inputs(batch),
-                                        all_logits=True)
+        logits, self.cache = self._step(*self._step_args(batch), all_logits=True)
         return logits[: len(batch.token_ids)]
 
     def warmup(self, q_lens, num_pages: int, all_logits: bool = False,

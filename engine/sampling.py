@@ -78,8 +78,7 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, num_logprobs: int):
     return chosen, top_ids.astype(jnp.int32), top_values
 
 
-@functools.partial(jax.jit, static_argnames=("out_rows",))
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+def _sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seeds: jax.Array, steps: jax.Array, min_p: jax.Array | None = None,
            penalties: tuple | None = None, out_rows: int | None = None) -> jax.Array:
     """Picks one token per row.
@@ -108,6 +107,19 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     if out_rows is not None and out_rows > tokens.shape[0]:
         tokens = jnp.pad(tokens, (0, out_rows - tokens.shape[0]))
     return tokens
+
+
+sample = jax.jit(_sample, static_argnames=("out_rows",))
+
+
+@functools.partial(jax.jit, static_argnames=("out_rows",))
+def sample_packed(logits: jax.Array, floats: jax.Array, ints: jax.Array,
+                  penalties: tuple | None = None, out_rows: int | None = None) -> jax.Array:
+    """`sample` with its per-row parameters packed in two arrays (two host-to-device transfers
+    instead of six; see engine/step_inputs.py): floats float32 [3, B] = (temperature, top_p,
+    min_p); ints uint32 [3, B] = (top_k, seeds, steps)."""
+    return _sample(logits, floats[0], ints[0].astype(jnp.int32), floats[1], ints[1],
+                   ints[2].astype(jnp.int32), floats[2], penalties, out_rows)
 
 
 def _pad_rows(a: np.ndarray, rows: int, value) -> np.ndarray:
@@ -190,9 +202,14 @@ def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None 
     The logprob entries are None when arrays.num_logprobs is 0. With `out_rows`, tokens are
     padded to [out_rows] (see `sample`).
     """
-    # numpy arguments: the jitted sampler transfers them itself.
-    tokens = sample(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.seeds,
-                    arrays.steps, arrays.min_p, arrays.penalties, out_rows=out_rows)
+    if isinstance(arrays.temperature, np.ndarray):  # host arrays: two transfers
+        floats = np.stack([arrays.temperature, arrays.top_p, arrays.min_p]).astype(np.float32)
+        ints = np.stack([arrays.top_k.astype(np.uint32), arrays.seeds.astype(np.uint32),
+                         arrays.steps.astype(np.uint32)])
+        tokens = sample_packed(logits, floats, ints, arrays.penalties, out_rows=out_rows)
+    else:  # already placed on the device (a sharded runner)
+        tokens = sample(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.seeds,
+                        arrays.steps, arrays.min_p, arrays.penalties, out_rows=out_rows)
     if not arrays.num_logprobs:
         return tokens, None, None, None
     rows = logits.shape[0]

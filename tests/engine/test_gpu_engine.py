@@ -4,7 +4,6 @@ Skipped without a GPU (CI has none); run on the H200 with `pytest tests/engine/t
 """
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp

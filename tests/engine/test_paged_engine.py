@@ -177,9 +177,7 @@ def run_last_logits(runner: ModelRunner, rows) -> np.ndarray:
     return np.asarray(runner.execute(step_batch(rows)))
 
 
-def padded_args(runner: ModelRunner, batch: StepBatch):
-    """The step's arguments after (state, cache), exactly as runner.execute passes them."""
-    return runner._step_inputs(batch)
+
 
 
 def take_pages(rng, num_pages, *lengths):
@@ -399,14 +397,14 @@ def test_cache_is_donated_and_updated_in_place(llama):
         assert not any(a.is_deleted() for a in runner.cache.k_pages + runner.cache.v_pages)
         assert runner.cache.k_pages[0].shape == page_shape
 
-        args = (runner.state, runner.cache, *padded_args(runner, batch))
+        args = runner._step_args(batch)  # exactly as runner.execute passes them
         hlo = runner._step.lower(*args).compile().as_text()
         assert not full_page_copies(hlo, page_shape), full_page_copies(hlo, page_shape)
         # Every layer's k and v pages are outputs aliased to the donated inputs.
         alias = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
         assert alias.count("alias)") == 2 * cfg.num_layers, alias
     # The check can fail: without donation XLA must copy the pages before the scatter.
-    undonated = jax.jit(runner._step_impl, static_argnames=("all_logits",))
+    undonated = jax.jit(runner._step_impl, static_argnames=("layout", "all_logits"))
     assert full_page_copies(undonated.lower(*args).compile().as_text(), page_shape)
 
 
