@@ -4,7 +4,7 @@
 chunks and prefix-cache hits mixed in one ragged batch), builds the step batch, runs one jitted
 model step and one jitted sampler, then appends the sampled tokens, detokenizes incrementally,
 applies stop conditions and frees the pages of finished requests. With asynchronous scheduling
-(the default) the host does all that for step n while the device runs step n+1, which reads its
+(EngineConfig.async_scheduling) the host does all that for step n while the device runs step n+1, which reads its
 input tokens from step n's samples on the device; speculative rounds live in
 engine/spec_rounds.py.
 """
@@ -47,8 +47,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     # Schedule step n+1 while step n runs (see LLMEngine.step); speculative decoding, penalties
-    # and a sharded runner run synchronously.
-    async_scheduling: bool = True
+    # and a sharded runner run synchronously. Off by default: on the H200 with llama3.2-1b at
+    # 256 sequences the host is the slower side and it measured 11% fewer tokens/s
+    # (docs/PERFORMANCE.md); it pays where the device step is longer than the host's work.
+    async_scheduling: bool = False
 
 
 @dataclasses.dataclass

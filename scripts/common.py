@@ -35,7 +35,7 @@ def define_engine_flags() -> None:
                        "on GPUs; on the CPU, room for max_num_seqs full-length sequences).")
     flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached pages of shared prefixes.")
     flags.DEFINE_bool("enable_chunked_prefill", True, "Split long prompts across steps.")
-    flags.DEFINE_bool("async_scheduling", True,
+    flags.DEFINE_bool("async_scheduling", False,
                       "Schedule and launch the next step while the device runs the current one "
                       "(host work hides behind device work); speculation and penalties run "
                       "synchronously.")

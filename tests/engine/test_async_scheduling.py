@@ -21,6 +21,8 @@ from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS
 
 SYNC_STRESS = dataclasses.replace(STRESS, async_scheduling=False)
 SYNC_BASE = dataclasses.replace(BASE, async_scheduling=False)
+ASYNC_STRESS = dataclasses.replace(STRESS, async_scheduling=True)
+ASYNC_BASE = dataclasses.replace(BASE, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_random_streams_equal_the_synchronous_engine(make_engine):
     @given(stream=request_streams())
     def run(stream):
         results = []
-        for cfg in (SYNC_STRESS, STRESS):
+        for cfg in (SYNC_STRESS, ASYNC_STRESS):
             engine = make_engine(cfg)
             log = overlapping_steps(engine)
             ids, deltas, _ = run_stream(engine, stream)
@@ -95,7 +97,7 @@ def test_stop_token_request_drops_its_extra_token(make_engine):
     first = free_run.output_ids.index(stop)
     params = SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(stop,))
     computed = {}
-    for cfg in (SYNC_BASE, BASE):
+    for cfg in (SYNC_BASE, ASYNC_BASE):
         engine = make_engine(cfg)
         [out] = engine.generate([prompt], params)
         check_all_free(engine)
@@ -112,7 +114,7 @@ def test_length_limited_requests_compute_nothing_extra(make_engine):
     prompts = [random_prompt(rng, n) for n in (5, 17, 30)]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 4, 9)]
     runs = {}
-    for cfg in (SYNC_BASE, BASE):
+    for cfg in (SYNC_BASE, ASYNC_BASE):
         engine = make_engine(cfg)
         outs = engine.generate(prompts, params)
         check_all_free(engine)
@@ -133,7 +135,7 @@ def test_penalties_and_logprobs(make_engine):
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3,
                              logprobs=3)]
     results = {}
-    for cfg in (SYNC_BASE, BASE):
+    for cfg in (SYNC_BASE, ASYNC_BASE):
         engine = make_engine(cfg)
         log = overlapping_steps(engine)
         outs = engine.generate(prompts, params)
