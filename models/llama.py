@@ -223,18 +223,27 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     return logits.astype(jnp.float32), KVCache(tuple(k_all), tuple(v_all))
 
 
-def _concat_kernels(kernels: list):
-    """Concatenates [K, n_i] kernels along the output axis: float arrays, or quantized weights
-    (quant/qtensor.py) of one format, whose columns are independent (own scales and offsets)."""
+def _check_fusable(kernels: list) -> None:
+    """Raises ValueError unless the kernels can be concatenated column-wise (_concat_kernels)."""
     first = kernels[0]
-    if isinstance(first, jax.Array | np.ndarray):
-        return jnp.concatenate(kernels, axis=1)
+    if all(isinstance(k, jax.Array | np.ndarray) for k in kernels):
+        return
     fields = ("bits", "group_size", "layout")
-    if any(getattr(k, "perm", None) is not None for k in kernels) or any(
+    if any(isinstance(k, jax.Array | np.ndarray) for k in kernels) or any(
+            getattr(k, "perm", None) is not None for k in kernels) or any(
             tuple(getattr(k, f) for f in fields) != tuple(getattr(first, f) for f in fields)
             for k in kernels):
         raise ValueError("fuse_projections: quantized kernels must share bits, group size and "
                          "layout and have no act-order permutation")
+
+
+def _concat_kernels(kernels: list):
+    """Concatenates [K, n_i] kernels along the output axis: float arrays, or quantized weights
+    (quant/qtensor.py) of one format, whose columns are independent (own scales and offsets)."""
+    first = kernels[0]
+    _check_fusable(kernels)
+    if isinstance(first, jax.Array | np.ndarray):
+        return jnp.concatenate(kernels, axis=1)
     cat = lambda name: (None if getattr(first, name) is None  # noqa: E731
                         else jnp.concatenate([getattr(k, name) for k in kernels], axis=1))
     return dataclasses.replace(first, packed=cat("packed"), scales=cat("scales"),
@@ -252,6 +261,9 @@ def _fused_linear(parent, names: tuple[str, ...]) -> Linear:
     return Linear(0, 0, None, None, weights=(kernel, bias))
 
 
+_QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
 def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
                      ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Fuses each layer's q/k/v and gate/up kernels into one kernel each, in place.
@@ -264,7 +276,10 @@ def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
     """
     if cfg.fused_projections:
         raise ValueError("fuse_projections: the model is already fused")
+    for layer in model.layers:  # every layer checked first: an error leaves the model as it was
+        for parent, names in ((layer.self_attn, _QKV), (layer.mlp, _GATE_UP)):
+            _check_fusable([getattr(parent, n).kernel.get_value() for n in names])
     for layer in model.layers:
-        layer.self_attn.qkv_proj = _fused_linear(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
-        layer.mlp.gate_up_proj = _fused_linear(layer.mlp, ("gate_proj", "up_proj"))
+        layer.self_attn.qkv_proj = _fused_linear(layer.self_attn, _QKV)
+        layer.mlp.gate_up_proj = _fused_linear(layer.mlp, _GATE_UP)
     return cfg.replace(fused_projections=True), model

@@ -25,6 +25,7 @@ from scripts import common, parallel
 
 common.define_model_flags()
 common.define_engine_flags()
+common.define_fusion_flags()
 flags.DEFINE_integer("num_requests", 200, "Requests in the workload.")
 flags.DEFINE_float("request_rate", math.inf, "Poisson arrival rate, requests/s (inf: all at once).")
 flags.DEFINE_integer("input_len", 200, "Median prompt length (tokens).")
@@ -218,12 +219,14 @@ def main(argv):
         from models.loader import EMBEDDED_PRESETS, load_model
 
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
+        common.check_fusion(mesh)
         if jax.process_count() > 1 and not math.isinf(FLAGS.request_rate):
             raise ValueError("with several processes --request_rate must be inf: arrivals timed "
                              "by each process's clock would give the processes different steps")
         random = FLAGS.random_weights or FLAGS.model not in EMBEDDED_PRESETS
         loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), random, FLAGS.seed,
                             mesh=mesh)
+        loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         longest = FLAGS.shared_prefix_len + FLAGS.max_input_len + FLAGS.max_output_len
         if longest > engine_cfg.max_model_len:
@@ -239,7 +242,8 @@ def main(argv):
                "mean_input_len": float(np.mean([len(p) for p in work.prompts])),
                "mean_output_len": float(np.mean(work.output_lens)),
                "engine": dataclasses.asdict(engine_cfg),
-               "mesh": None if mesh is None else dict(mesh.shape)}
+               "mesh": None if mesh is None else dict(mesh.shape),
+               "fused_projections": loaded.cfg.fused_projections}
 
     engine = LLMEngine(loaded.cfg, loaded.model, None, engine_cfg, mesh=mesh)
     if mesh is not None:

@@ -6,6 +6,8 @@
 Each method generates greedily from the same chat prompts (a warm-up run first, so compilation is
 not timed), checks that the tokens equal plain decoding's, and reports decode tokens/s, the
 speed-up over plain decoding, and the acceptance figures. Prints a table and writes JSON.
+--tp / --dp run the target over a device mesh (scripts/parallel.py; the draft model stays on one
+device); --fuse_projections fuses q/k/v and gate/up (default: on a GPU without a mesh).
 """
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import time
 
 from absl import app, flags
 
-from scripts import common
+from scripts import common, parallel
 
 common.define_model_flags()
 common.define_engine_flags()
 common.define_speculative_flags()
+common.define_fusion_flags()
 flags.DEFINE_list("methods", ["none", "ngram"], "Methods to compare: none, ngram, draft.")
 flags.DEFINE_integer("max_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_integer("repeats", 2, "Timed runs per method (the best is kept).")
@@ -58,11 +61,15 @@ def main(argv):
     common.setup_jax()
     try:
         from engine.llm_engine import LLMEngine
+        from engine.mesh import is_main_process
         from engine.request import SamplingParams
         from models.loader import load_model
 
+        mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
+        common.check_fusion(mesh)
         dtype = common.resolve_dtype(FLAGS.dtype)
-        loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed)
+        loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed, mesh=mesh)
+        loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         # Without the prefix cache every run repeats the warm-up's steps (and programs) exactly.
         engine_cfg = dataclasses.replace(common.engine_config_from_flags(FLAGS, loaded.cfg),
                                          enable_prefix_caching=False)
@@ -73,7 +80,10 @@ def main(argv):
         for method in FLAGS.methods:
             FLAGS.speculative = method
             spec, draft = common.speculation_from_flags(FLAGS, dtype)
-            engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft)
+            engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft,
+                               mesh=mesh)
+            if mesh is not None and not results:
+                print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}")
             run(engine, prompt_ids, params)  # warm-up: compiles
             engine.spec_stats = type(engine.spec_stats)()
             best, outputs = 0.0, None
@@ -92,9 +102,11 @@ def main(argv):
         print(f"{method:<8} {r['decode_tokens_per_s']:>9.1f} {r['speedup']:>8.2f}x "
               f"{r['acceptance_rate']:>7.0%} {r['mean_acceptance_length']:>9.2f} "
               f"{r['same_tokens_as_first_method']}")
-    if FLAGS.json_out:
+    if FLAGS.json_out and is_main_process():
         with open(FLAGS.json_out, "w") as f:
             json.dump({"model": FLAGS.model, "max_tokens": FLAGS.max_tokens,
+                       "mesh": None if mesh is None else dict(mesh.shape),
+                       "fused_projections": loaded.cfg.fused_projections,
                        "num_speculative_tokens": FLAGS.num_speculative_tokens,
                        "results": results}, f, indent=2)
 

@@ -17,6 +17,11 @@
    with the target (it proposes the target's own continuation, found by a plain run first), at
    k = `--oracle_k`, against plain decoding of the same prompts, end to end (tokens/s).
 Prints tables and writes JSON.
+
+--tp / --dp (scripts/parallel.py) run all three over a device mesh: the step costs on the sharded
+runner (engine/sharded_runner.py; with dp > 1 the sequences spread round robin over the data
+shards), the end-to-end runs on a sharded engine. --fuse_projections fuses q/k/v and gate/up
+(default: on a GPU without a mesh), as the serving scripts do.
 """
 from __future__ import annotations
 
@@ -29,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from scripts import common
+from scripts import common, parallel
 
 common.define_model_flags()
+common.define_fusion_flags()
 flags.DEFINE_list("batches", ["1", "8", "64"], "Sequences per step.")
 flags.DEFINE_integer("max_k", 8, "Largest number of proposals verified per sequence.")
 flags.DEFINE_integer("context", 1024, "Tokens already cached per sequence.")
@@ -48,21 +54,37 @@ FLAGS = flags.FLAGS
 
 
 def random_cache(cache, seed: int):
-    """The cache's pages filled with random values of its dtype (never zeros)."""
+    """The cache's pages filled with random values of its dtype (never zeros), each made where
+    its page array lives (its sharding, on a mesh)."""
     from engine.kv_cache import KVCache
     keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k_pages))
-    fill = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
-            for k, a in zip(keys, cache.k_pages + cache.v_pages)]
+
+    def fill_like(key, a):
+        make = lambda k: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)  # noqa: E731
+        return jax.jit(make, out_shardings=a.sharding)(key)
+
+    fill = [fill_like(k, a) for k, a in zip(keys, cache.k_pages + cache.v_pages)]
     n = len(cache.k_pages)
     return KVCache(tuple(fill[:n]), tuple(fill[n:]))
 
 
-def step_batch(num_seqs: int, q: int, context: int, page_size: int, vocab: int, rng):
-    """S sequences, each computing q tokens after `context` cached ones, on disjoint pages."""
+def seq_pages(num_seqs: int, pages_per_seq: int, dp: int = 1) -> tuple[int, list[list[int]]]:
+    """(pages per data shard, each sequence's pages): disjoint pages, sequence s in data shard
+    s % dp (pages of shard d: [d * pages per shard, (d + 1) * pages per shard))."""
+    per_shard = -(-num_seqs // dp) * pages_per_seq
+    return per_shard, [list(range((s % dp) * per_shard + (s // dp) * pages_per_seq,
+                                  (s % dp) * per_shard + (s // dp + 1) * pages_per_seq))
+                       for s in range(num_seqs)]
+
+
+def step_batch(num_seqs: int, q: int, context: int, page_size: int, vocab: int, rng,
+               dp: int = 1):
+    """S sequences, each computing q tokens after `context` cached ones, on disjoint pages
+    spread over `dp` data shards (seq_pages)."""
     from engine.runner import make_step_batch
     pages_per_seq = -(-(context + q) // page_size)
-    rows = [(rng.integers(0, vocab, q).tolist(), context,
-             list(range(s * pages_per_seq, (s + 1) * pages_per_seq))) for s in range(num_seqs)]
+    _, pages = seq_pages(num_seqs, pages_per_seq, dp)
+    rows = [(rng.integers(0, vocab, q).tolist(), context, pages[s]) for s in range(num_seqs)]
     batch = make_step_batch(rows, page_size)
     batch.verification = q > 1
     return batch
@@ -82,21 +104,30 @@ def time_steps(run, calls: int, runs: int) -> float:
     return statistics.median(times)
 
 
-def step_costs(cfg, model, batches, max_k, context, page_size) -> list[dict]:
-    """Decode and verification step times for each batch size (see the module docstring)."""
+def step_costs(cfg, model, batches, max_k, context, page_size, mesh=None) -> list[dict]:
+    """Decode and verification step times for each batch size (see the module docstring), on
+    the sharded runner over `mesh` when given."""
+    from engine.mesh import mesh_shape
     from engine.runner import ModelRunner
+    from engine.sharded_runner import ShardedModelRunner
+    dp = 1 if mesh is None else mesh_shape(mesh)[1]
     rng = np.random.default_rng(0)
     pages_per_seq = -(-(context + max_k + 1) // page_size)
     rows = []
     for s in batches:
-        runner = ModelRunner(cfg, model, s * pages_per_seq, page_size, max_seqs=s,
-                             max_width=pages_per_seq)
+        pages, _ = seq_pages(s, pages_per_seq, dp)
+        if mesh is None:
+            runner = ModelRunner(cfg, model, pages, page_size, max_seqs=s,
+                                 max_width=pages_per_seq)
+        else:
+            runner = ShardedModelRunner(cfg, model, pages, page_size, max_seqs=s,
+                                        max_width=pages_per_seq, mesh=mesh)
         runner.cache = random_cache(runner.cache, s)
-        decode = step_batch(s, 1, context, page_size, cfg.vocab_size, rng)
+        decode = step_batch(s, 1, context, page_size, cfg.vocab_size, rng, dp)
         decode_s = time_steps(lambda: runner.execute_padded(decode), FLAGS.calls, FLAGS.runs)
         row = {"batch": s, "decode_step_s": decode_s, "verify": []}
         for k in range(1, max_k + 1):
-            verify = step_batch(s, k + 1, context, page_size, cfg.vocab_size, rng)
+            verify = step_batch(s, k + 1, context, page_size, cfg.vocab_size, rng, dp)
             verify_s = time_steps(lambda: runner.execute_all_logits(verify), FLAGS.calls,
                                   FLAGS.runs)
             row["verify"].append({"k": k, "step_s": verify_s, "over_decode": verify_s / decode_s})
@@ -115,7 +146,7 @@ def predicted_speedups(row: dict, alphas, draft_cost: float) -> dict:
     return {"best": best, "table": table}
 
 
-def oracle_run(cfg, model, num_seqs: int, k: int) -> dict:
+def oracle_run(cfg, model, num_seqs: int, k: int, mesh=None) -> dict:
     """Plain greedy decoding against speculation whose proposals always agree (tokens/s)."""
     import engine.spec_rounds as spec_rounds
     from engine.llm_engine import EngineConfig, LLMEngine
@@ -136,7 +167,7 @@ def oracle_run(cfg, model, num_seqs: int, k: int) -> dict:
         outs = engine.generate(prompts, params)
         return time.perf_counter() - start, [o.output_ids for o in outs]
 
-    plain_s, plain = timed(LLMEngine(cfg, model, None, engine_cfg))
+    plain_s, plain = timed(LLMEngine(cfg, model, None, engine_cfg, mesh=mesh))
     continuation = {tuple(p): p + o for p, o in zip(prompts, plain)}
 
     def agreeing(token_ids, k, *_):  # the target's own next k tokens
@@ -147,7 +178,7 @@ def oracle_run(cfg, model, num_seqs: int, k: int) -> dict:
     spec_rounds.propose_ngram = agreeing
     try:
         engine = LLMEngine(cfg, model, None, engine_cfg,
-                           spec_config=SpecConfig("ngram", k, max_batch=num_seqs))
+                           spec_config=SpecConfig("ngram", k, max_batch=num_seqs), mesh=mesh)
         spec_s, spec = timed(engine)
     finally:
         spec_rounds.propose_ngram = proposer
@@ -191,19 +222,29 @@ def main(argv) -> None:
                              f"--context ({FLAGS.context}) must be >= 1")
         if not all(0.0 <= a <= 1.0 for a in alphas):
             raise ValueError(f"--alphas must lie in [0, 1], got {FLAGS.alphas}")
+        from engine.mesh import is_main_process
         from models.loader import load_model
-        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), True, FLAGS.seed)
+        mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
+        common.check_fusion(mesh)
+        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), True, FLAGS.seed,
+                            mesh=mesh)
+        loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
     except common.USER_ERRORS as e:
         common.fail(str(e))
     cfg, model = loaded.cfg, loaded.model
-    rows = step_costs(cfg, model, batches, FLAGS.max_k, FLAGS.context, FLAGS.page_size)
+    if mesh is not None:
+        print(parallel.describe(mesh))
+    rows = step_costs(cfg, model, batches, FLAGS.max_k, FLAGS.context, FLAGS.page_size, mesh)
     predicted = [predicted_speedups(r, alphas, FLAGS.draft_cost) for r in rows]
-    oracle = [oracle_run(cfg, model, s, FLAGS.oracle_k) for s in batches] if FLAGS.oracle_k else []
+    oracle = ([oracle_run(cfg, model, s, FLAGS.oracle_k, mesh) for s in batches]
+              if FLAGS.oracle_k else [])
     print_tables(rows, predicted, oracle, alphas)
-    if FLAGS.json_out:
+    if FLAGS.json_out and is_main_process():
         with open(FLAGS.json_out, "w") as f:
             json.dump({"model": FLAGS.model, "dtype": FLAGS.dtype, "context": FLAGS.context,
                        "device": str(jax.devices()[0].device_kind), "draft_cost": FLAGS.draft_cost,
+                       "mesh": None if mesh is None else dict(mesh.shape),
+                       "fused_projections": cfg.fused_projections,
                        "step_costs": rows, "predicted": predicted, "oracle": oracle}, f, indent=2)
 
 

@@ -142,8 +142,67 @@ def define_speculative_flags() -> None:
     flags.DEFINE_integer("spec_max_batch", 16, "No speculation in steps with more running requests.")
 
 
+def define_fusion_flags() -> None:
+    """--fuse_projections: tri-state (unset: auto)."""
+    flags.DEFINE_bool("fuse_projections", None,
+                      "Fuse each layer's q/k/v and gate/up kernels into one matmul each after "
+                      "loading (and quantizing); same tokens, fewer and larger matmuls (+36% "
+                      "tokens/s for llama3.1-8b at batch 1 on the H200). Default auto: on on a GPU "
+                      "without --tp/--dp, off on the CPU and with a mesh. Forcing it on with a "
+                      "mesh is an error (the sharding rules know only the unfused weights).")
+
+
+def fusion_wanted(requested: bool | None, backend: str, mesh) -> bool:
+    """Whether to fuse projections: `requested` (--fuse_projections) or, when None, auto (a GPU
+    backend and no mesh). Raises ValueError when fusion is forced on with a mesh."""
+    if requested is None:
+        return backend == "gpu" and mesh is None
+    if requested and mesh is not None:
+        raise ValueError("--fuse_projections=true needs one device: the sharding rules of a "
+                         "--tp/--dp mesh know only the unfused q/k/v and gate/up weights (drop "
+                         "--fuse_projections or --tp/--dp)")
+    return requested
+
+
+def check_fusion(mesh) -> None:
+    """Fails early (ValueError) when --fuse_projections cannot apply to `mesh` (fusion_wanted):
+    call it right after parallel.setup_parallel(), before loading."""
+    import jax
+    fusion_wanted(flags.FLAGS.fuse_projections, jax.default_backend(), mesh)
+
+
+def fuse_from_flags(cfg, model, mesh=None, label: str = "model") -> tuple:
+    """(cfg, model), with q/k/v and gate/up fused in place when --fuse_projections (or auto)
+    says so (models.llama.fuse_projections), with a line on stderr. Call after loading and
+    quantizing. In auto mode a model that cannot be fused (act-order quantized kernels) stays
+    unfused, with a note."""
+    import jax
+
+    from models.llama import fuse_projections
+    requested = flags.FLAGS.fuse_projections
+    if cfg.fused_projections or not fusion_wanted(requested, jax.default_backend(), mesh):
+        return cfg, model
+    try:
+        cfg, model = fuse_projections(cfg, model)
+    except ValueError as e:  # checked before any change: the model is still whole
+        if requested:
+            raise ValueError(f"--fuse_projections: {e}") from None
+        print(f"note: {label} projections left unfused ({e})", file=sys.stderr)
+        return cfg, model
+    print(f"{label}: q/k/v and gate/up projections fused", file=sys.stderr)
+    return cfg, model
+
+
+def prepare_model(loaded, mesh=None):
+    """The loaded model ready for an engine: fused per --fuse_projections (fuse_from_flags),
+    loaded.cfg updated to match. Call after loading and quantizing. Returns `loaded`."""
+    loaded.cfg, loaded.model = fuse_from_flags(loaded.cfg, loaded.model, mesh)
+    return loaded
+
+
 def speculation_from_flags(FLAGS, dtype):
-    """(SpecConfig or None, (draft cfg, draft model) or None) from the speculative flags."""
+    """(SpecConfig or None, (draft cfg, draft model) or None) from the speculative flags; the
+    draft is fused per --fuse_projections (define_fusion_flags), as the target."""
     from engine.speculative import SpecConfig
     if FLAGS.speculative == "none":
         return None, None
@@ -155,4 +214,5 @@ def speculation_from_flags(FLAGS, dtype):
         raise ValueError("--speculative=draft needs --draft_model")
     from models.loader import load_model
     draft = load_model(FLAGS.draft_model, dtype)
-    return spec, (draft.cfg, draft.model)
+    # The draft runs unsharded on one device (engine/draft.py), so a mesh does not stop fusion.
+    return spec, fuse_from_flags(draft.cfg, draft.model, label="draft model")

@@ -8,7 +8,8 @@ token given the ones before it). The default text is CPython's pydoc topics
 --quant=METHOD quantizes the weights on the fly (quant/model.py; GPTQ and AWQ calibrate on
 --calib_text, by default a built-in text other than this evaluation text); a quantized checkpoint
 written by scripts/quantize.py is evaluated with --model=DIR. --kv_cache_dtype=bf16|int8|fp8
-stores K/V in that type (int8 / fp8 with per-token, per-head scales).
+stores K/V in that type (int8 / fp8 with per-token, per-head scales). --fuse_projections fuses
+q/k/v and gate/up after quantizing (default: on a GPU), as the serving scripts do.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from absl import app, flags
 from scripts import common
 
 common.define_model_flags()
+common.define_fusion_flags()
 flags.DEFINE_string("text_file", None, "UTF-8 text to evaluate on (default: pydoc topics).")
 flags.DEFINE_integer("num_tokens", 2048, "Evaluate on the first this-many tokens of the text.")
 flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
@@ -77,6 +79,7 @@ def main(argv):
         if loaded.tokenizer is None:
             raise ValueError(f"model {FLAGS.model!r} has no tokenizer to encode the text with")
         quant = common.quantize_from_flags(loaded, FLAGS.quant) if FLAGS.quant else None
+        loaded = common.prepare_model(loaded)  # --fuse_projections, after quantizing
         ids = loaded.tokenizer.encode(text)[: FLAGS.num_tokens]
         kv_dtype = KV_DTYPES[FLAGS.kv_cache_dtype] if FLAGS.kv_cache_dtype else None
         ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, FLAGS.page_size, kv_dtype)
@@ -85,7 +88,8 @@ def main(argv):
     result = {"model": FLAGS.model, "text": FLAGS.text_file or "pydoc_data.topics",
               "num_tokens": len(ids), "mean_nll": nll, "perplexity": ppl,
               "weight_bytes": model_nbytes(loaded.model), "quant": quant,
-              "kv_cache_dtype": FLAGS.kv_cache_dtype}
+              "kv_cache_dtype": FLAGS.kv_cache_dtype,
+              "fused_projections": loaded.cfg.fused_projections}
     extras = "".join(f", {name} {value}" for name, value in (
         ("--quant", FLAGS.quant), ("KV cache", FLAGS.kv_cache_dtype)) if value)
     print(f"perplexity {ppl:.4f} (mean NLL {nll:.5f}) over {len(ids)} tokens of "

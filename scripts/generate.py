@@ -17,6 +17,7 @@ from scripts import common, parallel
 common.define_model_flags()
 common.define_engine_flags()
 common.define_speculative_flags()
+common.define_fusion_flags()
 flags.DEFINE_multi_string("prompt", None, "A prompt; repeat the flag for several requests.")
 flags.DEFINE_integer("max_tokens", 128, "Most tokens generated per prompt.")
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
@@ -77,11 +78,13 @@ def main(argv):
         from models.loader import load_model
 
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
+        common.check_fusion(mesh)
 
         params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                                 top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.sample_seed)
         loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
                             FLAGS.seed, mesh=mesh)
+        loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         prompt_ids = build_prompts(loaded.tokenizer, FLAGS.prompt, FLAGS.chat)
         spec, draft = common.speculation_from_flags(FLAGS, common.resolve_dtype(FLAGS.dtype))

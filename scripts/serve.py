@@ -19,6 +19,7 @@ from scripts import common
 common.define_model_flags()
 common.define_engine_flags()
 common.define_speculative_flags()
+common.define_fusion_flags()
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
 flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port; the address is printed).")
 flags.DEFINE_string("api_key", None, "If set, /v1/ requests need 'Authorization: Bearer <key>' "
@@ -50,6 +51,7 @@ def main(argv):
         start = time.perf_counter()
         dtype = common.resolve_dtype(FLAGS.dtype)
         loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed)
+        loaded = common.prepare_model(loaded)  # --fuse_projections
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         spec, draft = common.speculation_from_flags(FLAGS, dtype)
         engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft)
