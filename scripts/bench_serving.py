@@ -253,6 +253,7 @@ def main(argv):
     results["programs_compiled_at_start"] = warm_up(engine, longest, lambda: run_continuous(
         engine, work))
     results["warmup_s"] = time.perf_counter() - start
+    common.freeze_startup_objects()
     engine.stats = type(engine.stats)(record_steps=True)
     results["continuous"] = run_continuous(engine, work) | host_share(engine)
     del engine

@@ -97,6 +97,7 @@ def main(argv):
             longest = max(len(p) for p in prompt_ids)
             engine.warmup(len(prompt_ids), longest + FLAGS.max_tokens,
                           [len(p) for p in prompt_ids], progress=common.print_progress("compiling"))
+        common.freeze_startup_objects()
         start = time.perf_counter()
         if FLAGS.json:
             outputs = engine.generate(prompt_ids, params)

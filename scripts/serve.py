@@ -58,6 +58,7 @@ def main(argv):
         print(engine.kv_summary, file=sys.stderr, flush=True)
         if FLAGS.warmup:
             engine.warmup(progress=common.print_progress("compiling"))
+        common.freeze_startup_objects()
         print(f"ready in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
         server = Server(engine, FLAGS.served_model_name or FLAGS.model,
                         api_key=FLAGS.api_key or os.environ.get("PALLASITE_API_KEY"),
