@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-import time
 import warnings
 
 import jax
@@ -34,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+
 from ops.decode_attention import DecodeConfig, decode_config, paged_attention
 from ops.ragged_attention import RaggedConfig, ragged_config, ragged_paged_attention
+from scripts import timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "decode", "prefill"], "calib, decode, prefill, sweep")
@@ -61,16 +61,7 @@ L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
 
 def time_per_call(fn, args, calls: int) -> float:
     """Seconds per attention call: `fn(*args)` runs `calls` of them (see the module docstring)."""
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(FLAGS.runs):
-        start = time.perf_counter()
-        for _ in range(FLAGS.queue):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / (FLAGS.queue * calls))
-    return statistics.median(samples)
+    return timing.time_per_call(fn, args, calls, FLAGS.runs, FLAGS.queue)
 
 
 def calibrate() -> dict:

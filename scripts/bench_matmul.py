@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+
 from ops.quant_matmul import (MatmulConfig, int4_matmul, int4_matmul_reference, int8_matmul,
                               int8_matmul_reference, matmul_config)
+from scripts import timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "bench"], "calib, bench, sweep")
@@ -50,16 +50,7 @@ flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: 
 
 def time_per_call(fn, args, calls: int) -> float:
     """Seconds per product: `fn(*args)` runs `calls` of them (see the module docstring)."""
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(FLAGS.runs):
-        start = time.perf_counter()
-        for _ in range(FLAGS.queue):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / (FLAGS.queue * calls))
-    return statistics.median(samples)
+    return timing.time_per_call(fn, args, calls, FLAGS.runs, FLAGS.queue)
 
 
 def calibrate() -> dict:
@@ -246,11 +237,9 @@ def main(_):
                 auto = matmul_config(bits, m, k, n, FLAGS.group_size if bits == 4 else k)
                 splits = auto.num_splits if auto and auto.block_n == cfg.block_n else 0
                 if not splits:
-                    per_word = 8 if bits == 4 else 1
                     tiles = -(-k // cfg.block_k)
                     progs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
                     splits = max(1, min(round(264 / progs), tiles // 2, 16))
-                    del per_word
                 out.append(dataclasses.replace(cfg, num_splits=splits))
             return out
         for k, n in shapes:
