@@ -2,11 +2,11 @@
 
 `LLMEngine.step()` asks the scheduler which tokens of which requests to compute (decodes, prefill
 chunks and prefix-cache hits mixed in one ragged batch), builds the step batch, runs one jitted
-model step and one jitted sampler, then appends the sampled tokens, detokenizes incrementally,
-applies stop conditions and frees the pages of finished requests. With asynchronous scheduling
-(EngineConfig.async_scheduling) the host does all that for step n while the device runs step n+1, which reads its
-input tokens from step n's samples on the device; speculative rounds live in
-engine/spec_rounds.py.
+program (the model step with its sampler traced in), then appends the sampled tokens,
+detokenizes incrementally, applies stop conditions and frees the pages of finished requests.
+With asynchronous scheduling (EngineConfig.async_scheduling) the host does all that for step n
+while the device runs step n+1, which reads its input tokens from step n's samples on the
+device. Speculative rounds live in engine/spec_rounds.py.
 """
 from __future__ import annotations
 
@@ -329,9 +329,9 @@ class LLMEngine(SpeculativeRounds):
         if placeholders:
             sample_index = np.full(num_tokens, -1, np.int32)
             sample_index[placeholders] = sources
-        logits = self.runner.execute_padded(
-            batch, None if prev is None else prev.results[0], sample_index)
-        results = self.runner.sample_device(logits, SamplingArrays.from_requests(requests))
+        results = self.runner.execute_and_sample(
+            batch, SamplingArrays.from_requests(requests),
+            None if prev is None else prev.results[0], sample_index)
         self.scheduler.update_computed(output)
         self.stats.num_computed_tokens += output.num_tokens
         for i, r in enumerate(requests):

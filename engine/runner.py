@@ -18,7 +18,8 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache, init_kv_cache
-from engine.sampling import SamplingArrays, sample_step
+from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, sample_step,
+                             with_logprobs)
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from ops.kv_quant import is_quantized_kv_dtype
@@ -146,6 +147,8 @@ class ModelRunner:
         self._weights = tuple(self._weights)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              static_argnames=("layout", "all_logits"))
+        self._step_and_sample = jax.jit(self._step_and_sample_impl, donate_argnums=(1,),
+                                        static_argnames=("layout", "out_rows"))
 
     def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
@@ -165,6 +168,19 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return forward(model, cache, tokens, meta, self.cfg,
                        None if all_logits else x["logits_indices"])
+
+    def share_programs(self, other: "ModelRunner") -> None:
+        """Runs this runner's steps with `other`'s jitted functions (and their compiled
+        programs). They read only the model's structure and config from their runner, so two
+        runners of one model can share them (tests build many engines of one model)."""
+        self._step, self._step_and_sample = other._step, other._step_and_sample
+
+    def _step_and_sample_impl(self, weights, cache, packed, prev_samples, floats, ints,
+                              layout: StepLayout, out_rows: int):
+        """`_step_impl` then the sampler (engine.sampling.sample_from_packed) in one program:
+        (logits [S, V], tokens [out_rows], cache)."""
+        logits, cache = self._step_impl(weights, cache, packed, prev_samples, layout)
+        return logits, sample_from_packed(logits, floats, ints, None, out_rows), cache
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket."""
@@ -221,6 +237,27 @@ class ModelRunner:
         logits, self.cache = self._step(*args)
         return logits
 
+    def execute_and_sample(self, batch: StepBatch, arrays: SamplingArrays,
+                           prev_samples: jax.Array | None = None,
+                           sample_index: np.ndarray | None = None) -> tuple:
+        """One step and its sampler as one program (one dispatch, three transfers), without
+        waiting: the results of `sample_device` for the batch's sequences. Penalties (whose
+        token matrices change shape from step to step) take the two-program path."""
+        if arrays.penalties is not None:
+            return self.sample_device(self.execute_padded(batch, prev_samples, sample_index),
+                                      arrays)
+        weights, cache, packed, prev, layout = self._step_args(batch, prev_samples,
+                                                               sample_index)
+        floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
+        logits, tokens, self.cache = self._step_and_sample(
+            weights, cache, packed, prev, floats, ints, layout=layout,
+            out_rows=self.sample_rows)
+        results = with_logprobs(logits, tokens, arrays.num_logprobs)
+        for r in results:
+            if r is not None:
+                r.copy_to_host_async()
+        return results
+
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
         logits, self.cache = self._step(*self._step_args(batch), all_logits=True)
@@ -243,8 +280,9 @@ class ModelRunner:
                           verification=verification)
         if all_logits:
             self.execute_all_logits(dummy).block_until_ready()
-        else:
-            self.sample(self.execute(dummy), SamplingArrays.defaults(num_seqs))
+        else:  # the program the engine runs: step and sampler together
+            fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
+                          num_seqs)
 
     def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
         """Samples one token per row of `logits` [S, V] (or of the padded logits of

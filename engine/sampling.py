@@ -112,14 +112,26 @@ def _sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: 
 sample = jax.jit(_sample, static_argnames=("out_rows",))
 
 
-@functools.partial(jax.jit, static_argnames=("out_rows",))
-def sample_packed(logits: jax.Array, floats: jax.Array, ints: jax.Array,
-                  penalties: tuple | None = None, out_rows: int | None = None) -> jax.Array:
+def sample_from_packed(logits: jax.Array, floats: jax.Array, ints: jax.Array,
+                       penalties: tuple | None = None, out_rows: int | None = None) -> jax.Array:
     """`sample` with its per-row parameters packed in two arrays (two host-to-device transfers
-    instead of six; see engine/step_inputs.py): floats float32 [3, B] = (temperature, top_p,
-    min_p); ints uint32 [3, B] = (top_k, seeds, steps)."""
+    instead of six; see engine/step_inputs.py and `pack_sampling`): floats float32 [3, B] =
+    (temperature, top_p, min_p); ints uint32 [3, B] = (top_k, seeds, steps). Not jitted: the
+    runner traces it into its step."""
     return _sample(logits, floats[0], ints[0].astype(jnp.int32), floats[1], ints[1],
                    ints[2].astype(jnp.int32), floats[2], penalties, out_rows)
+
+
+sample_packed = jax.jit(sample_from_packed, static_argnames=("out_rows",))
+
+
+def pack_sampling(arrays: "SamplingArrays") -> tuple[np.ndarray, np.ndarray]:
+    """(floats float32 [3, S], ints uint32 [3, S]) of host sampling arrays (see
+    `sample_from_packed`)."""
+    floats = np.stack([arrays.temperature, arrays.top_p, arrays.min_p]).astype(np.float32)
+    ints = np.stack([arrays.top_k.astype(np.uint32), arrays.seeds.astype(np.uint32),
+                     arrays.steps.astype(np.uint32)])
+    return floats, ints
 
 
 def _pad_rows(a: np.ndarray, rows: int, value) -> np.ndarray:
@@ -203,14 +215,17 @@ def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None 
     padded to [out_rows] (see `sample`).
     """
     if isinstance(arrays.temperature, np.ndarray):  # host arrays: two transfers
-        floats = np.stack([arrays.temperature, arrays.top_p, arrays.min_p]).astype(np.float32)
-        ints = np.stack([arrays.top_k.astype(np.uint32), arrays.seeds.astype(np.uint32),
-                         arrays.steps.astype(np.uint32)])
-        tokens = sample_packed(logits, floats, ints, arrays.penalties, out_rows=out_rows)
+        tokens = sample_packed(logits, *pack_sampling(arrays), arrays.penalties,
+                               out_rows=out_rows)
     else:  # already placed on the device (a sharded runner)
         tokens = sample(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.seeds,
                         arrays.steps, arrays.min_p, arrays.penalties, out_rows=out_rows)
-    if not arrays.num_logprobs:
+    return with_logprobs(logits, tokens, arrays.num_logprobs)
+
+
+def with_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> tuple:
+    """(tokens, chosen logprobs, top ids, top logprobs) of sampled tokens (padded past the
+    logits' rows or not); the last three None when num_logprobs is 0."""
+    if not num_logprobs:
         return tokens, None, None, None
-    rows = logits.shape[0]
-    return (tokens,) + logprobs_of(logits, tokens[:rows], arrays.num_logprobs)
+    return (tokens,) + logprobs_of(logits, tokens[: logits.shape[0]], num_logprobs)

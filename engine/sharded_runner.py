@@ -215,6 +215,11 @@ class ShardedModelRunner(ModelRunner):
         rows = step.seq_rows[np.minimum(np.arange(bucket(batch.num_seqs)), batch.num_seqs - 1)]
         return self._rows(self._run(step, all_logits=False), rows)
 
+    def execute_and_sample(self, batch: StepBatch, arrays: SamplingArrays,
+                           prev_samples=None, sample_index=None) -> tuple:
+        """As ModelRunner.execute_and_sample, as two programs (step, then sampler)."""
+        return self.sample_device(self.execute_padded(batch, prev_samples, sample_index), arrays)
+
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """One step; the logits of every token, float32 [N, V], replicated."""
         step = self._layout(batch)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.request import Request, logprob_entry
-from engine.runner import StepBatch, bucket, make_step_batch
+from engine.runner import StepBatch, bucket, fetch_samples, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.scheduler import SchedulerOutput
 from engine.speculative import propose_ngram, verify
@@ -39,15 +39,16 @@ class SpeculativeRounds:
         draft_probs = self._propose(output, spec_rows) if spec_rows else None
         batch = self._build_batch(output)
         batch.verification = bool(spec_rows)
+        arrays = SamplingArrays.from_requests(requests)
         if spec_rows:
             all_logits = self.runner.execute_all_logits(batch)  # [N, V]
             logits = all_logits[jnp.asarray(batch.logits_indices)]
             accepted, spec_tokens = self._verify(all_logits, batch, requests, draft_probs)
+            results = self.runner.sample_device(logits, arrays)
         else:
-            logits = self.runner.execute_padded(batch)
+            results = self.runner.execute_and_sample(batch, arrays)
         wait_start = time.perf_counter()
-        tokens, chosen, top_ids, top_logprobs = self.runner.sample(
-            logits, SamplingArrays.from_requests(requests))  # waits for the device
+        tokens, chosen, top_ids, top_logprobs = fetch_samples(results, len(requests))
         now = time.perf_counter()
         self._wait_s += now - wait_start
         new_tokens = []

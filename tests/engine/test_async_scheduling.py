@@ -32,8 +32,8 @@ def make_engine():
 
     def make(engine_cfg):
         engine = LLMEngine(CFG, model, None, engine_cfg=engine_cfg)
-        shared.append(engine.runner._step)
-        engine.runner._step = shared[0]  # one compiled program per bucket for the module
+        shared.append(engine.runner)
+        engine.runner.share_programs(shared[0])  # one program per bucket for the module
         return engine
 
     return make

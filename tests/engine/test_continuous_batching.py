@@ -76,8 +76,8 @@ def make_engine(model):
         engine = LLMEngine(CFG, model, tokenizer, engine_cfg=engine_cfg)
         # The jitted step reads only the runner's graphdef and model config, the same for every
         # engine of this model: sharing it compiles each bucket once for the whole module.
-        shared.append(engine.runner._step)
-        engine.runner._step = shared[0]
+        shared.append(engine.runner)
+        engine.runner.share_programs(shared[0])
         return engine
 
     return make
@@ -560,7 +560,7 @@ def test_smollm2_chat_prompts_batched_equal_each_alone(smollm2):
                        dataclasses.replace(sizes, enable_prefix_caching=False))
     expected = [single.generate([p], params)[0] for p in prompts]
     batched = LLMEngine(smollm2.cfg, smollm2.model, tok, sizes)
-    batched.runner._step = single.runner._step  # same model: reuse the compiled programs
+    batched.runner.share_programs(single.runner)  # same model: reuse the compiled programs
     outs = batched.generate(prompts, params)
     for got, want in zip(outs, expected):
         assert got.output_ids == want.output_ids and got.text == want.text

@@ -18,7 +18,8 @@ from flax import nnx
 from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2, ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import FinishReason, SamplingParams
-from engine.runner import ModelRunner, StepBatch
+from engine.runner import ModelRunner, StepBatch, fetch_samples
+from engine.sampling import SamplingArrays, pack_sampling
 from models.llama import rope_inv_freq
 from models.weights import model_from_pure_dict, random_model
 
@@ -398,11 +399,14 @@ def test_cache_is_donated_and_updated_in_place(llama):
         assert runner.cache.k_pages[0].shape == page_shape
 
         args = runner._step_args(batch)  # exactly as runner.execute passes them
-        hlo = runner._step.lower(*args).compile().as_text()
-        assert not full_page_copies(hlo, page_shape), full_page_copies(hlo, page_shape)
-        # Every layer's k and v pages are outputs aliased to the donated inputs.
-        alias = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
-        assert alias.count("alias)") == 2 * cfg.num_layers, alias
+        sampling = pack_sampling(SamplingArrays.defaults(args[-1].num_seqs))
+        fused_args = (*args[:4], *sampling, args[-1], runner.sample_rows)
+        for hlo in (runner._step.lower(*args).compile().as_text(),  # and with the sampler:
+                    runner._step_and_sample.lower(*fused_args).compile().as_text()):
+            assert not full_page_copies(hlo, page_shape), full_page_copies(hlo, page_shape)
+            # Every layer's k and v pages are outputs aliased to the donated inputs.
+            alias = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
+            assert alias.count("alias)") == 2 * cfg.num_layers, alias
     # The check can fail: without donation XLA must copy the pages before the scatter.
     undonated = jax.jit(runner._step_impl, static_argnames=("layout", "all_logits"))
     assert full_page_copies(undonated.lower(*args).compile().as_text(), page_shape)
@@ -424,7 +428,7 @@ def test_compiled_shapes_stay_bounded(llama):
     # Block tables grow from 2 to 12 pages: widths bucket to 4, 8, 16, so one prefill program
     # and three decode programs (not one per step or per width).
     assert len(fresh.runner.compiled_shapes) <= 4, fresh.runner.compiled_shapes
-    assert fresh.runner._step._cache_size() == len(fresh.runner.compiled_shapes)
+    assert fresh.runner._step_and_sample._cache_size() == len(fresh.runner.compiled_shapes)
 
 
 # --------------------------------------------------------------------------------- streaming
@@ -516,3 +520,31 @@ def test_stream_deltas_concatenate_to_the_final_text(chain_engine):
     [out] = e.generate(["a"], SamplingParams(max_tokens=9))
     assert out.text == "é中😀" and out.finish_reason == FinishReason.LENGTH
     assert all_pages_free(e)
+
+
+def test_step_and_sampler_in_one_program_equal_two_programs(llama):
+    """execute_and_sample (model step and sampler traced into one jitted program) gives the
+    tokens and logprobs of execute_padded followed by sample, for greedy and seeded rows of a
+    ragged batch (prefill chunks and a decode row)."""
+    cfg, model = llama
+    rng = np.random.default_rng(12)
+    lengths = (9, 1, 14)
+    rows = [(rng.integers(0, cfg.vocab_size, n).tolist(), 0, n, pages)
+            for n, pages in zip(lengths, take_pages(rng, 64, *lengths))]
+    batch = step_batch(rows)
+    arrays = SamplingArrays(
+        temperature=np.array([0.0, 0.9, 1.3], np.float32), top_k=np.array([0, 7, 0], np.int32),
+        top_p=np.array([1.0, 1.0, 0.8], np.float32), min_p=np.array([0.0, 0.05, 0.0], np.float32),
+        seeds=np.array([3, 4, 5], np.uint32), steps=np.array([0, 2, 6], np.int32),
+        num_logprobs=4)
+    one, two = (ModelRunner(cfg, model, num_pages=64, page_size=PAGE, max_seqs=4)
+                for _ in range(2))
+    fused = fetch_samples(one.execute_and_sample(batch, arrays), 3)
+    separate = two.sample(two.execute_padded(batch), arrays)
+    np.testing.assert_array_equal(fused[0], separate[0])
+    np.testing.assert_array_equal(fused[2], separate[2])
+    for a, b in ((fused[1], separate[1]), (fused[3], separate[3])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The same caches afterwards: the fused program wrote the same K/V.
+    for a, b in zip(one.cache.k_pages + one.cache.v_pages, two.cache.k_pages + two.cache.v_pages):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

@@ -105,7 +105,7 @@ def make_engine(target, small_draft):
     steps = {}
 
     def share(runner, key):
-        runner._step = steps.setdefault(key, runner._step)
+        runner.share_programs(steps.setdefault(key, runner))
 
     def make(engine_cfg=ENGINE, method=None, **spec_fields):
         spec, draft = None, None
@@ -231,7 +231,7 @@ def test_smollm2_ngram_repeat_paragraph_equals_plain_greedy(smollm2):
     plain = LLMEngine(smollm2.cfg, smollm2.model, tokenizer, engine_cfg)
     [want] = plain.generate([prompt], params)
     spec = LLMEngine(smollm2.cfg, smollm2.model, tokenizer, engine_cfg, SpecConfig("ngram", K))
-    spec.runner._step = plain.runner._step  # the same model: reuse the compiled programs
+    spec.runner.share_programs(plain.runner)  # the same model: reuse the compiled programs
     [got] = spec.generate([prompt], params)
     assert got.output_ids == want.output_ids
     assert "sleep under the old oak tree" in got.text
@@ -433,9 +433,9 @@ def test_engine_sampling_distribution_matches_the_target(small_vocab_models, tem
                                         (SMALL_DRAFT, draft)),
                "plain": LLMEngine(SMALL_VOCAB, target, None, engine_cfg)}
     for engine in engines.values():  # one compiled program per shape for all engines
-        engine.runner._step = steps.setdefault("target", engine.runner._step)
+        engine.runner.share_programs(steps.setdefault("target", engine.runner))
         if engine.draft is not None:
-            engine.draft.runner._step = steps.setdefault("draft", engine.draft.runner._step)
+            engine.draft.runner.share_programs(steps.setdefault("draft", engine.draft.runner))
     v = SMALL_VOCAB.vocab_size
     for name, engine in engines.items():
         outs = np.asarray([o.output_ids[:3] for start in range(0, NUM_REQUESTS, WAVE)

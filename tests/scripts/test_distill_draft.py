@@ -50,7 +50,7 @@ def test_distilled_draft_learns_and_drafts_for_the_engine(tmp_path):
     want = [o.output_ids for o in plain.generate(prompts, params)]
     spec = LLMEngine(target.cfg, target.model, target.tokenizer, engine_cfg,
                      SpecConfig("draft", 3), (draft.cfg, draft.model))
-    spec.runner._step = plain.runner._step  # same target: reuse its compiled programs
+    spec.runner.share_programs(plain.runner)  # same target: reuse its compiled programs
     assert [o.output_ids for o in spec.generate(prompts, params)] == want
     assert spec.spec_stats.num_drafts > 0
 
