@@ -25,6 +25,7 @@ from engine.runner import ModelRunner, fetch_samples, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.spec_rounds import SpeculativeRounds
+from engine.warmup import reachable_steps
 from engine.speculative import SpecConfig, SpecStats
 
 
@@ -459,40 +460,9 @@ class LLMEngine(SpeculativeRounds):
     def warmup_shapes(self, num_seqs: int | None = None, max_total_len: int | None = None,
                       prompt_lens: list[int] | None = None) -> list[tuple[list[int], int, bool]]:
         """The steps (tokens of each sequence, block-table width, verification?) whose programs
-        a run can reach.
-
-        Decode steps: every batch bucket up to num_seqs times every page-width bucket up to
-        max_total_len; with speculation, the same with k + 1 tokens per sequence. Prefill steps:
-        every token bucket up to the step's token budget times every bucket of the number of
-        prefilling sequences; or, given the `prompt_lens` of a run whose prompts all start at
-        once, that first step only.
-        """
-        from engine.runner import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
-        cfg = self.engine_cfg
-        num_seqs = min(num_seqs or cfg.max_num_seqs, cfg.max_num_seqs)
-        max_total_len = min(max_total_len or cfg.max_model_len, cfg.max_model_len)
-        seq_buckets = sorted({bucket(n) for n in range(1, num_seqs + 1)})
-        widths = sorted({bucket(self.pool.pages_needed(n), MIN_PAGE_BUCKET)
-                         for n in range(1, max_total_len + 1, self.pool.page_size)})
-        if self.runner.fixed_width:
-            widths = widths[-1:]
-        shapes = [([1] * s, w, False) for s in seq_buckets for w in widths]
-        if self.spec_config is not None:
-            k1 = self.spec_config.num_speculative_tokens + 1
-            shapes += [([k1] * s, w, True) for s in seq_buckets
-                       if s <= bucket(self.spec_config.max_batch) for w in widths]
-        if prompt_lens is not None:
-            budget = cfg.max_num_batched_tokens
-            return shapes + [([min(n, budget) for n in prompt_lens], 1, False)]
-        token_buckets = sorted({bucket(n, MIN_TOKEN_BUCKET)
-                                for n in range(2, cfg.max_num_batched_tokens + 1)})
-        for n in token_buckets:
-            for p in seq_buckets:
-                if 2 * p <= n:
-                    q_lens = [2] * p
-                    q_lens[0] = n - 2 * (p - 1)
-                    shapes.append((q_lens, 1, False))
-        return shapes
+        a run can reach (engine/warmup.py)."""
+        return reachable_steps(self.engine_cfg, self.pool, self.runner.fixed_width,
+                               self.spec_config, num_seqs, max_total_len, prompt_lens)
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
                prompt_lens: list[int] | None = None, progress=None) -> int:
