@@ -287,7 +287,8 @@ class LLMEngine(SpeculativeRounds):
         if self.spec_config is not None:
             launched, spec_deltas = self._speculative_step()
             return launched, deltas + spec_deltas
-        self._hold_ending_requests()
+        if overlap:  # (synchronous rounds have no token in flight: nothing to hold)
+            self._hold_ending_requests()
         output = self.scheduler.schedule()
         launched = self._launch(output) if output.scheduled else None
         if self._in_flight is not None:
