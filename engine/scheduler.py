@@ -178,13 +178,15 @@ class Scheduler:
 
     def update_computed(self, output: SchedulerOutput) -> None:
         """Advances the counters of the computed tokens and caches newly full pages."""
+        page_size = self.pool.page_size
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             # Accepted speculative tokens are computed before the engine appends them: only
             # pages whose tokens are all known can be keyed (the rest are keyed next step).
-            request.num_cached_pages = self.pool.cache_full_pages(
-                request.token_ids, request.pages,
-                min(request.num_computed_tokens, request.num_tokens), request.num_cached_pages)
+            known = min(request.num_computed_tokens, request.num_tokens)
+            if known // page_size > request.num_cached_pages:  # a page has filled up
+                request.num_cached_pages = self.pool.cache_full_pages(
+                    request.token_ids, request.pages, known, request.num_cached_pages)
             if request.num_computed_tokens >= len(request.prompt_ids):
                 request.prompt_cached = True
