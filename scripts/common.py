@@ -121,9 +121,9 @@ def setup_jax() -> None:
 def freeze_startup_objects() -> None:
     """Takes every object alive after start-up (the model's modules, the engine, jax's compiled
     programs) out of the cyclic garbage collector's scans (`gc.freeze`, as vLLM does after
-    start-up). A full collection otherwise walks all of them while the engine runs: on this
-    project's CPU, 256 running sequences spent about a third of their host time per step there
-    (docs/PERFORMANCE.md). Objects made later are collected as before."""
+    start-up), so that full collections during serving walk only what serving made. Objects
+    made later are collected as before. (On the CPU it made no measurable difference to the
+    host time per step: docs/PERFORMANCE.md.)"""
     import gc
     gc.collect()
     gc.freeze()
