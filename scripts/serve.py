@@ -14,7 +14,7 @@ import time
 
 from absl import app, flags
 
-from scripts import common
+from scripts import common, parallel
 
 common.define_model_flags()
 common.define_engine_flags()
@@ -49,12 +49,20 @@ def main(argv):
         from models.loader import load_model
 
         start = time.perf_counter()
+        if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1:
+            raise ValueError("the server runs in one process: shard it over this host's devices "
+                             "with --tp / --dp, without --coordinator_address / --num_processes")
+        mesh = parallel.setup_parallel()  # --tp / --dp over this host's devices; None: one
+        common.check_fusion(mesh)
         dtype = common.resolve_dtype(FLAGS.dtype)
-        loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed)
-        loaded = common.prepare_model(loaded)  # --fuse_projections
+        loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed, mesh=mesh)
+        loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         spec, draft = common.speculation_from_flags(FLAGS, dtype)
-        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft)
+        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft,
+                           mesh=mesh)
+        if mesh is not None:
+            print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr, flush=True)
         if FLAGS.warmup:
             engine.warmup(progress=common.print_progress("compiling"))
