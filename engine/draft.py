@@ -65,6 +65,10 @@ class DraftProposer:
         padded = arrays.padded(bucket(num))
         tokens_so_far, probs = [], []
         batch = make_step_batch(rows, self.page_size)
+        # Catching up on the tokens verified last round (at most k + 1 per sequence) is a short
+        # multi-token step like a verification: keyed by (S, W, q), not padded to max_seqs
+        # (runner.bucket_key; a first, long catch-up over a whole prompt still is).
+        batch.verification = True
         for i in range(k):
             # A long catch-up step pads the batch to the runner's max_seqs: keep bucket(num) rows.
             logits = self.runner.execute_padded(batch)[: bucket(num)]  # [bucket(num), V]
