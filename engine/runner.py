@@ -9,7 +9,6 @@ prefill tokens (N, S, W, P). `bucket_key` gives the program a batch runs.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -136,7 +135,6 @@ class ModelRunner:
         self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, kv_dtype)
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
-        self.last_prepare_s = 0.0
         # Sampled tokens come back padded to this many rows, so that a step can read its input
         # tokens from the previous step's samples on the device (asynchronous scheduling).
         self.sample_rows = bucket(max_seqs)
@@ -228,13 +226,9 @@ class ModelRunner:
 
         prev_samples: the padded tokens [sample_rows] of the previous step's `sample_device`;
         sample_index int32 [N]: token t of the batch is prev_samples[sample_index[t]] where that
-        is >= 0 (the host's token id there is a placeholder). `last_prepare_s` records the host
-        time spent padding the inputs.
+        is >= 0 (the host's token id there is a placeholder).
         """
-        start = time.perf_counter()
-        args = self._step_args(batch, prev_samples, sample_index)
-        self.last_prepare_s = time.perf_counter() - start
-        logits, self.cache = self._step(*args)
+        logits, self.cache = self._step(*self._step_args(batch, prev_samples, sample_index))
         return logits
 
     def execute_and_sample(self, batch: StepBatch, arrays: SamplingArrays,
@@ -252,11 +246,7 @@ class ModelRunner:
         logits, tokens, self.cache = self._step_and_sample(
             weights, cache, packed, prev, floats, ints, layout=layout,
             out_rows=self.sample_rows)
-        results = with_logprobs(logits, tokens, arrays.num_logprobs)
-        for r in results:
-            if r is not None:
-                r.copy_to_host_async()
-        return results
+        return start_copies(with_logprobs(logits, tokens, arrays.num_logprobs))
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
@@ -296,16 +286,20 @@ class ModelRunner:
         rows = bucket(s)
         if logits.shape[0] != rows:
             logits = jnp.pad(logits[:s], ((0, rows - s), (0, 0)))
-        results = sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows)
-        for r in results:
-            if r is not None:
-                r.copy_to_host_async()
-        return results
+        return start_copies(sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows))
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):
         """`sample_device`, then waits: host numpy (token ids [S], chosen logprobs [S], top ids
         [S, K], top logprobs [S, K]), only the first len(arrays.temperature) rows."""
         return fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+
+
+def start_copies(results: tuple) -> tuple:
+    """Starts copying sampled device arrays to the host (None entries skipped); returns them."""
+    for r in results:
+        if r is not None:
+            r.copy_to_host_async()
+    return results
 
 
 def fetch_samples(results: tuple, num_rows: int) -> tuple:

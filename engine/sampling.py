@@ -208,18 +208,19 @@ def _token_matrix(token_lists) -> np.ndarray:
     return out
 
 
-def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None = None):
+def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None = None,
+                place=None):
     """Samples a padded batch: (tokens [S], chosen logprobs, top ids, top logprobs) on device.
 
     The logprob entries are None when arrays.num_logprobs is 0. With `out_rows`, tokens are
-    padded to [out_rows] (see `sample`).
+    padded to [out_rows] (see `sample`). `place`, if given, puts each host array on the devices
+    first (a sharded runner replicates them over its mesh); else the jitted sampler transfers
+    them itself.
     """
-    if isinstance(arrays.temperature, np.ndarray):  # host arrays: two transfers
-        tokens = sample_packed(logits, *pack_sampling(arrays), arrays.penalties,
-                               out_rows=out_rows)
-    else:  # already placed on the device (a sharded runner)
-        tokens = sample(logits, arrays.temperature, arrays.top_k, arrays.top_p, arrays.seeds,
-                        arrays.steps, arrays.min_p, arrays.penalties, out_rows=out_rows)
+    inputs = (*pack_sampling(arrays), arrays.penalties)
+    if place is not None:
+        inputs = jax.tree.map(lambda a: place(np.asarray(a)), inputs)
+    tokens = sample_packed(logits, *inputs, out_rows=out_rows)
     return with_logprobs(logits, tokens, arrays.num_logprobs)
 
 

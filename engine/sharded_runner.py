@@ -24,7 +24,6 @@ the cache, as the single-device runner does.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +41,6 @@ from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replica
                              shard_state)
 from models.llama import AttentionMetadata, forward
 from ops.kv_quant import is_quantized_kv_dtype
-
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
 
 
 @dataclasses.dataclass
@@ -84,7 +81,6 @@ class ShardedModelRunner(ModelRunner):
         self.cache = init_sharded_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
-        self.last_prepare_s = 0.0
         data = NamedSharding(mesh, P(DATA))
         self._data = data
         self._tables = NamedSharding(mesh, P(DATA, None))
@@ -209,9 +205,7 @@ class ShardedModelRunner(ModelRunner):
         only (supports_async_scheduling is False)."""
         if sample_index is not None:
             raise ValueError("a sharded step reads its input tokens from the host only")
-        start = time.perf_counter()
         step = self._layout(batch)
-        self.last_prepare_s = time.perf_counter() - start
         rows = step.seq_rows[np.minimum(np.arange(bucket(batch.num_seqs)), batch.num_seqs - 1)]
         return self._rows(self._run(step, all_logits=False), rows)
 
@@ -232,13 +226,8 @@ class ShardedModelRunner(ModelRunner):
         rows = bucket(s)
         if logits.shape[0] != rows:
             logits = self._rows(logits, np.minimum(np.arange(rows), s - 1))
-        padded = arrays.padded(rows)
-        placed = {f: put(getattr(padded, f), self._replicated) for f in _SAMPLING_FIELDS}
-        penalties = padded.penalties
-        if penalties is not None:
-            penalties = tuple(put(np.asarray(p), self._replicated) for p in penalties)
-        padded = dataclasses.replace(padded, **placed, penalties=penalties)
-        return sample_step(logits, padded)
+        return sample_step(logits, arrays.padded(rows),
+                           place=lambda a: put(a, self._replicated))
 
 def sharded_engine_parts(mesh, cfg: ModelConfig, engine_cfg, num_pages_for):
     """(pages per data shard, page pool, runner factory) of an LLMEngine sharded over `mesh`.

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-# The packed inputs, in order: name -> (length in units of N, S, S*W, or S + 1; padding value).
+# The packed inputs, in order (their lengths: StepLayout.sizes).
 FIELDS = ("tokens", "positions", "slot_mapping", "block_tables", "query_start_loc", "kv_lens",
           "logits_indices", "sample_index")
 

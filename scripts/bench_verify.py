@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from scripts import common, parallel
+from scripts import common, parallel, timing
 
 common.define_model_flags()
 common.define_fusion_flags()
@@ -92,16 +92,7 @@ def step_batch(num_seqs: int, q: int, context: int, page_size: int, vocab: int, 
 
 def time_steps(run, calls: int, runs: int) -> float:
     """Seconds per call of run() (which returns a device array): queued calls, one sync."""
-    jax.block_until_ready(run())  # compile, untimed
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = run()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    return statistics.median(timing.queued_seconds(run, calls, runs))
 
 
 def step_costs(cfg, model, batches, max_k, context, page_size, mesh=None) -> list[dict]:
@@ -132,7 +123,7 @@ def step_costs(cfg, model, batches, max_k, context, page_size, mesh=None) -> lis
                                   FLAGS.runs)
             row["verify"].append({"k": k, "step_s": verify_s, "over_decode": verify_s / decode_s})
         rows.append(row)
-        del runner
+        runner = None  # frees its cache before the next batch size's
     return rows
 
 

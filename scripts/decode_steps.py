@@ -24,6 +24,7 @@ from configs.model import ModelConfig
 from engine.kv_cache import KVCache, kv_bytes_per_token
 from engine.runner import ModelRunner, StepBatch, make_step_batch
 from engine.sampling import SamplingArrays
+from scripts import timing
 
 QUANT_METHODS = {"none": None, "int8": "int8", "int4": "int4_rtn"}
 
@@ -177,13 +178,8 @@ def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) ->
     (ModelRunner.execute_padded: host padding and dispatch included). Median of `runs`."""
     jax.block_until_ready(runner.execute_padded(batch))  # compile and warm
     before = compile_count(runner)
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = runner.execute_padded(batch)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / steps)
+    samples = timing.queued_seconds(lambda: runner.execute_padded(batch), steps, runs,
+                                    warm=False)
     return {"step_s": statistics.median(samples), "step_s_min": min(samples),
             "step_s_max": max(samples), "compiles_during_timing": compile_count(runner) - before}
 
@@ -209,16 +205,7 @@ def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,
 
 
 def _time_fn(fn, args, runs: int = 3, queue: int = 5) -> float:
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(queue):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / queue)
-    return statistics.median(samples)
+    return timing.time_per_call(fn, args, 1, runs, queue)
 
 
 def calibrate(copy_bytes: int = 4 << 30, matmul: int = 8192) -> dict:

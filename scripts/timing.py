@@ -1,4 +1,4 @@
-"""Timing of jitted device work the way it runs in a step: calls queued, one sync."""
+"""Timing of device work the way it runs in a step: calls queued, one sync."""
 from __future__ import annotations
 
 import statistics
@@ -7,21 +7,28 @@ import time
 import jax
 
 
-def time_per_call(fn, args, calls: int, runs: int, queue: int) -> float:
-    """Seconds per call of the work in `fn(*args)`, which itself runs `calls` of them.
+def queued_seconds(run, calls: int, runs: int, warm: bool = True) -> list[float]:
+    """Seconds per call of run() (which returns device arrays), one sample per run: `calls`
+    calls queued, then one sync. With `warm`, one untimed call first (compilation).
 
-    fn is jitted and run once untimed (compilation); then, `runs` times, it is queued `queue`
-    times and synchronized once: the median of wall time / (queue x calls). The ~30 us dispatch
-    of a jitted call is thus spread over many calls, as in a step that runs the work per layer.
+    The ~30 us dispatch of a jitted call is thus spread over many calls, as in a step that runs
+    the work per layer or a decode loop that queues its steps.
     """
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
+    if warm:
+        jax.block_until_ready(run())
     samples = []
     for _ in range(runs):
         start = time.perf_counter()
         out = None
-        for _ in range(queue):
-            out = f(*args)
+        for _ in range(calls):
+            out = run()
         jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / (queue * calls))
-    return statistics.median(samples)
+        samples.append((time.perf_counter() - start) / calls)
+    return samples
+
+
+def time_per_call(fn, args, calls: int, runs: int, queue: int) -> float:
+    """Seconds per call of the work in `fn(*args)`, which itself runs `calls` of them: fn is
+    jitted, queued `queue` times per sample; the median of `runs` samples."""
+    f = jax.jit(fn)
+    return statistics.median(queued_seconds(lambda: f(*args), queue, runs)) / calls

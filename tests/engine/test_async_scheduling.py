@@ -16,8 +16,8 @@ from hypothesis import given
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, SamplingParams
 from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
-                                                   random_prompt, request_streams, run_stream,
-                                                   unit_scale_model)
+                                                   random_prompt, request_streams, run_stream)
+from tests.engine.weights import unit_scale_model
 
 SYNC_STRESS = dataclasses.replace(STRESS, async_scheduling=False)
 SYNC_BASE = dataclasses.replace(BASE, async_scheduling=False)

@@ -15,10 +15,8 @@ import dataclasses
 import math
 import os
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +24,7 @@ from configs.model import TINY_LLAMA31
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import FinishReason, SamplingParams
 from engine.runner import full_sequence_logits
-from models.weights import model_from_pure_dict, random_model
+from tests.engine.weights import unit_scale_model
 
 CFG = TINY_LLAMA31  # untied output head: greedy output does not just repeat the input
 PAGE = 16
@@ -39,27 +37,6 @@ STRESS = dataclasses.replace(BASE, max_num_batched_tokens=16, enable_chunked_pre
                              enable_prefix_caching=True)
 HYPOTHESIS = settings(max_examples=15, deadline=None, derandomize=True, database=None,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def unit_scale_model(cfg, seed):
-    """Random weights at a scale where attention and MLP matter (the default 0.02 initializer
-    makes every layer a near no-op), with logits of standard deviation about 2."""
-    pure = nnx.to_pure_dict(nnx.state(random_model(cfg, seed)))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        name, parent, shape = path[-1].key, path[-2].key, np.shape(leaf)
-        if name == "embedding":
-            values = rng.standard_normal(shape)
-        elif name == "kernel":  # [in, out]: unit-variance outputs
-            values = rng.standard_normal(shape) / math.sqrt(shape[0])
-        elif name == "bias":
-            values = 0.5 * rng.standard_normal(shape)
-        else:
-            values = (0.3 if parent == "norm" else 1.0) * (1 + 0.2 * rng.standard_normal(shape))
-        return values.astype(np.float32)
-
-    return model_from_pure_dict(cfg, jax.tree_util.tree_map_with_path(draw, pure))
 
 
 @pytest.fixture(scope="module")

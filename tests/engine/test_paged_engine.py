@@ -13,7 +13,6 @@ import re
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2, ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -21,7 +20,8 @@ from engine.request import FinishReason, SamplingParams
 from engine.runner import ModelRunner, StepBatch, fetch_samples
 from engine.sampling import SamplingArrays, pack_sampling
 from models.llama import rope_inv_freq
-from models.weights import model_from_pure_dict, random_model
+from models.weights import model_from_pure_dict
+from tests.engine.weights import unit_scale_pure_dict
 
 CONFIGS = {c.name: c for c in (TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2)}
 PAGE = 4
@@ -36,28 +36,6 @@ def rel_close(actual, expected, rtol=1e-5, err_msg=""):
 
 
 # ------------------------------------------------------------------------- models and reference
-
-def unit_scale_pure_dict(cfg: ModelConfig, seed: int) -> dict:
-    """Random weights in the model's own pure-dict layout, at a scale where every layer matters."""
-    pure = nnx.to_pure_dict(nnx.state(random_model(cfg, seed)))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        name, parent = path[-1].key, path[-2].key
-        shape = np.shape(leaf)
-        if name == "embedding":
-            return rng.standard_normal(shape)
-        if name == "kernel":  # [in, out]: unit-variance outputs
-            return rng.standard_normal(shape) / math.sqrt(shape[0])
-        if name == "bias":
-            return 0.5 * rng.standard_normal(shape)
-        assert name == "weight", path
-        scale = 0.3 if parent == "norm" else 1.0  # final norm: logits of std ~2, not ~8
-        return scale * (1.0 + 0.2 * rng.standard_normal(shape))
-
-    return jax.tree_util.tree_map_with_path(
-        lambda p, a: draw(p, a).astype(np.float32), pure)
-
 
 def hf_rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """HF transformers' default / llama3 rope frequencies, in float64 (written independently)."""

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from scipy import stats
 
 from configs.model import TINY_LLAMA31
@@ -25,7 +24,8 @@ from engine.request import SamplingParams
 from engine.runner import full_sequence_logits
 from engine.sampling import sample
 from engine.speculative import SpecConfig, SpecStats, propose_ngram, verify
-from models.weights import model_from_pure_dict, random_model
+from models.weights import model_from_pure_dict
+from tests.engine.weights import unit_scale_pure_dict
 
 CFG = TINY_LLAMA31  # untied output head: greedy output does not just echo the input
 DRAFT_CFG = CFG.replace(num_layers=1, name="tiny-llama31-draft")
@@ -34,26 +34,6 @@ ENGINE = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=6
                       num_pages=16)
 # 5 pages: two requests of 33+ tokens (3 pages each) do not fit together, so requests preempt.
 TINY_POOL = dataclasses.replace(ENGINE, num_pages=5)
-
-
-def scaled_pure_dict(cfg, seed: int, final_norm: float) -> dict:
-    """Random weights at unit scale (so every layer matters), in the model's pure-dict layout;
-    the final norm's scale sets the spread of the logits."""
-    pure = nnx.to_pure_dict(nnx.state(random_model(cfg, seed)))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        name, parent, shape = path[-1].key, path[-2].key, np.shape(leaf)
-        if name == "embedding":
-            values = rng.standard_normal(shape)
-        elif name == "kernel":  # [in, out]: unit-variance outputs
-            values = rng.standard_normal(shape) / math.sqrt(shape[0])
-        else:
-            values = (final_norm if parent == "norm" else 1.0) * (
-                1 + 0.2 * rng.standard_normal(shape))
-        return values.astype(np.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, pure)
 
 
 def check_all_free(engine: LLMEngine) -> None:
@@ -82,14 +62,14 @@ def check_stats_add_up(stats: SpecStats) -> None:
 
 @pytest.fixture(scope="module")
 def target():
-    return model_from_pure_dict(CFG, scaled_pure_dict(CFG, 3, final_norm=0.3))
+    return model_from_pure_dict(CFG, unit_scale_pure_dict(CFG, 3, final_norm=0.3))
 
 
 @pytest.fixture(scope="module")
 def small_draft():
     """A 1-layer draft: the target's embedding, head, final norm and first layer (as
     scripts/distill_draft.py starts one), so it agrees with the target now and then."""
-    pure = scaled_pure_dict(CFG, 3, final_norm=0.3)
+    pure = unit_scale_pure_dict(CFG, 3, final_norm=0.3)
     pure["layers"] = {0: pure["layers"][0]}
     return model_from_pure_dict(DRAFT_CFG, pure)
 
@@ -381,8 +361,8 @@ def small_vocab_models():
     """(target, draft, shared jitted steps): random models of 16 tokens whose next-token
     distributions are spread (neither near-uniform nor one-hot), the draft's unlike the
     target's."""
-    target = model_from_pure_dict(SMALL_VOCAB, scaled_pure_dict(SMALL_VOCAB, 11, final_norm=1.0))
-    draft = model_from_pure_dict(SMALL_DRAFT, scaled_pure_dict(SMALL_DRAFT, 12, final_norm=1.0))
+    target = model_from_pure_dict(SMALL_VOCAB, unit_scale_pure_dict(SMALL_VOCAB, 11, final_norm=1.0))
+    draft = model_from_pure_dict(SMALL_DRAFT, unit_scale_pure_dict(SMALL_DRAFT, 12, final_norm=1.0))
     return target, draft, {}
 
 
