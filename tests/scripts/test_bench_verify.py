@@ -31,6 +31,7 @@ def test_bench_verify_on_a_tiny_model(tmp_path):
                                                 pytest.approx(expected.max(), rel=1e-9)]
     for oracle in report["oracle"]:  # the proposer that always agrees: exact, all accepted
         assert oracle["same_tokens"] and oracle["acceptance_rate"] == 1.0
+        assert oracle["continuation_rounds"] == 1 and min(oracle["tokens_equal_to_plain"]) == 10
         assert oracle["mean_tokens_per_verification"] > 2.0  # k = 2 at the end of outputs
         assert oracle["speculative_tokens_per_s"] > 0 and oracle["plain_tokens_per_s"] > 0
 
