@@ -474,4 +474,5 @@ class LLMEngine(SpeculativeRounds):
             self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
             if progress is not None:
                 progress(i + 1, len(shapes))
+        self.runner.warmup_samplers()
         return len(self.runner.compiled_shapes) - before

@@ -17,7 +17,7 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache, init_kv_cache
-from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, sample_step,
+from engine.sampling import (SamplingArrays, sample_step,
                              with_logprobs)
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
@@ -145,7 +145,7 @@ class ModelRunner:
         self._weights = tuple(self._weights)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              static_argnames=("layout", "all_logits"))
-        self._step_and_sample = jax.jit(self._step_and_sample_impl, donate_argnums=(1,),
+        self._step_and_argmax = jax.jit(self._step_and_argmax_impl, donate_argnums=(1,),
                                         static_argnames=("layout", "out_rows"))
 
     def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
@@ -171,14 +171,16 @@ class ModelRunner:
         """Runs this runner's steps with `other`'s jitted functions (and their compiled
         programs). They read only the model's structure and config from their runner, so two
         runners of one model can share them (tests build many engines of one model)."""
-        self._step, self._step_and_sample = other._step, other._step_and_sample
+        self._step, self._step_and_argmax = other._step, other._step_and_argmax
 
-    def _step_and_sample_impl(self, weights, cache, packed, prev_samples, floats, ints,
-                              layout: StepLayout, out_rows: int):
-        """`_step_impl` then the sampler (engine.sampling.sample_from_packed) in one program:
-        (logits [S, V], tokens [out_rows], cache)."""
+    def _step_and_argmax_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
+                              out_rows: int):
+        """`_step_impl` and each row's greedy token in one program: (logits [S, V], greedy
+        tokens int32 [out_rows] zero-padded, cache). The engine's every step runs it; batches
+        with sampled rows or penalties sample its logits in a second, small program."""
         logits, cache = self._step_impl(weights, cache, packed, prev_samples, layout)
-        return logits, sample_from_packed(logits, floats, ints, None, out_rows), cache
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket."""
@@ -234,19 +236,17 @@ class ModelRunner:
     def execute_and_sample(self, batch: StepBatch, arrays: SamplingArrays,
                            prev_samples: jax.Array | None = None,
                            sample_index: np.ndarray | None = None) -> tuple:
-        """One step and its sampler as one program (one dispatch, three transfers), without
-        waiting: the results of `sample_device` for the batch's sequences. Penalties (whose
-        token matrices change shape from step to step) take the two-program path."""
-        if arrays.penalties is not None:
-            return self.sample_device(self.execute_padded(batch, prev_samples, sample_index),
-                                      arrays)
+        """One step and its tokens, without waiting: the results of `sample_device` for the
+        batch's sequences. An all-greedy batch without penalties is one program (the step and
+        its argmax: one dispatch, one transfer); otherwise the sampler runs on the step's logits
+        as a second program, in the mode the host picks (engine.sampling.sampling_mode)."""
         weights, cache, packed, prev, layout = self._step_args(batch, prev_samples,
                                                                sample_index)
-        floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
-        logits, tokens, self.cache = self._step_and_sample(
-            weights, cache, packed, prev, floats, ints, layout=layout,
-            out_rows=self.sample_rows)
-        return start_copies(with_logprobs(logits, tokens, arrays.num_logprobs))
+        logits, tokens, self.cache = self._step_and_argmax(
+            weights, cache, packed, prev, layout=layout, out_rows=self.sample_rows)
+        if arrays.penalties is None and arrays.mode() == "greedy":
+            return start_copies(with_logprobs(logits, tokens, arrays.num_logprobs))
+        return self.sample_device(logits, arrays)
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
@@ -270,9 +270,21 @@ class ModelRunner:
                           verification=verification)
         if all_logits:
             self.execute_all_logits(dummy).block_until_ready()
-        else:  # the program the engine runs: step and sampler together
+        else:  # the program the engine runs: the step and its argmax
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
+
+    def warmup_samplers(self) -> None:
+        """Compiles the sampler programs of batches with sampled rows (without and with top-k /
+        top-p / min-p cuts) for every power-of-two row count up to the step's."""
+        rows = 1
+        while rows <= self.sample_rows:
+            logits = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
+            for top_k in (0, 1):  # modes "plain", "cuts"
+                arrays = SamplingArrays.defaults(rows)
+                arrays.temperature[:], arrays.top_k[:] = 1.0, top_k
+                fetch_samples(self.sample_device(logits, arrays), rows)
+            rows *= 2
 
     def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
         """Samples one token per row of `logits` [S, V] (or of the padded logits of
@@ -283,9 +295,12 @@ class ModelRunner:
         host has started. `fetch_samples` reads them.
         """
         s = len(arrays.temperature)
-        rows = bucket(s)
-        if logits.shape[0] != rows:
-            logits = jnp.pad(logits[:s], ((0, rows - s), (0, 0)))
+        rows = logits.shape[0]
+        # Padded logits (a power of two of rows) are sampled whole, padding rows greedy: no
+        # slicing op. Only the sort of the "cuts" mode is worth cutting them down to bucket(S).
+        if rows < s or rows != bucket(rows) or (rows > bucket(s) and arrays.mode() == "cuts"):
+            rows = bucket(s)
+            logits = jnp.pad(logits[:s], ((0, rows - min(s, logits.shape[0])), (0, 0)))
         return start_copies(sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows))
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):

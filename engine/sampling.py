@@ -80,49 +80,66 @@ def logprobs_of(logits: jax.Array, tokens: jax.Array, num_logprobs: int):
 
 def _sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            seeds: jax.Array, steps: jax.Array, min_p: jax.Array | None = None,
-           penalties: tuple | None = None, out_rows: int | None = None) -> jax.Array:
+           penalties: tuple | None = None, out_rows: int | None = None,
+           mode: str = "cuts") -> jax.Array:
     """Picks one token per row.
 
     logits [B, V] float32; temperature float32 [B] (0 = greedy); top_k int32 [B]; top_p float32
     [B]; seeds uint32 [B]; steps int32 [B] (the index of the token being sampled in its request);
     min_p float32 [B] or None; penalties None or the arguments of `apply_penalties` after the
     logits (applied before greedy and sampling alike). Returns int32 [B].
+
+    mode (static; `sampling_mode` picks it on the host): "greedy" when no row samples (argmax
+    only), "plain" when no sampling row has a top-k / top-p / min-p cut (no sort over the
+    vocabulary), "cuts" otherwise (always correct). A row draws the same token in every mode that
+    fits its batch. The host chooses, not a `lax.cond` on the device: on a GPU a conditional's
+    predicate is read back by the host, which stalls the dispatch of the whole program until the
+    device has computed it (scripts/bench_dispatch.py measures it).
     """
+    if mode not in ("greedy", "plain", "cuts"):
+        raise ValueError(f"sampling mode must be greedy, plain or cuts, got {mode!r}")
     if penalties is not None:
         logits = apply_penalties(logits, *penalties)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sample_rows():
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode != "greedy":
         safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
-        cut = filtered_logits(logits, safe_temperature, top_k, top_p, min_p)
+        cut = (filtered_logits(logits, safe_temperature, top_k, top_p, min_p) if mode == "cuts"
+               else logits / safe_temperature[:, None])
 
         def draw(seed, step, row):
             key = jax.random.fold_in(jax.random.key(seed), step)
             return jax.random.categorical(key, row).astype(jnp.int32)
 
-        return jnp.where(temperature > 0, jax.vmap(draw)(seeds, steps, cut), greedy)
-
-    # An all-greedy batch skips the sort over the vocabulary that the cuts need.
-    tokens = jax.lax.cond(jnp.any(temperature > 0), sample_rows, lambda: greedy)
+        tokens = jnp.where(temperature > 0, jax.vmap(draw)(seeds, steps, cut), tokens)
     if out_rows is not None and out_rows > tokens.shape[0]:
         tokens = jnp.pad(tokens, (0, out_rows - tokens.shape[0]))
     return tokens
 
 
-sample = jax.jit(_sample, static_argnames=("out_rows",))
+def sampling_mode(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray) -> str:
+    """The cheapest `_sample` mode that draws every row of these host arrays correctly."""
+    sampled = np.asarray(temperature) > 0
+    if not sampled.any():
+        return "greedy"
+    cuts = (np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0)
+    return "cuts" if (cuts & sampled).any() else "plain"
+
+
+sample = jax.jit(_sample, static_argnames=("out_rows", "mode"))
 
 
 def sample_from_packed(logits: jax.Array, floats: jax.Array, ints: jax.Array,
-                       penalties: tuple | None = None, out_rows: int | None = None) -> jax.Array:
+                       penalties: tuple | None = None, out_rows: int | None = None,
+                       mode: str = "cuts") -> jax.Array:
     """`sample` with its per-row parameters packed in two arrays (two host-to-device transfers
     instead of six; see engine/step_inputs.py and `pack_sampling`): floats float32 [3, B] =
-    (temperature, top_p, min_p); ints uint32 [3, B] = (top_k, seeds, steps). Not jitted: the
-    runner traces it into its step."""
+    (temperature, top_p, min_p); ints uint32 [3, B] = (top_k, seeds, steps)."""
     return _sample(logits, floats[0], ints[0].astype(jnp.int32), floats[1], ints[1],
-                   ints[2].astype(jnp.int32), floats[2], penalties, out_rows)
+                   ints[2].astype(jnp.int32), floats[2], penalties, out_rows, mode)
 
 
-sample_packed = jax.jit(sample_from_packed, static_argnames=("out_rows",))
+sample_packed = jax.jit(sample_from_packed, static_argnames=("out_rows", "mode"))
 
 
 def pack_sampling(arrays: "SamplingArrays") -> tuple[np.ndarray, np.ndarray]:
@@ -159,6 +176,10 @@ class SamplingArrays:
         return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32),
                    np.ones(rows, np.float32), np.zeros(rows, np.float32),
                    np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+
+    def mode(self) -> str:
+        """The sampler mode of these rows (`sampling_mode`)."""
+        return sampling_mode(self.temperature, self.top_k, self.top_p, self.min_p)
 
     @classmethod
     def from_requests(cls, requests) -> "SamplingArrays":
@@ -220,7 +241,7 @@ def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None 
     inputs = (*pack_sampling(arrays), arrays.penalties)
     if place is not None:
         inputs = jax.tree.map(lambda a: place(np.asarray(a)), inputs)
-    tokens = sample_packed(logits, *inputs, out_rows=out_rows)
+    tokens = sample_packed(logits, *inputs, out_rows=out_rows, mode=arrays.mode())
     return with_logprobs(logits, tokens, arrays.num_logprobs)
 
 

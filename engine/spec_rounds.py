@@ -139,7 +139,8 @@ class SpeculativeRounds:
             all_logits[jnp.asarray(index)], jnp.asarray(draft_tokens), jnp.asarray(num_draft),
             draft_probs, *(jnp.asarray(a) for a in (arrays.temperature, arrays.top_k,
                                                     arrays.top_p, arrays.min_p, arrays.seeds,
-                                                    arrays.steps)))
+                                                    arrays.steps)),
+            all_greedy=arrays.mode() == "greedy")
         return np.asarray(accepted), np.asarray(tokens)
 
     def _after_verification(self, r: Request, item, accepted: int) -> None:

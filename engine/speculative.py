@@ -16,6 +16,7 @@ Rejected tokens need no undoing: the engine advances num_computed_tokens only pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -106,10 +107,11 @@ def _key(seed, step, stream):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), stream)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("all_greedy",))
 def verify(target_logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Array,
            draft_probs: jax.Array | None, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array, min_p: jax.Array, seeds: jax.Array, steps: jax.Array):
+           top_p: jax.Array, min_p: jax.Array, seeds: jax.Array, steps: jax.Array,
+           all_greedy: bool = False):
     """Accepts a prefix of each row's proposal and picks the next token.
 
     target_logits [S, K+1, V] float32: the target's logits at the row's last token and at each
@@ -120,6 +122,8 @@ def verify(target_logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Arr
     Returns (num_accepted int32 [S], tokens int32 [S, K+1]): the row's new tokens are
     tokens[s, :num_accepted[s] + 1] (accepted proposals, then the target's own token).
     Rows with num_draft 0 sample exactly like engine.sampling.sample with the same seed/step.
+    all_greedy (static, chosen on the host; not a device-side cond, see engine.sampling._sample):
+    no row samples, so the greedy rule alone runs (no sort over the vocabulary).
     """
     rows, k1, vocab = target_logits.shape
     k = k1 - 1
@@ -127,19 +131,14 @@ def verify(target_logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Arr
     is_draft = jnp.arange(k)[None, :] < num_draft[:, None]  # [S, K]
     safe_draft = jnp.clip(draft_tokens, 0, vocab - 1)
 
-    def greedy_only():
-        ok = (safe_draft == greedy[:, :k]) & is_draft
-        a = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)
-        final = jnp.take_along_axis(greedy, a[:, None], axis=1)[:, 0]
-        tokens = jnp.concatenate([safe_draft, jnp.zeros((rows, 1), jnp.int32)], axis=1)
-        return a.astype(jnp.int32), tokens.at[jnp.arange(rows), a].set(final)
-
-    def with_sampling():
+    if not all_greedy:
         return _verify_sampled(target_logits, greedy, safe_draft, is_draft, num_draft,
                                draft_probs, temperature, top_k, top_p, min_p, seeds, steps)
-
-    # An all-greedy batch skips the sort over the vocabulary that the cuts need.
-    return jax.lax.cond(jnp.any(temperature > 0), with_sampling, greedy_only)
+    ok = (safe_draft == greedy[:, :k]) & is_draft
+    a = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)
+    final = jnp.take_along_axis(greedy, a[:, None], axis=1)[:, 0]
+    tokens = jnp.concatenate([safe_draft, jnp.zeros((rows, 1), jnp.int32)], axis=1)
+    return a.astype(jnp.int32), tokens.at[jnp.arange(rows), a].set(final)
 
 
 def _verify_sampled(target_logits, greedy, safe_draft, is_draft, num_draft, draft_probs,

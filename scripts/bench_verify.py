@@ -227,7 +227,8 @@ def print_tables(rows, predicted, oracle, alphas) -> None:
         for o in oracle:
             print(f"batch {o['batch']:3d} k={o['k']}: {o['speculative_tokens_per_s']:9.1f} vs "
                   f"{o['plain_tokens_per_s']:9.1f} tokens/s = {o['speedup']:.2f}x "
-                  f"(acceptance {o['acceptance_rate']:.2f}, same tokens as plain: {o['same_tokens']}, "
+                  f"(acceptance {o['acceptance_rate']:.2f}, "
+                  f"same tokens as plain: {o['same_tokens']}, "
                   f"first difference at {min(o['tokens_equal_to_plain'])})")
 
 

@@ -11,6 +11,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,7 +19,7 @@ from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2, ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import FinishReason, SamplingParams
 from engine.runner import ModelRunner, StepBatch, fetch_samples
-from engine.sampling import SamplingArrays, pack_sampling
+from engine.sampling import SamplingArrays, logprobs_of, sample
 from models.llama import rope_inv_freq
 from models.weights import model_from_pure_dict
 from tests.engine.weights import unit_scale_pure_dict
@@ -377,10 +378,9 @@ def test_cache_is_donated_and_updated_in_place(llama):
         assert runner.cache.k_pages[0].shape == page_shape
 
         args = runner._step_args(batch)  # exactly as runner.execute passes them
-        sampling = pack_sampling(SamplingArrays.defaults(args[-1].num_seqs))
-        fused_args = (*args[:4], *sampling, args[-1], runner.sample_rows)
-        for hlo in (runner._step.lower(*args).compile().as_text(),  # and with the sampler:
-                    runner._step_and_sample.lower(*fused_args).compile().as_text()):
+        fused_args = (*args, runner.sample_rows)
+        for hlo in (runner._step.lower(*args).compile().as_text(),  # and with the argmax:
+                    runner._step_and_argmax.lower(*fused_args).compile().as_text()):
             assert not full_page_copies(hlo, page_shape), full_page_copies(hlo, page_shape)
             # Every layer's k and v pages are outputs aliased to the donated inputs.
             alias = re.search(r"input_output_alias=\{(.*?)\}, entry", hlo).group(1)
@@ -406,7 +406,7 @@ def test_compiled_shapes_stay_bounded(llama):
     # Block tables grow from 2 to 12 pages: widths bucket to 4, 8, 16, so one prefill program
     # and three decode programs (not one per step or per width).
     assert len(fresh.runner.compiled_shapes) <= 4, fresh.runner.compiled_shapes
-    assert fresh.runner._step_and_sample._cache_size() == len(fresh.runner.compiled_shapes)
+    assert fresh.runner._step_and_argmax._cache_size() == len(fresh.runner.compiled_shapes)
 
 
 # --------------------------------------------------------------------------------- streaming
@@ -500,29 +500,41 @@ def test_stream_deltas_concatenate_to_the_final_text(chain_engine):
     assert all_pages_free(e)
 
 
-def test_step_and_sampler_in_one_program_equal_two_programs(llama):
-    """execute_and_sample (model step and sampler traced into one jitted program) gives the
-    tokens and logprobs of execute_padded followed by sample, for greedy and seeded rows of a
+@pytest.mark.parametrize("rows", ["mixed", "plain", "greedy"])
+def test_execute_and_sample_equals_step_then_sampler(llama, rows):
+    """execute_and_sample (the step and its argmax in one program; the sampler as a second
+    program when rows sample) gives the tokens, logprobs and K/V of execute_padded followed by
+    sample (whose mode "cuts" handles every row), for greedy, plainly sampled and cut rows of a
     ragged batch (prefill chunks and a decode row)."""
     cfg, model = llama
     rng = np.random.default_rng(12)
     lengths = (9, 1, 14)
-    rows = [(rng.integers(0, cfg.vocab_size, n).tolist(), 0, n, pages)
-            for n, pages in zip(lengths, take_pages(rng, 64, *lengths))]
-    batch = step_batch(rows)
+    rows_in = [(rng.integers(0, cfg.vocab_size, n).tolist(), 0, n, pages)
+               for n, pages in zip(lengths, take_pages(rng, 64, *lengths))]
+    batch = step_batch(rows_in)
+    temperature = {"mixed": [0.0, 0.9, 1.3], "plain": [0.7, 0.0, 1.1], "greedy": [0.0] * 3}
+    cuts = rows == "mixed"
     arrays = SamplingArrays(
-        temperature=np.array([0.0, 0.9, 1.3], np.float32), top_k=np.array([0, 7, 0], np.int32),
-        top_p=np.array([1.0, 1.0, 0.8], np.float32), min_p=np.array([0.0, 0.05, 0.0], np.float32),
+        temperature=np.array(temperature[rows], np.float32),
+        top_k=np.array([0, 7, 0] if cuts else [0] * 3, np.int32),
+        top_p=np.array([1.0, 1.0, 0.8] if cuts else [1.0] * 3, np.float32),
+        min_p=np.array([0.0, 0.05, 0.0] if cuts else [0.0] * 3, np.float32),
         seeds=np.array([3, 4, 5], np.uint32), steps=np.array([0, 2, 6], np.int32),
         num_logprobs=4)
+    assert arrays.mode() == {"mixed": "cuts", "plain": "plain", "greedy": "greedy"}[rows]
     one, two = (ModelRunner(cfg, model, num_pages=64, page_size=PAGE, max_seqs=4)
                 for _ in range(2))
     fused = fetch_samples(one.execute_and_sample(batch, arrays), 3)
-    separate = two.sample(two.execute_padded(batch), arrays)
-    np.testing.assert_array_equal(fused[0], separate[0])
-    np.testing.assert_array_equal(fused[2], separate[2])
-    for a, b in ((fused[1], separate[1]), (fused[3], separate[3])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    logits = two.execute_padded(batch)[:3]
+    want = sample(logits, *(jnp.asarray(getattr(arrays, f)) for f in (
+        "temperature", "top_k", "top_p", "seeds", "steps", "min_p")))  # mode "cuts"
+    np.testing.assert_array_equal(fused[0], np.asarray(want))
+    chosen, top_ids, top_logprobs = logprobs_of(logits, want, 4)
+    np.testing.assert_array_equal(fused[2], np.asarray(top_ids))
+    for got, expected in ((fused[1], chosen), (fused[3], top_logprobs)):
+        np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-5, atol=1e-5)
+    greedy = np.argmax(np.asarray(logits), -1)
+    assert (fused[0] == greedy).all() == (rows == "greedy")  # the others really sampled
     # The same caches afterwards: the fused program wrote the same K/V.
     for a, b in zip(one.cache.k_pages + one.cache.v_pages, two.cache.k_pages + two.cache.v_pages):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

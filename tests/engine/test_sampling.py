@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.request import SamplingParams
-from engine.sampling import filtered_logits, sample
+from engine.sampling import filtered_logits, sample, sampling_mode
 
 VOCAB = 32
 
@@ -179,3 +179,38 @@ def test_sampling_params_validation(field, value):
 def test_sampling_params_valid_edges():
     SamplingParams(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, seed=0)
     SamplingParams(temperature=2.0, top_k=1, top_p=1e-3, seed=2**32 - 1)
+
+
+def test_sampling_modes_draw_the_same_tokens_as_the_general_path():
+    """The host-chosen modes ("greedy": argmax only; "plain": no sort) draw exactly the tokens of
+    mode "cuts" (every row through the cuts) on the rows they serve, and `sampling_mode` picks
+    the cheapest mode that serves every row."""
+    rng = np.random.default_rng(21)
+    b = 64
+    logits = jnp.asarray(rng.normal(0, 2, (b, VOCAB)), jnp.float32)
+    seeds = jnp.asarray(rng.integers(0, 2**32, b), jnp.uint32)
+    steps = jnp.asarray(rng.integers(0, 100, b), jnp.int32)
+    temperature = np.where(rng.random(b) < 0.3, 0.0, rng.uniform(0.3, 2.0, b)).astype(np.float32)
+    none_k, none_p = np.zeros(b, np.int32), np.ones(b, np.float32)
+    none_min = np.zeros(b, np.float32)
+    args = lambda t, k, p, m: (logits, jnp.asarray(t), jnp.asarray(k), jnp.asarray(p),  # noqa: E731
+                               seeds, steps, jnp.asarray(m))
+    plain = np.asarray(sample(*args(temperature, none_k, none_p, none_min), mode="plain"))
+    general = np.asarray(sample(*args(temperature, none_k, none_p, none_min), mode="cuts"))
+    np.testing.assert_array_equal(plain, general)
+    greedy_rows = temperature == 0
+    assert (plain[~greedy_rows] != np.argmax(np.asarray(logits), -1)[~greedy_rows]).any()
+    zeros = np.zeros(b, np.float32)
+    np.testing.assert_array_equal(np.asarray(sample(*args(zeros, none_k, none_p, none_min),
+                                                    mode="greedy")),
+                                  np.argmax(np.asarray(logits), -1))
+    assert sampling_mode(zeros, rng.integers(0, 5, b), none_p * 0.5, none_min) == "greedy"
+    assert sampling_mode(temperature, none_k, none_p, none_min) == "plain"
+    cut_on_greedy_row = none_k.copy()
+    cut_on_greedy_row[np.argmax(greedy_rows)] = 3  # a cut on a greedy row needs no sort
+    assert sampling_mode(temperature, cut_on_greedy_row, none_p, none_min) == "plain"
+    for k, p, m in ((none_k + 5, none_p, none_min), (none_k, none_p * 0.9, none_min),
+                    (none_k, none_p, none_min + 0.1)):
+        assert sampling_mode(temperature, k, p, m) == "cuts"
+    with pytest.raises(ValueError, match="sampling mode"):
+        sample(*args(temperature, none_k, none_p, none_min), mode="fast")
