@@ -122,8 +122,8 @@ def verify(target_logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Arr
     Returns (num_accepted int32 [S], tokens int32 [S, K+1]): the row's new tokens are
     tokens[s, :num_accepted[s] + 1] (accepted proposals, then the target's own token).
     Rows with num_draft 0 sample exactly like engine.sampling.sample with the same seed/step.
-    all_greedy (static, chosen on the host; not a device-side cond, see engine.sampling._sample):
-    no row samples, so the greedy rule alone runs (no sort over the vocabulary).
+    all_greedy (static, chosen on the host rather than by a device-side cond, as in
+    engine.sampling._sample): no row samples, so the greedy rule alone runs (no sort).
     """
     rows, k1, vocab = target_logits.shape
     k = k1 - 1

@@ -258,8 +258,10 @@ def main(argv) -> None:
     rows = (step_costs(cfg, model, batches, FLAGS.max_k, FLAGS.context, FLAGS.page_size, mesh)
             if FLAGS.step_costs else [])
     predicted = [predicted_speedups(r, alphas, FLAGS.draft_cost) for r in rows]
-    oracle = ([oracle_run(cfg, model, s, FLAGS.oracle_k, mesh) for s in batches]
-              if FLAGS.oracle_k else [])
+    oracle = []
+    for s in batches if FLAGS.oracle_k else []:
+        oracle.append(oracle_run(cfg, model, s, FLAGS.oracle_k, mesh))
+        print(f"always-agreeing run, batch {s}: {json.dumps(oracle[-1])}", flush=True)
     print_tables(rows, predicted, oracle, alphas)
     if FLAGS.json_out and is_main_process():
         with open(FLAGS.json_out, "w") as f:
