@@ -135,7 +135,6 @@ class LLMEngine(SpeculativeRounds):
         self._next_request = 0
         self._next_group = 0
         self._groups: dict[int, list[Request]] = {}
-        self._group_of: dict[int, int] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._finished_groups: list[int] = []
         self._in_flight: _InFlight | None = None  # the launched step not read yet
@@ -178,7 +177,8 @@ class LLMEngine(SpeculativeRounds):
             seed = (params.seed + index) % 2**32 if params.seed is not None \
                 else int(self._rng.integers(2**32))
             request = Request(self._next_request, list(prompt_ids), params, seed,
-                              priority=priority, arrival_time=now)
+                              priority=priority, arrival_time=now, group_id=group_id,
+                              sample_index=index)
             if self.spec_config is not None:  # start optimistic: k proposals
                 request.spec_ema_accepted = float(self.spec_config.num_speculative_tokens)
             if params.uses_penalties:
@@ -189,7 +189,6 @@ class LLMEngine(SpeculativeRounds):
             samples.append(request)
         for request in samples:
             self.scheduler.add(request)
-            self._group_of[request.request_id] = group_id
             if self.tokenizer is not None:
                 self._detokenizers[request.request_id] = IncrementalDetokenizer(
                     self.tokenizer, params.stop)
@@ -350,6 +349,8 @@ class LLMEngine(SpeculativeRounds):
         now = time.perf_counter()
         self._wait_s += now - start
         deltas = []
+        token_list = tokens.tolist()
+        limit = self._context_limit()
         for i, request in enumerate(flight.requests):
             if not flight.completes[i]:
                 continue  # a prefill chunk short of the prompt's end
@@ -357,12 +358,15 @@ class LLMEngine(SpeculativeRounds):
             if request.finished:
                 continue  # ended or aborted while this step ran: the token is dropped
             logprob = logprob_entry(request, i, chosen, top_ids, top_logprobs)
-            deltas.append(self._append_tokens(request, [int(tokens[i])], logprob, now))
+            deltas.append(self._append_tokens(request, [token_list[i]], logprob, now, limit))
         return deltas
 
     def _append_tokens(self, request: Request, new_tokens: list[int], logprob,
-                       now: float) -> StreamDelta:
-        """Appends a step's tokens to a request (stopping early at a stop condition)."""
+                       now: float, limit: int | None = None) -> StreamDelta:
+        """Appends a step's tokens to a request (stopping early at a stop condition); `limit`:
+        the context limit (`_context_limit`), if the caller has it."""
+        if limit is None:
+            limit = self._context_limit()
         if logprob is not None:
             request.output_logprobs.append(logprob)
         if request.first_token_time is None:
@@ -372,22 +376,21 @@ class LLMEngine(SpeculativeRounds):
         for token in new_tokens:
             request.output_ids.append(token)
             appended.append(token)
-            reason = self._stop_reason(request, token)
+            reason = self._stop_reason(request, token, limit)
             if detokenizer is not None:
                 text += detokenizer.add(request.output_ids, reason is not None)
                 if reason is None and detokenizer.stopped_at is not None:
                     reason = FinishReason.STOP
             if reason is not None:
                 break
-        group_id = self._group_of[request.request_id]
+        group_id = request.group_id
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._penalized.discard(request.request_id)
             request.finish_time = now
             if all(r.finished for r in self._groups[group_id]):
                 self._finished_groups.append(group_id)
-        index = self._groups[group_id].index(request)
-        return StreamDelta(group_id, index, text, appended, reason,
+        return StreamDelta(group_id, request.sample_index, text, appended, reason,
                            None if logprob is None else [logprob])
 
     def _context_limit(self) -> int:
@@ -395,11 +398,13 @@ class LLMEngine(SpeculativeRounds):
         longer than the pool could never be scheduled again (the engine would stall)."""
         return min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
 
-    def _stop_reason(self, r: Request, token: int) -> FinishReason | None:
-        if (token in r.params.stop_token_ids
-                or (not r.params.ignore_eos and token in self.cfg.eos_token_ids)):
+    def _stop_reason(self, r: Request, token: int, limit: int) -> FinishReason | None:
+        params = r.params
+        if (token in params.stop_token_ids
+                or (not params.ignore_eos and token in self.cfg.eos_token_ids)):
             return FinishReason.STOP
-        if len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= self._context_limit():
+        num_outputs = len(r.output_ids)
+        if num_outputs >= params.max_tokens or len(r.prompt_ids) + num_outputs >= limit:
             return FinishReason.LENGTH
         return None
 
@@ -429,7 +434,6 @@ class LLMEngine(SpeculativeRounds):
         if release:
             for r in samples:
                 self._detokenizers.pop(r.request_id, None)
-                self._group_of.pop(r.request_id, None)
             del self._groups[request_id]
         return result
 

@@ -106,6 +106,14 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    group_id: int = -1  # the id add_request returned (its samples share it)
+    sample_index: int = 0  # which of the group's n samples this is
+
+    def __post_init__(self):
+        # The per-row sampler inputs that never change, as one tuple (SamplingArrays reads it
+        # once per step instead of five attributes).
+        p = self.params
+        self.sampling_row = (p.temperature, p.top_k, p.top_p, p.min_p, self.seed)
 
     @property
     def token_ids(self) -> list[int]:

@@ -185,15 +185,16 @@ class SamplingArrays:
     def from_requests(cls, requests) -> "SamplingArrays":
         """The arrays of a list of engine Requests (their params, seeds and output counts)."""
         params = [r.params for r in requests]
+        # [S, 5] float64: temperature, top_k, top_p, min_p, seed (exact: all below 2**53).
+        rows = np.array([r.sampling_row for r in requests], np.float64).reshape(-1, 5)
         arrays = cls(
-            temperature=np.asarray([p.temperature for p in params], np.float32),
-            top_k=np.asarray([p.top_k for p in params], np.int32),
-            top_p=np.asarray([p.top_p for p in params], np.float32),
-            min_p=np.asarray([p.min_p for p in params], np.float32),
-            seeds=np.asarray([r.seed for r in requests], np.uint32),
+            temperature=rows[:, 0].astype(np.float32), top_k=rows[:, 1].astype(np.int32),
+            top_p=rows[:, 2].astype(np.float32), min_p=rows[:, 3].astype(np.float32),
+            seeds=rows[:, 4].astype(np.uint32),
             # The index of the token being drawn: tokens still in flight count (asynchronous
             # scheduling), so a seeded request draws the same tokens either way.
-            steps=np.asarray([len(r.output_ids) + r.num_pending for r in requests], np.int32))
+            steps=np.fromiter((len(r.output_ids) + r.num_pending for r in requests), np.int32,
+                              len(requests)))
         if any(p.uses_penalties for p in params):
             arrays.penalties = (
                 _token_matrix([r.prompt_ids for r in requests]),

@@ -39,6 +39,7 @@ from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepB
 from engine.sampling import SamplingArrays, sample_step
 from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
                              shard_state)
+from engine.step_inputs import FIELDS, StepLayout, pack
 from models.llama import AttentionMetadata, forward
 from ops.kv_quant import is_quantized_kv_dtype
 
@@ -48,7 +49,7 @@ class ShardedStep:
     """One step's device inputs laid out per data shard, and where the results go back."""
 
     key: tuple[int, int, int, int, int]  # (N, S, W, max_q_len, max_prefill_seqs) per shard
-    arrays: dict[str, jax.Array]
+    packed: jax.Array  # int32 [dp, L]: each shard's inputs packed (engine/step_inputs.py)
     seq_rows: np.ndarray  # [num_seqs]: row of each sequence in the step's [dp * S] logits
     token_rows: np.ndarray  # [num_tokens]: row of each token in the step's [dp * N] tokens
 
@@ -81,28 +82,33 @@ class ShardedModelRunner(ModelRunner):
         self.cache = init_sharded_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
-        data = NamedSharding(mesh, P(DATA))
-        self._data = data
-        self._tables = NamedSharding(mesh, P(DATA, None))
+        self._per_shard = NamedSharding(mesh, P(DATA, None))  # [dp, ...]: row d on shard d
         self._replicated = replicated(mesh)
+        # Weights as a flat tuple (jax flattens it in C++; an nnx.State through Python).
+        self._weights, self._weights_def = jax.tree.flatten(self.state)
+        self._weights = tuple(self._weights)
         shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
         self._step = jax.jit(
-            self._sharded_step, donate_argnums=(1,),
-            static_argnums=(9, 10, 11),
-            in_shardings=(shardings(self.state), shardings(self.cache), data, data, data,
-                          self._tables, data, data, data),
+            self._sharded_step, donate_argnums=(1,), static_argnums=(3, 4),
+            in_shardings=(shardings(self._weights), shardings(self.cache), self._per_shard),
             out_shardings=(self._replicated, shardings(self.cache)))
         self._take_rows = jax.jit(lambda a, rows: a[rows], out_shardings=self._replicated)
 
-    def _sharded_step(self, state, cache, tokens, positions, slot_mapping, block_tables,
-                      query_start_loc, kv_lens, logits_indices, max_q_len: int,
-                      max_prefill_seqs: int, all_logits: bool):
-        model = nnx.merge(self.graphdef, state)
-        meta = AttentionMetadata(positions, slot_mapping, block_tables, query_start_loc,
-                                 kv_lens, max_q_len=max_q_len, max_prefill_seqs=max_prefill_seqs,
-                                 kv_quant=self.kv_quant)
-        return forward(model, cache, tokens, meta, self.cfg,
-                       None if all_logits else logits_indices)
+    def _sharded_step(self, weights, cache, packed, layout: StepLayout, all_logits: bool):
+        """One step over packed int32 [dp, L] inputs (each shard's row packed by `pack` with
+        the per-shard `layout`), laid end to end along the data axis."""
+        dp = packed.shape[0]
+        x = {}
+        for name, start, size in zip(FIELDS, layout.offsets(), layout.sizes()):
+            x[name] = packed[:, start:start + size].reshape(dp * size)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        meta = AttentionMetadata(
+            x["positions"], x["slot_mapping"],
+            x["block_tables"].reshape(dp * layout.num_seqs, layout.width), x["query_start_loc"],
+            x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs,
+            kv_quant=self.kv_quant)
+        return forward(model, cache, x["tokens"], meta, self.cfg,
+                       None if all_logits else x["logits_indices"])
 
     # ---- layout ------------------------------------------------------------------------------
 
@@ -129,61 +135,64 @@ class ShardedModelRunner(ModelRunner):
         return n, bucket(max_seqs), bucket(width, MIN_PAGE_BUCKET), n, bucket(prefill)
 
     def _layout(self, batch: StepBatch) -> ShardedStep:
+        """The batch's sequences grouped by data shard (in batch order within a shard), each
+        shard's inputs padded to one bucket, local to the shard's pages, packed as row d of an
+        int32 [dp, L] array placed on the mesh (one transfer). Vectorized: no loop over
+        sequences."""
         dp, pages, page_size = self.dp, self.pages_per_shard, self.page_size
+        num_seqs, num_tokens = batch.num_seqs, len(batch.token_ids)
         q_lens = np.diff(batch.query_start_loc)
-        shard = self._shard_of_seqs(batch)
+        shard = self._shard_of_seqs(batch)  # [S_batch]
         groups = [np.flatnonzero(shard == d) for d in range(dp)]
         width = batch.block_tables.shape[1]
         if self.fixed_width:
             width = max(self.max_width, width)
         key = self._bucket(q_lens, groups, width, batch)
         n, s, w, _, _ = key
-        tokens = np.zeros((dp, n), np.int32)
-        positions = np.zeros((dp, n), np.int32)
-        slots = np.full((dp, n), -1, np.int32)
+        # Each sequence's index j within its shard and first token t0 within its shard's tokens.
+        j = np.zeros(num_seqs, np.int64)
+        t0 = np.zeros(num_seqs, np.int64)
+        for group in groups:
+            j[group] = np.arange(len(group))
+            t0[group] = np.cumsum(q_lens[group]) - q_lens[group]
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [N_batch]
+        d_tok = shard[seq_of_token]
+        t_tok = t0[seq_of_token] + np.arange(num_tokens) - batch.query_start_loc[:-1][seq_of_token]
+        offset = shard.astype(np.int64) * pages  # each sequence's first global page
+        fields = {"tokens": np.zeros((dp, n), np.int32),
+                  "positions": np.zeros((dp, n), np.int32),
+                  "slot_mapping": np.full((dp, n), -1, np.int32),
+                  "sample_index": np.full((dp, n), -1, np.int32)}
+        fields["tokens"][d_tok, t_tok] = batch.token_ids
+        fields["positions"][d_tok, t_tok] = batch.positions
+        slot = batch.slot_mapping
+        fields["slot_mapping"][d_tok, t_tok] = np.where(
+            slot >= 0, slot - offset[seq_of_token] * page_size, -1)
         tables = np.zeros((dp, s, w), np.int32)
-        starts = np.zeros((dp, s + 1), np.int32)
-        kv_lens = np.zeros((dp, s), np.int32)
-        last = np.zeros((dp, s), np.int32)
-        seq_rows = np.zeros(batch.num_seqs, np.int64)
-        token_rows = np.zeros(len(batch.token_ids), np.int64)
-        for d, group in enumerate(groups):
-            offset = d * pages
-            t = 0
-            for j, i in enumerate(group):
-                a, b = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-                tokens[d, t:t + b - a] = batch.token_ids[a:b]
-                positions[d, t:t + b - a] = batch.positions[a:b]
-                slot = batch.slot_mapping[a:b]
-                slots[d, t:t + b - a] = np.where(slot >= 0, slot - offset * page_size, -1)
-                row = batch.block_tables[i]
-                mine = (row >= offset) & (row < offset + pages)
-                tables[d, j, :len(row)] = np.where(mine, row - offset, 0)
-                token_rows[a:b] = d * n + t + np.arange(b - a)
-                t += b - a
-                starts[d, j + 1] = t
-                kv_lens[d, j] = batch.kv_lens[i]
-                last[d, j] = d * n + t - 1
-                seq_rows[i] = d * s + j
-            starts[d, len(group) + 1:] = t
-        data, tab = self._data, self._tables
-        arrays = dict(tokens=put(tokens.reshape(-1), data),
-                      positions=put(positions.reshape(-1), data),
-                      slot_mapping=put(slots.reshape(-1), data),
-                      block_tables=put(tables.reshape(dp * s, w), tab),
-                      query_start_loc=put(starts.reshape(-1), data),
-                      kv_lens=put(kv_lens.reshape(-1), data),
-                      logits_indices=put(np.maximum(last, 0).reshape(-1), data))
+        rows = batch.block_tables
+        local = rows - offset[:, None]
+        tables[shard, j, :rows.shape[1]] = np.where((local >= 0) & (local < pages), local, 0)
+        fields["block_tables"] = tables.reshape(dp, s * w)
+        q_by_slot = np.zeros((dp, s), np.int64)
+        q_by_slot[shard, j] = q_lens
+        starts = np.zeros((dp, s + 1), np.int64)
+        np.cumsum(q_by_slot, axis=1, out=starts[:, 1:])
+        fields["query_start_loc"] = starts
+        fields["kv_lens"] = np.zeros((dp, s), np.int32)
+        fields["kv_lens"][shard, j] = batch.kv_lens
+        last = np.zeros((dp, s), np.int64)
+        last[shard, j] = shard * n + t0 + q_lens - 1
+        fields["logits_indices"] = np.maximum(last, 0)
+        layout = StepLayout(*key)
+        packed = np.stack([pack(layout, {f: a[d] for f, a in fields.items()})
+                           for d in range(dp)])
         self.compiled_shapes.add(key)
-        return ShardedStep(key, arrays, seq_rows, token_rows)
+        return ShardedStep(key, put(packed, self._per_shard), shard * s + j, d_tok * n + t_tok)
 
     def _run(self, step: ShardedStep, all_logits: bool) -> jax.Array:
-        a = step.arrays
         with jax.set_mesh(self.mesh):
-            logits, self.cache = self._step(
-                self.state, self.cache, a["tokens"], a["positions"], a["slot_mapping"],
-                a["block_tables"], a["query_start_loc"], a["kv_lens"], a["logits_indices"],
-                step.key[3], step.key[4], all_logits)
+            logits, self.cache = self._step(self._weights, self.cache, step.packed,
+                                            StepLayout(*step.key), all_logits)
         return logits
 
     def _rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from engine.runner import StepBatch
+from engine.step_inputs import StepLayout
 
 # `%name = f32[4,256]{0,1} all-gather(...` (also the async `-start` forms of GPU programs).
 COLLECTIVE = re.compile(r"^\s*%\S+ = (\(?[a-z0-9]+\[[0-9,]*\])\S* "
@@ -40,12 +41,9 @@ def step_batches(page_size: int, max_width_pages: int):
 
 def compiled_text(runner, batch) -> str:
     step = runner._layout(batch)
-    a = step.arrays
-    with jax.set_mesh(runner.mesh):
-        lowered = runner._step.lower(
-            runner.state, runner.cache, a["tokens"], a["positions"], a["slot_mapping"],
-            a["block_tables"], a["query_start_loc"], a["kv_lens"], a["logits_indices"],
-            step.key[3], step.key[4], False)
+    with jax.set_mesh(runner.mesh):  # exactly as runner._run calls it
+        lowered = runner._step.lower(runner._weights, runner.cache, step.packed,
+                                     StepLayout(*step.key), False)
     return lowered.compile().as_text()
 
 
