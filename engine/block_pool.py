@@ -76,6 +76,8 @@ class BlockPool:
 
     def grow(self, pages: list[int], num_tokens: int) -> bool:
         """Appends pages to `pages` until it holds `num_tokens` tokens; False if out of pages."""
+        if num_tokens <= len(pages) * self.page_size:  # the common case: room left
+            return True
         missing = self.pages_needed(num_tokens) - len(pages)
         if missing > len(self._free):
             return False

@@ -36,7 +36,7 @@ class SchedulerConfig:
                              f"({self.max_model_len}), or a long prompt could never run")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on;
@@ -116,11 +116,14 @@ class Scheduler:
                 continue
             # Tokens sampled on the device but not yet read (asynchronous scheduling) are
             # computed like known ones: the step reads their ids on the device.
-            remaining = request.num_tokens + request.num_pending - request.num_computed_tokens
-            # Speculation: room for the proposed tokens after the last one (see lookahead).
-            lookahead = min(request.lookahead, budget - 1) if remaining == 1 else 0
-            request.lookahead = max(lookahead, 0)
-            num_new = min(remaining + request.lookahead, budget)
+            remaining = (len(request.prompt_ids) + len(request.output_ids)
+                         + request.num_pending - request.num_computed_tokens)
+            num_new = remaining
+            if request.lookahead:  # speculation: room for the proposed tokens after the last
+                request.lookahead = max(min(request.lookahead, budget - 1)
+                                        if remaining == 1 else 0, 0)
+                num_new += request.lookahead
+            num_new = min(num_new, budget)
             while not self.pool.grow(request.pages, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -181,12 +184,14 @@ class Scheduler:
         page_size = self.pool.page_size
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            computed = request.num_computed_tokens + item.num_new_tokens
+            request.num_computed_tokens = computed
+            num_prompt = len(request.prompt_ids)
             # Accepted speculative tokens are computed before the engine appends them: only
             # pages whose tokens are all known can be keyed (the rest are keyed next step).
-            known = min(request.num_computed_tokens, request.num_tokens)
+            known = min(computed, num_prompt + len(request.output_ids))
             if known // page_size > request.num_cached_pages:  # a page has filled up
                 request.num_cached_pages = self.pool.cache_full_pages(
                     request.token_ids, request.pages, known, request.num_cached_pages)
-            if request.num_computed_tokens >= len(request.prompt_ids):
+            if computed >= num_prompt:
                 request.prompt_cached = True
