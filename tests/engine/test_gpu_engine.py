@@ -35,7 +35,11 @@ def test_pallas_kernels_match_reference_greedy(preset, dtype, monkeypatch):
     cfg = LLAMA32_1B.replace(num_layers=4) if preset.endswith("4layers") else get_preset(preset)
     model = decisive_model(cfg, dtype)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 37, 130, 700)]
+    # The 8B case keeps to prompts that prefill in one step: each program compiles for several
+    # seconds there, and a run must fit a device session (the first try, with a 700-token
+    # prompt chunked over steps, was still compiling after 190 s).
+    lengths = (5, 37, 130) if cfg.num_layers > 4 else (5, 37, 130, 700)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine_cfg = EngineConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=512)
     outputs = {}
