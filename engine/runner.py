@@ -278,13 +278,18 @@ class ModelRunner:
         """Compiles the sampler programs of batches with sampled rows (without and with top-k /
         top-p / min-p cuts) for every power-of-two row count up to the step's."""
         rows = 1
-        while rows <= self.sample_rows:
-            logits = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
+        while rows <= bucket(self.max_seqs):
+            logits = self._placed(np.zeros((rows, self.cfg.vocab_size), np.float32))
             for top_k in (0, 1):  # modes "plain", "cuts"
                 arrays = SamplingArrays.defaults(rows)
                 arrays.temperature[:], arrays.top_k[:] = 1.0, top_k
                 fetch_samples(self.sample_device(logits, arrays), rows)
             rows *= 2
+
+    def _placed(self, host: np.ndarray) -> jax.Array:
+        """A host array where the step puts its logits (the sampler's programs are keyed by
+        their inputs' placement)."""
+        return jnp.asarray(host)
 
     def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
         """Samples one token per row of `logits` [S, V] (or of the padded logits of

@@ -195,6 +195,9 @@ class ShardedModelRunner(ModelRunner):
                                             StepLayout(*step.key), all_logits)
         return logits
 
+    def _placed(self, host: np.ndarray) -> jax.Array:
+        return put(host, self._replicated)  # as the step's logits
+
     def _rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:
         """logits[rows] (rows: host ints), replicated."""
         if np.array_equal(rows, np.arange(len(rows))):

@@ -34,3 +34,20 @@ def test_a_run_after_warmup_compiles_nothing():
     assert engine.runner.compiled_shapes == compiled
     assert engine.runner._step_and_argmax._cache_size() == programs
     assert sample_packed._cache_size() == samplers
+
+
+def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
+    """The sharded runner (a one-device mesh here) warms its steps and samplers too."""
+    from engine.mesh import make_mesh
+    cfg = TINY_LLAMA31
+    engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
+        max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=16),
+        mesh=make_mesh(1, 1))
+    assert engine.warmup() == len(engine.warmup_shapes())
+    compiled, samplers = set(engine.runner.compiled_shapes), sample_packed._cache_size()
+    params = [SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.9, top_k=5, seed=1)]
+    outs = engine.generate([[1, 2, 3], list(range(4, 30))], params)
+    assert [len(o.output_ids) for o in outs] == [6, 5]
+    assert engine.runner.compiled_shapes == compiled
+    assert sample_packed._cache_size() == samplers
