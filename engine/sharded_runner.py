@@ -35,13 +35,29 @@ from jax.sharding import PartitionSpec as P
 from configs.model import ModelConfig
 from engine.mesh import DATA, mesh_shape
 from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepBatch,
-                           bucket, bucket_key)
+                           bucket, bucket_key, start_copies)
 from engine.sampling import SamplingArrays, sample_step
 from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
                              shard_state)
 from engine.step_inputs import FIELDS, StepLayout, pack
 from models.llama import AttentionMetadata, forward
 from ops.kv_quant import is_quantized_kv_dtype
+
+
+class InBatchOrder:
+    """Device tokens in a sharded step's row order, read on the host in the batch's order
+    (`np.asarray` gives tokens[rows]); `fetch_samples` and `start_copies` take it like an
+    array."""
+
+    def __init__(self, tokens: jax.Array, rows: np.ndarray):
+        self.tokens, self.rows = tokens, rows
+
+    def copy_to_host_async(self) -> None:
+        self.tokens.copy_to_host_async()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.asarray(self.tokens)[self.rows]
+        return out if dtype is None else out.astype(dtype)
 
 
 @dataclasses.dataclass
@@ -91,12 +107,13 @@ class ShardedModelRunner(ModelRunner):
         self._step = jax.jit(
             self._sharded_step, donate_argnums=(1,), static_argnums=(3, 4),
             in_shardings=(shardings(self._weights), shardings(self.cache), self._per_shard),
-            out_shardings=(self._replicated, shardings(self.cache)))
+            out_shardings=(self._replicated, self._replicated, shardings(self.cache)))
         self._take_rows = jax.jit(lambda a, rows: a[rows], out_shardings=self._replicated)
 
     def _sharded_step(self, weights, cache, packed, layout: StepLayout, all_logits: bool):
         """One step over packed int32 [dp, L] inputs (each shard's row packed by `pack` with
-        the per-shard `layout`), laid end to end along the data axis."""
+        the per-shard `layout`), laid end to end along the data axis: (logits, their argmax
+        int32 [rows], cache), rows in the step's shard order."""
         dp = packed.shape[0]
         x = {}
         for name, start, size in zip(FIELDS, layout.offsets(), layout.sizes()):
@@ -107,8 +124,12 @@ class ShardedModelRunner(ModelRunner):
             x["block_tables"].reshape(dp * layout.num_seqs, layout.width), x["query_start_loc"],
             x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs,
             kv_quant=self.kv_quant)
-        return forward(model, cache, x["tokens"], meta, self.cfg,
-                       None if all_logits else x["logits_indices"])
+        logits, cache = forward(model, cache, x["tokens"], meta, self.cfg,
+                                None if all_logits else x["logits_indices"])
+        # XLA takes the argmax of the vocab-parallel logits per shard and gathers each shard's
+        # (max, index) pair, [rows, tp]: tiny. (Asking for replicated logits first made it
+        # gather the output weights instead.)
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     # ---- layout ------------------------------------------------------------------------------
 
@@ -189,11 +210,12 @@ class ShardedModelRunner(ModelRunner):
         self.compiled_shapes.add(key)
         return ShardedStep(key, put(packed, self._per_shard), shard * s + j, d_tok * n + t_tok)
 
-    def _run(self, step: ShardedStep, all_logits: bool) -> jax.Array:
+    def _run(self, step: ShardedStep, all_logits: bool) -> tuple[jax.Array, jax.Array]:
+        """(logits, greedy tokens) of the step, rows in shard order (see `_sharded_step`)."""
         with jax.set_mesh(self.mesh):
-            logits, self.cache = self._step(self._weights, self.cache, step.packed,
-                                            StepLayout(*step.key), all_logits)
-        return logits
+            logits, tokens, self.cache = self._step(self._weights, self.cache, step.packed,
+                                                    StepLayout(*step.key), all_logits)
+        return logits, tokens
 
     def _placed(self, host: np.ndarray) -> jax.Array:
         return put(host, self._replicated)  # as the step's logits
@@ -218,18 +240,33 @@ class ShardedModelRunner(ModelRunner):
         if sample_index is not None:
             raise ValueError("a sharded step reads its input tokens from the host only")
         step = self._layout(batch)
-        rows = step.seq_rows[np.minimum(np.arange(bucket(batch.num_seqs)), batch.num_seqs - 1)]
-        return self._rows(self._run(step, all_logits=False), rows)
+        return self._rows(self._run(step, all_logits=False)[0], self._padded_rows(step, batch))
+
+    @staticmethod
+    def _padded_rows(step: ShardedStep, batch: StepBatch) -> np.ndarray:
+        """The step's row of each sequence, padded to bucket(S) by repeating the last."""
+        s = batch.num_seqs
+        return step.seq_rows[np.minimum(np.arange(bucket(s)), s - 1)]
 
     def execute_and_sample(self, batch: StepBatch, arrays: SamplingArrays,
                            prev_samples=None, sample_index=None) -> tuple:
-        """As ModelRunner.execute_and_sample, as two programs (step, then sampler)."""
+        """As ModelRunner.execute_and_sample. An all-greedy batch without penalties or
+        logprobs takes the step's own argmax (one program; the host reads the tokens in batch
+        order); otherwise the sampler runs on the step's logits as a second program."""
+        if (arrays.penalties is None and not arrays.num_logprobs
+                and arrays.mode() == "greedy"):
+            if sample_index is not None:
+                raise ValueError("a sharded step reads its input tokens from the host only")
+            step = self._layout(batch)
+            tokens = self._run(step, all_logits=False)[1]
+            return start_copies((InBatchOrder(tokens, self._padded_rows(step, batch)),
+                                 None, None, None))
         return self.sample_device(self.execute_padded(batch, prev_samples, sample_index), arrays)
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """One step; the logits of every token, float32 [N, V], replicated."""
         step = self._layout(batch)
-        return self._rows(self._run(step, all_logits=True), step.token_rows)
+        return self._rows(self._run(step, all_logits=True)[0], step.token_rows)
 
     def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
         """As ModelRunner.sample_device (logits [S, V] or padded), with the per-row parameters

@@ -36,11 +36,20 @@ def test_one_all_reduce_per_row_parallel_layer(scenario, case, kind):
 def test_no_all_gather_of_weights(scenario, case, kind):
     step = report(scenario, case)[kind]
     assert not step["gathered_weights"]  # no array of a weight's shape (codes, scales, ...)
-    # The logits are the only thing gathered (the step returns them replicated): over the
-    # model axis, and with dp > 1 over the data axis too.
+    # The logits are gathered (the step returns them replicated): over the model axis, and
+    # with dp > 1 over the data axis too. Besides them only the greedy tokens' argmax: each
+    # model shard's (max, index) pair per row ([rows, tp] values and indices) and, with
+    # dp > 1, the tokens [dp * S] over the data axis.
     gathers = [c for c in step["collectives"] if c["kind"] == "all-gather"]
-    assert [c["op"] for c in gathers] == ["dot_general"] * (1 if case.endswith("x1") else 2), \
-        gathers
+    logits = [c for c in gathers if c["op"] == "dot_general"]
+    single_data_shard = case.endswith("x1")
+    assert len(logits) == (1 if single_data_shard else 2), gathers
+    tp = int(case.rsplit("/", 1)[1].split("x")[0])
+    argmax = [c for c in gathers if c["op"] == "reduce"]
+    assert len(logits) + len(argmax) == len(gathers), gathers
+    for c in argmax:
+        dims = c["shape"].split("[", 1)[1].rstrip("]").split(",")
+        assert dims[-1] == str(tp) or (len(dims) == 1 and not single_data_shard), gathers
 
 
 @pytest.mark.parametrize("case", CASES)
