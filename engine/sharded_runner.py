@@ -14,7 +14,8 @@ Layout of one step (engine.runner.StepBatch in, global page ids): the sequences 
 data shard of their pages; each group is padded to a common bucket (N tokens, S sequences, W
 pages wide) with its slots, block tables and query offsets local to its shard, and the groups
 are laid end to end along the `data` axis: tokens [dp * N], block tables [dp * S, W], query
-starts [dp * (S + 1)], ... Under the mesh the attention and KV write run per shard
+starts [dp * (S + 1)], ... They travel as one int32 [dp, L] array (each shard's inputs packed by
+engine/step_inputs.py, row d on shard d) and are sliced apart in the step. Under the mesh the attention and KV write run per shard
 (ops/sharded_attention.py); everything else is ordinary jnp partitioned by XLA from the weights'
 shardings (engine/sharding.py). Logits come back replicated, in the batch's sequence order.
 
