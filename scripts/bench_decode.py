@@ -13,7 +13,8 @@ ModelRunner holds a paged KV cache of random values for the largest batch and co
   sync, median of --runs; tokens/s = B / step; the bytes a step must read (weights it multiplies
   by + K/V of B x C tokens; scripts/decode_steps.py) over the copy bandwidth measured in the same
   run is the floor, and MBU = floor / step. `loop` is the engine's loop without its scheduler:
-  StepBatch built on the host, step, greedy sampler, tokens back to the host every step.
+  StepBatch built on the host, the engine's program for a greedy batch (the step and its argmax,
+  `execute_and_sample`), tokens back to the host every step.
   Compilations of the step are counted before and after the timed steps (must not change).
 - prefill: one sequence's prompt of T tokens from an empty cache; tokens/s and FLOP utilization
   against the bf16 matrix rate measured in the same run.

@@ -22,7 +22,7 @@ import numpy as np
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache, kv_bytes_per_token
-from engine.runner import ModelRunner, StepBatch, make_step_batch
+from engine.runner import ModelRunner, StepBatch, fetch_samples, make_step_batch
 from engine.sampling import SamplingArrays
 from scripts import timing
 
@@ -187,16 +187,15 @@ def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) ->
 def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,
                 tables: np.ndarray, steps: int) -> tuple[np.ndarray, float]:
     """The engine's decode loop without a scheduler: each step builds its StepBatch on the host,
-    runs the jitted step and the sampler (greedy), and takes the tokens back to the host before
-    the next step (one sync per step). Returns (tokens [batch, steps], seconds per step, after a
-    first untimed step)."""
+    runs the engine's program for a greedy batch (`execute_and_sample`: the step and its argmax)
+    and takes the tokens back to the host before the next step (one sync per step). Returns
+    (tokens [batch, steps], seconds per step, after a first untimed step)."""
     arrays = SamplingArrays.defaults(len(tokens))
     out, start = [], None
     for i in range(steps + 1):
         positions = np.full(len(tokens), first_position + i, np.int32)
-        logits = runner.execute_padded(decode_batch(tokens, positions, tables,
-                                                    runner.page_size))
-        tokens = runner.sample(logits, arrays)[0]
+        batch = decode_batch(tokens, positions, tables, runner.page_size)
+        tokens = fetch_samples(runner.execute_and_sample(batch, arrays), len(tokens))[0]
         if i == 0:
             start = time.perf_counter()
         else:
