@@ -2,7 +2,8 @@
 
 `LLMEngine.step()` asks the scheduler which tokens of which requests to compute (decodes, prefill
 chunks and prefix-cache hits mixed in one ragged batch), builds the step batch, runs one jitted
-program (the model step with its sampler traced in), then appends the sampled tokens,
+program (the model step and its argmax; batches with sampled rows add the sampler as a second
+program, engine.sampling.sampling_mode), then appends the sampled tokens,
 detokenizes incrementally, applies stop conditions and frees the pages of finished requests.
 With asynchronous scheduling (EngineConfig.async_scheduling) the host does all that for step n
 while the device runs step n+1, which reads its input tokens from step n's samples on the
@@ -25,8 +26,8 @@ from engine.runner import ModelRunner, fetch_samples, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.spec_rounds import SpeculativeRounds
-from engine.warmup import reachable_steps
 from engine.speculative import SpecConfig, SpecStats
+from engine.warmup import reachable_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,11 +363,9 @@ class LLMEngine(SpeculativeRounds):
         return deltas
 
     def _append_tokens(self, request: Request, new_tokens: list[int], logprob,
-                       now: float, limit: int | None = None) -> StreamDelta:
+                       now: float, limit: int) -> StreamDelta:
         """Appends a step's tokens to a request (stopping early at a stop condition); `limit`:
-        the context limit (`_context_limit`), if the caller has it."""
-        if limit is None:
-            limit = self._context_limit()
+        the context limit (`_context_limit`, computed once per step by the caller)."""
         if logprob is not None:
             request.output_logprobs.append(logprob)
         if request.first_token_time is None:

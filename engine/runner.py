@@ -17,8 +17,7 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache, init_kv_cache
-from engine.sampling import (SamplingArrays, sample_step,
-                             with_logprobs)
+from engine.sampling import SamplingArrays, sample_step, with_logprobs
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from ops.kv_quant import is_quantized_kv_dtype
@@ -240,10 +239,8 @@ class ModelRunner:
         batch's sequences. An all-greedy batch without penalties is one program (the step and
         its argmax: one dispatch, one transfer); otherwise the sampler runs on the step's logits
         as a second program, in the mode the host picks (engine.sampling.sampling_mode)."""
-        weights, cache, packed, prev, layout = self._step_args(batch, prev_samples,
-                                                               sample_index)
         logits, tokens, self.cache = self._step_and_argmax(
-            weights, cache, packed, prev, layout=layout, out_rows=self.sample_rows)
+            *self._step_args(batch, prev_samples, sample_index), self.sample_rows)
         if arrays.penalties is None and arrays.mode() == "greedy":
             return start_copies(with_logprobs(logits, tokens, arrays.num_logprobs))
         return self.sample_device(logits, arrays)
@@ -303,9 +300,9 @@ class ModelRunner:
         rows = logits.shape[0]
         # Padded logits (a power of two of rows) are sampled whole, padding rows greedy: no
         # slicing op. Only the sort of the "cuts" mode is worth cutting them down to bucket(S).
-        if rows < s or rows != bucket(rows) or (rows > bucket(s) and arrays.mode() == "cuts"):
+        if rows != bucket(rows) or (rows > bucket(s) and arrays.mode() == "cuts"):
             rows = bucket(s)
-            logits = jnp.pad(logits[:s], ((0, rows - min(s, logits.shape[0])), (0, 0)))
+            logits = jnp.pad(logits[:s], ((0, rows - s), (0, 0)))
         return start_copies(sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows))
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):

@@ -15,9 +15,9 @@ data shard of their pages; each group is padded to a common bucket (N tokens, S 
 pages wide) with its slots, block tables and query offsets local to its shard, and the groups
 are laid end to end along the `data` axis: tokens [dp * N], block tables [dp * S, W], query
 starts [dp * (S + 1)], ... They travel as one int32 [dp, L] array (each shard's inputs packed by
-engine/step_inputs.py, row d on shard d) and are sliced apart in the step. Under the mesh the attention and KV write run per shard
-(ops/sharded_attention.py); everything else is ordinary jnp partitioned by XLA from the weights'
-shardings (engine/sharding.py). Logits come back replicated, in the batch's sequence order.
+engine/step_inputs.py, row d on shard d) and are sliced apart in the step. Under the mesh the
+attention and KV write run per shard (ops/sharded_attention.py); everything else is ordinary
+jnp partitioned by XLA from the weights' shardings (engine/sharding.py). Logits come back replicated, in the batch's sequence order.
 
 The step takes and returns explicitly sharded arrays (in_shardings / out_shardings) and donates
 the cache, as the single-device runner does.
@@ -40,7 +40,7 @@ from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepB
 from engine.sampling import SamplingArrays, sample_step
 from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
                              shard_state)
-from engine.step_inputs import FIELDS, StepLayout, pack
+from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, forward
 from ops.kv_quant import is_quantized_kv_dtype
 
@@ -115,14 +115,12 @@ class ShardedModelRunner(ModelRunner):
         """One step over packed int32 [dp, L] inputs (each shard's row packed by `pack` with
         the per-shard `layout`), laid end to end along the data axis: (logits, their argmax
         int32 [rows], cache), rows in the step's shard order."""
-        dp = packed.shape[0]
-        x = {}
-        for name, start, size in zip(FIELDS, layout.offsets(), layout.sizes()):
-            x[name] = packed[:, start:start + size].reshape(dp * size)
+        # Each field [dp, ...] with the shards end to end: [dp * size] (block tables
+        # [dp * S, W]).
+        x = {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         meta = AttentionMetadata(
-            x["positions"], x["slot_mapping"],
-            x["block_tables"].reshape(dp * layout.num_seqs, layout.width), x["query_start_loc"],
+            x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
             x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs,
             kv_quant=self.kv_quant)
         logits, cache = forward(model, cache, x["tokens"], meta, self.cfg,
@@ -238,31 +236,29 @@ class ShardedModelRunner(ModelRunner):
         """One step; the sequences' logits padded to [bucket(S), V] (padding rows repeat the
         last sequence's), replicated, in the batch's order. Input tokens come from the host
         only (supports_async_scheduling is False)."""
+        logits, _, rows = self._decode_step(batch, sample_index)
+        return self._rows(logits, rows)
+
+    def _decode_step(self, batch: StepBatch, sample_index) -> tuple:
+        """(logits, greedy tokens, the step's row of each sequence padded to bucket(S) by
+        repeating the last) of a step that samples each sequence's last token."""
         if sample_index is not None:
             raise ValueError("a sharded step reads its input tokens from the host only")
         step = self._layout(batch)
-        return self._rows(self._run(step, all_logits=False)[0], self._padded_rows(step, batch))
-
-    @staticmethod
-    def _padded_rows(step: ShardedStep, batch: StepBatch) -> np.ndarray:
-        """The step's row of each sequence, padded to bucket(S) by repeating the last."""
+        logits, tokens = self._run(step, all_logits=False)
         s = batch.num_seqs
-        return step.seq_rows[np.minimum(np.arange(bucket(s)), s - 1)]
+        return logits, tokens, step.seq_rows[np.minimum(np.arange(bucket(s)), s - 1)]
 
     def execute_and_sample(self, batch: StepBatch, arrays: SamplingArrays,
                            prev_samples=None, sample_index=None) -> tuple:
         """As ModelRunner.execute_and_sample. An all-greedy batch without penalties or
         logprobs takes the step's own argmax (one program; the host reads the tokens in batch
         order); otherwise the sampler runs on the step's logits as a second program."""
+        logits, tokens, rows = self._decode_step(batch, sample_index)
         if (arrays.penalties is None and not arrays.num_logprobs
                 and arrays.mode() == "greedy"):
-            if sample_index is not None:
-                raise ValueError("a sharded step reads its input tokens from the host only")
-            step = self._layout(batch)
-            tokens = self._run(step, all_logits=False)[1]
-            return start_copies((InBatchOrder(tokens, self._padded_rows(step, batch)),
-                                 None, None, None))
-        return self.sample_device(self.execute_padded(batch, prev_samples, sample_index), arrays)
+            return start_copies((InBatchOrder(tokens, rows), None, None, None))
+        return self.sample_device(self._rows(logits, rows), arrays)
 
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """One step; the logits of every token, float32 [N, V], replicated."""

@@ -66,11 +66,12 @@ class SpeculativeRounds:
         self.scheduler.update_computed(output)
         self.stats.num_computed_tokens += output.num_tokens
         deltas = []
+        limit = self._context_limit()
         for i, request in enumerate(requests):
             if not new_tokens[i]:
                 continue
             logprob = logprob_entry(request, i, chosen, top_ids, top_logprobs)
-            deltas.append(self._append_tokens(request, new_tokens[i], logprob, now))
+            deltas.append(self._append_tokens(request, new_tokens[i], logprob, now, limit))
         return len(requests), deltas
 
     def _build_batch(self, output: SchedulerOutput) -> StepBatch:

@@ -54,9 +54,11 @@ def pack(layout: StepLayout, arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def unpack(packed, layout: StepLayout) -> dict:
-    """The FIELDS sliced out of a packed array (jax or numpy); block_tables as [S, W]."""
+    """The FIELDS sliced out of a packed array (jax or numpy) along its last axis, so
+    [..., L] gives [..., size] fields; block_tables as [..., S, W]."""
     fields = {}
     for name, start, size in zip(FIELDS, layout.offsets(), layout.sizes()):
-        fields[name] = packed[start:start + size]
-    fields["block_tables"] = fields["block_tables"].reshape(layout.num_seqs, layout.width)
+        fields[name] = packed[..., start:start + size]
+    tables = fields["block_tables"]
+    fields["block_tables"] = tables.reshape(tables.shape[:-1] + (layout.num_seqs, layout.width))
     return fields
