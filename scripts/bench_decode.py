@@ -160,14 +160,19 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
     width = runner.max_width
     tables = ds.page_tables(runner.max_seqs, width, FLAGS.seed)
     rng = np.random.default_rng(FLAGS.seed)
+    # The mesh variant reads its bytes with every device of the mesh: its floor is the bytes
+    # over the bandwidth of all of them.
+    devices = mesh.devices.size if variant == "mesh" else 1
+    common["devices"] = devices
     results["setup"].append(common | {"setup_s": time.perf_counter() - start,
                                       "cache_bytes": runner.cache.nbytes()})
     if FLAGS.greedy_steps:
         b, c, n = FLAGS.greedy_batch, FLAGS.greedy_context, FLAGS.greedy_steps
         first = rng.integers(0, cfg.vocab_size, b)
         table = tables[:b, :-(-c // FLAGS.page_size)]
-        tokens, _ = ds.greedy_loop(runner, first, c - n - 1, table, n)
-        results["greedy"].append(common | {"batch": b, "context": c, "tokens": tokens.tolist()})
+        tokens, _, gaps = ds.greedy_loop(runner, first, c - n - 1, table, n, margins=True)
+        results["greedy"].append(common | {"batch": b, "context": c, "tokens": tokens.tolist(),
+                                           "margins": gaps.tolist()})
         save(results)
     for b in map(int, FLAGS.batch):
         for c in map(int, FLAGS.context):
@@ -180,10 +185,11 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
                 row["programs"] = ds.compile_count(runner)
                 w = ds.weight_bytes_per_step(cfg, model, b)
                 kv = ds.kv_bytes_per_step(cfg, kv_dtype, b, c)
-                floor = (w + kv) / calib["copy_bytes_per_s"]
+                floor = (w + kv) / calib["copy_bytes_per_s"] / devices
                 row |= {"weight_bytes": w, "kv_bytes": kv, "floor_s": floor,
                         "tokens_per_s": b / row["step_s"], "mbu": floor / row["step_s"],
-                        "mbu_read": (w + kv) / calib["read_bytes_per_s"] / row["step_s"],
+                        "mbu_read": (w + kv) / calib["read_bytes_per_s"] / devices
+                        / row["step_s"],
                         "roofline_tokens_per_s": b / floor}
                 if FLAGS.loop_steps:
                     _, loop_s = ds.greedy_loop(runner, batch.token_ids, c - FLAGS.loop_steps - 1,
@@ -211,7 +217,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
             row |= ds.time_queued(runner, batch, max(FLAGS.steps // 8, 2), FLAGS.runs)
             flops = ds.prefill_flops(cfg, t)
             row |= {"tokens_per_s": t / row["step_s"], "flops": flops,
-                    "mfu": flops / row["step_s"] / calib["matmul_flops_per_s"]}
+                    "mfu": flops / row["step_s"] / calib["matmul_flops_per_s"] / devices}
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         results["prefill"].append(row)
@@ -261,10 +267,14 @@ def greedy_check(results: dict) -> dict:
         for e in mine[1:]:
             other = np.asarray(e["tokens"])
             equal = other.shape == base.shape and bool((other == base).all())
-            first_diff = None
+            first_diff = margin = None
             if not equal and other.shape == base.shape:
                 first_diff = int(np.argmax((other != base).any(axis=0)))
-            cmp[e["variant"]] = {"equal": equal, "first_differing_step": first_diff}
+                if "margins" in mine[0]:  # how near a tie the first variant's choice was there
+                    rows = (other != base)[:, first_diff]
+                    margin = float(np.asarray(mine[0]["margins"])[rows, first_diff].min())
+            cmp[e["variant"]] = {"equal": equal, "first_differing_step": first_diff,
+                                 "margin_at_first_difference": margin}
         out[name] = {"against": mine[0]["variant"], "results": cmp}
     return out
 

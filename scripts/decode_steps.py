@@ -185,22 +185,30 @@ def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) ->
 
 
 def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,
-                tables: np.ndarray, steps: int) -> tuple[np.ndarray, float]:
+                tables: np.ndarray, steps: int, margins: bool = False):
     """The engine's decode loop without a scheduler: each step builds its StepBatch on the host,
     runs the engine's program for a greedy batch (`execute_and_sample`: the step and its argmax)
     and takes the tokens back to the host before the next step (one sync per step). Returns
-    (tokens [batch, steps], seconds per step, after a first untimed step)."""
+    (tokens [batch, steps], seconds per step, after a first untimed step); with `margins`, also
+    each token's lead over the runner-up, top-1 minus top-2 logprob [batch, steps] (how near a
+    tie the choice was: the steps then also return logprobs, so time them without)."""
     arrays = SamplingArrays.defaults(len(tokens))
-    out, start = [], None
+    arrays.num_logprobs = 2 if margins else 0
+    out, gaps, start = [], [], None
     for i in range(steps + 1):
         positions = np.full(len(tokens), first_position + i, np.int32)
         batch = decode_batch(tokens, positions, tables, runner.page_size)
-        tokens = fetch_samples(runner.execute_and_sample(batch, arrays), len(tokens))[0]
+        tokens, _, _, top = fetch_samples(runner.execute_and_sample(batch, arrays), len(tokens))
         if i == 0:
             start = time.perf_counter()
         else:
             out.append(tokens)
-    return np.stack(out, axis=1), (time.perf_counter() - start) / steps
+            if margins:
+                gaps.append(top[:, 0] - top[:, 1])
+    seconds = (time.perf_counter() - start) / steps
+    if margins:
+        return np.stack(out, axis=1), seconds, np.stack(gaps, axis=1)
+    return np.stack(out, axis=1), seconds
 
 
 def _time_fn(fn, args, runs: int = 3, queue: int = 5) -> float:

@@ -29,6 +29,36 @@ def greedy_tokens(name: str, fused: bool, quant: str = "none", steps: int = 6) -
     return tokens
 
 
+def test_greedy_margins_are_the_lead_of_the_top_logprob():
+    """greedy_loop's margins (top-1 minus top-2 log-probability of each step's choice) against
+    the same loop replayed on a fresh runner through its logits and a numpy log-softmax."""
+    cfg, model = ds.build_model(get_preset("tiny-llama31"), jnp.float32, seed=3)
+    tables = ds.page_tables(3, 6, seed=5)
+    first = np.random.default_rng(6).integers(0, cfg.vocab_size, 3)
+
+    def runner():
+        r = ds.make_runner(cfg, model, max_batch=3, max_context=48, page_size=8)
+        ds.fill_cache_random(r, seed=4)
+        return r
+
+    tokens, _, gaps = ds.greedy_loop(runner(), first, 30, tables, 3, margins=True)
+    replay, want_tokens, want_gaps = runner(), [], []
+    step_tokens = first
+    for i in range(4):
+        batch = ds.decode_batch(step_tokens, np.full(3, 30 + i), tables, 8)
+        logits = np.asarray(replay.execute(batch), np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        top2 = np.sort(logp, axis=-1)[:, -2:]
+        step_tokens = logits.argmax(-1)
+        if i:  # the loop's first step is untimed and not returned
+            want_tokens.append(step_tokens)
+            want_gaps.append(top2[:, 1] - top2[:, 0])
+    np.testing.assert_array_equal(tokens, np.stack(want_tokens, 1))
+    np.testing.assert_allclose(gaps, np.stack(want_gaps, 1), rtol=1e-4, atol=1e-5)
+    assert (gaps > 0).all()
+
+
 @pytest.mark.parametrize("name,quant", [("tiny-llama31", "none"), ("tiny-qwen2", "none"),
                                         ("tiny-llama31", "int8"), ("tiny-llama31", "int4")])
 def test_fused_projections_give_the_same_greedy_tokens(name, quant):
@@ -143,6 +173,8 @@ def test_bench_decode_runs_end_to_end(tmp_path):
             get_preset("tiny-llama31"), jnp.float32)
     assert {r["prompt_tokens"] for r in res["prefill"]} == {16}
     assert res["greedy_check"]["tiny-llama31"]["results"]["fused"]["equal"] is True
+    greedy = res["greedy"][0]
+    assert np.asarray(greedy["margins"]).shape == np.asarray(greedy["tokens"]).shape == (2, 3)
     assert len(res["profiles"]) == 2  # traced (no device events on the CPU: an error entry)
     assert all("traced_wall_s_per_step" in p for p in res["profiles"])
     assert "| tiny-llama31 | fused | 3 | 40 |" in proc.stdout
