@@ -22,8 +22,8 @@ from engine.block_pool import BlockPool
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams, logprob_entry)
-from engine.runner import ModelRunner, fetch_samples, make_step_batch
-from engine.sampling import SamplingArrays
+from engine.runner import ModelRunner, fetch_samples, step_batch_from_arrays
+from engine.sampling import SamplingArrays, draw_steps
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
@@ -55,7 +55,7 @@ class EngineConfig:
     async_scheduling: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StreamDelta:
     """New text and tokens of one sample of a request since its previous delta."""
 
@@ -314,25 +314,38 @@ class LLMEngine(SpeculativeRounds):
         """Builds the step batch, runs the step and the sampler; does not wait for them."""
         prev = self._in_flight
         requests = [it.request for it in output.scheduled]
-        rows, completes, placeholders, sources = [], [], [], []
+        counts = [it.num_new_tokens for it in output.scheduled]
+        firsts, tokens, completes, placeholders, sources = [], [], [], [], []
         num_tokens = 0
-        for i, it in enumerate(output.scheduled):
-            r, first, n = it.request, it.request.num_computed_tokens, it.num_new_tokens
-            tokens = r.tokens_between(first, first + n)
-            if len(tokens) < n:  # its last token is in flight: read it from prev's samples
-                tokens = tokens + [0]
+        for r, n in zip(requests, counts):  # the only Python loop over the rows
+            first = r.num_computed_tokens
+            num_prompt = len(r.prompt_ids)
+            known = num_prompt + len(r.output_ids)
+            firsts.append(first)
+            if first + n > known:  # its last token is in flight: read it from prev's samples
+                if n > 1:
+                    tokens += r.tokens_between(first, first + n - 1)
+                tokens.append(0)
                 placeholders.append(num_tokens + n - 1)
                 sources.append(r.pending_row)
-            rows.append((tokens, first, r.pages))
-            completes.append(first + n >= r.num_tokens + r.num_pending)
+            elif n == 1 and first >= num_prompt:  # a decode step whose token the host has
+                tokens.append(r.output_ids[first - num_prompt])
+            else:
+                tokens += r.tokens_between(first, first + n)
+            completes.append(first + n >= known + r.num_pending)
             num_tokens += n
-        batch = make_step_batch(rows, self.pool.page_size)
+        rows = self.scheduler.rows
+        slots = rows.slots(requests)  # [S] rows of the persistent block tables
+        num_pages = rows.num_pages[slots]
+        batch = step_batch_from_arrays(
+            np.array(tokens, np.int32), np.array(counts, np.int32), np.array(firsts, np.int32),
+            rows.tables[slots, : max(int(num_pages.max()), 1)], num_pages, self.pool.page_size)
         sample_index = None
         if placeholders:
             sample_index = np.full(num_tokens, -1, np.int32)
             sample_index[placeholders] = sources
         results = self.runner.execute_and_sample(
-            batch, SamplingArrays.from_requests(requests),
+            batch, self._sampling_arrays(requests, slots),
             None if prev is None else prev.results[0], sample_index)
         self.scheduler.update_computed(output)
         self.stats.num_computed_tokens += output.num_tokens
@@ -342,6 +355,17 @@ class LLMEngine(SpeculativeRounds):
                 r.pending_row = i
         return _InFlight(requests, completes, results)
 
+    def _sampling_arrays(self, requests: list[Request], slots: np.ndarray) -> SamplingArrays:
+        """The step's sampling arrays, gathered from the persistent rows (per request only when
+        a request has penalties or logprobs, which need its tokens or more outputs)."""
+        rows = self.scheduler.rows
+        if self._penalized or rows.logprobs[slots].any():
+            return SamplingArrays.from_requests(requests)
+        table = rows.sampling[slots]  # [S, 5]
+        sampled = (table[:, 0] > 0).any()  # greedy rows need no step index
+        return SamplingArrays.from_rows(table, draw_steps(requests) if sampled
+                                        else np.zeros(len(requests), np.int32))
+
     def _finish(self, flight: "_InFlight") -> list[StreamDelta]:
         """Reads a launched step's samples (waiting for the device) and appends them."""
         start = time.perf_counter()
@@ -350,16 +374,17 @@ class LLMEngine(SpeculativeRounds):
         now = time.perf_counter()
         self._wait_s += now - start
         deltas = []
-        token_list = tokens.tolist()
         limit = self._context_limit()
-        for i, request in enumerate(flight.requests):
-            if not flight.completes[i]:
+        for i, (request, complete, token) in enumerate(zip(flight.requests, flight.completes,
+                                                          tokens.tolist())):
+            if not complete:
                 continue  # a prefill chunk short of the prompt's end
             request.num_pending -= 1
-            if request.finished:
+            if request.finish_reason is not None:
                 continue  # ended or aborted while this step ran: the token is dropped
-            logprob = logprob_entry(request, i, chosen, top_ids, top_logprobs)
-            deltas.append(self._append_tokens(request, [token_list[i]], logprob, now, limit))
+            logprob = (None if chosen is None else
+                       logprob_entry(request, i, chosen, top_ids, top_logprobs))
+            deltas.append(self._append_tokens(request, [token], logprob, now, limit))
         return deltas
 
     def _append_tokens(self, request: Request, new_tokens: list[int], logprob,
@@ -370,18 +395,23 @@ class LLMEngine(SpeculativeRounds):
             request.output_logprobs.append(logprob)
         if request.first_token_time is None:
             request.first_token_time = now
-        reason, text, appended = None, "", []
         detokenizer = self._detokenizers.get(request.request_id)
-        for token in new_tokens:
-            request.output_ids.append(token)
-            appended.append(token)
-            reason = self._stop_reason(request, token, limit)
-            if detokenizer is not None:
-                text += detokenizer.add(request.output_ids, reason is not None)
-                if reason is None and detokenizer.stopped_at is not None:
-                    reason = FinishReason.STOP
-            if reason is not None:
-                break
+        if detokenizer is None and len(new_tokens) == 1:  # a decode step without text
+            request.output_ids.append(new_tokens[0])
+            reason = self._stop_reason(request, new_tokens[0], limit)
+            text, appended = "", new_tokens
+        else:
+            reason, text, appended = None, "", []
+            for token in new_tokens:
+                request.output_ids.append(token)
+                appended.append(token)
+                reason = self._stop_reason(request, token, limit)
+                if detokenizer is not None:
+                    text += detokenizer.add(request.output_ids, reason is not None)
+                    if reason is None and detokenizer.stopped_at is not None:
+                        reason = FinishReason.STOP
+                if reason is not None:
+                    break
         group_id = request.group_id
         if reason is not None:
             self.scheduler.finish(request, reason)

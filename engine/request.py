@@ -108,6 +108,10 @@ class Request:
     finish_time: Optional[float] = None
     group_id: int = -1  # the id add_request returned (its samples share it)
     sample_index: int = 0  # which of the group's n samples this is
+    # Its row in the engine's persistent block tables (engine/request_rows.py), -1 when it has
+    # none, and how many of its pages that row holds.
+    slot: int = -1
+    table_len: int = 0
 
     def __post_init__(self):
         # The per-row sampler inputs that never change, as one tuple (SamplingArrays reads it

@@ -53,27 +53,45 @@ def make_step_batch(rows, page_size: int) -> StepBatch:
     """Builds a ragged StepBatch from rows of (tokens to compute, first position, pages).
 
     A row computes its tokens at positions first, first + 1, ...; their K/V go to the slots of
-    the row's pages (a position past the row's pages is not written: slot -1). Vectorized over
-    tokens: the per-row Python work is one list extension and one table row.
+    the row's pages (a position past the row's pages is not written: slot -1).
     """
     num_rows = len(rows)
     counts = np.fromiter((len(tokens) for tokens, _, _ in rows), np.int32, num_rows)
     firsts = np.fromiter((first for _, first, _ in rows), np.int32, num_rows)
     num_pages = np.fromiter((len(pages) for _, _, pages in rows), np.int32, num_rows)
-    start = np.zeros(num_rows + 1, np.int32)
-    np.cumsum(counts, out=start[1:])
-    token_ids = np.fromiter((t for tokens, _, _ in rows for t in tokens), np.int32, start[-1])
-    tables = np.zeros((num_rows, max(int(num_pages.max()), 1)), np.int32)
+    token_ids = np.fromiter((t for tokens, _, _ in rows for t in tokens), np.int32,
+                            int(counts.sum()))
+    tables = np.zeros((num_rows, max(int(num_pages.max(initial=0)), 1)), np.int32)
     for i, (_, _, pages) in enumerate(rows):
         tables[i, : len(pages)] = pages
+    return step_batch_from_arrays(token_ids, counts, firsts, tables, num_pages, page_size)
+
+
+def step_batch_from_arrays(token_ids: np.ndarray, counts: np.ndarray, firsts: np.ndarray,
+                           tables: np.ndarray, num_pages: np.ndarray,
+                           page_size: int) -> StepBatch:
+    """The StepBatch of S rows given as arrays (vectorized over tokens: no Python per row).
+
+    token_ids int32 [N] (the rows' tokens, concatenated); counts, firsts, num_pages int32 [S]:
+    tokens computed, first position, pages held by each row; tables int32 [S, W >= the most
+    pages of a row]. The batch's block tables are cut to the widest row, zero past each row's
+    pages (whatever `tables` holds there).
+    """
+    num_rows = len(counts)
+    width = max(int(num_pages.max(initial=0)), 1)
+    held = np.arange(width) < num_pages[:, None]  # [S, W]
+    tables = np.where(held, tables[:, :width], 0).astype(np.int32)
+    start = np.zeros(num_rows + 1, np.int32)
+    np.cumsum(counts, out=start[1:])
     row_of_token = np.repeat(np.arange(num_rows), counts)  # [N]
     positions = (firsts[row_of_token] + np.arange(start[-1], dtype=np.int32)
                  - start[:-1][row_of_token]).astype(np.int32)
     page_index = positions // page_size
     inside = page_index < num_pages[row_of_token]
-    page = tables[row_of_token, np.minimum(page_index, tables.shape[1] - 1)]
+    page = tables[row_of_token, np.minimum(page_index, width - 1)]
     slots = np.where(inside, page * page_size + positions % page_size, -1).astype(np.int32)
-    return StepBatch(token_ids, positions, slots, tables, start, firsts + counts, start[1:] - 1)
+    return StepBatch(np.asarray(token_ids, np.int32), positions, slots, tables, start,
+                     (firsts + counts).astype(np.int32), start[1:] - 1)
 
 
 def bucket(n: int, minimum: int = 1) -> int:

@@ -185,16 +185,8 @@ class SamplingArrays:
     def from_requests(cls, requests) -> "SamplingArrays":
         """The arrays of a list of engine Requests (their params, seeds and output counts)."""
         params = [r.params for r in requests]
-        # [S, 5] float64: temperature, top_k, top_p, min_p, seed (exact: all below 2**53).
-        rows = np.array([r.sampling_row for r in requests], np.float64).reshape(-1, 5)
-        arrays = cls(
-            temperature=rows[:, 0].astype(np.float32), top_k=rows[:, 1].astype(np.int32),
-            top_p=rows[:, 2].astype(np.float32), min_p=rows[:, 3].astype(np.float32),
-            seeds=rows[:, 4].astype(np.uint32),
-            # The index of the token being drawn: tokens still in flight count (asynchronous
-            # scheduling), so a seeded request draws the same tokens either way.
-            steps=np.fromiter((len(r.output_ids) + r.num_pending for r in requests), np.int32,
-                              len(requests)))
+        arrays = cls.from_rows(np.array([r.sampling_row for r in requests], np.float64),
+                               draw_steps(requests))
         if any(p.uses_penalties for p in params):
             arrays.penalties = (
                 _token_matrix([r.prompt_ids for r in requests]),
@@ -205,6 +197,16 @@ class SamplingArrays:
         if any(p.logprobs is not None for p in params):
             arrays.num_logprobs = MAX_LOGPROBS
         return arrays
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray, steps: np.ndarray) -> "SamplingArrays":
+        """The arrays of sampling rows float64 [S, 5] (temperature, top_k, top_p, min_p, seed:
+        Request.sampling_row, exact in float64) and each row's `draw_steps`, without penalties
+        or logprobs."""
+        rows = rows.reshape(-1, 5)
+        return cls(temperature=rows[:, 0].astype(np.float32), top_k=rows[:, 1].astype(np.int32),
+                   top_p=rows[:, 2].astype(np.float32), min_p=rows[:, 3].astype(np.float32),
+                   seeds=rows[:, 4].astype(np.uint32), steps=np.asarray(steps, np.int32))
 
     def padded(self, rows: int) -> "SamplingArrays":
         """The same arrays with greedy, cut-free padding rows up to `rows`."""
@@ -218,6 +220,13 @@ class SamplingArrays:
                          _pad_rows(rep, rows, 1.0), _pad_rows(pres, rows, 0.0),
                          _pad_rows(freq, rows, 0.0))
         return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
+
+
+def draw_steps(requests) -> np.ndarray:
+    """int32 [S]: the index of the token each request draws now. Tokens still in flight count
+    (asynchronous scheduling), so a seeded request draws the same tokens either way."""
+    return np.fromiter((len(r.output_ids) + r.num_pending for r in requests), np.int32,
+                       len(requests))
 
 
 def _token_matrix(token_lists) -> np.ndarray:

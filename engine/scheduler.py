@@ -17,6 +17,7 @@ import itertools
 
 from engine.block_pool import BlockPool
 from engine.request import FinishReason, Request
+from engine.request_rows import RequestRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,9 @@ class Scheduler:
         self._order = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Persistent block tables and sampling rows of the running requests (the engine reads
+        # them to build each step; a request's slot goes when its pages go).
+        self.rows = RequestRows(config.max_num_seqs, pool.pages_needed(config.max_model_len))
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -99,12 +103,14 @@ class Scheduler:
         self.pool.free(request.pages)
         request.pages = []
         request.num_cached_pages = 0
+        self.rows.release(request)
 
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's requests and token counts, allocating their pages."""
         budget = self.config.max_num_batched_tokens
+        page_size = self.pool.page_size
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         # 1. Running requests, oldest first; preempt the youngest when pages run out.
@@ -124,7 +130,8 @@ class Scheduler:
                                         if remaining == 1 else 0, 0)
                 num_new += request.lookahead
             num_new = min(num_new, budget)
-            while not self.pool.grow(request.pages, request.num_computed_tokens + num_new):
+            end = request.num_computed_tokens + num_new
+            while end > len(request.pages) * page_size and not self.pool.grow(request.pages, end):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -186,12 +193,12 @@ class Scheduler:
             request = item.request
             computed = request.num_computed_tokens + item.num_new_tokens
             request.num_computed_tokens = computed
-            num_prompt = len(request.prompt_ids)
-            # Accepted speculative tokens are computed before the engine appends them: only
-            # pages whose tokens are all known can be keyed (the rest are keyed next step).
-            known = min(computed, num_prompt + len(request.output_ids))
-            if known // page_size > request.num_cached_pages:  # a page has filled up
-                request.num_cached_pages = self.pool.cache_full_pages(
-                    request.token_ids, request.pages, known, request.num_cached_pages)
-            if computed >= num_prompt:
+            if computed // page_size > request.num_cached_pages:  # a page may have filled up
+                # Accepted speculative tokens are computed before the engine appends them: only
+                # pages whose tokens are all known can be keyed (the rest are keyed next step).
+                known = min(computed, len(request.prompt_ids) + len(request.output_ids))
+                if known // page_size > request.num_cached_pages:
+                    request.num_cached_pages = self.pool.cache_full_pages(
+                        request.token_ids, request.pages, known, request.num_cached_pages)
+            if not request.prompt_cached and computed >= len(request.prompt_ids):
                 request.prompt_cached = True
