@@ -26,6 +26,26 @@ accumulates in float32:
     (tensor cores), 8 dots of K = R per int4 tile.
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
     are summed in jnp (a small fused reduction).
+The paths above are MatmulConfig.path "auto" (today's default; `matmul_config` picks nothing
+else until the H200 sweep of scripts/bench_matmul.py has measured the others). Two tensor-core
+paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked loads):
+  * "mma": acc [BM, BN] += x [BM, R] @ w [R, BN] per code j, as the dot path.
+    "mma_t": acc [BN, BM] += w [BN, R] @ x [R, BM], the transposed product: the weight tile is
+    the MMA's M operand (64+ rows, wgmma-sized) and the few activation rows its N operand; the
+    output is stored through transposed indices.
+  * Codes go straight into the activation dtype, without a float instruction: c | magic16 is
+    the bit pattern of base + c (bf16 128.0 = 0x4300 for 4-bit codes, fp16 1024.0 = 0x6400 for 4-
+    and 8-bit codes): a shift and one LOP3 per weight, then a 32 -> 16 bit truncation. The dot of
+    x with base + c overshoots by (base + zero) x the activations' row sum over the tile, which
+    is subtracted once per group on the float32 accumulator (a cancellation of about base / 8
+    times fp32 epsilon, far below the bf16 rounding of the weights that the reference does).
+    bf16 activations with 8-bit codes (more than bf16's 8 significant bits with the magic) and
+    float32 activations take the exact float32 c - zero of the fma path, cast (no excess).
+  * Group scales are applied after the dot: where a K tile lies in one group, or is whole
+    groups of >= 16 packed rows (one dot chain per group), acc += s[g] * (tile - excess * xsum)
+    (+ offset[g] * xsum), once per [BM, BN] and group instead of once per weight. Groups that
+    cut the dot's K (group_size / 8 < 16 int4 rows with a larger tile, or not dividing it) fall
+    back to scaling every weight before the dot.
 For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
 the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
 docs/PERFORMANCE.md). PALLASITE_MATMUL=reference|pallas|pallas_interpret overrides dispatch.
