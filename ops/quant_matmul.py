@@ -26,6 +26,26 @@ accumulates in float32:
     (tensor cores), 8 dots of K = R per int4 tile.
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
     are summed in jnp (a small fused reduction).
+The paths above are MatmulConfig.path "auto" (today's default; `matmul_config` picks nothing
+else until the H200 sweep of scripts/bench_matmul.py has measured the others). Two tensor-core
+paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked loads):
+  * "mma": acc [BM, BN] += x [BM, R] @ w [R, BN] per code j, as the dot path.
+    "mma_t": acc [BN, BM] += w [BN, R] @ x [R, BM], the transposed product: the weight tile is
+    the MMA's M operand (64+ rows, wgmma-sized) and the few activation rows its N operand; the
+    output is stored through transposed indices.
+  * Codes go straight into the activation dtype, without a float instruction: c | magic16 is
+    the bit pattern of base + c (bf16 128.0 = 0x4300 for 4-bit codes, fp16 1024.0 = 0x6400 for 4-
+    and 8-bit codes): a shift and one LOP3 per weight, then a 32 -> 16 bit truncation. The dot of
+    x with base + c overshoots by (base + zero) x the activations' row sum over the tile, which
+    is subtracted once per group on the float32 accumulator (a cancellation of about base / 8
+    times fp32 epsilon, far below the bf16 rounding of the weights that the reference does).
+    bf16 activations with 8-bit codes (more than bf16's 8 significant bits with the magic) and
+    float32 activations take the exact float32 c - zero of the fma path, cast (no excess).
+  * Group scales are applied after the dot: where a K tile lies in one group, or is whole
+    groups of >= 16 packed rows (one dot chain per group), acc += s[g] * (tile - excess * xsum)
+    (+ offset[g] * xsum), once per [BM, BN] and group instead of once per weight. Groups that
+    cut the dot's K (group_size / 8 < 16 int4 rows with a larger tile, or not dividing it) fall
+    back to scaling every weight before the dot.
 For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
 the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
 docs/PERFORMANCE.md). PALLASITE_MATMUL=reference|pallas|pallas_interpret overrides dispatch.
@@ -46,6 +66,10 @@ FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
 EXP_ONE = {0: 150, 1: 146, 2: 142, 3: 138}  # biased exponent making bit 4j worth 1.0
 MAGIC_BITS = 0x4B000000  # float32 2^23: its lowest mantissa bit is worth 1
+# 16-bit magic numbers whose lowest mantissa bit is worth 1: bf16 128.0 (7 mantissa bits: codes
+# < 128) and fp16 1024.0 (10 bits: codes < 1024). bits | magic is exactly base + code.
+MAGIC16 = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0x6400, 1024)}
+PATHS = ("auto", "mma", "mma_t")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +78,11 @@ class MatmulConfig:
 
     block_m: int  # activation rows per program: < 16 fma path, >= 16 tl.dot path
     block_n: int  # output columns per program
-    block_k: int  # K rows per loop step (int4: a multiple of 8; dot path: >= 16 words)
+    block_k: int  # K rows per loop step (int4: a multiple of 8; dot paths: >= 16 words)
     num_splits: int = 1  # programs along K
     num_warps: int = 4
     num_stages: int = 3
+    path: str = "auto"  # "auto": fma below block_m 16, else dot; "mma" / "mma_t" (module doc)
 
 
 def _pow2(n: int) -> bool:
@@ -110,18 +135,42 @@ def _dequant_tile(word, j: int, zero: int, bits: int):
     return f - (float(2 ** (23 - 4 * jj)) + zero)
 
 
-def _load(ref, rows, cols, row_ok, col_ok, dtype=None):
-    """ref[rows[:, None], cols[None, :]] masked (None: known in bounds); masked reads are 0."""
-    view = ref.at[rows[:, None], cols[None, :]]
+def _codes_as(word, j: int, zero: int, bits: int, dtype):
+    """Code j of each packed element as `dtype`, exactly c - zero + excess: (tile, excess).
+
+    16-bit activations (int8: fp16 only) take the magic-number bits straight in their own
+    dtype, c | magic16 = base + c (one LOP3, plus a shift for nibbles 1..7, and no float
+    instruction): excess = base + zero, which the caller removes from the product once per tile
+    (excess x the activations' row sums). Otherwise the exact float32 c - zero, cast (excess 0).
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype in MAGIC16 and not (bits == 8 and dtype == jnp.dtype(jnp.bfloat16)):
+        magic, base = MAGIC16[dtype]
+        if bits == 4:
+            c = word if j == 0 else jax.lax.shift_right_logical(word, 4 * j)
+            pattern = (c & 0xF) | magic
+        else:
+            pattern = word | magic  # int32 codes < 256
+        return jax.lax.bitcast_convert_type(pattern.astype(jnp.int16), dtype), base + zero
+    return _dequant_tile(word, j, zero, bits).astype(dtype), 0
+
+
+def _load(ref, rows, cols, row_ok, col_ok, dtype=None, transposed=False):
+    """ref[rows, cols] as [len(rows), len(cols)] ([len(cols), len(rows)] when `transposed`),
+    masked by row_ok / col_ok (None: known in bounds); masked reads are 0."""
+    lay = (lambda a: a[None, :]) if transposed else (lambda a: a[:, None])  # noqa: E731
+    lay_c = (lambda a: a[:, None]) if transposed else (lambda a: a[None, :])  # noqa: E731
+    view = ref.at[lay(rows), lay_c(cols)]
     if row_ok is None and col_ok is None:
         out = plgpu.load(view)
     else:
-        shape = (rows.shape[0], cols.shape[0])
+        shape = ((cols.shape[0], rows.shape[0]) if transposed
+                 else (rows.shape[0], cols.shape[0]))
         mask = jnp.ones(shape, jnp.bool_)
         if row_ok is not None:
-            mask = mask & row_ok[:, None]
+            mask = mask & lay(row_ok)
         if col_ok is not None:
-            mask = mask & col_ok[None, :]
+            mask = mask & lay_c(col_ok)
         zero = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
         out = plgpu.load(view, mask=mask, other=zero)
     return out if dtype is None else out.astype(dtype)
@@ -227,6 +276,103 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
                     mask=ok)
 
 
+def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
+                group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
+                num_splits: int, asymmetric: bool, transposed: bool):
+    # Paths "mma" (transposed False) and "mma_t" (True); refs as in _matmul_kernel:
+    # x_ref [M, K], w_ref [K/8, N] int32 or [K, N] uint8, s_ref (and o_ref) [G, N],
+    # out_ref [M, N] (x dtype, or this split's float32 partial).
+    # Tiles: "mma" x [BM, R] @ w [R, BN] -> acc [BM, BN]; "mma_t" w [BN, R] @ x [R, BM] -> acc
+    # [BN, BM] (the weight is the MMA's M operand, the padded activation rows its N).
+    o_ref = refs[0] if asymmetric else None
+    out_ref = refs[-1]
+    mb, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    per_word = 8 if bits == 4 else 1
+    zero = 0 if asymmetric else 2 ** (bits - 1)
+    dtype = x_ref.dtype
+    cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
+    col_ok = cols < n if n % block_n else None
+    x_rows = mb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [BM]
+    x_row_ok = x_rows < m if m % block_m else None
+    num_tiles = pl.cdiv(rows, step)
+    per_split = pl.cdiv(num_tiles, num_splits)
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
+    if group_rows % step == 0 or num_groups == 1:
+        sub = step  # every tile lies in one group
+    elif step % group_rows == 0 and group_rows >= 16:
+        sub = group_rows  # a tile is step / group_rows whole groups, one dot chain each
+    else:
+        sub = None  # groups cut across the dot's K: scale every weight before the dot
+    k_total = rows * per_word
+    acc_shape = (block_n, block_m) if transposed else (block_m, block_n)
+    f32 = jnp.float32
+
+    def x_tile(r, r_ok, j, dt=None):  # [BM, R] ([R, BM]): activations of code j of rows r
+        kc = r * per_word + j
+        return _load(x_ref, x_rows, kc, x_row_ok, kc < k_total if r_ok is not None else None,
+                     dt, transposed)
+
+    def prescaled(r, r_ok):  # sum over rows r of x * w, weights scaled before the dot
+        word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32, transposed)  # [R, BN] ([BN, R])
+        g = jnp.minimum(r // group_rows, num_groups - 1)  # [R]
+        s = _load(s_ref, g, cols, None, col_ok, f32, transposed)  # [R, BN] ([BN, R])
+        o = _load(o_ref, g, cols, None, col_ok, f32, transposed) if asymmetric else None
+        out = jnp.zeros(acc_shape, f32)
+        for j in range(per_word):
+            w = _dequant_tile(word, j, zero, bits)
+            wj = (w * s + o if asymmetric else w * s).astype(dtype)
+            xj = x_tile(r, r_ok, j)
+            out += plgpu.dot(wj, xj) if transposed else plgpu.dot(xj, wj)
+        return out
+
+    def one_group(r, r_ok, g):  # sum over rows r (all in group g) of x * w, scaled after
+        word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32, transposed)  # [R, BN] ([BN, R])
+        tile = jnp.zeros(acc_shape, f32)  # sum of x * (c - zero + excess)
+        xsum = None  # [BM, R] ([R, BM]) float32: x summed over the codes of a word
+        excess = 0
+        for j in range(per_word):
+            xj = x_tile(r, r_ok, j)
+            wj, excess = _codes_as(word, j, zero, bits, dtype)  # [R, BN] ([BN, R])
+            if excess or asymmetric:
+                xsum = xj.astype(f32) if xsum is None else xsum + xj.astype(f32)
+            tile += plgpu.dot(wj, xj) if transposed else plgpu.dot(xj, wj)
+        gv = jnp.full((1,), g, jnp.int32)
+        s = _load(s_ref, gv, cols, None, col_ok, f32, transposed)  # [1, BN] ([BN, 1])
+        if xsum is not None:
+            xs = jnp.sum(xsum, axis=0 if transposed else 1)  # [BM]
+            xs = xs[None, :] if transposed else xs[:, None]  # [1, BM] ([BM, 1])
+            if excess:
+                tile -= float(excess) * xs
+        out = s * tile
+        if asymmetric:
+            out += _load(o_ref, gv, cols, None, col_ok, f32, transposed) * xs
+        return out
+
+    def body(t, acc):  # acc [BM, BN] ([BN, BM]) float32
+        if sub is None:
+            r = t * step + jnp.arange(step, dtype=jnp.int32)  # [R] packed rows of this tile
+            return acc + prescaled(r, r < rows if rows % step else None)
+        for q in range(step // sub):
+            first_row = t * step + q * sub
+            r = first_row + jnp.arange(sub, dtype=jnp.int32)  # [sub] packed rows of a group
+            g = jnp.minimum(first_row // group_rows, num_groups - 1)
+            acc += one_group(r, r < rows if rows % step else None, g)
+        return acc
+
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros(acc_shape, f32))
+    out_rows = jnp.where(x_rows < m, x_rows, m)  # masked rows go past the end
+    ok = None
+    if x_row_ok is not None or col_ok is not None:
+        ok = jnp.ones(acc_shape, jnp.bool_)
+        if x_row_ok is not None:
+            ok &= x_row_ok[None, :] if transposed else x_row_ok[:, None]
+        if col_ok is not None:
+            ok &= col_ok[:, None] if transposed else col_ok[None, :]
+    idx = (out_rows[None, :], cols[:, None]) if transposed else (out_rows[:, None], cols[None, :])
+    plgpu.store(out_ref.at[idx], acc.astype(out_ref.dtype), mask=ok)
+
+
 def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config: MatmulConfig,
                    interpret: bool):
     m, k = x.shape
@@ -249,8 +395,12 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     else:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = full((m, n))
+    if config.path == "auto":
+        body = _matmul_kernel
+    else:
+        body = functools.partial(_mma_kernel, transposed=config.path == "mma_t")
     kernel = functools.partial(
-        _matmul_kernel, bits=bits, m=m, n=n, rows=rows, group_rows=max(1, group_size // per_word),
+        body, bits=bits, m=m, n=n, rows=rows, group_rows=max(1, group_size // per_word),
         num_groups=num_groups, block_m=config.block_m, block_n=config.block_n, step=step,
         num_splits=splits, asymmetric=asymmetric)
     out = pl.pallas_call(
@@ -303,11 +453,14 @@ def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
     if config is not None:
         per_word = 8 if bits == 4 else 1
         sizes = (config.block_m, config.block_n, config.block_k // per_word)
+        dot = config.block_m >= 16 or config.path != "auto"
         if (not all(map(_pow2, sizes)) or config.block_k % per_word or config.num_splits < 1
-                or (config.block_m >= 16 and sizes[2] < 16) or config.block_n < 16):
+                or (dot and sizes[2] < 16) or config.block_n < 16 or config.path not in PATHS
+                or (config.path != "auto" and config.block_m < 16)):
             raise ValueError(f"{name}: config {config} needs power-of-two blocks, block_n >= "
-                             f"16, block_k a multiple of {per_word} and, for block_m >= 16, "
-                             f"block_k >= {16 * per_word}")
+                             f"16, block_k a multiple of {per_word}, path in {PATHS} and, for "
+                             f"block_m >= 16 or the mma paths, block_k >= {16 * per_word} (the "
+                             f"mma paths also block_m >= 16)")
     return k, n
 
 

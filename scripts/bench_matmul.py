@@ -11,7 +11,11 @@ Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fu
   `matmul_config` (the faster of the two as the heuristic picks it), and jax's Mosaic GPU
   `hopper_mixed_type_matmul_mgpu` (int8 x bf16, per-channel scales applied after) where it runs.
   TB/s = weight bytes read (packed codes + scales) over time; speedup = bf16 time / time.
-- sweep: the kernel's tile configurations at the given shapes and M (tuning).
+- sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
+  the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
+  The decode sweep (about 9 configs per shape, M and bits; a few minutes on an H200):
+    python -m scripts.bench_matmul --modes=calib,sweep --shapes=4096x4096,4096x28672,\
+        14336x4096,4096x128256 --ms=1,16 --bits=4,8 --json_out=sweep.json
 
 Timing: each jitted program runs `--calls` products on distinct inputs (a weight set per
 product, separate arrays); it is queued `--queue` times and synchronized once; time per
@@ -27,8 +31,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 
-from ops.quant_matmul import (MatmulConfig, int4_matmul, int4_matmul_reference, int8_matmul,
-                              int8_matmul_reference, matmul_config)
+from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
+                              int8_matmul, int8_matmul_reference, matmul_config)
 from scripts import timing
 
 FLAGS = flags.FLAGS
@@ -113,15 +117,12 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
         xs = tuple(jax.random.normal(jax.random.key(1000 * m + c), (m, k), jnp.bfloat16)
                    for c in range(calls))
         base = dict(K=k, N=n, M=m)
-        if sweep is None:
-            t_bf16 = time_per_call(lambda xs, w: tuple(
-                jnp.dot(xs[c], w[c % bf16_sets], preferred_element_type=jnp.float32).astype(
-                    jnp.bfloat16) for c in range(calls)), (xs, wb), calls)
-            rows.append({**base, "impl": "xla_bf16", "us": t_bf16 * 1e6,
-                         "TBps": 2 * k * n / t_bf16 / 1e12, "speedup": 1.0})
-            report(rows[-1], calib)
-        else:
-            t_bf16 = None
+        t_bf16 = time_per_call(lambda xs, w: tuple(
+            jnp.dot(xs[c], w[c % bf16_sets], preferred_element_type=jnp.float32).astype(
+                jnp.bfloat16) for c in range(calls)), (xs, wb), calls)
+        rows.append({**base, "impl": "xla_bf16", "us": t_bf16 * 1e6,
+                     "TBps": 2 * k * n / t_bf16 / 1e12, "speedup": 1.0})
+        report(rows[-1], calib)
         for bits in map(int, FLAGS.bits):
             group = FLAGS.group_size if bits == 4 else k
             packed_bytes = k * n // (2 if bits == 4 else 1)
@@ -131,8 +132,9 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
             fn = int4_matmul if bits == 4 else int8_matmul
             ref = int4_matmul_reference if bits == 4 else int8_matmul_reference
             heur = matmul_config(bits, m, k, n, group)
-            if sweep is not None:
-                variants = [(f"int{bits}_kernel", "pallas", cfg) for cfg in sweep(bits, m)]
+            if sweep is not None:  # the heuristic's own config first, then the variants
+                variants = [(f"int{bits}_heuristic" if i == 0 else f"int{bits}_kernel",
+                             FLAGS.impl, cfg) for i, cfg in enumerate(sweep(bits, m))]
             else:
                 variants = [(f"int{bits}_kernel", FLAGS.impl, heur),
                             (f"int{bits}_xla", "reference", None)]
@@ -157,11 +159,17 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
                     row.update(us=t * 1e6, TBps=(packed_bytes + scale_bytes) / t / 1e12)
                     if t_bf16:
                         row["speedup"] = t_bf16 / t
-                    by_name[name] = t
+                    by_name[name] = min(t, by_name.get(name, t))
                 except Exception as e:  # a config the compiler rejects is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 report(row, calib)
+            timed = [r for r in rows if r.get("bits") == bits and r["M"] == m
+                     and r["K"] == k and r["N"] == n and "us" in r]
+            if sweep is not None and timed:  # the fastest config of this (shape, M, bits)
+                best = min(timed, key=lambda r: r["us"])
+                rows.append({**best, "impl": f"int{bits}_best"})
+                report(rows[-1], calib)
             if sweep is None and by_name:  # what the default dispatch runs
                 pick = f"int{bits}_kernel" if heur is not None else f"int{bits}_xla"
                 if pick in by_name:
@@ -208,20 +216,26 @@ def report(row: dict, calib: dict) -> None:
 
 
 def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:
-    """Tile variants around the heuristic for one row count (num_splits filled in by main)."""
-    out = []
-    if m <= 2:
-        bm = 1 if m == 1 else 2
-        for bn in (128, 256):
-            for bk in ((256, 512) if bits == 4 else (32, 64)):
-                for warps in (4, 8):
-                    out.append(MatmulConfig(bm, bn // bm, bk, 0, warps, 3))
-    else:
-        bm = max(16, 1 << (m - 1).bit_length())
-        bk = 256 if bits == 4 else 64
-        out = [MatmulConfig(bm, bn, bk, 0, 4, 3) for bn in (64, 128, 256)]
-        out += [MatmulConfig(bm, 128, bk, 0, 8, 3), MatmulConfig(bm, 128, 2 * bk, 0, 4, 2)]
-    return out
+    """Tile variants for one row count (num_splits 0: filled in by main's rule).
+
+    M <= 16 (decode): today's dot path at block_m 16 and wide N (M < 16 only), then the
+    tensor-core paths of ops/quant_matmul.py: "mma" (x @ W, M padded to 16) and "mma_t"
+    (W^T @ x^T, the weight tile as the MMA's M operand) over block_n, block_k, warps, stages;
+    8 to 9 configs, plus the heuristic's own (main puts it first). Larger M: tiles around the
+    heuristic's dot path.
+    """
+    bk = (128, 256, 512) if bits == 4 else (32, 64, 128)  # small, medium, large K tile
+    if m <= 16:
+        old = [MatmulConfig(16, 256, bk[2] if bits == 4 else bk[1], 0, 8, 2)] if m < 16 else []
+        mma = [MatmulConfig(16, bn, k_, 0, w, st, "mma")
+               for bn, k_, w, st in ((128, bk[1], 4, 3), (256, bk[1], 4, 3), (256, bk[2], 8, 2))]
+        mma_t = [MatmulConfig(16, bn, k_, 0, w, st, "mma_t")
+                 for bn, k_, w, st in ((128, bk[1], 4, 3), (128, bk[2], 4, 3),
+                                       (256, bk[1], 8, 3), (256, bk[2], 8, 2))]
+        return old + mma + mma_t
+    bm = max(16, 1 << (m - 1).bit_length())
+    out = [MatmulConfig(bm, bn, bk[1], 0, 4, 3) for bn in (64, 128, 256)]
+    return out + [MatmulConfig(bm, 128, bk[1], 0, 8, 3), MatmulConfig(bm, 128, bk[2], 0, 4, 2)]
 
 
 def main(_):
@@ -231,16 +245,16 @@ def main(_):
     ms = [int(m) for m in FLAGS.ms]
     rows = []
     if "sweep" in FLAGS.modes:
-        def sweep(bits, m):  # splits from the heuristic's rule for each tile shape
-            out = []
+        def sweep(bits, m):  # the heuristic's config, then variants with the split rule
+            auto = matmul_config(bits, m, k, n, FLAGS.group_size if bits == 4 else k)
+            out = [auto] if auto is not None else []
             for cfg in sweep_configs(bits, m):
-                auto = matmul_config(bits, m, k, n, FLAGS.group_size if bits == 4 else k)
-                splits = auto.num_splits if auto and auto.block_n == cfg.block_n else 0
-                if not splits:
-                    tiles = -(-k // cfg.block_k)
-                    progs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-                    splits = max(1, min(round(264 / progs), tiles // 2, 16))
-                out.append(dataclasses.replace(cfg, num_splits=splits))
+                tiles = -(-k // cfg.block_k)
+                progs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+                splits = max(1, min(round(2 * NUM_SMS / progs), tiles // 2, 16))
+                cfg = dataclasses.replace(cfg, num_splits=splits)
+                if cfg not in out:
+                    out.append(cfg)
             return out
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib, sweep=sweep)

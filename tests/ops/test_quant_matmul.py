@@ -4,8 +4,9 @@ Every case draws fresh random codes, scales, offsets and activations (never zero
 with quant/qtensor.py's packers, so kernel and references read the very same packed arrays. On
 CPU the Pallas kernel runs with interpret=True on small K / N of the Llama structure (K a multiple
 of the group or not, N not a multiple of the column block); on a GPU the same cases run compiled
-and the Llama-3.1-8B shapes are added. A CPU test lowers both kernel paths to Triton IR for an
-H200, which catches unsupported constructs without a GPU.
+and the Llama-3.1-8B shapes are added. A CPU test lowers every kernel path (fma, dot, and the
+tensor-core decode paths "mma" / "mma_t") to Triton IR for an H200, which catches unsupported
+constructs without a GPU (not what Triton's own compiler might reject later).
 """
 from __future__ import annotations
 
@@ -103,6 +104,29 @@ def test_explicit_configs(bits, config):
              seed=config.block_m * 7 + config.num_splits)
 
 
+# The tensor-core decode paths (MatmulConfig.path): (bits, m, k, n, group_size, asymmetric, dtype,
+# block_k). Groups: a tile in one group (the scale after the dot), a tile of several whole groups
+# (one dot chain per group), groups that cut the dot's K (weights scaled before the dot).
+MMA_CASES = [
+    (4, 1, 512, 96, 128, False, "bfloat16", 128),  # one group per tile; N % 32 != 0
+    (4, 3, 1024, 64, 128, True, "bfloat16", 512),  # four groups per tile
+    (4, 16, 448, 64, 32, False, "float16", 128),  # 4-word groups: pre-scaled; partial tile
+    (4, 3, 320, 64, 320, True, "float16", 256),  # per channel, K % block_k != 0
+    (4, 1, 256, 32, 64, True, "float32", 128),
+    (8, 1, 300, 64, 300, False, "bfloat16", 32),  # per channel, K not a multiple of 16
+    (8, 16, 256, 64, 64, True, "float16", 128),  # fp16 magic codes, two groups per tile
+    (8, 3, 192, 32, 48, False, "bfloat16", 32),  # 48-row groups cut 32-row tiles
+]
+
+
+@pytest.mark.parametrize("path", ["mma", "mma_t"])
+@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,block_k", MMA_CASES)
+def test_mma_paths(path, bits, m, k, n, group_size, asymmetric, dtype, block_k):
+    config = MatmulConfig(block_m=16, block_n=32, block_k=block_k, num_splits=2, path=path)
+    run_case(bits=bits, m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric,
+             dtype=dtype, config=config, seed=m + k + n + block_k + len(path))
+
+
 def test_leading_dims_and_linear_dispatch(monkeypatch):
     run_case(bits=4, m=None, k=256, n=128, group_size=64, lead=(2, 3), seed=3)
     rng = np.random.default_rng(4)
@@ -145,6 +169,8 @@ def test_validation():
         dict(perm=jnp.arange(128)),
         dict(config=MatmulConfig(block_m=16, block_n=64, block_k=64)),  # 8 words < 16 for tl.dot
         dict(config=MatmulConfig(block_m=3, block_n=64, block_k=64)),
+        dict(config=MatmulConfig(block_m=8, block_n=64, block_k=128, path="mma")),  # < 16 rows
+        dict(config=MatmulConfig(block_m=16, block_n=64, block_k=128, path="wgmma")),
     ]
     base = dict(x=x, packed=w.packed, scales=w.scales, offsets=None, group_size=64, perm=None,
                 config=None)
@@ -178,23 +204,31 @@ def test_gpu_llama_shapes(bits, k, n):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-@pytest.mark.parametrize("bits,block_m,asymmetric", [(4, 1, False), (4, 2, True), (4, 16, True),
-                                                     (8, 1, True), (8, 16, False)])
-def test_lowers_to_triton_for_h200(monkeypatch, bits, block_m, asymmetric):
+@pytest.mark.parametrize("bits,block_m,asymmetric,path,dtype", [
+    (4, 1, False, None, "bfloat16"), (4, 2, True, None, "bfloat16"),
+    (4, 16, True, None, "bfloat16"), (8, 1, True, None, "bfloat16"),
+    (8, 16, False, None, "bfloat16"),
+    (4, 1, False, "mma", "bfloat16"), (4, 16, True, "mma_t", "bfloat16"),
+    (4, 1, True, "mma_t", "float16"), (8, 1, False, "mma_t", "bfloat16"),
+    (8, 16, True, "mma", "float16")])
+def test_lowers_to_triton_for_h200(monkeypatch, bits, block_m, asymmetric, path, dtype):
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     spec = jax.ShapeDtypeStruct
     k, n, group = 4096, 6144, 128
     packed = spec((k // 8, n), jnp.int32) if bits == 4 else spec((k, n), jnp.uint8)
-    scales = spec((k // group, n), jnp.bfloat16)
+    scales = spec((k // group, n), dtype)
     config = matmul_config(bits, block_m, k, n, group)
+    if path is not None:  # block_k 512 (int4) spans four groups of 128 rows
+        config = MatmulConfig(block_m=16, block_n=256, block_k=512 if bits == 4 else 128,
+                              num_splits=2, num_warps=8, num_stages=2, path=path)
     fn = int4_matmul if bits == 4 else int8_matmul
 
     def f(x, w, s, o):
         return fn(x, w, s, o, group_size=group, impl="pallas", config=config)
 
-    text = jax.jit(f).trace(spec((block_m, k), jnp.bfloat16), packed, scales,
+    text = jax.jit(f).trace(spec((block_m, k), dtype), packed, scales,
                             scales if asymmetric else None).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
