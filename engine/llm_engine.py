@@ -53,6 +53,17 @@ class EngineConfig:
     # 256 sequences the host is the slower side and it measured 11% fewer tokens/s
     # (docs/PERFORMANCE.md); it pays where the device step is longer than the host's work.
     async_scheduling: bool = False
+    # Decode steps per program when every running request decodes (multi-step scheduling, as
+    # vLLM's --num-scheduler-steps): the host schedules, dispatches and reads tokens once per
+    # this many steps, and sequences that stop within them drop their extra tokens. 1: off.
+    # Rounds then run synchronously; penalties, logprobs, speculation and a sharded runner
+    # take single steps.
+    num_decode_steps: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.num_decode_steps, int) or self.num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps must be an integer >= 1, got "
+                             f"{self.num_decode_steps!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,13 +84,15 @@ class EngineStats:
     """Counters over the engine's life (for benchmarks and metrics)."""
 
     num_steps: int = 0
+    num_model_steps: int = 0  # decode steps of the model (a multi-step round runs several)
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
     step_time_s: float = 0.0
     host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
     # Host time during which the device had nothing queued (an upper bound; see LLMEngine.step).
     exposed_host_time_s: float = 0.0
-    # Per step (sequences launched, host s, step s, exposed host s), when record_steps is on.
+    # Per round (sequences launched, host s, round s, exposed host s, model steps), when
+    # record_steps is on.
     record_steps: bool = False
     steps: list = dataclasses.field(default_factory=list)
 
@@ -251,6 +264,7 @@ class LLMEngine(SpeculativeRounds):
         """
         t0 = time.perf_counter()
         self._wait_s = 0.0
+        self._round_steps = 1  # model steps of this round (a multi-step round sets more)
         overlap = self._can_overlap()
         try:
             num_seqs, deltas = self._round(overlap)
@@ -260,6 +274,7 @@ class LLMEngine(SpeculativeRounds):
         wall = time.perf_counter() - t0
         host = wall - self._wait_s
         self.stats.num_steps += 1
+        self.stats.num_model_steps += self._round_steps
         self.stats.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         self.stats.step_time_s += wall
         self.stats.host_time_s += host
@@ -268,13 +283,14 @@ class LLMEngine(SpeculativeRounds):
         exposed = host if not overlap or self._wait_s < 1e-4 else 0.0
         self.stats.exposed_host_time_s += exposed
         if self.stats.record_steps:
-            self.stats.steps.append((num_seqs, host, wall, exposed))
+            self.stats.steps.append((num_seqs, host, wall, exposed, self._round_steps))
         return deltas
 
     def _can_overlap(self) -> bool:
         """Asynchronous scheduling needs every token id on the host only for speculation and
         penalties (which count the output tokens)."""
         return (self.engine_cfg.async_scheduling and self.spec_config is None
+                and self.engine_cfg.num_decode_steps == 1
                 and self.runner.supports_async_scheduling and not self._penalized)
 
     def _round(self, overlap: bool) -> tuple[int, list[StreamDelta]]:
@@ -290,6 +306,8 @@ class LLMEngine(SpeculativeRounds):
         if overlap:  # (synchronous rounds have no token in flight: nothing to hold)
             self._hold_ending_requests()
         output = self.scheduler.schedule()
+        if not overlap and self._multi_step_ready(output):
+            return len(output.scheduled), deltas + self._multi_step(output)
         launched = self._launch(output) if output.scheduled else None
         if self._in_flight is not None:
             deltas += self._finish(self._in_flight)
@@ -354,6 +372,55 @@ class LLMEngine(SpeculativeRounds):
                 r.num_pending += 1
                 r.pending_row = i
         return _InFlight(requests, completes, results)
+
+    def _multi_step_ready(self, output: SchedulerOutput) -> bool:
+        """Whether this step can run as num_decode_steps decode steps: every scheduled request
+        decodes one known token, none has penalties or logprobs, the context has room for all
+        the steps, and the pool has pages for them (taken here)."""
+        steps = self.engine_cfg.num_decode_steps
+        if (steps == 1 or not output.scheduled or output.preempted or self._penalized
+                or self.spec_config is not None or not self.runner.supports_multi_step):
+            return False
+        limit = self._context_limit()
+        for it in output.scheduled:
+            r = it.request
+            if (it.num_new_tokens != 1 or r.num_computed_tokens != r.num_tokens - 1
+                    or r.num_computed_tokens + steps > limit or r.params.logprobs is not None):
+                return False
+        grow, page_size = self.pool.grow, self.pool.page_size
+        return all(r.num_computed_tokens + steps <= len(r.pages) * page_size
+                   or grow(r.pages, r.num_computed_tokens + steps)
+                   for r in (it.request for it in output.scheduled))
+
+    def _multi_step(self, output: SchedulerOutput) -> list[StreamDelta]:
+        """Runs num_decode_steps decode steps of the scheduled requests as one program and
+        appends each request's tokens (up to its stop condition)."""
+        steps = self.engine_cfg.num_decode_steps
+        requests = [it.request for it in output.scheduled]
+        rows = self.scheduler.rows
+        slots = rows.slots(requests)
+        num_pages = rows.num_pages[slots]
+        firsts = np.array([r.num_computed_tokens for r in requests], np.int32)
+        last = np.array([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
+                         for r in requests], np.int32)
+        ones = np.ones(len(requests), np.int32)
+        batch = step_batch_from_arrays(last, ones, firsts,
+                                       rows.tables[slots, : max(int(num_pages.max()), 1)],
+                                       num_pages, self.pool.page_size)
+        tokens = self.runner.execute_multi_step(batch, self._sampling_arrays(requests, slots),
+                                                steps)
+        start = time.perf_counter()
+        tokens = np.asarray(tokens)[:, : len(requests)].T.tolist()  # [S][steps]
+        now = time.perf_counter()
+        self._wait_s += now - start
+        for it in output.scheduled:
+            it.num_new_tokens = steps
+        self.scheduler.update_computed(output)
+        self.stats.num_computed_tokens += output.num_tokens
+        self._round_steps = steps
+        limit = self._context_limit()
+        return [self._append_tokens(r, row, None, now, limit)
+                for r, row in zip(requests, tokens)]
 
     def _sampling_arrays(self, requests: list[Request], slots: np.ndarray) -> SamplingArrays:
         """The step's sampling arrays, gathered from the persistent rows (per request only when
@@ -503,8 +570,12 @@ class LLMEngine(SpeculativeRounds):
         """Compiles the programs of `warmup_shapes`; returns how many were new."""
         shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
+        multi_steps = (self.engine_cfg.num_decode_steps if self.runner.supports_multi_step
+                       and self.spec_config is None else 1)
         for i, (q_lens, width, verification) in enumerate(shapes):
             self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
+            if multi_steps > 1 and max(q_lens) == 1 and not verification:
+                self.runner.warmup_multi_step(len(q_lens), width, multi_steps)
             if progress is not None:
                 progress(i + 1, len(shapes))
         self.runner.warmup_samplers()

@@ -17,7 +17,8 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache, init_kv_cache
-from engine.sampling import SamplingArrays, sample_step, with_logprobs
+from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, sample_step,
+                             with_logprobs)
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from ops.kv_quant import is_quantized_kv_dtype
@@ -132,6 +133,7 @@ class ModelRunner:
     """Owns the weights and the KV cache on the device, and the jitted step and sampler."""
 
     supports_async_scheduling = True  # steps can read input tokens from the last step's samples
+    supports_multi_step = True  # execute_multi_step
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1):
@@ -164,6 +166,8 @@ class ModelRunner:
                              static_argnames=("layout", "all_logits"))
         self._step_and_argmax = jax.jit(self._step_and_argmax_impl, donate_argnums=(1,),
                                         static_argnames=("layout", "out_rows"))
+        self._multi_step = jax.jit(self._multi_step_impl, donate_argnums=(1,),
+                                   static_argnames=("layout", "num_steps", "mode"))
 
     def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
@@ -189,6 +193,7 @@ class ModelRunner:
         programs). They read only the model's structure and config from their runner, so two
         runners of one model can share them (tests build many engines of one model)."""
         self._step, self._step_and_argmax = other._step, other._step_and_argmax
+        self._multi_step = other._multi_step
 
     def _step_and_argmax_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                               out_rows: int):
@@ -198,6 +203,59 @@ class ModelRunner:
         logits, cache = self._step_impl(weights, cache, packed, prev_samples, layout)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
+
+    def _multi_step_impl(self, weights, cache, packed, floats, ints, layout: StepLayout,
+                         num_steps: int, mode: str):
+        """`num_steps` decode steps of one token per sequence in one program (a device loop):
+        each step's tokens are the previous step's samples, its positions, cache slots and
+        lengths one further. floats / ints: the packed sampling rows (sampling.pack_sampling;
+        each step draws with the step index + i). Returns (tokens int32 [num_steps, S], cache).
+        """
+        x = unpack(packed, layout)
+        tables, kv_lens, page_size = x["block_tables"], x["kv_lens"], self.page_size  # [S, W]
+        real = kv_lens > 0  # [S] padding rows compute nothing and write nowhere
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+
+        def body(i, carry):
+            cache, tokens, out = carry  # tokens [S], out [num_steps, S]
+            positions = x["positions"] + i
+            page_index = jnp.minimum(positions // page_size, tables.shape[1] - 1)
+            page = jnp.take_along_axis(tables, page_index[:, None], axis=1)[:, 0]
+            meta = AttentionMetadata(
+                positions=positions, slot_mapping=jnp.where(
+                    real, page * page_size + positions % page_size, -1),
+                block_tables=tables, query_start_loc=x["query_start_loc"],
+                kv_lens=jnp.where(real, kv_lens + i, 0), max_q_len=1, max_prefill_seqs=0,
+                kv_quant=self.kv_quant)
+            logits, cache = forward(model, cache, tokens, meta, self.cfg, x["logits_indices"])
+            if mode == "greedy":
+                tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            else:  # the draw index of step i is the first's + i (ints[2]: steps)
+                tokens = sample_from_packed(logits, floats, ints.at[2].add(i.astype(ints.dtype)),
+                                            mode=mode)
+            return cache, tokens, out.at[i].set(tokens)
+
+        out = jnp.zeros((num_steps, layout.num_seqs), jnp.int32)
+        cache, _, out = jax.lax.fori_loop(0, num_steps, body, (cache, x["tokens"], out))
+        return out, cache
+
+    def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays,
+                           num_steps: int) -> jax.Array:
+        """Runs `num_steps` decode steps of a decode batch (one token per sequence, every
+        sequence with room in its pages for num_steps tokens) as one program, without waiting:
+        the sampled tokens, device int32 [num_steps, bucket(S)] (the host reads [:, :S]).
+        No penalties or logprobs (they need the host between steps)."""
+        if arrays.penalties is not None or arrays.num_logprobs:
+            raise ValueError("multi-step decoding takes no penalties or logprobs")
+        if len(batch.token_ids) != batch.num_seqs:
+            raise ValueError(f"multi-step decoding needs one token per sequence, got "
+                             f"{len(batch.token_ids)} tokens for {batch.num_seqs} sequences")
+        layout, packed = self._padded(batch)
+        floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
+        tokens, self.cache = self._multi_step(self._weights, self.cache, packed, floats, ints,
+                                              layout, num_steps, arrays.mode())
+        tokens.copy_to_host_async()
+        return tokens
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket."""
@@ -272,22 +330,19 @@ class ModelRunner:
                verification: bool = False) -> None:
         """Compiles the program of a step whose sequences compute q_lens tokens each, by running
         it on padding (nothing is written)."""
-        q_lens = np.asarray(q_lens, np.int32)
-        num_seqs = len(q_lens)
-        num_tokens = int(q_lens.sum())
-        start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        dummy = StepBatch(token_ids=np.zeros(num_tokens, np.int32),
-                          positions=np.zeros(num_tokens, np.int32),
-                          slot_mapping=np.full(num_tokens, -1, np.int32),
-                          block_tables=np.zeros((num_seqs, num_pages), np.int32),
-                          query_start_loc=start, kv_lens=np.zeros(num_seqs, np.int32),
-                          logits_indices=np.maximum(start[1:] - 1, 0),
-                          verification=verification)
+        dummy = _padding_batch(q_lens, num_pages, verification)
+        num_seqs = dummy.num_seqs
         if all_logits:
             self.execute_all_logits(dummy).block_until_ready()
         else:  # the program the engine runs: the step and its argmax
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
+
+    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int) -> None:
+        """Compiles the greedy multi-step program of a decode batch (running it on padding:
+        nothing is written). Sampled multi-step programs compile when first used."""
+        dummy = _padding_batch([1] * num_seqs, num_pages)
+        np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs), num_steps))
 
     def warmup_samplers(self) -> None:
         """Compiles the sampler programs of batches with sampled rows (without and with top-k /
@@ -327,6 +382,20 @@ class ModelRunner:
         """`sample_device`, then waits: host numpy (token ids [S], chosen logprobs [S], top ids
         [S, K], top logprobs [S, K]), only the first len(arrays.temperature) rows."""
         return fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+
+
+def _padding_batch(q_lens, num_pages: int, verification: bool = False) -> StepBatch:
+    """A step of sequences computing q_lens tokens each that reads and writes nothing (every
+    length 0, every slot -1): it runs a program without touching the cache's contents."""
+    q_lens = np.asarray(q_lens, np.int32)
+    num_seqs, num_tokens = len(q_lens), int(q_lens.sum())
+    start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return StepBatch(token_ids=np.zeros(num_tokens, np.int32),
+                     positions=np.zeros(num_tokens, np.int32),
+                     slot_mapping=np.full(num_tokens, -1, np.int32),
+                     block_tables=np.zeros((num_seqs, num_pages), np.int32),
+                     query_start_loc=start, kv_lens=np.zeros(num_seqs, np.int32),
+                     logits_indices=np.maximum(start[1:] - 1, 0), verification=verification)
 
 
 def start_copies(results: tuple) -> tuple:

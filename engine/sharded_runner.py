@@ -79,6 +79,7 @@ class ShardedModelRunner(ModelRunner):
     """
 
     supports_async_scheduling = False
+    supports_multi_step = False
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
                  max_seqs: int = 1, max_width: int = 1, *, mesh):

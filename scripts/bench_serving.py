@@ -147,8 +147,9 @@ def summarize(duration, useful, ttft, tpot, latency) -> dict:
 def host_share(engine) -> dict:
     """Host time (scheduling, batch building, detokenization) as a share of step time: all of
     it, and the part during which the device had nothing queued (exposed; with asynchronous
-    scheduling the rest overlaps device work)."""
-    steps = np.asarray(engine.stats.steps, float).reshape(-1, 4)
+    scheduling the rest overlaps device work). A multi-step round counts as its model steps:
+    its host time and wall time are shared among them."""
+    steps = np.asarray(engine.stats.steps, float).reshape(-1, 5)
     busiest = steps[steps[:, 0] >= steps[:, 0].max()] if len(steps) else steps
 
     def share(s, column):
@@ -159,8 +160,12 @@ def host_share(engine) -> dict:
             "exposed_host_share_all_steps": share(steps, 3),
             "exposed_host_share_at_max_running": share(busiest, 3),
             "max_running": int(steps[:, 0].max()) if len(steps) else 0,
-            "mean_step_s_at_max_running": float(busiest[:, 2].mean()) if len(busiest) else None,
-            "async_scheduling": engine.engine_cfg.async_scheduling}
+            "mean_step_s_at_max_running": (float(busiest[:, 2].sum() / busiest[:, 4].sum())
+                                           if len(busiest) else None),
+            "host_s_per_step_at_max_running": (float(busiest[:, 1].sum() / busiest[:, 4].sum())
+                                               if len(busiest) else None),
+            "async_scheduling": engine.engine_cfg.async_scheduling,
+            "num_decode_steps": engine.engine_cfg.num_decode_steps}
 
 
 def print_table(results: dict) -> None:

@@ -39,6 +39,10 @@ def define_engine_flags() -> None:
                       "Schedule and launch the next step while the device runs the current one "
                       "(host work hides behind device work); speculation and penalties run "
                       "synchronously.")
+    flags.DEFINE_integer("num_decode_steps", 1,
+                         "Decode steps per program while every running request decodes "
+                         "(multi-step scheduling: the host works once per this many steps; "
+                         "turns asynchronous scheduling off). 1: off.")
 
 
 def define_quant_flags() -> None:
@@ -89,7 +93,8 @@ def engine_config_from_flags(FLAGS, cfg):
                         memory_fraction=memory_fraction,
                         enable_prefix_caching=FLAGS.enable_prefix_caching,
                         enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
-                        async_scheduling=FLAGS.async_scheduling)
+                        async_scheduling=FLAGS.async_scheduling,
+                        num_decode_steps=FLAGS.num_decode_steps)
 
 
 def fail(message: str) -> None:

@@ -1,0 +1,141 @@
+"""Multi-step decoding (EngineConfig.num_decode_steps): several decode steps per program.
+
+The outputs must not change: random request streams (chunked prefill, preemption, aborts,
+priorities, seeded sampling, penalties) give the same tokens and finish reasons as single
+steps; a request that stops inside a multi-step round drops its extra tokens and leaves no
+page behind; rounds really run several steps, and the program's tokens equal single steps'.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.request import FinishReason, SamplingParams
+from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
+                                                   random_prompt, request_streams, run_stream)
+from tests.engine.weights import unit_scale_model
+
+MULTI_STRESS = dataclasses.replace(STRESS, num_decode_steps=3)
+MULTI_BASE = dataclasses.replace(BASE, num_decode_steps=4, num_pages=12)
+SINGLE_BASE = dataclasses.replace(MULTI_BASE, num_decode_steps=1)
+
+
+@pytest.fixture(scope="module")
+def make_engine():
+    model = unit_scale_model(CFG, 3)
+    shared = []
+
+    def make(engine_cfg):
+        engine = LLMEngine(CFG, model, None, engine_cfg=engine_cfg)
+        shared.append(engine.runner)
+        engine.runner.share_programs(shared[0])
+        return engine
+
+    return make
+
+
+def multi_step_rounds(engine: LLMEngine) -> list[int]:
+    """Logs the model steps of each round."""
+    log, step = [], engine.step
+
+    def logged():
+        before = engine.stats.num_model_steps
+        deltas = step()
+        log.append(engine.stats.num_model_steps - before)
+        return deltas
+
+    engine.step = logged
+    return log
+
+
+def test_random_streams_equal_single_steps(make_engine):
+    """Same outputs and finish reasons as single steps for every request not aborted, streamed
+    tokens equal to the outputs, no page leaks, and multi-step rounds did run."""
+    multi = []
+
+    @HYPOTHESIS
+    @given(stream=request_streams())
+    def run(stream):
+        results = []
+        for cfg in (STRESS, MULTI_STRESS):
+            engine = make_engine(cfg)
+            log = multi_step_rounds(engine)
+            ids, deltas, _ = run_stream(engine, stream)
+            check_all_free(engine)
+            if cfg.num_decode_steps > 1:
+                multi.append(sum(n > 1 for n in log))
+            outs = {i: engine.output_of(rid) for i, rid in ids.items()}
+            results.append({i: (o.output_ids, o.finish_reason,
+                                [t for d in deltas[ids[i]] for t in d.token_ids])
+                            for i, o in outs.items()})
+        for i in results[0]:
+            (ids0, reason0, streamed0), (ids1, reason1, streamed1) = results[0][i], results[1][i]
+            assert streamed0 == ids0 and streamed1 == ids1
+            # An abort lands after a different number of tokens (rounds advance several
+            # steps): only requests that ended by themselves in both runs must agree.
+            if FinishReason.ABORT not in (reason0, reason1):
+                assert (ids0, reason0) == (ids1, reason1), i
+
+    run()
+    assert sum(multi) > 0
+
+
+def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine):
+    """max_tokens that are not multiples of the round, a stop token met inside a round and
+    seeded sampling (plain and with cuts): the tokens of single steps; the stopped request's
+    extra tokens are computed and dropped, and every page is free at the end."""
+    rng = np.random.default_rng(40)
+    prompts = [random_prompt(rng, n) for n in (5, 17, 30, 9)]
+    [free_run] = make_engine(SINGLE_BASE).generate(
+        [prompts[0]], SamplingParams(max_tokens=14, ignore_eos=True))
+    stop = free_run.output_ids[6]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, stop_token_ids=(stop,)),
+              SamplingParams(max_tokens=7, ignore_eos=True),
+              SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.9, seed=5),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.1, top_k=20,
+                             top_p=0.9, seed=6)]
+    results = {}
+    for cfg in (SINGLE_BASE, MULTI_BASE):
+        engine = make_engine(cfg)
+        log = multi_step_rounds(engine)
+        outs = engine.generate(prompts, params)
+        check_all_free(engine)
+        results[cfg.num_decode_steps] = [(o.output_ids, o.finish_reason) for o in outs]
+        if cfg.num_decode_steps > 1:
+            assert max(log) == 4, log
+    assert results[4] == results[1]
+    first = free_run.output_ids.index(stop)
+    assert results[4][0] == (free_run.output_ids[: first + 1], FinishReason.STOP)
+    assert [len(ids) for ids, _ in results[4][1:]] == [7, 11, 10]
+
+
+def test_rounds_fall_back_to_single_steps(make_engine):
+    """Logprobs, penalties and a context too short for a whole round take single steps (and
+    give single steps' outputs); num_decode_steps below 1 is refused."""
+    rng = np.random.default_rng(41)
+    prompt = random_prompt(rng, 12)
+    cases = [SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2),
+             SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=1.4)]
+    for params in cases:
+        outs = {}
+        for cfg in (SINGLE_BASE, MULTI_BASE):
+            engine = make_engine(cfg)
+            log = multi_step_rounds(engine)
+            [out] = engine.generate([prompt], params)
+            outs[cfg.num_decode_steps] = out.output_ids
+            assert max(log) == 1
+        assert outs[4] == outs[1]
+    # Context: 96 tokens. A prompt of 89: the prefill step, one round of 4 (positions 89-92),
+    # then 93 + 4 > 96: single steps to the end of the context.
+    engine = make_engine(MULTI_BASE)
+    log = multi_step_rounds(engine)
+    [out] = engine.generate([random_prompt(rng, 89)], SamplingParams(max_tokens=50,
+                                                                      ignore_eos=True))
+    assert len(out.output_ids) == 96 - 89 and out.finish_reason == FinishReason.LENGTH
+    assert log == [1, 4, 1, 1]
+    with pytest.raises(ValueError, match="num_decode_steps"):
+        EngineConfig(num_decode_steps=0)
