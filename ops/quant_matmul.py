@@ -96,8 +96,9 @@ def _next_pow2(n: int) -> int:
 def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulConfig | None:
     """The tuning heuristic: a kernel config, or None where XLA's dequantize + dot is faster.
 
-    Tiles from a sweep on an H200 (scripts/bench_matmul.py --modes=sweep, 4096x4096 and
-    4096x28672 at M = 1, 16, 64; docs/PERFORMANCE.md); splits give about two programs per SM.
+    Tiles from sweeps on an H200 (scripts/bench_matmul.py --modes=sweep: 4096x4096 and
+    4096x28672 at M = 1, 16, 64; then the four Llama shapes at M = 1, 16 with the mma paths;
+    docs/PERFORMANCE.md); splits give about two programs per SM.
     """
     if m > 128:
         return None  # compute-bound: XLA's dequantize + bf16 dot (see docs/PERFORMANCE.md)
@@ -108,9 +109,9 @@ def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulC
                                block_k=256 if wide else 512, num_warps=8)
         else:
             cfg = MatmulConfig(block_m=_next_pow2(m), block_n=256 // m, block_k=32, num_warps=8)
-    elif m <= 16:
-        cfg = (MatmulConfig(block_m=16, block_n=128, block_k=512, num_stages=2) if bits == 4
-               else MatmulConfig(block_m=16, block_n=128, block_k=64, num_warps=8))
+    elif m <= 16:  # the "mma" path: fastest of the sweep at M = 16 on 3 of the 4 Llama shapes
+        cfg = (MatmulConfig(block_m=16, block_n=256, block_k=256, path="mma") if bits == 4
+               else MatmulConfig(block_m=16, block_n=128, block_k=64, path="mma"))
     else:
         bm = max(16, _next_pow2(m))
         cfg = MatmulConfig(block_m=bm, block_n=128 if bm <= 64 else 64,
