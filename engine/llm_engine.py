@@ -410,7 +410,8 @@ class LLMEngine(SpeculativeRounds):
         tokens = self.runner.execute_multi_step(batch, self._sampling_arrays(requests, slots),
                                                 steps)
         start = time.perf_counter()
-        tokens = np.asarray(tokens)[:, : len(requests)].T.tolist()  # [S][steps]
+        [tokens] = fetch_samples((tokens,), steps)  # [steps, bucket(S)]
+        tokens = tokens[:, : len(requests)].T.tolist()  # [S][steps]
         now = time.perf_counter()
         self._wait_s += now - start
         for it in output.scheduled:

@@ -40,6 +40,8 @@ flags.DEFINE_enum("warmup", "shapes", ["shapes", "rerun"],
                   "shapes: compile every program a run can reach at start (LLMEngine.warmup); "
                   "rerun: run the same workload once untimed first (fewer programs compiled; "
                   "exact with --request_rate=inf, where the schedule is deterministic).")
+flags.DEFINE_bool("host_phases", False, "Time the engine's host phases (schedule, batch, "
+                  "dispatch, token read, append) in the continuous run; print ms per step.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 flags.DEFINE_string("url", None, "Drive a running server (scripts.serve) at this address "
                     "over HTTP instead of an in-process engine (scripts/bench_http.py).")
@@ -168,6 +170,50 @@ def host_share(engine) -> dict:
             "num_decode_steps": engine.engine_cfg.num_decode_steps}
 
 
+def time_host_phases(engine) -> dict:
+    """Wraps the engine's host phases with timers; returns {phase: total seconds}, filled as
+    the engine runs. Dispatch phases ("dispatch ...") include whatever the device call blocks
+    for; "read tokens" is the wait for the device."""
+    import engine.llm_engine as llm_engine
+    totals = dict.fromkeys(["schedule", "rows + batch", "sampling arrays", "dispatch step",
+                            "dispatch multi-step", "read tokens", "update computed",
+                            "finish + append"], 0.0)
+
+    def timed(owner, name, phase):
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[phase] += time.perf_counter() - start
+        setattr(owner, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.scheduler, "update_computed", "update computed")
+    timed(engine.scheduler.rows, "slots", "rows + batch")
+    timed(llm_engine, "step_batch_from_arrays", "rows + batch")
+    timed(engine, "_sampling_arrays", "sampling arrays")
+    timed(engine.runner, "execute_and_sample", "dispatch step")
+    if hasattr(engine.runner, "execute_multi_step"):
+        timed(engine.runner, "execute_multi_step", "dispatch multi-step")
+    timed(llm_engine, "fetch_samples", "read tokens")
+    timed(engine, "_append_tokens", "finish + append")
+    return totals
+
+
+def release(engine) -> None:
+    """Frees an engine's device memory now: its KV cache is deleted and the objects frozen at
+    start-up (freeze_startup_objects) are unfrozen and collected, so the next engine can take
+    the memory (the frozen engine's reference cycles would otherwise keep it alive)."""
+    import jax
+    for page in jax.tree.leaves(engine.runner.cache):
+        page.delete()
+    gc.unfreeze()
+    gc.collect()
+
+
 def print_table(results: dict) -> None:
     rows = [("", "continuous", "static")]
     c, s = results["continuous"], results.get("static") or {}
@@ -260,9 +306,17 @@ def main(argv):
     results["warmup_s"] = time.perf_counter() - start
     common.freeze_startup_objects()
     engine.stats = type(engine.stats)(record_steps=True)
+    phases = time_host_phases(engine) if FLAGS.host_phases else None
     results["continuous"] = run_continuous(engine, work) | host_share(engine)
+    if phases is not None:
+        model_steps = max(engine.stats.num_model_steps, 1)
+        results["continuous"]["host_phase_ms_per_step"] = {
+            name: 1e3 * total / model_steps for name, total in phases.items()}
+        print("host phases, ms per model step: " + ", ".join(
+            f"{name} {ms:.3f}" for name, ms in
+            results["continuous"]["host_phase_ms_per_step"].items()), flush=True)
+    release(engine)
     del engine
-    gc.collect()
     if FLAGS.static_baseline:
         batch = FLAGS.static_batch_size or engine_cfg.max_num_seqs
         static_cfg = dataclasses.replace(engine_cfg, max_num_seqs=batch,
