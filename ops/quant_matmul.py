@@ -177,6 +177,22 @@ def _load(ref, rows, cols, row_ok, col_ok, dtype=None, transposed=False):
     return out if dtype is None else out.astype(dtype)
 
 
+def _program_tiles(m: int, n: int, rows: int, block_m: int, block_n: int, step: int,
+                   num_splits: int):
+    """This program's output columns cols [BN] and activation rows x_rows [BM] with their
+    in-bounds masks (None when every one is in bounds), and its K tiles [first, last) of
+    `step` packed rows (program axes: row block, column block, K split)."""
+    mb, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
+    x_rows = mb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [BM]
+    num_tiles = pl.cdiv(rows, step)
+    per_split = pl.cdiv(num_tiles, num_splits)
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
+    return (cols, cols < n if n % block_n else None, x_rows,
+            x_rows < m if m % block_m else None, first, last)
+
+
 def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
                    group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
                    num_splits: int, asymmetric: bool):
@@ -186,19 +202,13 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
     #         [M, N] in x's dtype (one split) or [M, N] float32 (this split's partial)
     o_ref = refs[0] if asymmetric else None
     out_ref = refs[-1]
-    mb, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    mb = pl.program_id(0)
     per_word = 8 if bits == 4 else 1  # K rows per packed row
     zero = 0 if asymmetric else 2 ** (bits - 1)
-    cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
-    col_ok = cols < n if n % block_n else None
-    num_tiles = pl.cdiv(rows, step)
-    per_split = pl.cdiv(num_tiles, num_splits)
-    first = jnp.minimum(split * per_split, num_tiles)
-    last = jnp.minimum(first + per_split, num_tiles)
+    cols, col_ok, x_rows, x_row_ok, first, last = _program_tiles(
+        m, n, rows, block_m, block_n, step, num_splits)
     uniform = group_rows % step == 0 or num_groups == 1
     dot_path = block_m >= 16
-    x_rows = mb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [BM]
-    x_row_ok = x_rows < m if m % block_m else None
     k_total = rows * per_word
 
     def tile_params(t):
@@ -287,18 +297,11 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
     # [BN, BM] (the weight is the MMA's M operand, the padded activation rows its N).
     o_ref = refs[0] if asymmetric else None
     out_ref = refs[-1]
-    mb, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     per_word = 8 if bits == 4 else 1
     zero = 0 if asymmetric else 2 ** (bits - 1)
     dtype = x_ref.dtype
-    cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
-    col_ok = cols < n if n % block_n else None
-    x_rows = mb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [BM]
-    x_row_ok = x_rows < m if m % block_m else None
-    num_tiles = pl.cdiv(rows, step)
-    per_split = pl.cdiv(num_tiles, num_splits)
-    first = jnp.minimum(split * per_split, num_tiles)
-    last = jnp.minimum(first + per_split, num_tiles)
+    cols, col_ok, x_rows, x_row_ok, first, last = _program_tiles(
+        m, n, rows, block_m, block_n, step, num_splits)
     if group_rows % step == 0 or num_groups == 1:
         sub = step  # every tile lies in one group
     elif step % group_rows == 0 and group_rows >= 16:

@@ -16,7 +16,8 @@ from hypothesis import given
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, SamplingParams
 from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
-                                                   random_prompt, request_streams, run_stream)
+                                                   engine_maker, random_prompt, request_streams,
+                                                   same_outcomes_across)
 from tests.engine.weights import unit_scale_model
 
 SYNC_STRESS = dataclasses.replace(STRESS, async_scheduling=False)
@@ -27,16 +28,7 @@ ASYNC_BASE = dataclasses.replace(BASE, async_scheduling=True)
 
 @pytest.fixture(scope="module")
 def make_engine():
-    model = unit_scale_model(CFG, 3)
-    shared = []
-
-    def make(engine_cfg):
-        engine = LLMEngine(CFG, model, None, engine_cfg=engine_cfg)
-        shared.append(engine.runner)
-        engine.runner.share_programs(shared[0])  # one program per bucket for the module
-        return engine
-
-    return make
+    return engine_maker(unit_scale_model(CFG, 3))
 
 
 def overlapping_steps(engine: LLMEngine) -> list[bool]:
@@ -60,27 +52,10 @@ def test_random_streams_equal_the_synchronous_engine(make_engine):
     @HYPOTHESIS
     @given(stream=request_streams())
     def run(stream):
-        results = []
-        for cfg in (SYNC_STRESS, ASYNC_STRESS):
-            engine = make_engine(cfg)
-            log = overlapping_steps(engine)
-            ids, deltas, _ = run_stream(engine, stream)
-            check_all_free(engine)
-            if cfg.async_scheduling:
-                overlapped.append(sum(log))
-            else:
-                assert not any(log)
-            outs = {i: engine.output_of(rid) for i, rid in ids.items()}
-            results.append({i: (o.output_ids, o.finish_reason,
-                                [t for d in deltas[ids[i]] for t in d.token_ids])
-                            for i, o in outs.items()})
-        for i in results[0]:
-            (ids0, reason0, streamed0), (ids1, reason1, streamed1) = results[0][i], results[1][i]
-            assert streamed0 == ids0 and streamed1 == ids1
-            # An abort lands a step later relative to the tokens seen (they arrive a step late):
-            # only requests that ended by themselves in both runs must agree.
-            if FinishReason.ABORT not in (reason0, reason1):
-                assert (ids0, reason0) == (ids1, reason1), i
+        sync_log, async_log = same_outcomes_across(
+            make_engine, (SYNC_STRESS, ASYNC_STRESS), stream, overlapping_steps)
+        assert not any(sync_log)
+        overlapped.append(sum(async_log))
 
     run()
     assert sum(overlapped) > 0

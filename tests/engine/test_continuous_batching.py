@@ -170,6 +170,53 @@ def run_stream(engine, stream):
     return ids, deltas, aborted
 
 
+def stream_outcomes(engine, stream) -> dict:
+    """Runs a stream (run_stream), checks that no page leaks and that each request's streamed
+    tokens are its output; returns {stream index: (output ids, finish reason)}."""
+    ids, deltas, _ = run_stream(engine, stream)
+    check_all_free(engine)
+    outcomes = {}
+    for i, rid in ids.items():
+        out = engine.output_of(rid)
+        assert [t for d in deltas[rid] for t in d.token_ids] == out.output_ids
+        outcomes[i] = (out.output_ids, out.finish_reason)
+    return outcomes
+
+
+def engine_maker(model):
+    """make(engine_cfg): engines of one model that share one runner's compiled programs."""
+    shared = []
+
+    def make(engine_cfg):
+        engine = LLMEngine(CFG, model, None, engine_cfg=engine_cfg)
+        shared.append(engine.runner)
+        engine.runner.share_programs(shared[0])  # one program per bucket
+        return engine
+
+    return make
+
+
+def same_outcomes_across(make_engine, configs, stream, instrument) -> list:
+    """Runs the stream on an engine of each config (stream_outcomes), asserts the outcomes agree
+    (assert_same_unless_aborted) and returns the log instrument(engine) made of each run."""
+    results, logs = [], []
+    for cfg in configs:
+        engine = make_engine(cfg)
+        logs.append(instrument(engine))
+        results.append(stream_outcomes(engine, stream))
+    assert_same_unless_aborted(*results)
+    return logs
+
+
+def assert_same_unless_aborted(a: dict, b: dict) -> None:
+    """Two runs' stream_outcomes agree for every request that ended by itself in both (an abort
+    lands after a different number of tokens when the engines advance differently)."""
+    assert a.keys() == b.keys()
+    for i in a:
+        if FinishReason.ABORT not in (a[i][1], b[i][1]):
+            assert a[i] == b[i], i
+
+
 def test_random_request_streams_equal_each_request_alone(make_engine, alone):
     """Every request finishes or is aborted, no page leaks, and each non-aborted greedy or seeded
     output equals the request's output alone; the streams did preempt, chunk and abort."""

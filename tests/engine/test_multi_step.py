@@ -16,7 +16,8 @@ from hypothesis import given
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import FinishReason, SamplingParams
 from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
-                                                   random_prompt, request_streams, run_stream)
+                                                   engine_maker, random_prompt, request_streams,
+                                                   same_outcomes_across)
 from tests.engine.weights import unit_scale_model
 
 MULTI_STRESS = dataclasses.replace(STRESS, num_decode_steps=3)
@@ -26,16 +27,7 @@ SINGLE_BASE = dataclasses.replace(MULTI_BASE, num_decode_steps=1)
 
 @pytest.fixture(scope="module")
 def make_engine():
-    model = unit_scale_model(CFG, 3)
-    shared = []
-
-    def make(engine_cfg):
-        engine = LLMEngine(CFG, model, None, engine_cfg=engine_cfg)
-        shared.append(engine.runner)
-        engine.runner.share_programs(shared[0])
-        return engine
-
-    return make
+    return engine_maker(unit_scale_model(CFG, 3))
 
 
 def multi_step_rounds(engine: LLMEngine) -> list[int]:
@@ -60,25 +52,9 @@ def test_random_streams_equal_single_steps(make_engine):
     @HYPOTHESIS
     @given(stream=request_streams())
     def run(stream):
-        results = []
-        for cfg in (STRESS, MULTI_STRESS):
-            engine = make_engine(cfg)
-            log = multi_step_rounds(engine)
-            ids, deltas, _ = run_stream(engine, stream)
-            check_all_free(engine)
-            if cfg.num_decode_steps > 1:
-                multi.append(sum(n > 1 for n in log))
-            outs = {i: engine.output_of(rid) for i, rid in ids.items()}
-            results.append({i: (o.output_ids, o.finish_reason,
-                                [t for d in deltas[ids[i]] for t in d.token_ids])
-                            for i, o in outs.items()})
-        for i in results[0]:
-            (ids0, reason0, streamed0), (ids1, reason1, streamed1) = results[0][i], results[1][i]
-            assert streamed0 == ids0 and streamed1 == ids1
-            # An abort lands after a different number of tokens (rounds advance several
-            # steps): only requests that ended by themselves in both runs must agree.
-            if FinishReason.ABORT not in (reason0, reason1):
-                assert (ids0, reason0) == (ids1, reason1), i
+        _, rounds = same_outcomes_across(make_engine, (STRESS, MULTI_STRESS), stream,
+                                         multi_step_rounds)
+        multi.append(sum(n > 1 for n in rounds))
 
     run()
     assert sum(multi) > 0
