@@ -56,6 +56,9 @@ flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
 flags.DEFINE_integer("loop_steps", 8, "Steps of the synced engine-style loop per row (0: off).")
 flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
+flags.DEFINE_integer("multi_step", 0, "Also time rounds of this many decode steps in one "
+                     "program (ModelRunner.execute_multi_step), per model step, and check their "
+                     "greedy tokens (0: off).")
 flags.DEFINE_list("prefill", ["512", "4096"], "Prompt lengths of the prefill rows.")
 flags.DEFINE_integer("greedy_steps", 16, "Greedy tokens of the on/off check (0: off).")
 flags.DEFINE_integer("greedy_batch", 4, "Sequences of the greedy check.")
@@ -136,7 +139,8 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     cfg, model = ds.build_model(get_preset(name), dtype, FLAGS.seed, FLAGS.quant,
                                 fused=variant == "fused", mesh=mesh if variant == "mesh" else None)
     batches = [int(b) for b in FLAGS.batch] + [FLAGS.greedy_batch]
-    contexts = [int(c) for c in FLAGS.context + FLAGS.prefill] + [FLAGS.greedy_context]
+    contexts = [int(c) + FLAGS.multi_step for c in FLAGS.context] + [
+        int(c) for c in FLAGS.prefill] + [FLAGS.greedy_context + FLAGS.multi_step]
     runner = ds.make_runner(cfg, model, max(batches), max(contexts), FLAGS.page_size,
                             mesh if variant == "mesh" else None)
     ds.fill_cache_random(runner, FLAGS.seed + 1)
@@ -173,6 +177,10 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
         tokens, _, gaps = ds.greedy_loop(runner, first, c - n - 1, table, n, margins=True)
         results["greedy"].append(common | {"batch": b, "context": c, "tokens": tokens.tolist(),
                                            "margins": gaps.tolist()})
+        if FLAGS.multi_step and variant != "mesh":  # the same tokens from rounds of the loop
+            results["greedy"].append(common | {"variant": f"{variant}+multi_step", "batch": b,
+                                               "context": c, "tokens": multi_step_tokens(
+                                                   runner, first, c - n - 1, table, n)})
         save(results)
     for b in map(int, FLAGS.batch):
         for c in map(int, FLAGS.context):
@@ -182,6 +190,12 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
                 batch = ds.decode_batch(rng.integers(0, cfg.vocab_size, b),
                                         np.full(b, c - 1), table, FLAGS.page_size)
                 row |= ds.time_queued(runner, batch, FLAGS.steps, FLAGS.runs)
+                if FLAGS.multi_step and variant != "mesh":
+                    room = tables[:b, :-(-(c + FLAGS.multi_step) // FLAGS.page_size)]
+                    row |= ds.time_multi_step(
+                        runner, ds.decode_batch(batch.token_ids, np.full(b, c - 1), room,
+                                                FLAGS.page_size),
+                        FLAGS.multi_step, max(FLAGS.steps // FLAGS.multi_step, 2), FLAGS.runs)
                 row["programs"] = ds.compile_count(runner)
                 w = ds.weight_bytes_per_step(cfg, model, b)
                 kv = ds.kv_bytes_per_step(cfg, kv_dtype, b, c)
@@ -230,6 +244,24 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
     jax.clear_caches()
 
 
+def multi_step_tokens(runner, first: np.ndarray, position: int, table: np.ndarray,
+                      steps: int) -> list:
+    """Greedy tokens [batch, steps] of the greedy check's loop run as rounds of --multi_step
+    steps (ModelRunner.execute_multi_step) from the same first tokens and position."""
+    from engine.sampling import SamplingArrays
+    from scripts import decode_steps as ds
+    tokens, out = np.asarray(first), []
+    while len(out) < steps + 1:  # the loop's untimed first step included
+        k = min(FLAGS.multi_step, steps + 1 - len(out))
+        batch = ds.decode_batch(tokens, np.full(len(tokens), position + len(out)), table,
+                                FLAGS.page_size)
+        rounds = np.asarray(runner.execute_multi_step(
+            batch, SamplingArrays.defaults(len(tokens)), k))[:, : len(tokens)]  # [k, batch]
+        out += list(rounds)
+        tokens = rounds[-1]
+    return np.stack(out[1:], axis=1).tolist()
+
+
 def keep_trace(prof: dict, stem: str) -> None:
     path = prof.get("trace_path")
     if FLAGS.keep_traces and FLAGS.json_out and path and os.path.getsize(path) < 15 << 20:
@@ -245,6 +277,9 @@ def format_row(row: dict) -> str:
     if "error" in row:
         return f"{head} error: {row['error']}"
     loop = f"  loop {row['loop_step_s'] * 1e3:7.3f} ms" if "loop_step_s" in row else ""
+    if "multi_step_s" in row:
+        loop += (f"  {row['multi_steps']}-step rounds {row['multi_step_s'] * 1e3:7.3f} ms/step "
+                 f"(dispatch holds the host {row['multi_step_dispatch_s'] * 1e3:.3f} ms)")
     return (f"{head} {row['step_s'] * 1e3:8.3f} ms {row['tokens_per_s']:9.1f} tok/s  "
             f"floor {row['floor_s'] * 1e3:7.3f} ms  MBU {row['mbu']:6.1%}{loop}  "
             f"compiles during timing: {row['compiles_during_timing']}")

@@ -184,6 +184,29 @@ def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) ->
             "step_s_max": max(samples), "compiles_during_timing": compile_count(runner) - before}
 
 
+def time_multi_step(runner: ModelRunner, batch: StepBatch, num_steps: int, rounds: int,
+                    runs: int) -> dict:
+    """Multi-step rounds of a decode batch (ModelRunner.execute_multi_step, greedy): seconds
+    per model step with `rounds` rounds queued and one sync (median of `runs`), and how long
+    one round's dispatch keeps the host (a device loop may hold it while the device runs).
+    The batch's block tables must have room for num_steps more tokens per sequence."""
+    arrays = SamplingArrays.defaults(batch.num_seqs)
+
+    def run():
+        return runner.execute_multi_step(batch, arrays, num_steps)
+
+    jax.block_until_ready(run())  # compile and warm
+    samples = timing.queued_seconds(run, rounds, runs, warm=False)
+    holds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        out = run()
+        holds.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+    return {"multi_step_s": statistics.median(samples) / num_steps,
+            "multi_step_dispatch_s": statistics.median(holds), "multi_steps": num_steps}
+
+
 def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,
                 tables: np.ndarray, steps: int, margins: bool = False):
     """The engine's decode loop without a scheduler: each step builds its StepBatch on the host,

@@ -154,7 +154,7 @@ def test_bench_decode_runs_end_to_end(tmp_path):
     args = ["--model=tiny-llama31", "--batch=1,3", "--context=24,40", "--prefill=16",
             "--variants=base,fused", "--dtype=float32", "--steps=2", "--runs=1",
             "--loop_steps=2", "--greedy_steps=3", "--greedy_batch=2", "--greedy_context=32",
-            "--page_size=8", "--nocalibrate", "--nohf", f"--json_out={out}",
+            "--page_size=8", "--nocalibrate", "--nohf", f"--json_out={out}", "--multi_step=3",
             "--profile=tiny-llama31:1:24", "--profile_steps=1",
             f"--profile_dir={tmp_path / 'prof'}"]
     proc = subprocess.run([sys.executable, "-m", "scripts.bench_decode", *args],
@@ -173,6 +173,9 @@ def test_bench_decode_runs_end_to_end(tmp_path):
             get_preset("tiny-llama31"), jnp.float32)
     assert {r["prompt_tokens"] for r in res["prefill"]} == {16}
     assert res["greedy_check"]["tiny-llama31"]["results"]["fused"]["equal"] is True
+    for variant in ("base+multi_step", "fused+multi_step"):  # rounds of 3 steps, same tokens
+        assert res["greedy_check"]["tiny-llama31"]["results"][variant]["equal"] is True
+    assert all(r["multi_step_s"] > 0 and r["multi_steps"] == 3 for r in rows)
     greedy = res["greedy"][0]
     assert np.asarray(greedy["margins"]).shape == np.asarray(greedy["tokens"]).shape == (2, 3)
     assert len(res["profiles"]) == 2  # traced (no device events on the CPU: an error entry)
