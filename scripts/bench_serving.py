@@ -21,7 +21,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from scripts import common, parallel
+from scripts import common, parallel, timing
 
 common.define_model_flags()
 common.define_engine_flags()
@@ -180,15 +180,7 @@ def time_host_phases(engine) -> dict:
                             "finish + append"], 0.0)
 
     def timed(owner, name, phase):
-        inner = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                totals[phase] += time.perf_counter() - start
-        setattr(owner, name, wrapper)
+        timing.add_phase_timer(owner, name, totals, phase)
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "update_computed", "update computed")

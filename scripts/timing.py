@@ -32,3 +32,17 @@ def time_per_call(fn, args, calls: int, runs: int, queue: int) -> float:
     jitted, queued `queue` times per sample; the median of `runs` samples."""
     f = jax.jit(fn)
     return statistics.median(queued_seconds(lambda: f(*args), queue, runs)) / calls
+
+
+def add_phase_timer(owner, name: str, totals: dict, phase: str) -> None:
+    """Replaces owner.<name> (a method or module function) by a wrapper that adds the seconds
+    of each call to totals[phase] (totals: a dict of floats, or a defaultdict(float))."""
+    inner = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - start
+    setattr(owner, name, timed)
