@@ -251,9 +251,11 @@ class ModelRunner:
             raise ValueError(f"multi-step decoding needs one token per sequence, got "
                              f"{len(batch.token_ids)} tokens for {batch.num_seqs} sequences")
         layout, packed = self._padded(batch)
+        mode = arrays.mode()
+        self.compiled_shapes.add(("multi_step", layout, num_steps, mode))
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
         tokens, self.cache = self._multi_step(self._weights, self.cache, packed, floats, ints,
-                                              layout, num_steps, arrays.mode())
+                                              layout, num_steps, mode)
         tokens.copy_to_host_async()
         return tokens
 

@@ -115,3 +115,17 @@ def test_rounds_fall_back_to_single_steps(make_engine):
     assert log == [1, 4, 1, 1]
     with pytest.raises(ValueError, match="num_decode_steps"):
         EngineConfig(num_decode_steps=0)
+
+
+def test_warmup_compiles_the_rounds_a_run_reaches(make_engine):
+    """After warm-up, a greedy run of multi-step rounds compiles nothing new."""
+    rng = np.random.default_rng(42)
+    prompts = [random_prompt(rng, 10), random_prompt(rng, 14)]
+    engine = make_engine(MULTI_BASE)
+    engine.warmup(num_seqs=2, max_total_len=40, prompt_lens=[10, 14])
+    warmed = set(engine.runner.compiled_shapes)
+    assert any(key[0] == "multi_step" for key in warmed if isinstance(key[0], str))
+    log = multi_step_rounds(engine)
+    engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert max(log) == 4
+    assert set(engine.runner.compiled_shapes) == warmed
