@@ -27,12 +27,18 @@ accumulates in float32:
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
     are summed in jnp (a small fused reduction).
 The paths above are MatmulConfig.path "auto" (today's default; `matmul_config` picks nothing
-else until the H200 sweep of scripts/bench_matmul.py has measured the others). Two tensor-core
+else until the H200 sweep of scripts/bench_matmul.py has measured the others). Three tensor-core
 paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked loads):
   * "mma": acc [BM, BN] += x [BM, R] @ w [R, BN] per code j, as the dot path.
     "mma_t": acc [BN, BM] += w [BN, R] @ x [R, BM], the transposed product: the weight tile is
     the MMA's M operand (64+ rows, wgmma-sized) and the few activation rows its N operand; the
     output is stored through transposed indices.
+    "mma_wide" (int4): acc [BM, BN] += x [BM, 8R] @ w [8R, BN], ONE dot of K = 8R per tile (or
+    per group sub-tile, below) instead of 8 small dots of K = R. The word tile [R, BN] is read
+    once, broadcast against shifts [8, 1, 1] into nibble planes [8, R, BN], turned into codes
+    as below and reshaped j-major into [8R, BN] (row j R + i holds K row 8 (t R + i) + j); the
+    activations come in one gather of the matching columns [BM, 8R]. For int8 a tile is one
+    dot already: "mma_wide" is "mma".
   * Codes go straight into the activation dtype, without a float instruction: c | magic16 is
     the bit pattern of base + c (bf16 128.0 = 0x4300 for 4-bit codes, fp16 1024.0 = 0x6400 for 4-
     and 8-bit codes): a shift and one LOP3 per weight, then a 32 -> 16 bit truncation. The dot of
@@ -45,7 +51,8 @@ paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked
     groups of >= 16 packed rows (one dot chain per group), acc += s[g] * (tile - excess * xsum)
     (+ offset[g] * xsum), once per [BM, BN] and group instead of once per weight. Groups that
     cut the dot's K (group_size / 8 < 16 int4 rows with a larger tile, or not dividing it) fall
-    back to scaling every weight before the dot.
+    back to scaling every weight before the dot ("mma_wide": the planes [8, R, BN] times the
+    per-row scales [R, BN], still one dot per tile).
 For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
 the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
 docs/PERFORMANCE.md). PALLASITE_MATMUL=reference|pallas|pallas_interpret overrides dispatch.
@@ -69,7 +76,7 @@ MAGIC_BITS = 0x4B000000  # float32 2^23: its lowest mantissa bit is worth 1
 # 16-bit magic numbers whose lowest mantissa bit is worth 1: bf16 128.0 (7 mantissa bits: codes
 # < 128) and fp16 1024.0 (10 bits: codes < 1024). bits | magic is exactly base + code.
 MAGIC16 = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0x6400, 1024)}
-PATHS = ("auto", "mma", "mma_t")
+PATHS = ("auto", "mma", "mma_t", "mma_wide")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +89,7 @@ class MatmulConfig:
     num_splits: int = 1  # programs along K
     num_warps: int = 4
     num_stages: int = 3
-    path: str = "auto"  # "auto": fma below block_m 16, else dot; "mma" / "mma_t" (module doc)
+    path: str = "auto"  # "auto": fma below block_m 16, else dot; "mma" / "mma_t" / "mma_wide"
 
 
 def _pow2(n: int) -> bool:
@@ -289,15 +296,17 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
 
 def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
                 group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
-                num_splits: int, asymmetric: bool, transposed: bool):
-    # Paths "mma" (transposed False) and "mma_t" (True); refs as in _matmul_kernel:
-    # x_ref [M, K], w_ref [K/8, N] int32 or [K, N] uint8, s_ref (and o_ref) [G, N],
-    # out_ref [M, N] (x dtype, or this split's float32 partial).
-    # Tiles: "mma" x [BM, R] @ w [R, BN] -> acc [BM, BN]; "mma_t" w [BN, R] @ x [R, BM] -> acc
-    # [BN, BM] (the weight is the MMA's M operand, the padded activation rows its N).
+                num_splits: int, asymmetric: bool, transposed: bool, wide: bool):
+    # Paths "mma" (transposed False), "mma_t" (True) and "mma_wide" (wide); refs as in
+    # _matmul_kernel: x_ref [M, K], w_ref [K/8, N] int32 or [K, N] uint8, s_ref (and o_ref)
+    # [G, N], out_ref [M, N] (x dtype, or this split's float32 partial).
+    # Tiles: "mma" x [BM, R] @ w [R, BN] -> acc [BM, BN] per code j; "mma_t" w [BN, R] @ x [R, BM]
+    # -> acc [BN, BM] (the weight is the MMA's M operand, the padded activation rows its N);
+    # "mma_wide" (int4) x [BM, 8R] @ w [8R, BN] -> acc [BM, BN], one dot for all 8 codes.
     o_ref = refs[0] if asymmetric else None
     out_ref = refs[-1]
     per_word = 8 if bits == 4 else 1
+    wide = wide and per_word > 1  # int8: a tile is already one dot ("mma")
     zero = 0 if asymmetric else 2 ** (bits - 1)
     dtype = x_ref.dtype
     cols, col_ok, x_rows, x_row_ok, first, last = _program_tiles(
@@ -312,35 +321,58 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
     acc_shape = (block_n, block_m) if transposed else (block_m, block_n)
     f32 = jnp.float32
 
-    def x_tile(r, r_ok, j, dt=None):  # [BM, R] ([R, BM]): activations of code j of rows r
-        kc = r * per_word + j
+    def x_tile(kc, r_ok):  # [BM, len(kc)] ([len(kc), BM]): the activation columns kc
         return _load(x_ref, x_rows, kc, x_row_ok, kc < k_total if r_ok is not None else None,
-                     dt, transposed)
+                     None, transposed)
 
-    def prescaled(r, r_ok):  # sum over rows r of x * w, weights scaled before the dot
+    def packed_rows(first_row, size):  # [size] packed rows from first_row, their mask
+        r = first_row + jnp.arange(size, dtype=jnp.int32)
+        return r, (r < rows if rows % step else None)
+
+    def operands(first_row, size, code):
+        """Yields (x tile, weight tile, excess) whose dots sum to x @ w over the R = size packed
+        rows from first_row.
+
+        code(word, j) -> (weight tile, excess) of code j of `word`: [R, BN] ([BN, R]); wide: of
+        every code at once, word [8, R, BN] holding code j in the low bits of plane j (j = 0).
+        """
+        r, r_ok = packed_rows(first_row, size)
         word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32, transposed)  # [R, BN] ([BN, R])
-        g = jnp.minimum(r // group_rows, num_groups - 1)  # [R]
+        if not wide:  # x [BM, R] ([R, BM]): columns 8 r + j (int4) or r (int8)
+            for j in range(per_word):
+                yield x_tile(r * per_word + j, r_ok), *code(word, j)
+            return
+        shifts = 4 * jnp.arange(8, dtype=jnp.int32)[:, None, None]  # [8, 1, 1]
+        w, excess = code(jnp.right_shift(word[None], shifts), 0)  # [8, R, BN]
+        w = w.reshape(8 * size, block_n)  # j-major: row j * R + i is K row 8 r[i] + j
+        p = jnp.arange(8 * size, dtype=jnp.int32)
+        kc = (first_row + p % size) * 8 + p // size  # [8R] the K row of each row of w
+        yield x_tile(kc, r_ok), w, excess  # x [BM, 8R]
+
+    def product(pairs, sums: bool):
+        """(sum of the dots of `pairs`, x summed over them or None, their excess); x's sum
+        [BM, R] ([R, BM]; wide [BM, 8R]) float32 where `sums` and there is excess or offset."""
+        out = jnp.zeros(acc_shape, f32)
+        xsum, excess = None, 0
+        for xt, wt, excess in pairs:
+            if sums and (excess or asymmetric):
+                xsum = xt.astype(f32) if xsum is None else xsum + xt.astype(f32)
+            out += plgpu.dot(wt, xt) if transposed else plgpu.dot(xt, wt)
+        return out, xsum, excess
+
+    def prescaled(first_row):  # x @ w over a tile, weights scaled before the dot
+        g = jnp.minimum(packed_rows(first_row, step)[0] // group_rows, num_groups - 1)  # [R]
         s = _load(s_ref, g, cols, None, col_ok, f32, transposed)  # [R, BN] ([BN, R])
         o = _load(o_ref, g, cols, None, col_ok, f32, transposed) if asymmetric else None
-        out = jnp.zeros(acc_shape, f32)
-        for j in range(per_word):
-            w = _dequant_tile(word, j, zero, bits)
-            wj = (w * s + o if asymmetric else w * s).astype(dtype)
-            xj = x_tile(r, r_ok, j)
-            out += plgpu.dot(wj, xj) if transposed else plgpu.dot(xj, wj)
-        return out
 
-    def one_group(r, r_ok, g):  # sum over rows r (all in group g) of x * w, scaled after
-        word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32, transposed)  # [R, BN] ([BN, R])
-        tile = jnp.zeros(acc_shape, f32)  # sum of x * (c - zero + excess)
-        xsum = None  # [BM, R] ([R, BM]) float32: x summed over the codes of a word
-        excess = 0
-        for j in range(per_word):
-            xj = x_tile(r, r_ok, j)
-            wj, excess = _codes_as(word, j, zero, bits, dtype)  # [R, BN] ([BN, R])
-            if excess or asymmetric:
-                xsum = xj.astype(f32) if xsum is None else xsum + xj.astype(f32)
-            tile += plgpu.dot(wj, xj) if transposed else plgpu.dot(xj, wj)
+        def code(word, j):  # exact float32 c - zero, scaled ([8, R, BN] broadcasts s, o)
+            w = _dequant_tile(word, j, zero, bits)
+            return (w * s + o if asymmetric else w * s).astype(dtype), 0
+        return product(operands(first_row, step, code), sums=False)[0]
+
+    def one_group(first_row, g):  # x @ w over `sub` rows (all in group g), scaled after
+        pairs = operands(first_row, sub, lambda word, j: _codes_as(word, j, zero, bits, dtype))
+        tile, xsum, excess = product(pairs, sums=True)  # tile: sum of x * (c - zero + excess)
         gv = jnp.full((1,), g, jnp.int32)
         s = _load(s_ref, gv, cols, None, col_ok, f32, transposed)  # [1, BN] ([BN, 1])
         if xsum is not None:
@@ -355,13 +387,10 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
 
     def body(t, acc):  # acc [BM, BN] ([BN, BM]) float32
         if sub is None:
-            r = t * step + jnp.arange(step, dtype=jnp.int32)  # [R] packed rows of this tile
-            return acc + prescaled(r, r < rows if rows % step else None)
-        for q in range(step // sub):
+            return acc + prescaled(t * step)
+        for q in range(step // sub):  # the tile's groups, `sub` packed rows each
             first_row = t * step + q * sub
-            r = first_row + jnp.arange(sub, dtype=jnp.int32)  # [sub] packed rows of a group
-            g = jnp.minimum(first_row // group_rows, num_groups - 1)
-            acc += one_group(r, r < rows if rows % step else None, g)
+            acc += one_group(first_row, jnp.minimum(first_row // group_rows, num_groups - 1))
         return acc
 
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros(acc_shape, f32))
@@ -402,7 +431,8 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     if config.path == "auto":
         body = _matmul_kernel
     else:
-        body = functools.partial(_mma_kernel, transposed=config.path == "mma_t")
+        body = functools.partial(_mma_kernel, transposed=config.path == "mma_t",
+                                 wide=config.path == "mma_wide")
     kernel = functools.partial(
         body, bits=bits, m=m, n=n, rows=rows, group_rows=max(1, group_size // per_word),
         num_groups=num_groups, block_m=config.block_m, block_n=config.block_n, step=step,

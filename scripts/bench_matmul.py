@@ -13,7 +13,7 @@ Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fu
   TB/s = weight bytes read (packed codes + scales) over time; speedup = bf16 time / time.
 - sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
   the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
-  The decode sweep (about 9 configs per shape, M and bits; a few minutes on an H200):
+  The decode sweep (about 9 to 12 configs per shape, M and bits; a few minutes on an H200):
     python -m scripts.bench_matmul --modes=calib,sweep --shapes=4096x4096,4096x28672,\
         14336x4096,4096x128256 --ms=1,16 --bits=4,8 --json_out=sweep.json
 
@@ -219,10 +219,11 @@ def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:
     """Tile variants for one row count (num_splits 0: filled in by main's rule).
 
     M <= 16 (decode): today's dot path at block_m 16 and wide N (M < 16 only), then the
-    tensor-core paths of ops/quant_matmul.py: "mma" (x @ W, M padded to 16) and "mma_t"
-    (W^T @ x^T, the weight tile as the MMA's M operand) over block_n, block_k, warps, stages;
-    8 to 9 configs, plus the heuristic's own (main puts it first). Larger M: tiles around the
-    heuristic's dot path.
+    tensor-core paths of ops/quant_matmul.py: "mma" (x @ W, M padded to 16), "mma_t"
+    (W^T @ x^T, the weight tile as the MMA's M operand) and, int4 only, "mma_wide" (one dot of
+    K = block_k per tile instead of 8) over block_n, block_k, warps, stages; 7 to 11 configs,
+    plus the heuristic's own (main puts it first). Larger M: tiles around the heuristic's dot
+    path.
     """
     bk = (128, 256, 512) if bits == 4 else (32, 64, 128)  # small, medium, large K tile
     if m <= 16:
@@ -232,7 +233,12 @@ def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:
         mma_t = [MatmulConfig(16, bn, k_, 0, w, st, "mma_t")
                  for bn, k_, w, st in ((128, bk[1], 4, 3), (128, bk[2], 4, 3),
                                        (256, bk[1], 8, 3), (256, bk[2], 8, 2))]
-        return old + mma + mma_t
+        # "mma_wide" (int4; for int8 it is "mma"): a [block_k, BN] code tile per dot, about 256
+        # 16-bit codes a thread
+        wide = [MatmulConfig(16, bn, k_, 0, w, 3, "mma_wide")
+                for bn, k_, w in ((128, bk[1], 4), (256, bk[1], 8), (128, bk[2], 8))
+                if bits == 4]
+        return old + mma + mma_t + wide
     bm = max(16, 1 << (m - 1).bit_length())
     out = [MatmulConfig(bm, bn, bk[1], 0, 4, 3) for bn in (64, 128, 256)]
     return out + [MatmulConfig(bm, 128, bk[1], 0, 8, 3), MatmulConfig(bm, 128, bk[2], 0, 4, 2)]

@@ -5,8 +5,8 @@ with quant/qtensor.py's packers, so kernel and references read the very same pac
 CPU the Pallas kernel runs with interpret=True on small K / N of the Llama structure (K a multiple
 of the group or not, N not a multiple of the column block); on a GPU the same cases run compiled
 and the Llama-3.1-8B shapes are added. A CPU test lowers every kernel path (fma, dot, and the
-tensor-core decode paths "mma" / "mma_t") to Triton IR for an H200, which catches unsupported
-constructs without a GPU (not what Triton's own compiler might reject later).
+tensor-core decode paths "mma" / "mma_t" / "mma_wide") to Triton IR for an H200, which catches
+unsupported constructs without a GPU (not what Triton's own compiler might reject later).
 """
 from __future__ import annotations
 
@@ -107,11 +107,13 @@ def test_explicit_configs(bits, config):
 # The tensor-core decode paths (MatmulConfig.path): (bits, m, k, n, group_size, asymmetric, dtype,
 # block_k). Groups: a tile in one group (the scale after the dot), a tile of several whole groups
 # (one dot chain per group), groups that cut the dot's K (weights scaled before the dot).
+# "mma_wide" runs every case too: int4 in one dot of K = 8R per group sub-tile, int8 as "mma".
 MMA_CASES = [
     (4, 1, 512, 96, 128, False, "bfloat16", 128),  # one group per tile; N % 32 != 0
     (4, 3, 1024, 64, 128, True, "bfloat16", 512),  # four groups per tile
     (4, 16, 448, 64, 32, False, "float16", 128),  # 4-word groups: pre-scaled; partial tile
     (4, 3, 320, 64, 320, True, "float16", 256),  # per channel, K % block_k != 0
+    (4, 16, 512, 64, 128, True, "bfloat16", 256),  # two groups per tile
     (4, 1, 256, 32, 64, True, "float32", 128),
     (8, 1, 300, 64, 300, False, "bfloat16", 32),  # per channel, K not a multiple of 16
     (8, 16, 256, 64, 64, True, "float16", 128),  # fp16 magic codes, two groups per tile
@@ -119,7 +121,7 @@ MMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["mma", "mma_t"])
+@pytest.mark.parametrize("path", ["mma", "mma_t", "mma_wide"])
 @pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,block_k", MMA_CASES)
 def test_mma_paths(path, bits, m, k, n, group_size, asymmetric, dtype, block_k):
     config = MatmulConfig(block_m=16, block_n=32, block_k=block_k, num_splits=2, path=path)
@@ -171,6 +173,7 @@ def test_validation():
         dict(config=MatmulConfig(block_m=3, block_n=64, block_k=64)),
         dict(config=MatmulConfig(block_m=8, block_n=64, block_k=128, path="mma")),  # < 16 rows
         dict(config=MatmulConfig(block_m=16, block_n=64, block_k=128, path="wgmma")),
+        dict(config=MatmulConfig(block_m=16, block_n=64, block_k=64, path="mma_wide")),
     ]
     base = dict(x=x, packed=w.packed, scales=w.scales, offsets=None, group_size=64, perm=None,
                 config=None)
@@ -204,19 +207,22 @@ def test_gpu_llama_shapes(bits, k, n):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-@pytest.mark.parametrize("bits,block_m,asymmetric,path,dtype", [
-    (4, 1, False, None, "bfloat16"), (4, 2, True, None, "bfloat16"),
-    (4, 16, True, None, "bfloat16"), (8, 1, True, None, "bfloat16"),
-    (8, 16, False, None, "bfloat16"),
-    (4, 1, False, "mma", "bfloat16"), (4, 16, True, "mma_t", "bfloat16"),
-    (4, 1, True, "mma_t", "float16"), (8, 1, False, "mma_t", "bfloat16"),
-    (8, 16, True, "mma", "float16")])
-def test_lowers_to_triton_for_h200(monkeypatch, bits, block_m, asymmetric, path, dtype):
+@pytest.mark.parametrize("bits,block_m,asymmetric,path,dtype,group", [
+    (4, 1, False, None, "bfloat16", 128), (4, 2, True, None, "bfloat16", 128),
+    (4, 16, True, None, "bfloat16", 128), (8, 1, True, None, "bfloat16", 128),
+    (8, 16, False, None, "bfloat16", 128),
+    (4, 1, False, "mma", "bfloat16", 128), (4, 16, True, "mma_t", "bfloat16", 128),
+    (4, 1, True, "mma_t", "float16", 128), (8, 1, False, "mma_t", "bfloat16", 128),
+    (8, 16, True, "mma", "float16", 128),
+    (4, 1, False, "mma_wide", "bfloat16", 128), (4, 16, True, "mma_wide", "float16", 128),
+    (4, 1, True, "mma_wide", "bfloat16", 64),  # 8-word groups: weights scaled before the dot
+    (4, 1, False, "mma_wide", "float16", 4096)])  # per channel: one dot per tile
+def test_lowers_to_triton_for_h200(monkeypatch, bits, block_m, asymmetric, path, dtype, group):
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     spec = jax.ShapeDtypeStruct
-    k, n, group = 4096, 6144, 128
+    k, n = 4096, 6144
     packed = spec((k // 8, n), jnp.int32) if bits == 4 else spec((k, n), jnp.uint8)
     scales = spec((k // group, n), dtype)
     config = matmul_config(bits, block_m, k, n, group)
