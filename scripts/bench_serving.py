@@ -170,31 +170,6 @@ def host_share(engine) -> dict:
             "num_decode_steps": engine.engine_cfg.num_decode_steps}
 
 
-def time_host_phases(engine) -> dict:
-    """Wraps the engine's host phases with timers; returns {phase: total seconds}, filled as
-    the engine runs. Dispatch phases ("dispatch ...") include whatever the device call blocks
-    for; "read tokens" is the wait for the device."""
-    import engine.llm_engine as llm_engine
-    totals = dict.fromkeys(["schedule", "rows + batch", "sampling arrays", "dispatch step",
-                            "dispatch multi-step", "read tokens", "update computed",
-                            "finish + append"], 0.0)
-
-    def timed(owner, name, phase):
-        timing.add_phase_timer(owner, name, totals, phase)
-
-    timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.scheduler, "update_computed", "update computed")
-    timed(engine.scheduler.rows, "slots", "rows + batch")
-    timed(llm_engine, "step_batch_from_arrays", "rows + batch")
-    timed(engine, "_sampling_arrays", "sampling arrays")
-    timed(engine.runner, "execute_and_sample", "dispatch step")
-    if hasattr(engine.runner, "execute_multi_step"):
-        timed(engine.runner, "execute_multi_step", "dispatch multi-step")
-    timed(llm_engine, "fetch_samples", "read tokens")
-    timed(engine, "_append_tokens", "finish + append")
-    return totals
-
-
 def release(engine) -> None:
     """Frees an engine's device memory now: its KV cache is deleted and the objects frozen at
     start-up (freeze_startup_objects) are unfrozen and collected, so the next engine can take
@@ -298,7 +273,7 @@ def main(argv):
     results["warmup_s"] = time.perf_counter() - start
     common.freeze_startup_objects()
     engine.stats = type(engine.stats)(record_steps=True)
-    phases = time_host_phases(engine) if FLAGS.host_phases else None
+    phases = timing.time_engine_phases(engine) if FLAGS.host_phases else None
     results["continuous"] = run_continuous(engine, work) | host_share(engine)
     if phases is not None:
         model_steps = max(engine.stats.num_model_steps, 1)

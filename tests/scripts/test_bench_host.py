@@ -26,5 +26,5 @@ def test_bench_host_writes_its_table_and_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["num_seqs"] == 6 and result["host_s_per_step"] > 0
-    assert {"schedule", "rows", "step batch", "finish + append"} <= set(result["phase_s_per_step"])
+    assert {"schedule", "rows + batch", "finish + append"} <= set(result["phase_s_per_step"])
     assert "| schedule |" in proc.stdout
