@@ -167,7 +167,7 @@ class ModelRunner:
         self._step_and_argmax = jax.jit(self._step_and_argmax_impl, donate_argnums=(1,),
                                         static_argnames=("layout", "out_rows"))
         self._multi_step = jax.jit(self._multi_step_impl, donate_argnums=(1,),
-                                   static_argnames=("layout", "num_steps", "mode"))
+                                   static_argnames=("layout", "num_steps", "mode", "unroll"))
 
     def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
@@ -205,11 +205,13 @@ class ModelRunner:
         return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
 
     def _multi_step_impl(self, weights, cache, packed, floats, ints, layout: StepLayout,
-                         num_steps: int, mode: str):
+                         num_steps: int, mode: str, unroll: bool = False):
         """`num_steps` decode steps of one token per sequence in one program (a device loop):
         each step's tokens are the previous step's samples, its positions, cache slots and
         lengths one further. floats / ints: the packed sampling rows (sampling.pack_sampling;
-        each step draws with the step index + i). Returns (tokens int32 [num_steps, S], cache).
+        each step draws with the step index + i). With `unroll` the steps are traced one after
+        another (no device loop: one straight program, num_steps times longer to compile).
+        Returns (tokens int32 [num_steps, S], cache).
         """
         x = unpack(packed, layout)
         tables, kv_lens, page_size = x["block_tables"], x["kv_lens"], self.page_size  # [S, W]
@@ -236,15 +238,17 @@ class ModelRunner:
             return cache, tokens, out.at[i].set(tokens)
 
         out = jnp.zeros((num_steps, layout.num_seqs), jnp.int32)
-        cache, _, out = jax.lax.fori_loop(0, num_steps, body, (cache, x["tokens"], out))
+        cache, _, out = jax.lax.fori_loop(0, num_steps, body, (cache, x["tokens"], out),
+                                          unroll=unroll)
         return out, cache
 
     def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays,
-                           num_steps: int) -> jax.Array:
+                           num_steps: int, unroll: bool = False) -> jax.Array:
         """Runs `num_steps` decode steps of a decode batch (one token per sequence, every
         sequence with room in its pages for num_steps tokens) as one program, without waiting:
         the sampled tokens, device int32 [num_steps, bucket(S)] (the host reads [:, :S]).
-        No penalties or logprobs (they need the host between steps)."""
+        No penalties or logprobs (they need the host between steps). `unroll`: see
+        `_multi_step_impl`."""
         if arrays.penalties is not None or arrays.num_logprobs:
             raise ValueError("multi-step decoding takes no penalties or logprobs")
         if len(batch.token_ids) != batch.num_seqs:
@@ -252,10 +256,10 @@ class ModelRunner:
                              f"{len(batch.token_ids)} tokens for {batch.num_seqs} sequences")
         layout, packed = self._padded(batch)
         mode = arrays.mode()
-        self.compiled_shapes.add(("multi_step", layout, num_steps, mode))
+        self.compiled_shapes.add(("multi_step", layout, num_steps, mode, unroll))
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
         tokens, self.cache = self._multi_step(self._weights, self.cache, packed, floats, ints,
-                                              layout, num_steps, mode)
+                                              layout, num_steps, mode, unroll)
         tokens.copy_to_host_async()
         return tokens
 

@@ -57,8 +57,8 @@ flags.DEFINE_integer("runs", 3, "Timings per row (median).")
 flags.DEFINE_integer("loop_steps", 8, "Steps of the synced engine-style loop per row (0: off).")
 flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
 flags.DEFINE_integer("multi_step", 0, "Also time rounds of this many decode steps in one "
-                     "program (ModelRunner.execute_multi_step), per model step, and check their "
-                     "greedy tokens (0: off).")
+                     "program (ModelRunner.execute_multi_step: a device loop, and the steps "
+                     "unrolled), per model step, and check their greedy tokens (0: off).")
 flags.DEFINE_list("prefill", ["512", "4096"], "Prompt lengths of the prefill rows.")
 flags.DEFINE_integer("greedy_steps", 16, "Greedy tokens of the on/off check (0: off).")
 flags.DEFINE_integer("greedy_batch", 4, "Sequences of the greedy check.")
@@ -178,9 +178,11 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
         results["greedy"].append(common | {"batch": b, "context": c, "tokens": tokens.tolist(),
                                            "margins": gaps.tolist()})
         if FLAGS.multi_step and variant != "mesh":  # the same tokens from rounds of the loop
-            results["greedy"].append(common | {"variant": f"{variant}+multi_step", "batch": b,
-                                               "context": c, "tokens": multi_step_tokens(
-                                                   runner, first, c - n - 1, table, n)})
+            for unroll in (False, True):
+                results["greedy"].append(common | {
+                    "variant": f"{variant}+multi_step" + ("_unrolled" if unroll else ""),
+                    "batch": b, "context": c,
+                    "tokens": multi_step_tokens(runner, first, c - n - 1, table, n, unroll)})
         save(results)
     for b in map(int, FLAGS.batch):
         for c in map(int, FLAGS.context):
@@ -192,10 +194,12 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
                 row |= ds.time_queued(runner, batch, FLAGS.steps, FLAGS.runs)
                 if FLAGS.multi_step and variant != "mesh":
                     room = tables[:b, :-(-(c + FLAGS.multi_step) // FLAGS.page_size)]
-                    row |= ds.time_multi_step(
-                        runner, ds.decode_batch(batch.token_ids, np.full(b, c - 1), room,
-                                                FLAGS.page_size),
-                        FLAGS.multi_step, max(FLAGS.steps // FLAGS.multi_step, 2), FLAGS.runs)
+                    rounds = ds.decode_batch(batch.token_ids, np.full(b, c - 1), room,
+                                             FLAGS.page_size)
+                    for unroll in (False, True):  # a device loop; the steps traced in a row
+                        row |= ds.time_multi_step(
+                            runner, rounds, FLAGS.multi_step,
+                            max(FLAGS.steps // FLAGS.multi_step, 2), FLAGS.runs, unroll)
                 row["programs"] = ds.compile_count(runner)
                 w = ds.weight_bytes_per_step(cfg, model, b)
                 kv = ds.kv_bytes_per_step(cfg, kv_dtype, b, c)
@@ -245,7 +249,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
 
 
 def multi_step_tokens(runner, first: np.ndarray, position: int, table: np.ndarray,
-                      steps: int) -> list:
+                      steps: int, unroll: bool) -> list:
     """Greedy tokens [batch, steps] of the greedy check's loop run as rounds of --multi_step
     steps (ModelRunner.execute_multi_step) from the same first tokens and position."""
     from engine.sampling import SamplingArrays
@@ -256,7 +260,7 @@ def multi_step_tokens(runner, first: np.ndarray, position: int, table: np.ndarra
         batch = ds.decode_batch(tokens, np.full(len(tokens), position + len(out)), table,
                                 FLAGS.page_size)
         rounds = np.asarray(runner.execute_multi_step(
-            batch, SamplingArrays.defaults(len(tokens)), k))[:, : len(tokens)]  # [k, batch]
+            batch, SamplingArrays.defaults(len(tokens)), k, unroll))[:, : len(tokens)]  # [k, B]
         out += list(rounds)
         tokens = rounds[-1]
     return np.stack(out[1:], axis=1).tolist()
@@ -279,7 +283,9 @@ def format_row(row: dict) -> str:
     loop = f"  loop {row['loop_step_s'] * 1e3:7.3f} ms" if "loop_step_s" in row else ""
     if "multi_step_s" in row:
         loop += (f"  {row['multi_steps']}-step rounds {row['multi_step_s'] * 1e3:7.3f} ms/step "
-                 f"(dispatch holds the host {row['multi_step_dispatch_s'] * 1e3:.3f} ms)")
+                 f"(dispatch holds the host {row['multi_step_dispatch_s'] * 1e3:.3f} ms), "
+                 f"unrolled {row['multi_step_unrolled_s'] * 1e3:7.3f} ms/step "
+                 f"({row['multi_step_unrolled_dispatch_s'] * 1e3:.3f} ms)")
     return (f"{head} {row['step_s'] * 1e3:8.3f} ms {row['tokens_per_s']:9.1f} tok/s  "
             f"floor {row['floor_s'] * 1e3:7.3f} ms  MBU {row['mbu']:6.1%}{loop}  "
             f"compiles during timing: {row['compiles_during_timing']}")

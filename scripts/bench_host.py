@@ -23,12 +23,17 @@ from absl import app, flags
 
 from scripts import timing
 
-flags.DEFINE_integer("num_seqs", 256, "Sequences decoding together.")
-flags.DEFINE_integer("steps", 64, "Decode steps per timing.")
-flags.DEFINE_integer("repeats", 7, "Timings (the best is reported).")
-flags.DEFINE_bool("async_scheduling", True, "Engine with asynchronous scheduling.")
-flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The script's flags (defined when it runs, so that tests can import its functions next
+    to other scripts' flags of the same names)."""
+    flags.DEFINE_integer("num_seqs", 256, "Sequences decoding together.")
+    flags.DEFINE_integer("steps", 64, "Decode steps per timing.")
+    flags.DEFINE_integer("repeats", 7, "Timings (the best is reported).")
+    flags.DEFINE_bool("async_scheduling", True, "Engine with asynchronous scheduling.")
+    flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 
 
 def stub_engine(num_seqs: int, async_scheduling: bool):
@@ -96,4 +101,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

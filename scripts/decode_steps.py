@@ -185,15 +185,17 @@ def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) ->
 
 
 def time_multi_step(runner: ModelRunner, batch: StepBatch, num_steps: int, rounds: int,
-                    runs: int) -> dict:
+                    runs: int, unroll: bool = False) -> dict:
     """Multi-step rounds of a decode batch (ModelRunner.execute_multi_step, greedy): seconds
     per model step with `rounds` rounds queued and one sync (median of `runs`), and how long
     one round's dispatch keeps the host (a device loop may hold it while the device runs).
-    The batch's block tables must have room for num_steps more tokens per sequence."""
+    The batch's block tables must have room for num_steps more tokens per sequence. `unroll`:
+    the steps traced one after another instead of a device loop (keys get an "_unrolled"
+    suffix)."""
     arrays = SamplingArrays.defaults(batch.num_seqs)
 
     def run():
-        return runner.execute_multi_step(batch, arrays, num_steps)
+        return runner.execute_multi_step(batch, arrays, num_steps, unroll=unroll)
 
     jax.block_until_ready(run())  # compile and warm
     samples = timing.queued_seconds(run, rounds, runs, warm=False)
@@ -203,8 +205,9 @@ def time_multi_step(runner: ModelRunner, batch: StepBatch, num_steps: int, round
         out = run()
         holds.append(time.perf_counter() - start)
         jax.block_until_ready(out)
-    return {"multi_step_s": statistics.median(samples) / num_steps,
-            "multi_step_dispatch_s": statistics.median(holds), "multi_steps": num_steps}
+    suffix = "_unrolled" if unroll else ""
+    return {f"multi_step{suffix}_s": statistics.median(samples) / num_steps,
+            f"multi_step{suffix}_dispatch_s": statistics.median(holds), "multi_steps": num_steps}
 
 
 def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,

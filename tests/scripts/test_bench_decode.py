@@ -173,9 +173,11 @@ def test_bench_decode_runs_end_to_end(tmp_path):
             get_preset("tiny-llama31"), jnp.float32)
     assert {r["prompt_tokens"] for r in res["prefill"]} == {16}
     assert res["greedy_check"]["tiny-llama31"]["results"]["fused"]["equal"] is True
-    for variant in ("base+multi_step", "fused+multi_step"):  # rounds of 3 steps, same tokens
-        assert res["greedy_check"]["tiny-llama31"]["results"][variant]["equal"] is True
-    assert all(r["multi_step_s"] > 0 and r["multi_steps"] == 3 for r in rows)
+    for variant in ("base", "fused"):  # rounds of 3 steps, looped or unrolled: same tokens
+        for kind in ("+multi_step", "+multi_step_unrolled"):
+            assert res["greedy_check"]["tiny-llama31"]["results"][variant + kind]["equal"] is True
+    assert all(r["multi_step_s"] > 0 and r["multi_step_unrolled_s"] > 0
+               and r["multi_steps"] == 3 for r in rows)
     greedy = res["greedy"][0]
     assert np.asarray(greedy["margins"]).shape == np.asarray(greedy["tokens"]).shape == (2, 3)
     assert len(res["profiles"]) == 2  # traced (no device events on the CPU: an error entry)
