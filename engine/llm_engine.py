@@ -59,6 +59,9 @@ class EngineConfig:
     # Rounds then run synchronously; penalties, logprobs, speculation and a sharded runner
     # take single steps.
     num_decode_steps: int = 1
+    # A round's steps traced one after another (one straight program, like a single step,
+    # num_decode_steps times longer to compile) instead of a device loop.
+    unroll_decode_steps: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_decode_steps, int) or self.num_decode_steps < 1:
@@ -408,7 +411,7 @@ class LLMEngine(SpeculativeRounds):
                                        rows.tables[slots, : max(int(num_pages.max()), 1)],
                                        num_pages, self.pool.page_size)
         tokens = self.runner.execute_multi_step(batch, self._sampling_arrays(requests, slots),
-                                                steps)
+                                                steps, self.engine_cfg.unroll_decode_steps)
         start = time.perf_counter()
         [tokens] = fetch_samples((tokens,), steps)  # [steps, bucket(S)]
         tokens = tokens[:, : len(requests)].T.tolist()  # [S][steps]
@@ -576,7 +579,8 @@ class LLMEngine(SpeculativeRounds):
         for i, (q_lens, width, verification) in enumerate(shapes):
             self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
             if multi_steps > 1 and max(q_lens) == 1 and not verification:
-                self.runner.warmup_multi_step(len(q_lens), width, multi_steps)
+                self.runner.warmup_multi_step(len(q_lens), width, multi_steps,
+                                              self.engine_cfg.unroll_decode_steps)
             if progress is not None:
                 progress(i + 1, len(shapes))
         self.runner.warmup_samplers()

@@ -344,11 +344,13 @@ class ModelRunner:
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
 
-    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int) -> None:
+    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int,
+                          unroll: bool = False) -> None:
         """Compiles the greedy multi-step program of a decode batch (running it on padding:
         nothing is written). Sampled multi-step programs compile when first used."""
         dummy = _padding_batch([1] * num_seqs, num_pages)
-        np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs), num_steps))
+        np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs), num_steps,
+                                           unroll))
 
     def warmup_samplers(self) -> None:
         """Compiles the sampler programs of batches with sampled rows (without and with top-k /

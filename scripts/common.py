@@ -43,6 +43,9 @@ def define_engine_flags() -> None:
                          "Decode steps per program while every running request decodes "
                          "(multi-step scheduling: the host works once per this many steps; "
                          "turns asynchronous scheduling off). 1: off.")
+    flags.DEFINE_bool("unroll_decode_steps", False,
+                      "With --num_decode_steps: trace a round's steps one after another (one "
+                      "straight program) instead of a device loop; compiles longer.")
 
 
 def define_quant_flags() -> None:
@@ -94,7 +97,8 @@ def engine_config_from_flags(FLAGS, cfg):
                         enable_prefix_caching=FLAGS.enable_prefix_caching,
                         enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
                         async_scheduling=FLAGS.async_scheduling,
-                        num_decode_steps=FLAGS.num_decode_steps)
+                        num_decode_steps=FLAGS.num_decode_steps,
+                        unroll_decode_steps=FLAGS.unroll_decode_steps)
 
 
 def fail(message: str) -> None:

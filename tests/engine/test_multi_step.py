@@ -60,10 +60,12 @@ def test_random_streams_equal_single_steps(make_engine):
     assert sum(multi) > 0
 
 
-def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine):
+@pytest.mark.parametrize("unroll", [False, True])
+def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, unroll):
     """max_tokens that are not multiples of the round, a stop token met inside a round and
     seeded sampling (plain and with cuts): the tokens of single steps; the stopped request's
-    extra tokens are computed and dropped, and every page is free at the end."""
+    extra tokens are computed and dropped, and every page is free at the end; rounds as a
+    device loop and unrolled."""
     rng = np.random.default_rng(40)
     prompts = [random_prompt(rng, n) for n in (5, 17, 30, 9)]
     [free_run] = make_engine(SINGLE_BASE).generate(
@@ -75,7 +77,7 @@ def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine):
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.1, top_k=20,
                              top_p=0.9, seed=6)]
     results = {}
-    for cfg in (SINGLE_BASE, MULTI_BASE):
+    for cfg in (SINGLE_BASE, dataclasses.replace(MULTI_BASE, unroll_decode_steps=unroll)):
         engine = make_engine(cfg)
         log = multi_step_rounds(engine)
         outs = engine.generate(prompts, params)
