@@ -25,79 +25,11 @@ from engine.request import (CompletionOutput, FinishReason, Request, RequestOutp
 from engine.runner import ModelRunner, fetch_samples, step_batch_from_arrays
 from engine.sampling import SamplingArrays, draw_steps
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.engine_types import EngineConfig, EngineStats, StreamDelta
+from engine.multi_step import MultiStepRounds
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
 from engine.warmup import reachable_steps
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine sizes.
-
-    The KV cache has `num_pages` pages if given; else, with `memory_fraction`, as many as fit in
-    that fraction of the device's memory (engine/memory.py); else enough for max_num_seqs
-    sequences of max_model_len tokens.
-    """
-
-    max_model_len: int = 2048
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    page_size: int = 16
-    num_pages: int | None = None
-    memory_fraction: float | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    # Schedule step n+1 while step n runs (see LLMEngine.step); speculative decoding, penalties
-    # and a sharded runner run synchronously. Off by default: on the H200 with llama3.2-1b at
-    # 256 sequences the host is the slower side and it measured 11% fewer tokens/s
-    # (docs/PERFORMANCE.md); it pays where the device step is longer than the host's work.
-    async_scheduling: bool = False
-    # Decode steps per program when every running request decodes (multi-step scheduling, as
-    # vLLM's --num-scheduler-steps): the host schedules, dispatches and reads tokens once per
-    # this many steps, and sequences that stop within them drop their extra tokens. 1: off.
-    # Rounds then run synchronously; penalties, logprobs, speculation and a sharded runner
-    # take single steps.
-    num_decode_steps: int = 1
-    # A round's steps traced one after another (one straight program, like a single step,
-    # num_decode_steps times longer to compile) instead of a device loop.
-    unroll_decode_steps: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.num_decode_steps, int) or self.num_decode_steps < 1:
-            raise ValueError(f"num_decode_steps must be an integer >= 1, got "
-                             f"{self.num_decode_steps!r}")
-
-
-@dataclasses.dataclass(slots=True)
-class StreamDelta:
-    """New text and tokens of one sample of a request since its previous delta."""
-
-    request_id: int  # the id add_request returned
-    index: int  # which of the request's n samples
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    # Per new token (logprob, {token id: logprob} of the top N), when params.logprobs is set.
-    logprobs: list | None = None
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters over the engine's life (for benchmarks and metrics)."""
-
-    num_steps: int = 0
-    num_model_steps: int = 0  # decode steps of the model (a multi-step round runs several)
-    num_computed_tokens: int = 0
-    num_generated_tokens: int = 0
-    step_time_s: float = 0.0
-    host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
-    # Host time during which the device had nothing queued (an upper bound; see LLMEngine.step).
-    exposed_host_time_s: float = 0.0
-    # Per round (sequences launched, host s, round s, exposed host s, model steps), when
-    # record_steps is on.
-    record_steps: bool = False
-    steps: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -109,7 +41,7 @@ class _InFlight:
     results: tuple  # runner.sample_device's device arrays (tokens padded to sample_rows)
 
 
-class LLMEngine(SpeculativeRounds):
+class LLMEngine(SpeculativeRounds, MultiStepRounds):
     """Runs many requests together over one model and one paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, model, tokenizer=None,
@@ -375,56 +307,6 @@ class LLMEngine(SpeculativeRounds):
                 r.num_pending += 1
                 r.pending_row = i
         return _InFlight(requests, completes, results)
-
-    def _multi_step_ready(self, output: SchedulerOutput) -> bool:
-        """Whether this step can run as num_decode_steps decode steps: every scheduled request
-        decodes one known token, none has penalties or logprobs, the context has room for all
-        the steps, and the pool has pages for them (taken here)."""
-        steps = self.engine_cfg.num_decode_steps
-        if (steps == 1 or not output.scheduled or output.preempted or self._penalized
-                or self.spec_config is not None or not self.runner.supports_multi_step):
-            return False
-        limit = self._context_limit()
-        for it in output.scheduled:
-            r = it.request
-            if (it.num_new_tokens != 1 or r.num_computed_tokens != r.num_tokens - 1
-                    or r.num_computed_tokens + steps > limit or r.params.logprobs is not None):
-                return False
-        grow, page_size = self.pool.grow, self.pool.page_size
-        return all(r.num_computed_tokens + steps <= len(r.pages) * page_size
-                   or grow(r.pages, r.num_computed_tokens + steps)
-                   for r in (it.request for it in output.scheduled))
-
-    def _multi_step(self, output: SchedulerOutput) -> list[StreamDelta]:
-        """Runs num_decode_steps decode steps of the scheduled requests as one program and
-        appends each request's tokens (up to its stop condition)."""
-        steps = self.engine_cfg.num_decode_steps
-        requests = [it.request for it in output.scheduled]
-        rows = self.scheduler.rows
-        slots = rows.slots(requests)
-        num_pages = rows.num_pages[slots]
-        firsts = np.array([r.num_computed_tokens for r in requests], np.int32)
-        last = np.array([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
-                         for r in requests], np.int32)
-        ones = np.ones(len(requests), np.int32)
-        batch = step_batch_from_arrays(last, ones, firsts,
-                                       rows.tables[slots, : max(int(num_pages.max()), 1)],
-                                       num_pages, self.pool.page_size)
-        tokens = self.runner.execute_multi_step(batch, self._sampling_arrays(requests, slots),
-                                                steps, self.engine_cfg.unroll_decode_steps)
-        start = time.perf_counter()
-        [tokens] = fetch_samples((tokens,), steps)  # [steps, bucket(S)]
-        tokens = tokens[:, : len(requests)].T.tolist()  # [S][steps]
-        now = time.perf_counter()
-        self._wait_s += now - start
-        for it in output.scheduled:
-            it.num_new_tokens = steps
-        self.scheduler.update_computed(output)
-        self.stats.num_computed_tokens += output.num_tokens
-        self._round_steps = steps
-        limit = self._context_limit()
-        return [self._append_tokens(r, row, None, now, limit)
-                for r, row in zip(requests, tokens)]
 
     def _sampling_arrays(self, requests: list[Request], slots: np.ndarray) -> SamplingArrays:
         """The step's sampling arrays, gathered from the persistent rows (per request only when

@@ -56,6 +56,9 @@ paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked
 For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
 the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
 docs/PERFORMANCE.md). PALLASITE_MATMUL=reference|pallas|pallas_interpret overrides dispatch.
+
+Files: this one holds the fma / dot kernel, the configs and the dispatch; ops/quant_mma.py the
+tensor-core paths' kernel; ops/quant_tiles.py the tile loads and code unpacking both share.
 """
 from __future__ import annotations
 
@@ -68,14 +71,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops.quant_mma import _mma_kernel
+from ops.quant_tiles import _dequant_tile, _load, _program_tiles
+
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
-EXP_ONE = {0: 150, 1: 146, 2: 142, 3: 138}  # biased exponent making bit 4j worth 1.0
-MAGIC_BITS = 0x4B000000  # float32 2^23: its lowest mantissa bit is worth 1
-# 16-bit magic numbers whose lowest mantissa bit is worth 1: bf16 128.0 (7 mantissa bits: codes
-# < 128) and fp16 1024.0 (10 bits: codes < 1024). bits | magic is exactly base + code.
-MAGIC16 = {jnp.dtype(jnp.bfloat16): (0x4300, 128), jnp.dtype(jnp.float16): (0x6400, 1024)}
 PATHS = ("auto", "mma", "mma_t", "mma_wide")
 
 
@@ -129,75 +130,6 @@ def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulC
     programs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     splits = max(1, min(round(2 * NUM_SMS / programs), tiles // 2, 16))
     return dataclasses.replace(cfg, num_splits=splits)
-
-
-def _dequant_tile(word, j: int, zero: int, bits: int):
-    """Code j of each packed element (int32 [R, BN]) minus `zero`, as exact float32 [R, BN]."""
-    if bits == 8:  # word holds one code in bits 0..7
-        f = jax.lax.bitcast_convert_type(word | MAGIC_BITS, jnp.float32)
-        return f - (float(2 ** 23) + zero)
-    half = word if j < 4 else jax.lax.shift_right_logical(word, 16)
-    jj = j % 4
-    bits_ = (half & (0xF << (4 * jj))) | (EXP_ONE[jj] << 23)
-    f = jax.lax.bitcast_convert_type(bits_, jnp.float32)
-    return f - (float(2 ** (23 - 4 * jj)) + zero)
-
-
-def _codes_as(word, j: int, zero: int, bits: int, dtype):
-    """Code j of each packed element as `dtype`, exactly c - zero + excess: (tile, excess).
-
-    16-bit activations (int8: fp16 only) take the magic-number bits straight in their own
-    dtype, c | magic16 = base + c (one LOP3, plus a shift for nibbles 1..7, and no float
-    instruction): excess = base + zero, which the caller removes from the product once per tile
-    (excess x the activations' row sums). Otherwise the exact float32 c - zero, cast (excess 0).
-    """
-    dtype = jnp.dtype(dtype)
-    if dtype in MAGIC16 and not (bits == 8 and dtype == jnp.dtype(jnp.bfloat16)):
-        magic, base = MAGIC16[dtype]
-        if bits == 4:
-            c = word if j == 0 else jax.lax.shift_right_logical(word, 4 * j)
-            pattern = (c & 0xF) | magic
-        else:
-            pattern = word | magic  # int32 codes < 256
-        return jax.lax.bitcast_convert_type(pattern.astype(jnp.int16), dtype), base + zero
-    return _dequant_tile(word, j, zero, bits).astype(dtype), 0
-
-
-def _load(ref, rows, cols, row_ok, col_ok, dtype=None, transposed=False):
-    """ref[rows, cols] as [len(rows), len(cols)] ([len(cols), len(rows)] when `transposed`),
-    masked by row_ok / col_ok (None: known in bounds); masked reads are 0."""
-    lay = (lambda a: a[None, :]) if transposed else (lambda a: a[:, None])  # noqa: E731
-    lay_c = (lambda a: a[:, None]) if transposed else (lambda a: a[None, :])  # noqa: E731
-    view = ref.at[lay(rows), lay_c(cols)]
-    if row_ok is None and col_ok is None:
-        out = plgpu.load(view)
-    else:
-        shape = ((cols.shape[0], rows.shape[0]) if transposed
-                 else (rows.shape[0], cols.shape[0]))
-        mask = jnp.ones(shape, jnp.bool_)
-        if row_ok is not None:
-            mask = mask & lay(row_ok)
-        if col_ok is not None:
-            mask = mask & lay_c(col_ok)
-        zero = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
-        out = plgpu.load(view, mask=mask, other=zero)
-    return out if dtype is None else out.astype(dtype)
-
-
-def _program_tiles(m: int, n: int, rows: int, block_m: int, block_n: int, step: int,
-                   num_splits: int):
-    """This program's output columns cols [BN] and activation rows x_rows [BM] with their
-    in-bounds masks (None when every one is in bounds), and its K tiles [first, last) of
-    `step` packed rows (program axes: row block, column block, K split)."""
-    mb, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
-    x_rows = mb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [BM]
-    num_tiles = pl.cdiv(rows, step)
-    per_split = pl.cdiv(num_tiles, num_splits)
-    first = jnp.minimum(split * per_split, num_tiles)
-    last = jnp.minimum(first + per_split, num_tiles)
-    return (cols, cols < n if n % block_n else None, x_rows,
-            x_rows < m if m % block_m else None, first, last)
 
 
 def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
@@ -292,118 +224,6 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
         out_row = jnp.where(row_vec < m, row_vec, m)
         plgpu.store(out_ref.at[out_row[:, None], cols[None, :]], out.astype(out_ref.dtype),
                     mask=ok)
-
-
-def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
-                group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
-                num_splits: int, asymmetric: bool, transposed: bool, wide: bool):
-    # Paths "mma" (transposed False), "mma_t" (True) and "mma_wide" (wide); refs as in
-    # _matmul_kernel: x_ref [M, K], w_ref [K/8, N] int32 or [K, N] uint8, s_ref (and o_ref)
-    # [G, N], out_ref [M, N] (x dtype, or this split's float32 partial).
-    # Tiles: "mma" x [BM, R] @ w [R, BN] -> acc [BM, BN] per code j; "mma_t" w [BN, R] @ x [R, BM]
-    # -> acc [BN, BM] (the weight is the MMA's M operand, the padded activation rows its N);
-    # "mma_wide" (int4) x [BM, 8R] @ w [8R, BN] -> acc [BM, BN], one dot for all 8 codes.
-    o_ref = refs[0] if asymmetric else None
-    out_ref = refs[-1]
-    per_word = 8 if bits == 4 else 1
-    wide = wide and per_word > 1  # int8: a tile is already one dot ("mma")
-    zero = 0 if asymmetric else 2 ** (bits - 1)
-    dtype = x_ref.dtype
-    cols, col_ok, x_rows, x_row_ok, first, last = _program_tiles(
-        m, n, rows, block_m, block_n, step, num_splits)
-    if group_rows % step == 0 or num_groups == 1:
-        sub = step  # every tile lies in one group
-    elif step % group_rows == 0 and group_rows >= 16:
-        sub = group_rows  # a tile is step / group_rows whole groups, one dot chain each
-    else:
-        sub = None  # groups cut across the dot's K: scale every weight before the dot
-    k_total = rows * per_word
-    acc_shape = (block_n, block_m) if transposed else (block_m, block_n)
-    f32 = jnp.float32
-
-    def x_tile(kc, r_ok):  # [BM, len(kc)] ([len(kc), BM]): the activation columns kc
-        return _load(x_ref, x_rows, kc, x_row_ok, kc < k_total if r_ok is not None else None,
-                     None, transposed)
-
-    def packed_rows(first_row, size):  # [size] packed rows from first_row, their mask
-        r = first_row + jnp.arange(size, dtype=jnp.int32)
-        return r, (r < rows if rows % step else None)
-
-    def operands(first_row, size, code):
-        """Yields (x tile, weight tile, excess) whose dots sum to x @ w over the R = size packed
-        rows from first_row.
-
-        code(word, j) -> (weight tile, excess) of code j of `word`: [R, BN] ([BN, R]); wide: of
-        every code at once, word [8, R, BN] holding code j in the low bits of plane j (j = 0).
-        """
-        r, r_ok = packed_rows(first_row, size)
-        word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32, transposed)  # [R, BN] ([BN, R])
-        if not wide:  # x [BM, R] ([R, BM]): columns 8 r + j (int4) or r (int8)
-            for j in range(per_word):
-                yield x_tile(r * per_word + j, r_ok), *code(word, j)
-            return
-        shifts = 4 * jnp.arange(8, dtype=jnp.int32)[:, None, None]  # [8, 1, 1]
-        w, excess = code(jnp.right_shift(word[None], shifts), 0)  # [8, R, BN]
-        w = w.reshape(8 * size, block_n)  # j-major: row j * R + i is K row 8 r[i] + j
-        p = jnp.arange(8 * size, dtype=jnp.int32)
-        kc = (first_row + p % size) * 8 + p // size  # [8R] the K row of each row of w
-        yield x_tile(kc, r_ok), w, excess  # x [BM, 8R]
-
-    def product(pairs, sums: bool):
-        """(sum of the dots of `pairs`, x summed over them or None, their excess); x's sum
-        [BM, R] ([R, BM]; wide [BM, 8R]) float32 where `sums` and there is excess or offset."""
-        out = jnp.zeros(acc_shape, f32)
-        xsum, excess = None, 0
-        for xt, wt, excess in pairs:
-            if sums and (excess or asymmetric):
-                xsum = xt.astype(f32) if xsum is None else xsum + xt.astype(f32)
-            out += plgpu.dot(wt, xt) if transposed else plgpu.dot(xt, wt)
-        return out, xsum, excess
-
-    def prescaled(first_row):  # x @ w over a tile, weights scaled before the dot
-        g = jnp.minimum(packed_rows(first_row, step)[0] // group_rows, num_groups - 1)  # [R]
-        s = _load(s_ref, g, cols, None, col_ok, f32, transposed)  # [R, BN] ([BN, R])
-        o = _load(o_ref, g, cols, None, col_ok, f32, transposed) if asymmetric else None
-
-        def code(word, j):  # exact float32 c - zero, scaled ([8, R, BN] broadcasts s, o)
-            w = _dequant_tile(word, j, zero, bits)
-            return (w * s + o if asymmetric else w * s).astype(dtype), 0
-        return product(operands(first_row, step, code), sums=False)[0]
-
-    def one_group(first_row, g):  # x @ w over `sub` rows (all in group g), scaled after
-        pairs = operands(first_row, sub, lambda word, j: _codes_as(word, j, zero, bits, dtype))
-        tile, xsum, excess = product(pairs, sums=True)  # tile: sum of x * (c - zero + excess)
-        gv = jnp.full((1,), g, jnp.int32)
-        s = _load(s_ref, gv, cols, None, col_ok, f32, transposed)  # [1, BN] ([BN, 1])
-        if xsum is not None:
-            xs = jnp.sum(xsum, axis=0 if transposed else 1)  # [BM]
-            xs = xs[None, :] if transposed else xs[:, None]  # [1, BM] ([BM, 1])
-            if excess:
-                tile -= float(excess) * xs
-        out = s * tile
-        if asymmetric:
-            out += _load(o_ref, gv, cols, None, col_ok, f32, transposed) * xs
-        return out
-
-    def body(t, acc):  # acc [BM, BN] ([BN, BM]) float32
-        if sub is None:
-            return acc + prescaled(t * step)
-        for q in range(step // sub):  # the tile's groups, `sub` packed rows each
-            first_row = t * step + q * sub
-            acc += one_group(first_row, jnp.minimum(first_row // group_rows, num_groups - 1))
-        return acc
-
-    acc = jax.lax.fori_loop(first, last, body, jnp.zeros(acc_shape, f32))
-    out_rows = jnp.where(x_rows < m, x_rows, m)  # masked rows go past the end
-    ok = None
-    if x_row_ok is not None or col_ok is not None:
-        ok = jnp.ones(acc_shape, jnp.bool_)
-        if x_row_ok is not None:
-            ok &= x_row_ok[None, :] if transposed else x_row_ok[:, None]
-        if col_ok is not None:
-            ok &= col_ok[:, None] if transposed else col_ok[None, :]
-    idx = (out_rows[None, :], cols[:, None]) if transposed else (out_rows[:, None], cols[None, :])
-    plgpu.store(out_ref.at[idx], acc.astype(out_ref.dtype), mask=ok)
 
 
 def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config: MatmulConfig,

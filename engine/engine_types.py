@@ -1,0 +1,77 @@
+"""The LLM engine's public value types: its configuration, its stream deltas and its counters
+(plain dataclasses; engine/llm_engine.py re-exports them)."""
+from __future__ import annotations
+
+import dataclasses
+
+from engine.request import FinishReason
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizes.
+
+    The KV cache has `num_pages` pages if given; else, with `memory_fraction`, as many as fit in
+    that fraction of the device's memory (engine/memory.py); else enough for max_num_seqs
+    sequences of max_model_len tokens.
+    """
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    page_size: int = 16
+    num_pages: int | None = None
+    memory_fraction: float | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    # Schedule step n+1 while step n runs (see LLMEngine.step); speculative decoding, penalties
+    # and a sharded runner run synchronously. Off by default: on the H200 with llama3.2-1b at
+    # 256 sequences the host is the slower side and it measured 11% fewer tokens/s
+    # (docs/PERFORMANCE.md); it pays where the device step is longer than the host's work.
+    async_scheduling: bool = False
+    # Decode steps per program when every running request decodes (multi-step scheduling, as
+    # vLLM's --num-scheduler-steps): the host schedules, dispatches and reads tokens once per
+    # this many steps, and sequences that stop within them drop their extra tokens. 1: off.
+    # Rounds then run synchronously; penalties, logprobs, speculation and a sharded runner
+    # take single steps.
+    num_decode_steps: int = 1
+    # A round's steps traced one after another (one straight program, like a single step,
+    # num_decode_steps times longer to compile) instead of a device loop.
+    unroll_decode_steps: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.num_decode_steps, int) or self.num_decode_steps < 1:
+            raise ValueError(f"num_decode_steps must be an integer >= 1, got "
+                             f"{self.num_decode_steps!r}")
+
+
+@dataclasses.dataclass(slots=True)
+class StreamDelta:
+    """New text and tokens of one sample of a request since its previous delta."""
+
+    request_id: int  # the id add_request returned
+    index: int  # which of the request's n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    # Per new token (logprob, {token id: logprob} of the top N), when params.logprobs is set.
+    logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters over the engine's life (for benchmarks and metrics)."""
+
+    num_steps: int = 0
+    num_model_steps: int = 0  # decode steps of the model (a multi-step round runs several)
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    step_time_s: float = 0.0
+    host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
+    # Host time during which the device had nothing queued (an upper bound; see LLMEngine.step).
+    exposed_host_time_s: float = 0.0
+    # Per round (sequences launched, host s, round s, exposed host s, model steps), when
+    # record_steps is on.
+    record_steps: bool = False
+    steps: list = dataclasses.field(default_factory=list)

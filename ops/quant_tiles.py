@@ -1,0 +1,64 @@
+"""Tile helpers shared by the quantized matmul kernels (ops/quant_matmul.py, ops/quant_mma.py):
+masked tile loads, a program's tile bounds, and codes unpacked into exact float32.
+
+Packed layouts (quant/qtensor.py): int4 packed int32 [K/8, N], nibble j of word i = K row 8i + j;
+int8 codes uint8 [K, N].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+EXP_ONE = {0: 150, 1: 146, 2: 142, 3: 138}  # biased exponent making bit 4j worth 1.0
+MAGIC_BITS = 0x4B000000  # float32 2^23: its lowest mantissa bit is worth 1
+
+
+def _dequant_tile(word, j: int, zero: int, bits: int):
+    """Code j of each packed element (int32 [R, BN]) minus `zero`, as exact float32 [R, BN]."""
+    if bits == 8:  # word holds one code in bits 0..7
+        f = jax.lax.bitcast_convert_type(word | MAGIC_BITS, jnp.float32)
+        return f - (float(2 ** 23) + zero)
+    half = word if j < 4 else jax.lax.shift_right_logical(word, 16)
+    jj = j % 4
+    bits_ = (half & (0xF << (4 * jj))) | (EXP_ONE[jj] << 23)
+    f = jax.lax.bitcast_convert_type(bits_, jnp.float32)
+    return f - (float(2 ** (23 - 4 * jj)) + zero)
+
+
+def _load(ref, rows, cols, row_ok, col_ok, dtype=None, transposed=False):
+    """ref[rows, cols] as [len(rows), len(cols)] ([len(cols), len(rows)] when `transposed`),
+    masked by row_ok / col_ok (None: known in bounds); masked reads are 0."""
+    lay = (lambda a: a[None, :]) if transposed else (lambda a: a[:, None])  # noqa: E731
+    lay_c = (lambda a: a[:, None]) if transposed else (lambda a: a[None, :])  # noqa: E731
+    view = ref.at[lay(rows), lay_c(cols)]
+    if row_ok is None and col_ok is None:
+        out = plgpu.load(view)
+    else:
+        shape = ((cols.shape[0], rows.shape[0]) if transposed
+                 else (rows.shape[0], cols.shape[0]))
+        mask = jnp.ones(shape, jnp.bool_)
+        if row_ok is not None:
+            mask = mask & lay(row_ok)
+        if col_ok is not None:
+            mask = mask & lay_c(col_ok)
+        zero = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
+        out = plgpu.load(view, mask=mask, other=zero)
+    return out if dtype is None else out.astype(dtype)
+
+
+def _program_tiles(m: int, n: int, rows: int, block_m: int, block_n: int, step: int,
+                   num_splits: int):
+    """This program's output columns cols [BN] and activation rows x_rows [BM] with their
+    in-bounds masks (None when every one is in bounds), and its K tiles [first, last) of
+    `step` packed rows (program axes: row block, column block, K split)."""
+    mb, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
+    x_rows = mb * block_m + jnp.arange(block_m, dtype=jnp.int32)  # [BM]
+    num_tiles = pl.cdiv(rows, step)
+    per_split = pl.cdiv(num_tiles, num_splits)
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
+    return (cols, cols < n if n % block_n else None, x_rows,
+            x_rows < m if m % block_m else None, first, last)
