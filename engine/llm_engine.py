@@ -22,7 +22,7 @@ from engine.block_pool import BlockPool
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams, logprob_entry)
-from engine.runner import ModelRunner, fetch_samples, step_batch_from_arrays
+from engine.runner import ModelRunner, StepBatch, fetch_samples, step_batch_from_arrays
 from engine.sampling import SamplingArrays, draw_steps
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.engine_types import EngineConfig, EngineStats, StreamDelta
@@ -287,12 +287,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 tokens += r.tokens_between(first, first + n)
             completes.append(first + n >= known + r.num_pending)
             num_tokens += n
-        rows = self.scheduler.rows
-        slots = rows.slots(requests)  # [S] rows of the persistent block tables
-        num_pages = rows.num_pages[slots]
-        batch = step_batch_from_arrays(
-            np.array(tokens, np.int32), np.array(counts, np.int32), np.array(firsts, np.int32),
-            rows.tables[slots, : max(int(num_pages.max()), 1)], num_pages, self.pool.page_size)
+        slots = self.scheduler.rows.slots(requests)  # [S] rows of the persistent tables
+        batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = None
         if placeholders:
             sample_index = np.full(num_tokens, -1, np.int32)
@@ -307,6 +303,16 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 r.num_pending += 1
                 r.pending_row = i
         return _InFlight(requests, completes, results)
+
+    def _step_batch(self, slots: np.ndarray, tokens, counts, firsts) -> StepBatch:
+        """The StepBatch of rows `slots` of the persistent block tables computing `counts`
+        tokens each from positions `firsts` (tokens: all rows' token ids, concatenated)."""
+        rows = self.scheduler.rows
+        num_pages = rows.num_pages[slots]  # [S]
+        return step_batch_from_arrays(
+            np.asarray(tokens, np.int32), np.asarray(counts, np.int32),
+            np.asarray(firsts, np.int32), rows.tables[slots, : max(int(num_pages.max()), 1)],
+            num_pages, self.pool.page_size)
 
     def _sampling_arrays(self, requests: list[Request], slots: np.ndarray) -> SamplingArrays:
         """The step's sampling arrays, gathered from the persistent rows (per request only when

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from engine.runner import fetch_samples, step_batch_from_arrays
+from engine.runner import fetch_samples
 from engine.scheduler import SchedulerOutput
 
 
@@ -30,26 +30,18 @@ class MultiStepRounds:
             if (it.num_new_tokens != 1 or r.num_computed_tokens != r.num_tokens - 1
                     or r.num_computed_tokens + steps > limit or r.params.logprobs is not None):
                 return False
-        grow, page_size = self.pool.grow, self.pool.page_size
-        return all(r.num_computed_tokens + steps <= len(r.pages) * page_size
-                   or grow(r.pages, r.num_computed_tokens + steps)
-                   for r in (it.request for it in output.scheduled))
+        return all(self.pool.grow(it.request.pages, it.request.num_computed_tokens + steps)
+                   for it in output.scheduled)
 
     def _multi_step(self, output: SchedulerOutput) -> list:
         """Runs num_decode_steps decode steps of the scheduled requests as one program and
         appends each request's tokens (up to its stop condition)."""
         steps = self.engine_cfg.num_decode_steps
         requests = [it.request for it in output.scheduled]
-        rows = self.scheduler.rows
-        slots = rows.slots(requests)
-        num_pages = rows.num_pages[slots]
-        firsts = np.array([r.num_computed_tokens for r in requests], np.int32)
-        last = np.array([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
-                         for r in requests], np.int32)
-        ones = np.ones(len(requests), np.int32)
-        batch = step_batch_from_arrays(last, ones, firsts,
-                                       rows.tables[slots, : max(int(num_pages.max()), 1)],
-                                       num_pages, self.pool.page_size)
+        slots = self.scheduler.rows.slots(requests)
+        batch = self._step_batch(
+            slots, [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in requests],
+            np.ones(len(requests), np.int32), [r.num_computed_tokens for r in requests])
         tokens = self.runner.execute_multi_step(batch, self._sampling_arrays(requests, slots),
                                                 steps, self.engine_cfg.unroll_decode_steps)
         start = time.perf_counter()

@@ -110,7 +110,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Chooses this step's requests and token counts, allocating their pages."""
         budget = self.config.max_num_batched_tokens
-        page_size = self.pool.page_size
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         # 1. Running requests, oldest first; preempt the youngest when pages run out.
@@ -130,8 +129,7 @@ class Scheduler:
                                         if remaining == 1 else 0, 0)
                 num_new += request.lookahead
             num_new = min(num_new, budget)
-            end = request.num_computed_tokens + num_new
-            while end > len(request.pages) * page_size and not self.pool.grow(request.pages, end):
+            while not self.pool.grow(request.pages, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)

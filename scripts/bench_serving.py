@@ -41,7 +41,7 @@ flags.DEFINE_enum("warmup", "shapes", ["shapes", "rerun"],
                   "rerun: run the same workload once untimed first (fewer programs compiled; "
                   "exact with --request_rate=inf, where the schedule is deterministic).")
 flags.DEFINE_bool("host_phases", False, "Time the engine's host phases (schedule, batch, "
-                  "dispatch, token read, append) in the continuous run; print ms per step.")
+                  "dispatch, append; and the wait for tokens) in the continuous run; ms per step.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 flags.DEFINE_string("url", None, "Drive a running server (scripts.serve) at this address "
                     "over HTTP instead of an in-process engine (scripts/bench_http.py).")
@@ -276,9 +276,10 @@ def main(argv):
     phases = timing.time_engine_phases(engine) if FLAGS.host_phases else None
     results["continuous"] = run_continuous(engine, work) | host_share(engine)
     if phases is not None:
-        model_steps = max(engine.stats.num_model_steps, 1)
+        stats = engine.stats
+        phases["wait for tokens"] = stats.step_time_s - stats.host_time_s
         results["continuous"]["host_phase_ms_per_step"] = {
-            name: 1e3 * total / model_steps for name, total in phases.items()}
+            name: 1e3 * total / max(stats.num_model_steps, 1) for name, total in phases.items()}
         print("host phases, ms per model step: " + ", ".join(
             f"{name} {ms:.3f}" for name, ms in
             results["continuous"]["host_phase_ms_per_step"].items()), flush=True)
