@@ -286,7 +286,8 @@ def format_row(row: dict) -> str:
                  f"(dispatch holds the host {row['multi_step_dispatch_s'] * 1e3:.3f} ms), "
                  f"unrolled {row['multi_step_unrolled_s'] * 1e3:7.3f} ms/step "
                  f"({row['multi_step_unrolled_dispatch_s'] * 1e3:.3f} ms)")
-    return (f"{head} {row['step_s'] * 1e3:8.3f} ms {row['tokens_per_s']:9.1f} tok/s  "
+    hold = f" (dispatch {row['dispatch_s'] * 1e3:.3f} ms)" if "dispatch_s" in row else ""
+    return (f"{head} {row['step_s'] * 1e3:8.3f} ms{hold} {row['tokens_per_s']:9.1f} tok/s  "
             f"floor {row['floor_s'] * 1e3:7.3f} ms  MBU {row['mbu']:6.1%}{loop}  "
             f"compiles during timing: {row['compiles_during_timing']}")
 

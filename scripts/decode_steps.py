@@ -175,13 +175,16 @@ def compile_count(runner: ModelRunner) -> int:
 
 def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) -> dict:
     """Seconds per step with `steps` steps queued and one sync, as the engine issues them
-    (ModelRunner.execute_padded: host padding and dispatch included). Median of `runs`."""
+    (ModelRunner.execute_padded: host padding and dispatch included), median of `runs`; and
+    how long one step's dispatch keeps the host (timing.dispatch_hold)."""
     jax.block_until_ready(runner.execute_padded(batch))  # compile and warm
     before = compile_count(runner)
     samples = timing.queued_seconds(lambda: runner.execute_padded(batch), steps, runs,
                                     warm=False)
+    hold = timing.dispatch_hold(lambda: runner.execute_padded(batch), max(runs, 5))
     return {"step_s": statistics.median(samples), "step_s_min": min(samples),
-            "step_s_max": max(samples), "compiles_during_timing": compile_count(runner) - before}
+            "step_s_max": max(samples), "dispatch_s": hold,
+            "compiles_during_timing": compile_count(runner) - before}
 
 
 def time_multi_step(runner: ModelRunner, batch: StepBatch, num_steps: int, rounds: int,
@@ -199,15 +202,10 @@ def time_multi_step(runner: ModelRunner, batch: StepBatch, num_steps: int, round
 
     jax.block_until_ready(run())  # compile and warm
     samples = timing.queued_seconds(run, rounds, runs, warm=False)
-    holds = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        out = run()
-        holds.append(time.perf_counter() - start)
-        jax.block_until_ready(out)
     suffix = "_unrolled" if unroll else ""
     return {f"multi_step{suffix}_s": statistics.median(samples) / num_steps,
-            f"multi_step{suffix}_dispatch_s": statistics.median(holds), "multi_steps": num_steps}
+            f"multi_step{suffix}_dispatch_s": timing.dispatch_hold(run, runs),
+            "multi_steps": num_steps}
 
 
 def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,

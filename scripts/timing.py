@@ -27,6 +27,20 @@ def queued_seconds(run, calls: int, runs: int, warm: bool = True) -> list[float]
     return samples
 
 
+def dispatch_hold(run, runs: int) -> float:
+    """Median seconds until run() returns (not until its results are ready), each call made on
+    an idle device and synced before the next: how long one dispatch keeps the host. XLA's GPU
+    runtime enqueues a program's kernels (or updates and launches its CUDA graphs) on the
+    calling thread, so this grows with the kernels a program launches."""
+    holds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        out = run()
+        holds.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+    return statistics.median(holds)
+
+
 def time_per_call(fn, args, calls: int, runs: int, queue: int) -> float:
     """Seconds per call of the work in `fn(*args)`, which itself runs `calls` of them: fn is
     jitted, queued `queue` times per sample; the median of `runs` samples."""

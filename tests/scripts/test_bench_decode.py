@@ -169,6 +169,7 @@ def test_bench_decode_runs_end_to_end(tmp_path):
         assert "error" not in r, r
         assert r["compiles_during_timing"] == 0
         assert r["tokens_per_s"] > 0 and r["loop_step_s"] > 0 and 0 < r["mbu"]
+        assert 0 < r["dispatch_s"] < r["loop_step_s"] * 10  # one call's return, not a queue
         assert r["kv_bytes"] == r["batch"] * r["context"] * kv_bytes_per_token(
             get_preset("tiny-llama31"), jnp.float32)
     assert {r["prompt_tokens"] for r in res["prefill"]} == {16}
@@ -177,7 +178,7 @@ def test_bench_decode_runs_end_to_end(tmp_path):
         for kind in ("+multi_step", "+multi_step_unrolled"):
             assert res["greedy_check"]["tiny-llama31"]["results"][variant + kind]["equal"] is True
     assert all(r["multi_step_s"] > 0 and r["multi_step_unrolled_s"] > 0
-               and r["multi_steps"] == 3 for r in rows)
+               and r["multi_step_dispatch_s"] > 0 and r["multi_steps"] == 3 for r in rows)
     greedy = res["greedy"][0]
     assert np.asarray(greedy["margins"]).shape == np.asarray(greedy["tokens"]).shape == (2, 3)
     assert len(res["profiles"]) == 2  # traced (no device events on the CPU: an error entry)
