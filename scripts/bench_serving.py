@@ -277,6 +277,9 @@ def main(argv):
     results["continuous"] = run_continuous(engine, work) | host_share(engine)
     if phases is not None:
         stats = engine.stats
+        # The engine's host time not in a timed phase: its step loop, stop checks, output
+        # assembly, detokenization, the timers themselves.
+        phases["other host"] = stats.host_time_s - sum(phases.values())
         phases["wait for tokens"] = stats.step_time_s - stats.host_time_s
         results["continuous"]["host_phase_ms_per_step"] = {
             name: 1e3 * total / max(stats.num_model_steps, 1) for name, total in phases.items()}

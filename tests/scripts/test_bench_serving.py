@@ -1,0 +1,47 @@
+"""scripts/bench_serving.py in process: the workload, the static baseline and the host phases
+(figures are printed and written, never asserted)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+PHASES = {"schedule", "rows + batch", "sampling arrays", "dispatch step", "dispatch multi-step",
+          "update computed", "finish + append", "other host", "wait for tokens"}
+WORKLOAD = ["--model=tiny-llama", "--random_weights", "--num_requests=12", "--max_num_seqs=4",
+            "--max_num_batched_tokens=64", "--max_model_len=256", "--max_input_len=40",
+            "--max_output_len=20", "--input_len=16", "--output_len=8", "--warmup=rerun",
+            "--host_phases"]
+
+
+def run_bench(tmp_path, *flags) -> dict:
+    out = tmp_path / "serving.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_serving", *WORKLOAD, *flags,
+                           f"--json_out={out}"], capture_output=True, text=True, timeout=600,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "host phases, ms per model step:" in proc.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("mode", ["async", "multi_step"])
+def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
+    flags = (["--async_scheduling=true"] if mode == "async"
+             else ["--num_decode_steps=4", "--static_baseline=false"])
+    result = run_bench(tmp_path, *flags)
+    run = result["continuous"]
+    assert result["num_requests"] == 12 and run["output_tokens_per_s"] > 0
+    assert run["programs_compiled_during_run"] == 0  # the warm-up compiled every program
+    assert 0 < run["host_share_all_steps"] <= 1
+    phases = run["host_phase_ms_per_step"]
+    assert set(phases) == PHASES
+    assert phases["dispatch step"] > 0 and phases["schedule"] > 0
+    # The timed phases lie inside the host time and do not overlap: the rest is not negative.
+    host = sum(ms for name, ms in phases.items() if name != "wait for tokens")
+    assert phases["other host"] >= -0.01 * host
+    if mode == "async":
+        assert result["static"]["output_tokens_per_s"] > 0
+        assert result["continuous_over_static"] > 0
+    else:
+        assert run["num_decode_steps"] == 4 and "static" not in result
+        assert phases["dispatch multi-step"] > 0  # decodes ran as rounds
