@@ -67,6 +67,9 @@ class EngineStats:
     num_model_steps: int = 0  # decode steps of the model (a multi-step round runs several)
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
+    # Input tokens a step read from the previous step's samples on the device (asynchronous
+    # scheduling: the host had not read them yet).
+    num_tokens_from_device: int = 0
     step_time_s: float = 0.0
     host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
     # Host time during which the device had nothing queued (an upper bound; see LLMEngine.step).

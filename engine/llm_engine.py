@@ -293,6 +293,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         if placeholders:
             sample_index = np.full(num_tokens, -1, np.int32)
             sample_index[placeholders] = sources
+            self.stats.num_tokens_from_device += len(placeholders)
         results = self.runner.execute_and_sample(
             batch, self._sampling_arrays(requests, slots),
             None if prev is None else prev.results[0], sample_index)

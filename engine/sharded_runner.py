@@ -75,10 +75,12 @@ class ShardedModelRunner(ModelRunner):
     """ModelRunner whose weights, cache and step are laid out over a (data, model) mesh.
 
     num_pages counts the pages of one data shard (the cache holds dp times as many). Its steps
-    take their input tokens from the host only: the engine schedules synchronously over it.
+    read their input tokens from the host or, with asynchronous scheduling, from the previous
+    step's sampled tokens on the device (either the step's own argmax, in its shard row order,
+    or the sampler's tokens, in batch order: `_previous_tokens` maps the engine's batch rows).
     """
 
-    supports_async_scheduling = False
+    supports_async_scheduling = True
     supports_multi_step = False
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
@@ -105,31 +107,43 @@ class ShardedModelRunner(ModelRunner):
         # Weights as a flat tuple (jax flattens it in C++; an nnx.State through Python).
         self._weights, self._weights_def = jax.tree.flatten(self.state)
         self._weights = tuple(self._weights)
+        # Sampled tokens come back padded to this many rows (replicated), so that a step can
+        # read its input tokens from the previous step's without a new program per bucket.
+        self.sample_rows = self.dp * bucket(max_seqs)
+        self._no_samples = put(np.zeros(self.sample_rows, np.int32), self._replicated)
         shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
         self._step = jax.jit(
-            self._sharded_step, donate_argnums=(1,), static_argnums=(3, 4),
-            in_shardings=(shardings(self._weights), shardings(self.cache), self._per_shard),
+            self._sharded_step, donate_argnums=(1,), static_argnums=(4, 5),
+            in_shardings=(shardings(self._weights), shardings(self.cache), self._per_shard,
+                          self._replicated),
             out_shardings=(self._replicated, self._replicated, shardings(self.cache)))
         self._take_rows = jax.jit(lambda a, rows: a[rows], out_shardings=self._replicated)
 
-    def _sharded_step(self, weights, cache, packed, layout: StepLayout, all_logits: bool):
+    def _sharded_step(self, weights, cache, packed, prev_samples, layout: StepLayout,
+                      all_logits: bool):
         """One step over packed int32 [dp, L] inputs (each shard's row packed by `pack` with
         the per-shard `layout`), laid end to end along the data axis: (logits, their argmax
-        int32 [rows], cache), rows in the step's shard order."""
+        int32 [max(rows, sample_rows)] zero-padded, cache), rows in the step's shard order.
+        A token whose sample_index is >= 0 is prev_samples[sample_index] (int32
+        [sample_rows], replicated) instead of the host's id."""
         # Each field [dp, ...] with the shards end to end: [dp * size] (block tables
         # [dp * S, W]).
         x = {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
+        index = x["sample_index"]
+        tokens = jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], x["tokens"])
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         meta = AttentionMetadata(
             x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
             x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs,
             kv_quant=self.kv_quant)
-        logits, cache = forward(model, cache, x["tokens"], meta, self.cfg,
+        logits, cache = forward(model, cache, tokens, meta, self.cfg,
                                 None if all_logits else x["logits_indices"])
         # XLA takes the argmax of the vocab-parallel logits per shard and gathers each shard's
         # (max, index) pair, [rows, tp]: tiny. (Asking for replicated logits first made it
         # gather the output weights instead.)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [rows]
+        greedy = jnp.pad(greedy, (0, max(self.sample_rows - greedy.shape[0], 0)))
+        return logits, greedy, cache
 
     # ---- layout ------------------------------------------------------------------------------
 
@@ -155,11 +169,12 @@ class ShardedModelRunner(ModelRunner):
         n = bucket(tokens, MIN_TOKEN_BUCKET)  # a safe bound if the bucket rules change
         return n, bucket(max_seqs), bucket(width, MIN_PAGE_BUCKET), n, bucket(prefill)
 
-    def _layout(self, batch: StepBatch) -> ShardedStep:
+    def _layout(self, batch: StepBatch, sample_index: np.ndarray | None = None) -> ShardedStep:
         """The batch's sequences grouped by data shard (in batch order within a shard), each
         shard's inputs padded to one bucket, local to the shard's pages, packed as row d of an
         int32 [dp, L] array placed on the mesh (one transfer). Vectorized: no loop over
-        sequences."""
+        sequences. sample_index [N_batch] (rows of the previous step's tokens, -1 for the
+        host's ids) goes with each token to its place in the shards."""
         dp, pages, page_size = self.dp, self.pages_per_shard, self.page_size
         num_seqs, num_tokens = batch.num_seqs, len(batch.token_ids)
         q_lens = np.diff(batch.query_start_loc)
@@ -189,6 +204,8 @@ class ShardedModelRunner(ModelRunner):
         slot = batch.slot_mapping
         fields["slot_mapping"][d_tok, t_tok] = np.where(
             slot >= 0, slot - offset[seq_of_token] * page_size, -1)
+        if sample_index is not None:
+            fields["sample_index"][d_tok, t_tok] = sample_index
         tables = np.zeros((dp, s, w), np.int32)
         rows = batch.block_tables
         local = rows - offset[:, None]
@@ -210,12 +227,26 @@ class ShardedModelRunner(ModelRunner):
         self.compiled_shapes.add(key)
         return ShardedStep(key, put(packed, self._per_shard), shard * s + j, d_tok * n + t_tok)
 
-    def _run(self, step: ShardedStep, all_logits: bool) -> tuple[jax.Array, jax.Array]:
+    def _run(self, step: ShardedStep, all_logits: bool,
+             prev_samples: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """(logits, greedy tokens) of the step, rows in shard order (see `_sharded_step`)."""
+        prev = self._no_samples if prev_samples is None else prev_samples
         with jax.set_mesh(self.mesh):
             logits, tokens, self.cache = self._step(self._weights, self.cache, step.packed,
-                                                    StepLayout(*step.key), all_logits)
+                                                    prev, StepLayout(*step.key), all_logits)
         return logits, tokens
+
+    @staticmethod
+    def _previous_tokens(prev_samples, sample_index: np.ndarray | None):
+        """(device tokens, their row of each token's sample_index) of the previous step's
+        results: the engine counts rows in its batch order, the step's own argmax
+        (InBatchOrder) holds them in shard order, the sampler's tokens in batch order."""
+        if sample_index is None or prev_samples is None:
+            return None, None
+        if isinstance(prev_samples, InBatchOrder):
+            rows = prev_samples.rows[np.maximum(sample_index, 0)]
+            return prev_samples.tokens, np.where(sample_index >= 0, rows, -1).astype(np.int32)
+        return prev_samples, sample_index
 
     def _placed(self, host: np.ndarray) -> jax.Array:
         return put(host, self._replicated)  # as the step's logits
@@ -235,18 +266,17 @@ class ShardedModelRunner(ModelRunner):
     def execute_padded(self, batch: StepBatch, prev_samples=None,
                        sample_index: np.ndarray | None = None) -> jax.Array:
         """One step; the sequences' logits padded to [bucket(S), V] (padding rows repeat the
-        last sequence's), replicated, in the batch's order. Input tokens come from the host
-        only (supports_async_scheduling is False)."""
-        logits, _, rows = self._decode_step(batch, sample_index)
+        last sequence's), replicated, in the batch's order. prev_samples / sample_index as in
+        ModelRunner.execute_padded (prev_samples: the previous results' tokens)."""
+        logits, _, rows = self._decode_step(batch, prev_samples, sample_index)
         return self._rows(logits, rows)
 
-    def _decode_step(self, batch: StepBatch, sample_index) -> tuple:
+    def _decode_step(self, batch: StepBatch, prev_samples, sample_index) -> tuple:
         """(logits, greedy tokens, the step's row of each sequence padded to bucket(S) by
         repeating the last) of a step that samples each sequence's last token."""
-        if sample_index is not None:
-            raise ValueError("a sharded step reads its input tokens from the host only")
-        step = self._layout(batch)
-        logits, tokens = self._run(step, all_logits=False)
+        prev, index = self._previous_tokens(prev_samples, sample_index)
+        step = self._layout(batch, index)
+        logits, tokens = self._run(step, False, prev)
         s = batch.num_seqs
         return logits, tokens, step.seq_rows[np.minimum(np.arange(bucket(s)), s - 1)]
 
@@ -255,7 +285,7 @@ class ShardedModelRunner(ModelRunner):
         """As ModelRunner.execute_and_sample. An all-greedy batch without penalties or
         logprobs takes the step's own argmax (one program; the host reads the tokens in batch
         order); otherwise the sampler runs on the step's logits as a second program."""
-        logits, tokens, rows = self._decode_step(batch, sample_index)
+        logits, tokens, rows = self._decode_step(batch, prev_samples, sample_index)
         if (arrays.penalties is None and not arrays.num_logprobs
                 and arrays.mode() == "greedy"):
             return start_copies((InBatchOrder(tokens, rows), None, None, None))
@@ -273,7 +303,7 @@ class ShardedModelRunner(ModelRunner):
         rows = bucket(s)
         if logits.shape[0] != rows:
             logits = self._rows(logits, np.minimum(np.arange(rows), s - 1))
-        return sample_step(logits, arrays.padded(rows),
+        return sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows,
                            place=lambda a: put(a, self._replicated))
 
 def sharded_engine_parts(mesh, cfg: ModelConfig, engine_cfg, num_pages_for):

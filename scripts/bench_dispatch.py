@@ -9,6 +9,9 @@ a decode step) and then picks one token per row:
   chosen on the host, engine.sampling.sampling_mode);
 - `cond`: `lax.cond(any(temperature > 0), sampled, argmax)` on a host input, the sampler's shape
   before that change (the predicate is known before the products run).
+With `--weight_args=1,64,256` the argmax program also runs with its weights passed as that many
+separate arrays (a model step passes every weight and cache page as its own argument: about 180
+for llama3.2-1b, 350 for llama3.1-8b), to show how the dispatch grows with the arguments.
 For each: the time until the call returns to Python (what the host loses per dispatch), the time
 until its result is ready (synced per call), and the time per call with `--queue` calls queued
 and one sync. If a program's call returned only once the device was nearly done, the host could
@@ -34,6 +37,9 @@ flags.DEFINE_integer("dim", 4096, "Width of the products.")
 flags.DEFINE_integer("layers", 64, "Products per program.")
 flags.DEFINE_integer("calls", 20, "Timed calls per figure (median).")
 flags.DEFINE_integer("queue", 10, "Calls queued before one sync (throughput figure).")
+flags.DEFINE_list("weight_args", [], "Also time the argmax program with its products' weights "
+                  "passed as this many separate arrays (product i reads array i mod n), e.g. "
+                  "1,64,256: how a call's dispatch grows with its arguments.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 
 
@@ -61,6 +67,17 @@ def programs(layers: int) -> dict:
     return {"argmax": jax.jit(argmax), "cond": jax.jit(cond)}
 
 
+def spread_weights(layers: int):
+    """jitted (x [R, D], weights: tuple of n [D, D], temperature [R]) -> tokens [R]: the argmax
+    program with product i reading weights[i % n]."""
+    def fn(x, weights, temperature):
+        del temperature
+        for i in range(layers):
+            x = jnp.tanh(x @ weights[i % len(weights)])
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    return jax.jit(fn)
+
+
 def measure(fn, args, calls: int, queue: int) -> dict:
     """Median seconds: until the call returns, until its result is ready; and per queued call."""
     jax.block_until_ready(fn(*args))  # compile and warm
@@ -83,6 +100,8 @@ def main(argv) -> None:
     del argv
     if min(FLAGS.rows, FLAGS.dim, FLAGS.layers, FLAGS.calls, FLAGS.queue) < 1:
         common.fail("--rows, --dim, --layers, --calls and --queue must be >= 1")
+    if not all(n.isdigit() and int(n) >= 1 for n in FLAGS.weight_args):
+        common.fail(f"--weight_args must be integers >= 1, got {','.join(FLAGS.weight_args)}")
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (FLAGS.rows, FLAGS.dim), jnp.bfloat16)
     w = (jax.random.normal(kw, (FLAGS.dim, FLAGS.dim), jnp.float32)
@@ -96,6 +115,13 @@ def main(argv) -> None:
             r = measure(fn, (x, w, temperature), FLAGS.calls, FLAGS.queue)
             rows.append({"program": name, "rows": label, **r,
                          "return_over_ready": r["return_s"] / r["ready_s"]})
+    temperature = jnp.zeros((FLAGS.rows,), jnp.float32)
+    for n in map(int, FLAGS.weight_args):
+        weights = tuple(w * (1 + i / n) for i in range(n))  # distinct arrays
+        r = measure(spread_weights(FLAGS.layers), (x, weights, temperature), FLAGS.calls,
+                    FLAGS.queue)
+        rows.append({"program": "argmax", "rows": f"greedy rows, {n} weight arrays", **r,
+                     "return_over_ready": r["return_s"] / r["ready_s"]})
     print(f"device: {jax.devices()[0].device_kind}; {FLAGS.layers} products "
           f"[{FLAGS.rows}, {FLAGS.dim}] x [{FLAGS.dim}, {FLAGS.dim}] per program")
     print("| program | rows | call returns (ms) | result ready (ms) | returns / ready "

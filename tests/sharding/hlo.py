@@ -43,7 +43,7 @@ def compiled_text(runner, batch) -> str:
     step = runner._layout(batch)
     with jax.set_mesh(runner.mesh):  # exactly as runner._run calls it
         lowered = runner._step.lower(runner._weights, runner.cache, step.packed,
-                                     StepLayout(*step.key), False)
+                                     runner._no_samples, StepLayout(*step.key), False)
     return lowered.compile().as_text()
 
 

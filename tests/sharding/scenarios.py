@@ -80,8 +80,11 @@ def tiny_weights(cfg, seed: int) -> dict:
 
 
 def tiny_model(cfg_name: str, quant: str | None, seed: int = 3, mesh=None):
-    """(cfg, model) of a tiny preset with tiny_weights, INT4-quantized when `quant`; on `mesh`
-    (placed by the partition rules) if given."""
+    """(cfg, model) of a tiny preset with tiny_weights: float32, bfloat16 when `quant` is
+    "bfloat16", else quantized by that method; on `mesh` (placed by the partition rules) if
+    given."""
+    import jax.numpy as jnp
+
     from configs.model import get_preset
     from models.weights import model_from_pure_dict
     cfg = get_preset(cfg_name)
@@ -89,8 +92,9 @@ def tiny_model(cfg_name: str, quant: str | None, seed: int = 3, mesh=None):
     if mesh is not None:
         from engine.sharding import leaf_placer
         place = leaf_placer(cfg, mesh)
-    model = model_from_pure_dict(cfg, tiny_weights(cfg, seed), place=place)
-    if quant is not None:
+    dtype = jnp.bfloat16 if quant == "bfloat16" else jnp.float32
+    model = model_from_pure_dict(cfg, tiny_weights(cfg, seed), dtype, place=place)
+    if quant not in (None, "bfloat16"):
         from quant.model import QuantConfig, quantize_model
         quantize_model(cfg, model, QuantConfig(quant, group_size=32), progress=False)
     return cfg, model
@@ -102,31 +106,40 @@ def tiny_prompts(cfg, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 11, 16, 3)]
 
 
-def engine_config():
+def engine_config(async_scheduling: bool = False):
     from engine.llm_engine import EngineConfig
     return EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
-                        page_size=8)
+                        page_size=8, async_scheduling=async_scheduling)
 
 
 def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
-           tokenizer=None) -> dict:
-    """Greedy tokens and their log-probabilities of each prompt, run together in one engine."""
+           tokenizer=None, async_scheduling: bool = False, logprobs: bool = True) -> dict:
+    """Greedy tokens (and their log-probabilities) of each prompt, run together in one engine.
+
+    With logprobs the steps sample with the sampler program; without, they take the step's
+    own argmax (on a mesh: tokens in the step's shard order)."""
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
-    engine = LLMEngine(cfg, model, tokenizer, engine_config(), mesh=mesh)
+    engine = LLMEngine(cfg, model, tokenizer, engine_config(async_scheduling), mesh=mesh)
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                   logprobs=0))
+                                                   logprobs=0 if logprobs else None))
     return {"tokens": [o.output_ids for o in outs],
-            "logprobs": [[lp[0] for lp in o.outputs[0].logprobs] for o in outs],
+            "logprobs": ([[lp[0] for lp in o.outputs[0].logprobs] for o in outs]
+                         if logprobs else None),
+            "tokens_from_device": engine.stats.num_tokens_from_device,
             "plan": None if mesh is None else engine.runner.plan.reason}
 
 
 # ---- scenarios ----------------------------------------------------------------------------------
 
-# (config, quantization, meshes) of the tiny scenario: tiny-llama31 (8 query / 2 KV heads) splits
-# its KV heads at tp 2 and repeats them at tp 4 and 8; tiny-qwen2 (one KV head, q/k/v biases)
-# repeats its KV head and biases; tiny-llama's 4 query heads do not split over tp 8 (replicated).
-TINY_CASES = (("tiny-llama31", None, MESHES), ("tiny-qwen2", None, ((4, 1), (2, 2))),
+# (config, weights: None for float32, "bfloat16" or a quantization method, meshes) of the tiny
+# scenario: tiny-llama31 (8 query / 2 KV heads) splits its KV heads at tp 2 and repeats them at
+# tp 4 and 8; tiny-qwen2 (one KV head, q/k/v biases) repeats its KV head and biases;
+# tiny-llama's 4 query heads do not split over tp 8 (replicated). ASYNC_MESHES also run
+# tiny-llama31 float32 with asynchronous scheduling.
+ASYNC_MESHES = ((1, 1), (2, 2), (4, 2))
+TINY_CASES = (("tiny-llama31", None, MESHES), ("tiny-llama31", "bfloat16", MESHES),
+              ("tiny-qwen2", None, ((4, 1), (2, 2))),
               ("tiny-llama", None, ((8, 1),)), ("tiny-llama31", "int4_rtn", MESHES))
 
 
@@ -137,7 +150,7 @@ def case_key(cfg_name: str, quant: str | None) -> str:
 def scenario_tiny(args) -> dict:
     """Greedy runs of tiny configs on one device and on every mesh (float32 and INT4)."""
     from engine.mesh import make_mesh
-    cases = [c for c in TINY_CASES if c[1] is None or quant_available()]
+    cases = [c for c in TINY_CASES if c[1] in (None, "bfloat16") or quant_available()]
     results = {}
     for cfg_name, quant, meshes in cases:
         cfg, model = tiny_model(cfg_name, quant)
@@ -146,6 +159,12 @@ def scenario_tiny(args) -> dict:
         results[key] = {"one_device": greedy(cfg, model, prompts)}
         for tp, dp in meshes:
             results[key][mesh_name(tp, dp)] = greedy(cfg, model, prompts, make_mesh(tp, dp))
+        if (cfg_name, quant) == ("tiny-llama31", None):  # asynchronous scheduling on a mesh
+            for tp, dp in ASYNC_MESHES:
+                for logprobs in (True, False):
+                    results[key][f"{mesh_name(tp, dp)}/async/{logprobs}"] = greedy(
+                        cfg, model, prompts, make_mesh(tp, dp), async_scheduling=True,
+                        logprobs=logprobs)
     return {"cases": results, "quant": quant_available()}
 
 
