@@ -14,23 +14,33 @@ from flax import nnx
 from configs.model import LLAMA32_1B, get_preset
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from models.weights import random_model
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 
 def decisive_model(cfg, dtype):
-    """Random weights scaled so greedy choices are not near-ties."""
-    model = random_model(cfg, 0, dtype)
-    graphdef, state = nnx.split(model)
+    """Random weights scaled so greedy choices are not near-ties (made one small generator per
+    weight shape: one jitted initializer of all 8B weights compiles for minutes)."""
+    from scripts.decode_steps import random_weights
+    graphdef, state = nnx.split(random_weights(cfg, 0, dtype))
     state = jax.tree.map(lambda a: (a * 3).astype(a.dtype), state)
     return nnx.merge(graphdef, state)
 
 
-@pytest.mark.parametrize("preset,dtype", [("llama3.2-1b-4layers", jnp.float32),
-                                          ("llama3.2-1b-4layers", jnp.bfloat16),
-                                          ("llama3.1-8b", jnp.bfloat16)])
-def test_pallas_kernels_match_reference_greedy(preset, dtype, monkeypatch):
+# (preset, dtype, tokens that must agree, the reference's lead under which a later difference is
+# a near-tie). llama3.1-8b runs in float32 with float32 matmuls ("highest"): on the H200
+# (2026-11-29) its logits with the Pallas kernels came within 0.006 of the reference's (std
+# 11.5) and 27 of 27 greedy tokens agreed, whereas in bfloat16, or with the TF32 products that
+# jax's default precision allows on a GPU, 32 layers of random weights amplify rounding into
+# logit differences of several units (the kernels alone agree with the reference to 2e-5 in
+# float32 and one bf16 unit in the last place: devrun's kernel check, docs/PERFORMANCE.md).
+CASES = [("llama3.2-1b-4layers", jnp.float32, 16, 0.02),
+         ("llama3.2-1b-4layers", jnp.bfloat16, 8, 0.25),
+         ("llama3.1-8b", jnp.float32, 16, 0.02)]
+
+
+@pytest.mark.parametrize("preset,dtype,agree,tie", CASES)
+def test_pallas_kernels_match_reference_greedy(preset, dtype, agree, tie, monkeypatch):
     """Issue 4's end-to-end check: llama3.1-8b (all 32 layers, random weights) and a 4-layer 1B."""
     cfg = LLAMA32_1B.replace(num_layers=4) if preset.endswith("4layers") else get_preset(preset)
     model = decisive_model(cfg, dtype)
@@ -40,22 +50,27 @@ def test_pallas_kernels_match_reference_greedy(preset, dtype, monkeypatch):
     # prompt chunked over steps, was still compiling after 190 s).
     lengths = (5, 37, 130) if cfg.num_layers > 4 else (5, 37, 130, 700)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
     engine_cfg = EngineConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=512)
     outputs = {}
-    for impl in ("pallas", "reference"):
-        if impl == "reference":
-            monkeypatch.setenv("PALLASITE_ATTENTION", "reference")
-        engine = LLMEngine(cfg, model, None, engine_cfg)
-        outputs[impl] = [o.output_ids for o in engine.generate(prompts, params)]
-        del engine  # free its KV cache before the next engine allocates one
-    matches = [np.mean(np.asarray(a) == np.asarray(b))
-               for a, b in zip(outputs["pallas"], outputs["reference"])]
+    with jax.default_matmul_precision("highest" if dtype == jnp.float32 else None):
+        for impl in ("pallas", "reference"):
+            if impl == "reference":
+                monkeypatch.setenv("PALLASITE_ATTENTION", "reference")
+            engine = LLMEngine(cfg, model, None, engine_cfg)
+            outputs[impl] = engine.generate(prompts, params)
+            del engine  # free its KV cache before the next engine allocates one
+    pallas = [o.output_ids for o in outputs["pallas"]]
+    reference = [o.output_ids for o in outputs["reference"]]
+    matches = [np.mean(np.asarray(a) == np.asarray(b)) for a, b in zip(pallas, reference)]
     print(f"{preset} {jnp.dtype(dtype).name}: token agreement per prompt {matches}")
-    # Greedy decoding of a random model amplifies any rounding difference once a near-tie flips
-    # (the kernel's dot precision differs from the reference's), so only the first tokens must
-    # agree: measured on the H200 (2026-11-29), float32 runs diverged at token 21 at the
-    # earliest and bf16 runs at token 13.
-    agree = 16 if dtype == jnp.float32 else 8
-    for a, b in zip(outputs["pallas"], outputs["reference"]):
-        assert a[:agree] == b[:agree]
+    # Greedy decoding of a random model amplifies any rounding difference once a near-tie flips,
+    # so the tokens must agree up to the first difference, which must come late (`agree`) or at
+    # a near-tie: where the reference chose another token by a lead under `tie`.
+    for a, b, out in zip(pallas, reference, outputs["reference"]):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None or first >= agree:
+            continue
+        top = out.outputs[0].logprobs[first][1]  # the reference's top-2 {id: logprob} there
+        lead = top[b[first]] - top.get(a[first], -np.inf)
+        assert lead < tie, (first, lead, a[:first + 1], b[:first + 1])
