@@ -32,8 +32,8 @@ def decisive_model(cfg, dtype):
 # (2026-11-29) its logits with the Pallas kernels came within 0.006 of the reference's (std
 # 11.5) and 27 of 27 greedy tokens agreed, whereas in bfloat16, or with the TF32 products that
 # jax's default precision allows on a GPU, 32 layers of random weights amplify rounding into
-# logit differences of several units (the kernels alone agree with the reference to 2e-5 in
-# float32 and one bf16 unit in the last place; test_ragged_attention's sharp-softmax case, docs/PERFORMANCE.md).
+# logit differences of several units. The kernels alone agree with the reference to 2e-5 in
+# float32 and one bf16 unit in the last place (docs/PERFORMANCE.md; test_ragged_attention).
 CASES = [("llama3.2-1b-4layers", jnp.float32, 16, 0.02),
          ("llama3.2-1b-4layers", jnp.bfloat16, 8, 0.25),
          ("llama3.1-8b", jnp.float32, 16, 0.02)]
