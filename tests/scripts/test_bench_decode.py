@@ -190,3 +190,9 @@ def test_bench_decode_runs_end_to_end(tmp_path):
     subprocess.run([sys.executable, "-m", "scripts.bench_decode", f"--plot_from={out}",
                     f"--plot_out={png}"], check=True, timeout=120)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_decode_rejects_an_unknown_variant():
+    from tests.scripts.test_scripts import assert_one_clear_error, run_script
+    assert_one_clear_error(run_script("bench_decode", "--variants=base,stacked,bogus",
+                                      "--hf=false"), "--variants", "bogus")
