@@ -20,7 +20,6 @@ from engine.kv_cache import KVCache, init_kv_cache
 from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, sample_step,
                              with_logprobs)
 from engine.step_inputs import StepLayout, pack, unpack
-from engine.weight_stacks import plan_stacks, stack_leaves, unstack_leaves
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from ops.kv_quant import is_quantized_kv_dtype
 
@@ -137,11 +136,7 @@ class ModelRunner:
     supports_multi_step = True  # execute_multi_step
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
-                 page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
-                 stack_weights: bool = False):
-        """stack_weights: pass the weights to the jitted programs as one stacked array per
-        (shape, dtype) instead of one array per weight (engine/weight_stacks.py; an
-        experiment of bench_decode: the stacks are a second copy of the weights)."""
+                 page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1):
         self.cfg = cfg
         self.max_seqs, self.max_width = max_seqs, max_width
         # The GPU kernels read only each sequence's own pages, so a block table as wide as the
@@ -167,10 +162,6 @@ class ModelRunner:
         # C++, an nnx.State through Python callbacks on every call.
         self._weights, self._weights_def = jax.tree.flatten(self.state)
         self._weights = tuple(self._weights)
-        self._stack_plan = None
-        if stack_weights:
-            self._stack_plan = plan_stacks(self._weights)
-            self._weights = stack_leaves(self._weights, self._stack_plan)
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              static_argnames=("layout", "all_logits"))
         self._step_and_argmax = jax.jit(self._step_and_argmax_impl, donate_argnums=(1,),
@@ -193,14 +184,9 @@ class ModelRunner:
             block_tables=x["block_tables"], query_start_loc=x["query_start_loc"],
             kv_lens=x["kv_lens"], max_q_len=layout.max_q_len,
             max_prefill_seqs=layout.max_prefill_seqs, kv_quant=self.kv_quant)
-        return forward(self._model(weights), cache, tokens, meta, self.cfg,
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        return forward(model, cache, tokens, meta, self.cfg,
                        None if all_logits else x["logits_indices"])
-
-    def _model(self, weights):
-        """The model of the jitted programs' weights argument (flat, or stacked)."""
-        if self._stack_plan is not None:
-            weights = unstack_leaves(weights, self._stack_plan)
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
 
     def share_programs(self, other: "ModelRunner") -> None:
         """Runs this runner's steps with `other`'s jitted functions (and their compiled
@@ -230,7 +216,7 @@ class ModelRunner:
         x = unpack(packed, layout)
         tables, kv_lens, page_size = x["block_tables"], x["kv_lens"], self.page_size  # [S, W]
         real = kv_lens > 0  # [S] padding rows compute nothing and write nowhere
-        model = self._model(weights)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
 
         def body(i, carry):
             cache, tokens, out = carry  # tokens [S], out [num_steps, S]

@@ -6,9 +6,7 @@
 
 For each model (random weights of the preset's real shapes, made on the device; `--quant`
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused after
-loading, models.llama.fuse_projections; `mesh`: the sharded runner over a --tp mesh;
-`stacked`: the base weights passed to the step as one stacked array per shape,
-engine/weight_stacks.py, an experiment on the dispatch's cost per argument), one
+loading, models.llama.fuse_projections; `mesh`: the sharded runner over a --tp mesh), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C: every sequence attends to C tokens): the runner's jitted step as
   the engine issues it (execute_padded: host padding + dispatch) queued --steps times with one
@@ -45,7 +43,6 @@ import numpy as np
 from absl import app, flags
 
 from configs.model import get_preset
-from scripts.common import fail
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -53,8 +50,7 @@ flags.DEFINE_list("context", ["512", "4096"], "Decode contexts (tokens attended 
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and KV.")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
-VARIANTS = ("base", "fused", "mesh", "stacked")
-flags.DEFINE_list("variants", ["base"], "base, fused, mesh, stacked (see the module docstring).")
+flags.DEFINE_list("variants", ["base"], "base, fused, mesh (see the module docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
@@ -146,8 +142,7 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     contexts = [int(c) + FLAGS.multi_step for c in FLAGS.context] + [
         int(c) for c in FLAGS.prefill] + [FLAGS.greedy_context + FLAGS.multi_step]
     runner = ds.make_runner(cfg, model, max(batches), max(contexts), FLAGS.page_size,
-                            mesh if variant == "mesh" else None,
-                            stack_weights=variant == "stacked")
+                            mesh if variant == "mesh" else None)
     ds.fill_cache_random(runner, FLAGS.seed + 1)
     return cfg, model, runner
 
@@ -396,9 +391,6 @@ def main(argv):
     variants = list(FLAGS.variants)
     if FLAGS.tp and variants == ["base"]:
         variants = ["mesh"]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        fail(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
     results = {"models": FLAGS.model, "variants": variants, "label": FLAGS.label,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "date": time.strftime("%Y-%m-%d"),
                "argv": sys.argv[1:], "setup": [], "decode": [], "prefill": [], "greedy": [],

@@ -89,14 +89,12 @@ def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
 
 
 def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_size: int,
-                mesh=None, stack_weights: bool = False) -> ModelRunner:
-    """A runner whose cache holds max_batch sequences of max_context tokens (+ padding page);
-    stack_weights: see engine/weight_stacks.py (one device only)."""
+                mesh=None) -> ModelRunner:
+    """A runner whose cache holds max_batch sequences of max_context tokens (+ padding page)."""
     width = -(-max_context // page_size)
     num_pages = max_batch * width + 1
     if mesh is None:
-        return ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch, max_width=width,
-                           stack_weights=stack_weights)
+        return ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch, max_width=width)
     from engine.sharded_runner import ShardedModelRunner
     return ShardedModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch,
                               max_width=width, mesh=mesh)
