@@ -43,6 +43,7 @@ import numpy as np
 from absl import app, flags
 
 from configs.model import get_preset
+from scripts.common import fail
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -50,6 +51,7 @@ flags.DEFINE_list("context", ["512", "4096"], "Decode contexts (tokens attended 
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and KV.")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
+VARIANTS = ("base", "fused", "mesh")
 flags.DEFINE_list("variants", ["base"], "base, fused, mesh (see the module docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
@@ -391,6 +393,9 @@ def main(argv):
     variants = list(FLAGS.variants)
     if FLAGS.tp and variants == ["base"]:
         variants = ["mesh"]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        fail(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
     results = {"models": FLAGS.model, "variants": variants, "label": FLAGS.label,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "date": time.strftime("%Y-%m-%d"),
                "argv": sys.argv[1:], "setup": [], "decode": [], "prefill": [], "greedy": [],

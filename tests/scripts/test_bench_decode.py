@@ -194,5 +194,5 @@ def test_bench_decode_runs_end_to_end(tmp_path):
 
 def test_bench_decode_rejects_an_unknown_variant():
     from tests.scripts.test_scripts import assert_one_clear_error, run_script
-    assert_one_clear_error(run_script("bench_decode", "--variants=base,stacked,bogus",
+    assert_one_clear_error(run_script("bench_decode", "--variants=base,fused,bogus",
                                       "--hf=false"), "--variants", "bogus")
