@@ -329,12 +329,19 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
     def _finish(self, flight: "_InFlight") -> list[StreamDelta]:
         """Reads a launched step's samples (waiting for the device) and appends them."""
         start = time.perf_counter()
-        tokens, chosen, top_ids, top_logprobs = fetch_samples(flight.results,
-                                                              len(flight.requests))
+        samples = fetch_samples(flight.results, len(flight.requests))
         now = time.perf_counter()
         self._wait_s += now - start
+        return self._append_samples(flight, samples, now)
+
+    def _append_samples(self, flight: "_InFlight", samples: tuple,
+                        now: float) -> list[StreamDelta]:
+        """Appends a launched step's samples (host arrays: tokens, chosen logprobs, top ids,
+        top logprobs) to its requests; returns their deltas."""
+        tokens, chosen, top_ids, top_logprobs = samples
         deltas = []
         limit = self._context_limit()
+        eos, detokenizers = self.cfg.eos_token_ids, self._detokenizers
         for i, (request, complete, token) in enumerate(zip(flight.requests, flight.completes,
                                                           tokens.tolist())):
             if not complete:
@@ -342,6 +349,20 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             request.num_pending -= 1
             if request.finish_reason is not None:
                 continue  # ended or aborted while this step ran: the token is dropped
+            if (chosen is None and request.first_token_time is not None
+                    and request.request_id not in detokenizers):
+                # The common case inlined (a decode token: no logprobs, no text, not the
+                # first): append it; one that stops the request goes the general way.
+                out, params = request.output_ids, request.params
+                out.append(token)
+                if (token not in params.stop_token_ids
+                        and (params.ignore_eos or token not in eos)
+                        and len(out) < params.max_tokens
+                        and len(request.prompt_ids) + len(out) < limit):
+                    deltas.append(StreamDelta(request.group_id, request.sample_index, "",
+                                              [token], None, None))
+                    continue
+                out.pop()
             logprob = (None if chosen is None else
                        logprob_entry(request, i, chosen, top_ids, top_logprobs))
             deltas.append(self._append_tokens(request, [token], logprob, now, limit))

@@ -48,17 +48,26 @@ def time_per_call(fn, args, calls: int, runs: int, queue: int) -> float:
     return statistics.median(queued_seconds(lambda: f(*args), queue, runs)) / calls
 
 
-def add_phase_timer(owner, name: str, totals: dict, phase: str) -> None:
+def add_phase_timer(owner, name: str, totals: dict, phase: str,
+                    active: set | None = None) -> None:
     """Replaces owner.<name> (a method or module function) by a wrapper that adds the seconds
-    of each call to totals[phase] (totals: a dict of floats, or a defaultdict(float))."""
+    of each call to totals[phase] (totals: a dict of floats, or a defaultdict(float)).
+
+    active: a set shared by timers of the same phase; a call made while its phase is already
+    being timed (one timed method calling another) is not counted twice."""
     inner = getattr(owner, name)
+    active = set() if active is None else active
 
     def timed(*args, **kwargs):
+        if phase in active:
+            return inner(*args, **kwargs)
+        active.add(phase)
         start = time.perf_counter()
         try:
             return inner(*args, **kwargs)
         finally:
             totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - start
+            active.discard(phase)
     setattr(owner, name, timed)
 
 
@@ -71,8 +80,10 @@ def time_engine_phases(engine) -> dict:
     totals = dict.fromkeys(["schedule", "rows + batch", "sampling arrays", "dispatch step",
                             "dispatch multi-step", "update computed", "finish + append"], 0.0)
 
+    active: set = set()
+
     def timed(owner, name, phase):
-        add_phase_timer(owner, name, totals, phase)
+        add_phase_timer(owner, name, totals, phase, active)
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "update_computed", "update computed")
@@ -82,5 +93,6 @@ def time_engine_phases(engine) -> dict:
     timed(engine.runner, "execute_and_sample", "dispatch step")
     if hasattr(engine.runner, "execute_multi_step"):
         timed(engine.runner, "execute_multi_step", "dispatch multi-step")
-    timed(engine, "_append_tokens", "finish + append")
+    timed(engine, "_append_samples", "finish + append")  # a step's tokens, read
+    timed(engine, "_append_tokens", "finish + append")  # (rounds and speculation call it)
     return totals
