@@ -5,7 +5,10 @@ which holds the device's kernel activity from CUPTI on GPUs); `summarize_trace` 
 (Chrome trace-event JSON) and sums the device events: busy time per step against wall time per
 step, and the kernels grouped by kind (matmul, attention, KV write, other fusions, copies) and by
 name. Busy time is the union of kernel intervals, so kernels overlapping on several streams are
-counted once; wall - busy is what launch gaps and the host cost.
+counted once; wall - busy is what launch gaps and the host cost. The host's own events (the
+runtime's trace annotations on the host threads: dispatch, buffer handling, launches) are summed
+by name too, to show where a step's dispatch holds the host. XLA runs a program op by op while
+the profiler is on unless XLA_FLAGS has --xla_enable_command_buffers_during_profiling=true.
 """
 from __future__ import annotations
 
@@ -87,19 +90,6 @@ def summarize_trace(trace: dict, steps: int, device_match: str = "gpu", top: int
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     device = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids
               and "dur" in e]
-    # GPU traces may add derived lines ('XLA Ops', 'XLA Modules') over the streams' kernels:
-    # count the CUDA streams' own events when there are any.
-    lines = collections.Counter(threads.get((e["pid"], e.get("tid")), "") for e in device)
-    streams = {name for name in lines if name.lower().startswith("stream")}
-    kernels = [e for e in device
-               if not streams or threads.get((e["pid"], e.get("tid")), "") in streams]
-    if not kernels:
-        return {"error": f"no device events (processes: {sorted(set(names.values()))[:12]})"}
-    by_name, by_kind = collections.defaultdict(list), collections.defaultdict(list)
-    for e in kernels:
-        by_name[e["name"]].append(e["dur"])
-        by_kind[kernel_kind(e["name"])].append(e["dur"])
-    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     per_step = lambda us: us * 1e-6 / steps  # noqa: E731
 
     def table(groups):
@@ -107,7 +97,25 @@ def summarize_trace(trace: dict, steps: int, device_match: str = "gpu", top: int
                  "mean_us": sum(v) / len(v)} for k, v in groups.items()]
         return sorted(rows, key=lambda r: -r["s_per_step"])
 
-    return {"steps": steps, "device_processes": sorted(names[p] for p in device_pids),
+    host_groups = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and e.get("pid") not in device_pids:
+            host_groups[e["name"]].append(e["dur"])
+    host = {"host_by_name": table(host_groups)[:top]}
+    # GPU traces may add derived lines ('XLA Ops', 'XLA Modules') over the streams' kernels:
+    # count the CUDA streams' own events when there are any.
+    lines = collections.Counter(threads.get((e["pid"], e.get("tid")), "") for e in device)
+    streams = {name for name in lines if name.lower().startswith("stream")}
+    kernels = [e for e in device
+               if not streams or threads.get((e["pid"], e.get("tid")), "") in streams]
+    if not kernels:
+        return {"error": f"no device events (processes: {sorted(set(names.values()))[:12]})"} | host
+    by_name, by_kind = collections.defaultdict(list), collections.defaultdict(list)
+    for e in kernels:
+        by_name[e["name"]].append(e["dur"])
+        by_kind[kernel_kind(e["name"])].append(e["dur"])
+    intervals = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    return host | {"steps": steps, "device_processes": sorted(names[p] for p in device_pids),
             "device_lines": dict(lines), "kernels_per_step": len(kernels) / steps,
             "busy_s_per_step": per_step(_union_length(intervals)),
             "kernel_sum_s_per_step": per_step(sum(e["dur"] for e in kernels)),
@@ -129,8 +137,10 @@ def format_summary(summary: dict) -> str:
     for row in summary["by_kind"]:
         lines.append(f"  {row['name']:<34} {row['s_per_step'] * 1e3:8.3f} ms "
                      f"{row['calls_per_step']:6.0f} calls")
-    lines.append("  top kernels:")
-    for row in summary["by_name"][:12]:
-        lines.append(f"    {row['s_per_step'] * 1e3:8.3f} ms {row['calls_per_step']:5.0f}x "
-                     f"{row['mean_us']:7.1f} us  {row['name'][:90]}")
+    for title, rows in (("top kernels", summary["by_name"]),
+                        ("top host events (nested events overlap)", summary["host_by_name"])):
+        lines.append(f"  {title}:")
+        for row in rows[:12]:
+            lines.append(f"    {row['s_per_step'] * 1e3:8.3f} ms {row['calls_per_step']:5.0f}x "
+                         f"{row['mean_us']:7.1f} us  {row['name'][:90]}")
     return "\n".join(lines)

@@ -145,8 +145,11 @@ def test_summarize_trace_counts_stream_kernels_once():
     kinds = {r["name"]: r["s_per_step"] for r in s["by_kind"]}
     assert kinds["matmul"] == pytest.approx(10e-6) and kinds["attention"] == pytest.approx(5e-6)
     assert s["by_name"][0]["name"] == "sm90_xmma_gemm_bf16"
+    assert s["host_by_name"] == [{"name": "host work", "s_per_step": pytest.approx(99e-6 / 2),
+                                  "calls_per_step": 0.5, "mean_us": 99}]
     assert "error" in decode_profile.summarize_trace({"traceEvents": meta[1:2]}, steps=1)
-    assert "busy" in decode_profile.format_summary(s)
+    text = decode_profile.format_summary(s)
+    assert "busy" in text and "host work" in text
 
 
 def test_bench_decode_runs_end_to_end(tmp_path):
