@@ -170,6 +170,40 @@ def host_share(engine) -> dict:
             "num_decode_steps": engine.engine_cfg.num_decode_steps}
 
 
+def phase_figures(stats, phases: dict, per_step: list) -> dict:
+    """The host phases in ms per model step over all steps, and at the most sequences running;
+    printed. At the most running, the engine's Python is also given as a share of the step:
+    the issue's host time (scheduling, batch building, bookkeeping, appending tokens and
+    detokenization), without the dispatch of the jitted program."""
+    # The engine's host time not in a timed phase: its step loop, stop checks, output
+    # assembly, detokenization, the timers themselves.
+    phases["other host"] = stats.host_time_s - sum(phases.values())
+    phases["wait for tokens"] = stats.step_time_s - stats.host_time_s
+    out = {"host_phase_ms_per_step": {
+        name: 1e3 * total / max(stats.num_model_steps, 1) for name, total in phases.items()}}
+    print("host phases, ms per model step: " + ", ".join(
+        f"{name} {ms:.3f}" for name, ms in out["host_phase_ms_per_step"].items()), flush=True)
+    most = max((launched for launched, _, _ in per_step), default=0)
+    busiest = [(n, d) for launched, n, d in per_step if launched == most]
+    rounds = [s for s in stats.steps if s[0] == most]
+    model_steps = sum(n for n, _ in busiest)
+    if not busiest or not model_steps:
+        return out
+    at_most = {name: 1e3 * sum(d[name] for _, d in busiest) / model_steps
+               for name in busiest[0][1]}
+    host_ms = 1e3 * sum(s[1] for s in rounds) / model_steps
+    at_most["other host"] = host_ms - sum(at_most.values())
+    step_ms = 1e3 * sum(s[2] for s in rounds) / model_steps
+    python_ms = host_ms - sum(ms for name, ms in at_most.items() if name.startswith("dispatch"))
+    out |= {"host_phase_ms_per_step_at_max_running": at_most,
+            "engine_python_share_at_max_running": python_ms / step_ms}
+    print(f"host phases at {most} running, ms per model step: " + ", ".join(
+        f"{name} {ms:.3f}" for name, ms in at_most.items())
+        + f"; the engine's Python (all but the dispatch) {python_ms:.3f} ms of a "
+        f"{step_ms:.3f} ms step ({python_ms / step_ms:.1%})", flush=True)
+    return out
+
+
 def release(engine) -> None:
     """Frees an engine's device memory now: its KV cache is deleted and the objects frozen at
     start-up (freeze_startup_objects) are unfrozen and collected, so the next engine can take
@@ -273,19 +307,11 @@ def main(argv):
     results["warmup_s"] = time.perf_counter() - start
     common.freeze_startup_objects()
     engine.stats = type(engine.stats)(record_steps=True)
-    phases = timing.time_engine_phases(engine) if FLAGS.host_phases else None
+    per_step: list = []
+    phases = timing.time_engine_phases(engine, per_step) if FLAGS.host_phases else None
     results["continuous"] = run_continuous(engine, work) | host_share(engine)
     if phases is not None:
-        stats = engine.stats
-        # The engine's host time not in a timed phase: its step loop, stop checks, output
-        # assembly, detokenization, the timers themselves.
-        phases["other host"] = stats.host_time_s - sum(phases.values())
-        phases["wait for tokens"] = stats.step_time_s - stats.host_time_s
-        results["continuous"]["host_phase_ms_per_step"] = {
-            name: 1e3 * total / max(stats.num_model_steps, 1) for name, total in phases.items()}
-        print("host phases, ms per model step: " + ", ".join(
-            f"{name} {ms:.3f}" for name, ms in
-            results["continuous"]["host_phase_ms_per_step"].items()), flush=True)
+        results["continuous"] |= phase_figures(engine.stats, phases, per_step)
     release(engine)
     del engine
     if FLAGS.static_baseline:

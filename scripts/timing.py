@@ -71,12 +71,16 @@ def add_phase_timer(owner, name: str, totals: dict, phase: str,
     setattr(owner, name, timed)
 
 
-def time_engine_phases(engine) -> dict:
+def time_engine_phases(engine, per_step: list | None = None) -> dict:
     """Wraps the host phases of this engine (its own methods and those of its scheduler, rows
     and runner: no module-wide patch) with timers; returns {phase: total seconds}, filled as the
     engine runs. Dispatch phases include whatever the device call blocks for. The wait for the
     device's tokens is not a phase: it is the engine's step time less its host time
-    (EngineStats)."""
+    (EngineStats).
+
+    per_step: if given, each engine.step() that records a round in engine.stats.steps (with
+    record_steps on) appends (sequences launched, model steps, {phase: seconds in that call})
+    to it, so that phases can be read at a given number of running sequences."""
     totals = dict.fromkeys(["schedule", "rows + batch", "sampling arrays", "dispatch step",
                             "dispatch multi-step", "update computed", "finish + append"], 0.0)
 
@@ -95,4 +99,17 @@ def time_engine_phases(engine) -> dict:
         timed(engine.runner, "execute_multi_step", "dispatch multi-step")
     timed(engine, "_append_samples", "finish + append")  # a step's tokens, read
     timed(engine, "_append_tokens", "finish + append")  # (rounds and speculation call it)
+    if per_step is not None:
+        inner_step = engine.step
+
+        def step(*args, **kwargs):
+            before, rounds = dict(totals), len(engine.stats.steps)
+            try:
+                return inner_step(*args, **kwargs)
+            finally:
+                if len(engine.stats.steps) > rounds:
+                    launched, *_, model_steps = engine.stats.steps[-1]
+                    per_step.append((launched, model_steps,
+                                     {k: totals[k] - before[k] for k in totals}))
+        engine.step = step
     return totals

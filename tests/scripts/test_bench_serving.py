@@ -39,6 +39,11 @@ def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
     # The timed phases lie inside the host time and do not overlap: the rest is not negative.
     host = sum(ms for name, ms in phases.items() if name != "wait for tokens")
     assert phases["other host"] >= -0.01 * host
+    # The same at the most sequences running, and the engine's Python as a share of its steps.
+    busiest = run["host_phase_ms_per_step_at_max_running"]
+    assert set(busiest) == PHASES - {"wait for tokens"}
+    assert busiest["other host"] >= -0.01 * sum(busiest.values())
+    assert 0 < run["engine_python_share_at_max_running"] <= run["host_share_at_max_running"]
     if mode == "async":
         assert result["static"]["output_tokens_per_s"] > 0
         assert result["continuous_over_static"] > 0
