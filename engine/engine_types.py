@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.request import FinishReason
+from engine.request import FinishReason, Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,16 +25,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
-    # Schedule step n+1 while step n runs (see LLMEngine.step); speculative decoding, penalties
-    # and a sharded runner run synchronously. Off by default: on the H200 with llama3.2-1b at
-    # 256 sequences the host is the slower side and it measured 11% fewer tokens/s
-    # (docs/PERFORMANCE.md); it pays where the device step is longer than the host's work.
+    # Schedule step n+1 while step n runs (see LLMEngine.step), on one device or a mesh, with
+    # single steps or multi-step rounds; speculative decoding and penalties run synchronously.
+    # Off by default (docs/PERFORMANCE.md: it hides all but 5% of the host's time for
+    # llama3.1-8b at 256 sequences on the H200, about half of it for llama3.2-1b).
     async_scheduling: bool = False
     # Decode steps per program when every running request decodes (multi-step scheduling, as
     # vLLM's --num-scheduler-steps): the host schedules, dispatches and reads tokens once per
     # this many steps, and sequences that stop within them drop their extra tokens. 1: off.
-    # Rounds then run synchronously; penalties, logprobs, speculation and a sharded runner
-    # take single steps.
+    # With async_scheduling a round is launched before the host reads the one before;
+    # penalties, logprobs, speculation and a sharded runner take single steps.
     num_decode_steps: int = 1
     # A round's steps traced one after another (one straight program, like a single step,
     # num_decode_steps times longer to compile) instead of a device loop.
@@ -78,3 +78,18 @@ class EngineStats:
     # record_steps is on.
     record_steps: bool = False
     steps: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched step (or multi-step round) whose samples the host has not read yet."""
+
+    requests: list[Request]  # one per row
+    completes: list[bool]  # the row's sample is its request's next token (not a partial prefill)
+    # A step: runner.sample_device's device arrays (tokens padded to sample_rows). A round:
+    # (its tokens [steps, bucket(S)],).
+    results: tuple
+    # The device tokens [sample_rows] a step launched after this one reads its in-flight input
+    # tokens from (row i: row i's newest token); a round's last step's.
+    next_inputs: object = None
+    steps: int = 1  # model steps (a multi-step round runs several)

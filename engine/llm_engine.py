@@ -11,7 +11,6 @@ device. Speculative rounds live in engine/spec_rounds.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Iterator, Sequence
 
@@ -25,20 +24,11 @@ from engine.request import (CompletionOutput, FinishReason, Request, RequestOutp
 from engine.runner import ModelRunner, StepBatch, fetch_samples, step_batch_from_arrays
 from engine.sampling import SamplingArrays, draw_steps
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.engine_types import EngineConfig, EngineStats, StreamDelta
+from engine.engine_types import EngineConfig, EngineStats, InFlight, StreamDelta
 from engine.multi_step import MultiStepRounds
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
 from engine.warmup import reachable_steps
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A launched step whose samples the host has not read yet."""
-
-    requests: list[Request]  # one per row
-    completes: list[bool]  # the row's sample is its request's next token (not a partial prefill)
-    results: tuple  # runner.sample_device's device arrays (tokens padded to sample_rows)
 
 
 class LLMEngine(SpeculativeRounds, MultiStepRounds):
@@ -86,7 +76,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         self._groups: dict[int, list[Request]] = {}
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self._finished_groups: list[int] = []
-        self._in_flight: _InFlight | None = None  # the launched step not read yet
+        self._in_flight: InFlight | None = None  # the launched step not read yet
         self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
         self._wait_s = 0.0
 
@@ -225,7 +215,6 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         """Asynchronous scheduling needs every token id on the host only for speculation and
         penalties (which count the output tokens)."""
         return (self.engine_cfg.async_scheduling and self.spec_config is None
-                and self.engine_cfg.num_decode_steps == 1
                 and self.runner.supports_async_scheduling and not self._penalized)
 
     def _round(self, overlap: bool) -> tuple[int, list[StreamDelta]]:
@@ -241,9 +230,10 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         if overlap:  # (synchronous rounds have no token in flight: nothing to hold)
             self._hold_ending_requests()
         output = self.scheduler.schedule()
-        if not overlap and self._multi_step_ready(output):
-            return len(output.scheduled), deltas + self._multi_step(output)
-        launched = self._launch(output) if output.scheduled else None
+        if self._multi_step_ready(output):
+            launched = self._launch_round(output)
+        else:
+            launched = self._launch(output) if output.scheduled else None
         if self._in_flight is not None:
             deltas += self._finish(self._in_flight)
         self._in_flight = launched
@@ -263,7 +253,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 len(r.output_ids) + r.num_pending >= r.params.max_tokens
                 or r.num_tokens + r.num_pending >= limit)
 
-    def _launch(self, output: SchedulerOutput) -> "_InFlight":
+    def _launch(self, output: SchedulerOutput) -> InFlight:
         """Builds the step batch, runs the step and the sampler; does not wait for them."""
         prev = self._in_flight
         requests = [it.request for it in output.scheduled]
@@ -296,14 +286,14 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             self.stats.num_tokens_from_device += len(placeholders)
         results = self.runner.execute_and_sample(
             batch, self._sampling_arrays(requests, slots),
-            None if prev is None else prev.results[0], sample_index)
+            None if prev is None else prev.next_inputs, sample_index)
         self.scheduler.update_computed(output)
         self.stats.num_computed_tokens += output.num_tokens
         for i, r in enumerate(requests):
             if completes[i]:
                 r.num_pending += 1
                 r.pending_row = i
-        return _InFlight(requests, completes, results)
+        return InFlight(requests, completes, results, next_inputs=results[0])
 
     def _step_batch(self, slots: np.ndarray, tokens, counts, firsts) -> StepBatch:
         """The StepBatch of rows `slots` of the persistent block tables computing `counts`
@@ -326,15 +316,20 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         return SamplingArrays.from_rows(table, draw_steps(requests) if sampled
                                         else np.zeros(len(requests), np.int32))
 
-    def _finish(self, flight: "_InFlight") -> list[StreamDelta]:
+    def _finish(self, flight: InFlight) -> list[StreamDelta]:
         """Reads a launched step's samples (waiting for the device) and appends them."""
         start = time.perf_counter()
+        if flight.steps > 1:  # a round: tokens [steps, bucket(S)]
+            [tokens] = fetch_samples(flight.results, flight.steps)
+            now = time.perf_counter()
+            self._wait_s += now - start
+            return self._append_round(flight, tokens, now)
         samples = fetch_samples(flight.results, len(flight.requests))
         now = time.perf_counter()
         self._wait_s += now - start
         return self._append_samples(flight, samples, now)
 
-    def _append_samples(self, flight: "_InFlight", samples: tuple,
+    def _append_samples(self, flight: InFlight, samples: tuple,
                         now: float) -> list[StreamDelta]:
         """Appends a launched step's samples (host arrays: tokens, chosen logprobs, top ids,
         top logprobs) to its requests; returns their deltas."""

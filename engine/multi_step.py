@@ -1,15 +1,16 @@
 """Multi-step rounds of the LLM engine (EngineConfig.num_decode_steps; vLLM's multi-step
 scheduling): while every running request decodes, one program runs num_decode_steps decode steps
 (ModelRunner.execute_multi_step) and the host schedules, dispatches and reads tokens once per
-round. A mixin of LLMEngine: it uses the engine's scheduler, pool, runner and _append_tokens.
+round. With asynchronous scheduling a round is launched before the host reads the step or round
+before it, like a single step: its first tokens come from that one's samples on the device.
+A mixin of LLMEngine: it uses the engine's scheduler, pool, runner, in-flight step and
+_append_tokens.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from engine.runner import fetch_samples
+from engine.engine_types import InFlight
 from engine.scheduler import SchedulerOutput
 
 
@@ -18,8 +19,9 @@ class MultiStepRounds:
 
     def _multi_step_ready(self, output: SchedulerOutput) -> bool:
         """Whether this step can run as num_decode_steps decode steps: every scheduled request
-        decodes one known token, none has penalties or logprobs, the context has room for all
-        the steps, and the pool has pages for them (taken here)."""
+        decodes one token (known, or in flight from the step before), none has penalties or
+        logprobs, the context has room for all the steps, and the pool has pages for them
+        (taken here)."""
         steps = self.engine_cfg.num_decode_steps
         if (steps == 1 or not output.scheduled or output.preempted or self._penalized
                 or self.spec_config is not None or not self.runner.supports_multi_step):
@@ -27,33 +29,61 @@ class MultiStepRounds:
         limit = self._context_limit()
         for it in output.scheduled:
             r = it.request
-            if (it.num_new_tokens != 1 or r.num_computed_tokens != r.num_tokens - 1
+            if (it.num_new_tokens != 1
+                    or r.num_computed_tokens != r.num_tokens + r.num_pending - 1
                     or r.num_computed_tokens + steps > limit or r.params.logprobs is not None):
                 return False
         return all(self.pool.grow(it.request.pages, it.request.num_computed_tokens + steps)
                    for it in output.scheduled)
 
-    def _multi_step(self, output: SchedulerOutput) -> list:
-        """Runs num_decode_steps decode steps of the scheduled requests as one program and
-        appends each request's tokens (up to its stop condition)."""
+    def _launch_round(self, output: SchedulerOutput) -> InFlight:
+        """Launches num_decode_steps decode steps of the scheduled requests as one program,
+        without waiting. A request whose newest token is still in flight (asynchronous
+        scheduling) reads it on the device from the step before."""
         steps = self.engine_cfg.num_decode_steps
+        prev = self._in_flight
         requests = [it.request for it in output.scheduled]
+        tokens, placeholders, sources = [], [], []
+        for i, r in enumerate(requests):
+            if r.num_pending:
+                tokens.append(0)
+                placeholders.append(i)
+                sources.append(r.pending_row)
+            else:
+                tokens.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
         slots = self.scheduler.rows.slots(requests)
-        batch = self._step_batch(
-            slots, [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in requests],
-            np.ones(len(requests), np.int32), [r.num_computed_tokens for r in requests])
-        tokens = self.runner.execute_multi_step(batch, self._sampling_arrays(requests, slots),
-                                                steps, self.engine_cfg.unroll_decode_steps)
-        start = time.perf_counter()
-        [tokens] = fetch_samples((tokens,), steps)  # [steps, bucket(S)]
-        tokens = tokens[:, : len(requests)].T.tolist()  # [S][steps]
-        now = time.perf_counter()
-        self._wait_s += now - start
+        batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
+                                 [r.num_computed_tokens for r in requests])
+        sample_index = None
+        if placeholders:
+            sample_index = np.full(len(requests), -1, np.int32)
+            sample_index[placeholders] = sources
+            self.stats.num_tokens_from_device += len(placeholders)
+        out, last = self.runner.execute_multi_step(
+            batch, self._sampling_arrays(requests, slots), steps,
+            self.engine_cfg.unroll_decode_steps,
+            None if prev is None else prev.next_inputs, sample_index)
         for it in output.scheduled:
             it.num_new_tokens = steps
         self.scheduler.update_computed(output)
         self.stats.num_computed_tokens += output.num_tokens
+        for i, r in enumerate(requests):
+            r.num_pending += steps
+            r.pending_row = i
         self._round_steps = steps
+        return InFlight(requests, [True] * len(requests), (out,), next_inputs=last,
+                        steps=steps)
+
+    def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
+        """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop
+        condition (a request that stopped inside the round drops the rest); returns the
+        deltas."""
         limit = self._context_limit()
-        return [self._append_tokens(r, row, None, now, limit)
-                for r, row in zip(requests, tokens)]
+        deltas = []
+        rows = tokens[:, : len(flight.requests)].T.tolist()  # [S][steps]
+        for r, row in zip(flight.requests, rows):
+            r.num_pending -= flight.steps
+            if r.finish_reason is not None:
+                continue  # ended or aborted while the round ran: its tokens are dropped
+            deltas.append(self._append_tokens(r, row, None, now, limit))
+        return deltas

@@ -204,16 +204,21 @@ class ModelRunner:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
 
-    def _multi_step_impl(self, weights, cache, packed, floats, ints, layout: StepLayout,
-                         num_steps: int, mode: str, unroll: bool = False):
+    def _multi_step_impl(self, weights, cache, packed, floats, ints, prev_samples,
+                         layout: StepLayout, num_steps: int, mode: str, unroll: bool = False):
         """`num_steps` decode steps of one token per sequence in one program (a device loop):
         each step's tokens are the previous step's samples, its positions, cache slots and
         lengths one further. floats / ints: the packed sampling rows (sampling.pack_sampling;
         each step draws with the step index + i). With `unroll` the steps are traced one after
         another (no device loop: one straight program, num_steps times longer to compile).
-        Returns (tokens int32 [num_steps, S], cache).
+        A first token whose sample_index is >= 0 is prev_samples[sample_index] (asynchronous
+        scheduling, as in `_step_impl`).
+        Returns (tokens int32 [num_steps, S], the last step's tokens int32 [sample_rows]
+        zero-padded (what the next step reads its in-flight tokens from), cache).
         """
         x = unpack(packed, layout)
+        index = x["sample_index"]
+        first_tokens = jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], x["tokens"])
         tables, kv_lens, page_size = x["block_tables"], x["kv_lens"], self.page_size  # [S, W]
         real = kv_lens > 0  # [S] padding rows compute nothing and write nowhere
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
@@ -238,30 +243,36 @@ class ModelRunner:
             return cache, tokens, out.at[i].set(tokens)
 
         out = jnp.zeros((num_steps, layout.num_seqs), jnp.int32)
-        cache, _, out = jax.lax.fori_loop(0, num_steps, body, (cache, x["tokens"], out),
-                                          unroll=unroll)
-        return out, cache
+        cache, last, out = jax.lax.fori_loop(0, num_steps, body, (cache, first_tokens, out),
+                                             unroll=unroll)
+        return out, jnp.pad(last, (0, self.sample_rows - last.shape[0])), cache
 
-    def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays,
-                           num_steps: int, unroll: bool = False) -> jax.Array:
+    def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
+                           unroll: bool = False, prev_samples: jax.Array | None = None,
+                           sample_index: np.ndarray | None = None) -> tuple:
         """Runs `num_steps` decode steps of a decode batch (one token per sequence, every
-        sequence with room in its pages for num_steps tokens) as one program, without waiting:
-        the sampled tokens, device int32 [num_steps, bucket(S)] (the host reads [:, :S]).
-        No penalties or logprobs (they need the host between steps). `unroll`: see
-        `_multi_step_impl`."""
+        sequence with room in its pages for num_steps tokens) as one program, without waiting.
+        Returns device arrays: the sampled tokens int32 [num_steps, bucket(S)] (the host reads
+        [:, :S]; their copy to the host has started) and the last step's tokens int32
+        [sample_rows], from which a next step launched before the host reads these can take
+        its input tokens (asynchronous scheduling; prev_samples and sample_index as in
+        `execute_padded`). No penalties or logprobs (they need the host between steps).
+        `unroll`: see `_multi_step_impl`."""
         if arrays.penalties is not None or arrays.num_logprobs:
             raise ValueError("multi-step decoding takes no penalties or logprobs")
         if len(batch.token_ids) != batch.num_seqs:
             raise ValueError(f"multi-step decoding needs one token per sequence, got "
                              f"{len(batch.token_ids)} tokens for {batch.num_seqs} sequences")
-        layout, packed = self._padded(batch)
+        layout, packed = self._padded(batch, sample_index)
         mode = arrays.mode()
         self.compiled_shapes.add(("multi_step", layout, num_steps, mode, unroll))
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
-        tokens, self.cache = self._multi_step(self._weights, self.cache, packed, floats, ints,
-                                              layout, num_steps, mode, unroll)
+        tokens, last, self.cache = self._multi_step(
+            self._weights, self.cache, packed, floats, ints,
+            self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode,
+            unroll)
         tokens.copy_to_host_async()
-        return tokens
+        return tokens, last
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket."""
@@ -350,7 +361,7 @@ class ModelRunner:
         nothing is written). Sampled multi-step programs compile when first used."""
         dummy = _padding_batch([1] * num_seqs, num_pages)
         np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs), num_steps,
-                                           unroll))
+                                           unroll)[0])
 
     def warmup_samplers(self) -> None:
         """Compiles the sampler programs of batches with sampled rows (without and with top-k /

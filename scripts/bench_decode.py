@@ -262,7 +262,7 @@ def multi_step_tokens(runner, first: np.ndarray, position: int, table: np.ndarra
         batch = ds.decode_batch(tokens, np.full(len(tokens), position + len(out)), table,
                                 FLAGS.page_size)
         rounds = np.asarray(runner.execute_multi_step(
-            batch, SamplingArrays.defaults(len(tokens)), k, unroll))[:, : len(tokens)]  # [k, B]
+            batch, SamplingArrays.defaults(len(tokens)), k, unroll)[0])[:, : len(tokens)]  # [k, B]
         out += list(rounds)
         tokens = rounds[-1]
     return np.stack(out[1:], axis=1).tolist()

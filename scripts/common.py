@@ -42,7 +42,7 @@ def define_engine_flags() -> None:
     flags.DEFINE_integer("num_decode_steps", 1,
                          "Decode steps per program while every running request decodes "
                          "(multi-step scheduling: the host works once per this many steps; "
-                         "turns asynchronous scheduling off). 1: off.")
+                         "with --async_scheduling rounds overlap too). 1: off.")
     flags.DEFINE_bool("unroll_decode_steps", False,
                       "With --num_decode_steps: trace a round's steps one after another (one "
                       "straight program) instead of a device loop; compiles longer.")

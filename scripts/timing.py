@@ -98,6 +98,7 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
     if hasattr(engine.runner, "execute_multi_step"):
         timed(engine.runner, "execute_multi_step", "dispatch multi-step")
     timed(engine, "_append_samples", "finish + append")  # a step's tokens, read
+    timed(engine, "_append_round", "finish + append")  # a multi-step round's
     timed(engine, "_append_tokens", "finish + append")  # (rounds and speculation call it)
     if per_step is not None:
         inner_step = engine.step

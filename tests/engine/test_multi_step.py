@@ -21,6 +21,7 @@ from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS
 from tests.engine.weights import unit_scale_model
 
 MULTI_STRESS = dataclasses.replace(STRESS, num_decode_steps=3)
+MULTI_ASYNC_STRESS = dataclasses.replace(MULTI_STRESS, async_scheduling=True)
 MULTI_BASE = dataclasses.replace(BASE, num_decode_steps=4, num_pages=12)
 SINGLE_BASE = dataclasses.replace(MULTI_BASE, num_decode_steps=1)
 
@@ -60,12 +61,35 @@ def test_random_streams_equal_single_steps(make_engine):
     assert sum(multi) > 0
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, unroll):
+def test_random_streams_with_asynchronous_rounds_equal_single_steps(make_engine):
+    """Asynchronous scheduling with multi-step rounds (each round or step launched before the
+    host reads the one before): the same outcomes as synchronous single steps, and rounds did
+    read their first tokens on the device."""
+    overlapped = []
+
+    @HYPOTHESIS
+    @given(stream=request_streams())
+    def run(stream):
+        engines = []
+
+        def instrument(engine):
+            engines.append(engine)
+            return multi_step_rounds(engine)
+
+        _, rounds = same_outcomes_across(make_engine, (STRESS, MULTI_ASYNC_STRESS), stream,
+                                         instrument)
+        overlapped.append((sum(n > 1 for n in rounds), engines[1].stats.num_tokens_from_device))
+
+    run()
+    assert sum(r for r, _ in overlapped) > 0 and sum(t for _, t in overlapped) > 0
+
+
+@pytest.mark.parametrize("unroll,overlap", [(False, False), (True, False), (False, True)])
+def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, unroll, overlap):
     """max_tokens that are not multiples of the round, a stop token met inside a round and
     seeded sampling (plain and with cuts): the tokens of single steps; the stopped request's
     extra tokens are computed and dropped, and every page is free at the end; rounds as a
-    device loop and unrolled."""
+    device loop, unrolled, and launched asynchronously."""
     rng = np.random.default_rng(40)
     prompts = [random_prompt(rng, n) for n in (5, 17, 30, 9)]
     [free_run] = make_engine(SINGLE_BASE).generate(
@@ -77,7 +101,8 @@ def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, unroll
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.1, top_k=20,
                              top_p=0.9, seed=6)]
     results = {}
-    for cfg in (SINGLE_BASE, dataclasses.replace(MULTI_BASE, unroll_decode_steps=unroll)):
+    for cfg in (SINGLE_BASE, dataclasses.replace(MULTI_BASE, unroll_decode_steps=unroll,
+                                                 async_scheduling=overlap)):
         engine = make_engine(cfg)
         log = multi_step_rounds(engine)
         outs = engine.generate(prompts, params)
@@ -85,6 +110,7 @@ def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, unroll
         results[cfg.num_decode_steps] = [(o.output_ids, o.finish_reason) for o in outs]
         if cfg.num_decode_steps > 1:
             assert max(log) == 4, log
+            assert (engine.stats.num_tokens_from_device > 0) == overlap
     assert results[4] == results[1]
     first = free_run.output_ids.index(stop)
     assert results[4][0] == (free_run.output_ids[: first + 1], FinishReason.STOP)

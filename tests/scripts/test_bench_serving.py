@@ -24,10 +24,12 @@ def run_bench(tmp_path, *flags) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("mode", ["async", "multi_step"])
+@pytest.mark.parametrize("mode", ["async", "multi_step", "async_multi_step"])
 def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
-    flags = (["--async_scheduling=true"] if mode == "async"
-             else ["--num_decode_steps=4", "--static_baseline=false"])
+    flags = {"async": ["--async_scheduling=true"],
+             "multi_step": ["--num_decode_steps=4", "--static_baseline=false"],
+             "async_multi_step": ["--num_decode_steps=4", "--async_scheduling=true",
+                                  "--static_baseline=false"]}[mode]
     result = run_bench(tmp_path, *flags)
     run = result["continuous"]
     assert result["num_requests"] == 12 and run["output_tokens_per_s"] > 0
