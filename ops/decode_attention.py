@@ -19,7 +19,10 @@ or slower). Key splits: about two programs per SM over sequences x kv heads (132
 H100/H200), but at least 2 tiles per split for the longest sequence the block table allows:
 B=8 at 4k context -> 4 splits (2: +25%, 9: +10% time), B=32 -> 1, B=1 at 32k -> 32. The split
 boundaries follow each sequence's actual length, so short sequences in a wide table still
-spread over all splits. Figures in docs/PERFORMANCE.md.
+spread over all splits. Figures in docs/PERFORMANCE.md. `DecodeConfig.prefetch_slots` reads
+the next tile's block-table entries one loop step ahead, so that no K/V load of a step waits on
+that step's own table load; the tuning sweep (scripts/bench_attention.py --modes=sweep) times
+it against the default, which it stays until it has run on a GPU.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ class DecodeConfig:
     num_splits: int  # programs per (sequence, kv head) along the keys
     num_warps: int = 4
     num_stages: int = 3
+    # Read the next tile's block-table entries one loop step ahead, so that no K/V load waits
+    # on a table load of its own step (an experiment of the tuning sweep; off by default).
+    prefetch_slots: bool = False
 
 
 def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: int,
@@ -60,7 +66,8 @@ def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: i
 def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    rows: int, block_k: int, page_size: int, num_pages: int, table_width: int,
                    num_splits: int, sm_scale: float, soft_cap: float | None,
-                   sliding_window: int | None, quantized: bool, split_out: bool):
+                   sliding_window: int | None, quantized: bool, split_out: bool,
+                   prefetch_slots: bool = False):
     # lengths_ref: [B] int32, tokens in the cache per sequence (all sequences)
     # tables_ref:  [W] int32, this sequence's block table
     # q_ref:       [H, D], this sequence's query heads
@@ -89,23 +96,36 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: i
     first = jnp.minimum(split * per_split, num_blocks)
     last = jnp.minimum(first + per_split, num_blocks)
 
-    def body(i, carry):
+    def tile_slots(i):
         tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK] key positions
+        return tok, tiles.kv_slots(tables_ref, 0, tok, page_size=page_size,
+                                   table_width=table_width, num_pages=num_pages)  # [BK]
+
+    def body(i, carry):
+        if prefetch_slots:  # this tile's slots came with the carry; read the next tile's
+            carry, slots = carry
+            tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            _, next_slots = tile_slots(i + 1)  # entries past the table are clamped
+        else:
+            tok, slots = tile_slots(i)
         ok = tok < length
         if sliding_window is not None:
             ok &= tok >= length - sliding_window
-        slots = tiles.kv_slots(tables_ref, 0, tok, page_size=page_size,
-                               table_width=table_width, num_pages=num_pages)  # [BK]
         k = tiles.load_rows(k_ref, slots, ok).astype(q.dtype)  # [BK, D]
         v = tiles.load_rows(v_ref, slots, ok).astype(q.dtype)  # [BK, D]
         ks = vs = None
         if quantized:
             ks = tiles.load_scales(ks_ref, slots, ok)  # [BK]
             vs = tiles.load_scales(vs_ref, slots, ok)  # [BK]
-        return tiles.attend_tile(q, k, v, ks, vs, ok[None, :], carry, sm_scale=sm_scale,
-                                 soft_cap=soft_cap)
+        carry = tiles.attend_tile(q, k, v, ks, vs, ok[None, :], carry, sm_scale=sm_scale,
+                                  soft_cap=soft_cap)
+        return (carry, next_slots) if prefetch_slots else carry
 
-    carry = jax.lax.fori_loop(first, last, body, tiles.init_carry(rows, q.shape[-1]))
+    carry = tiles.init_carry(rows, q.shape[-1])
+    if prefetch_slots:
+        carry, _ = jax.lax.fori_loop(first, last, body, (carry, tile_slots(first)[1]))
+    else:
+        carry = jax.lax.fori_loop(first, last, body, carry)
     out, lse = tiles.finish(carry)  # [M, D], [M]
     tiles.store_rows(out_refs[0], h * group + g, out, row_ok)
     if split_out:
@@ -154,7 +174,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales
         _decode_kernel, group=group, rows=max(16, tiles.next_pow2(group)),
         block_k=config.block_k, page_size=page_size, num_pages=num_pages,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, quantized=quantized, split_out=split_out)
+        sliding_window=sliding_window, quantized=quantized, split_out=split_out,
+        prefetch_slots=config.prefetch_slots)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

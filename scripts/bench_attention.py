@@ -263,9 +263,14 @@ def sweep(calib: dict) -> list[dict]:
     decode += [(8, 8192, c) for c in [(128, 2, 4, 3), (128, 4, 4, 3), (128, 6, 4, 3),
                                       (64, 4, 4, 4)]]
     decode += [(32, 4096, c) for c in [(128, 1, 4, 3), (128, 2, 4, 3), (64, 2, 4, 4)]]
-    for batch, context, (block_k, splits, warps, stages) in decode:
+    decode = [(b, c, cfg, False) for b, c, cfg in decode]
+    # The next tile's block-table entries read a step ahead (DecodeConfig.prefetch_slots).
+    decode += [(1, 4096, c, True) for c in [(128, 16, 4, 3)]]
+    decode += [(8, 4096, c, True) for c in [(128, 4, 4, 3), (128, 2, 4, 3), (64, 4, 4, 3)]]
+    decode += [(8, 8192, c, True) for c in [(128, 4, 4, 3), (128, 6, 4, 3)]]
+    for batch, context, (block_k, splits, warps, stages), prefetch in decode:
         rows += bench_decode(batch, context, calib, peers=False,
-                             config=DecodeConfig(block_k, splits, warps, stages))
+                             config=DecodeConfig(block_k, splits, warps, stages, prefetch))
         print(rows[-1])
     for block_m, block_k, warps, stages in [(128, 32, 4, 3), (128, 32, 4, 4), (128, 64, 4, 4),
                                             (128, 64, 4, 2), (128, 16, 4, 4), (256, 32, 8, 3),

@@ -58,6 +58,10 @@ CASES = [
     (32, 64, 4, 4, "float16", None, None),  # GQA 1, heuristic config
     (16, 64, 8, 2, "bfloat16", "int8", DecodeConfig(block_k=32, num_splits=2)),
     (16, 32, 4, 1, "float16", "float8_e4m3fn", DecodeConfig(block_k=16, num_splits=1)),
+    # The next tile's table entries read a loop step ahead (splits, quantized pages).
+    (8, 32, 8, 2, "bfloat16", None, DecodeConfig(block_k=16, num_splits=3, prefetch_slots=True)),
+    (16, 64, 8, 2, "float32", "int8", DecodeConfig(block_k=32, num_splits=2,
+                                                   prefetch_slots=True)),
 ]
 
 
@@ -70,8 +74,10 @@ def test_matches_references(page_size, head_dim, num_heads, num_kv_heads, dtype,
 
 def test_soft_cap_sliding_window_and_odd_group():
     # 6 heads over 2 kv heads: a group of 3 (not a power of two), padded to 16 rows.
-    run_case(page_size=8, head_dim=32, num_heads=6, num_kv_heads=2, soft_cap=5.0,
-             sliding_window=11, scale=0.3, config=DecodeConfig(block_k=16, num_splits=2), seed=1)
+    for prefetch in (False, True):
+        run_case(page_size=8, head_dim=32, num_heads=6, num_kv_heads=2, soft_cap=5.0,
+                 sliding_window=11, scale=0.3, seed=1,
+                 config=DecodeConfig(block_k=16, num_splits=2, prefetch_slots=prefetch))
 
 
 def gpu_sweep_cases():
@@ -127,9 +133,10 @@ def test_dispatch_and_validation():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-@pytest.mark.parametrize("kv_dtype,head_dim,page_size", [
-    ("bfloat16", 128, 16), ("int8", 64, 128), ("float8_e4m3fn", 256, 8)])
-def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size):
+@pytest.mark.parametrize("kv_dtype,head_dim,page_size,prefetch", [
+    ("bfloat16", 128, 16, False), ("int8", 64, 128, False), ("float8_e4m3fn", 256, 8, False),
+    ("bfloat16", 128, 16, True)])
+def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, prefetch):
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
@@ -140,8 +147,9 @@ def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size):
     tables, lengths = spec((4, 16), jnp.int32), spec((4,), jnp.int32)
 
     def f(q, k, v, t, n, ks, vs):
+        config = DecodeConfig(128, 4, prefetch_slots=True) if prefetch else None  # heuristic
         return paged_attention(q, k, v, t, n, k_scales=ks, v_scales=vs, impl="pallas",
-                               soft_cap=30.0, sliding_window=100)
+                               soft_cap=30.0, sliding_window=100, config=config)
 
     text = jax.jit(f).trace(q, pages, pages, tables, lengths, scales, scales).lower(
         lowering_platforms=("cuda",)).as_text()
