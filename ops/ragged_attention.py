@@ -24,7 +24,8 @@ Tuning (`ragged_config`): block_m = next power of two of max_q_len * G, clamped 
 stages (H200 sweep at a 4k-token prefill, 32 q / 8 kv heads: 328 TFLOP/s; 3-4 stages 287;
 block_k 64: 279-281; 8 warps: 220-267; block_m 256: 193-258; block_m 64: 282). Below that the
 program is bandwidth-bound like decode: block_k 128 and key splits as in decode_config when
-block_m <= 32.
+block_m <= 32. `RaggedConfig.prefetch_slots` reads the next tile's block-table entries a loop
+step ahead (see ops/decode_attention.py); off until the sweep has measured it on a GPU.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class RaggedConfig:
     num_splits: int = 1  # programs per (q block, kv head) along the keys
     num_warps: int = 4
     num_stages: int = 3
+    # Read the next tile's block-table entries one loop step ahead (as DecodeConfig's; an
+    # experiment of the tuning sweep, off by default).
+    prefetch_slots: bool = False
 
 
 def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
@@ -73,7 +77,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    num_heads: int, block_m: int, block_k: int, page_size: int, num_pages: int,
                    table_width: int, num_splits: int, sm_scale: float,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
-                   split_out: bool):
+                   split_out: bool, prefetch_slots: bool = False):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)
     # tables_ref: [S * W] int32, all block tables, flattened
@@ -110,10 +114,18 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
         mid = first
     table_base = seq * table_width
 
-    def body(i, carry, masked: bool):
+    def tile_slots(i):
         tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK] key positions
-        slots = tiles.kv_slots(tables_ref, table_base, tok, page_size=page_size,
-                               table_width=table_width, num_pages=num_pages)  # [BK]
+        return tok, tiles.kv_slots(tables_ref, table_base, tok, page_size=page_size,
+                                   table_width=table_width, num_pages=num_pages)  # [BK]
+
+    def body(i, carry, masked: bool):
+        if prefetch_slots:  # this tile's slots came with the carry; read the next tile's
+            carry, slots = carry
+            tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            _, next_slots = tile_slots(i + 1)  # entries past the table are clamped
+        else:
+            tok, slots = tile_slots(i)
         ok = (tok < kv_end) if masked else None
         k = tiles.load_rows(k_ref, slots, ok).astype(q.dtype)  # [BK, D]
         v = tiles.load_rows(v_ref, slots, ok).astype(q.dtype)  # [BK, D]
@@ -126,12 +138,17 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
             mask = tok[None, :] <= pos[:, None]  # [M, BK] causal (implies tok < kv_end)
             if sliding_window is not None:
                 mask &= tok[None, :] > pos[:, None] - sliding_window
-        return tiles.attend_tile(q, k, v, ks, vs, mask, carry, sm_scale=sm_scale,
-                                 soft_cap=soft_cap)
+        carry = tiles.attend_tile(q, k, v, ks, vs, mask, carry, sm_scale=sm_scale,
+                                  soft_cap=soft_cap)
+        return (carry, next_slots) if prefetch_slots else carry
 
     carry = tiles.init_carry(block_m, q.shape[-1])
+    if prefetch_slots:  # the slots go from the unmasked loop on to the masked one
+        carry = (carry, tile_slots(first)[1])
     carry = jax.lax.fori_loop(first, mid, functools.partial(body, masked=False), carry)
     carry = jax.lax.fori_loop(mid, last, functools.partial(body, masked=True), carry)
+    if prefetch_slots:
+        carry = carry[0]
     out, lse = tiles.finish(carry)  # [M, D], [M]
     tiles.store_rows(out_refs[0], q_rows, out, row_ok)
     if split_out:
@@ -211,7 +228,8 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         _ragged_kernel, group=group, num_heads=num_heads, block_m=config.block_m,
         block_k=config.block_k, page_size=page_size, num_pages=num_pages,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, quantized=quantized, split_out=split_out)
+        sliding_window=sliding_window, quantized=quantized, split_out=split_out,
+        prefetch_slots=config.prefetch_slots)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

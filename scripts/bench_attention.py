@@ -276,9 +276,10 @@ def sweep(calib: dict) -> list[dict]:
                                             (128, 64, 4, 2), (128, 16, 4, 4), (256, 32, 8, 3),
                                             (256, 64, 8, 3), (256, 32, 8, 4), (64, 32, 4, 4),
                                             (128, 32, 4, 5)]:
-        cfg = RaggedConfig(block_m, block_k, 1, warps, stages)
-        rows += bench_prefill(4096, calib, config=cfg, peers=False)
-        print(rows[-1])
+        for prefetch in (False, True) if (block_m, block_k) == (128, 32) else (False,):
+            cfg = RaggedConfig(block_m, block_k, 1, warps, stages, prefetch)
+            rows += bench_prefill(4096, calib, config=cfg, peers=False)
+            print(rows[-1])
     return rows
 
 

@@ -69,6 +69,11 @@ CASES = [
     (32, 32, 4, 4, "float16", None, None),  # GQA 1, heuristic config
     (16, 64, 8, 2, "bfloat16", "int8", RaggedConfig(block_m=64, block_k=32)),
     (16, 32, 4, 1, "float16", "float8_e4m3fn", RaggedConfig(block_m=16, block_k=16)),
+    # The next tile's table entries read a loop step ahead, through both loops (splits; int8).
+    (8, 32, 8, 1, "bfloat16", None, RaggedConfig(block_m=16, block_k=16, num_splits=3,
+                                                 prefetch_slots=True)),
+    (16, 64, 8, 2, "float32", "int8", RaggedConfig(block_m=32, block_k=16,
+                                                    prefetch_slots=True)),
 ]
 
 
@@ -146,9 +151,11 @@ def test_validation():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-@pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len", [
-    ("bfloat16", 128, 16, 2048), ("int8", 64, 128, 4), ("float8_e4m3fn", 256, 8, 512)])
-def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, max_q_len):
+@pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,prefetch", [
+    ("bfloat16", 128, 16, 2048, False), ("int8", 64, 128, 4, False),
+    ("float8_e4m3fn", 256, 8, 512, False), ("bfloat16", 128, 16, 1, True)])
+def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, max_q_len,
+                                   prefetch):
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
@@ -159,8 +166,10 @@ def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, m
     tables, starts, kv_lens = spec((4, 64), jnp.int32), spec((5,), jnp.int32), spec((4,), jnp.int32)
 
     def f(q, k, v, t, qs, n, ks, vs):
+        config = RaggedConfig(16, 128, 4, prefetch_slots=True) if prefetch else None
         return ragged_paged_attention(q, k, v, t, qs, n, max_q_len=max_q_len, k_scales=ks,
-                                      v_scales=vs, impl="pallas", sliding_window=300)
+                                      v_scales=vs, impl="pallas", sliding_window=300,
+                                      config=config)
 
     text = jax.jit(f).trace(q, pages, pages, tables, starts, kv_lens, scales, scales).lower(
         lowering_platforms=("cuda",)).as_text()
