@@ -2,7 +2,8 @@
 
 - `resolve_impl` / `check_pages`: dispatch and the input checks both public functions make.
 - In-kernel helpers (called while tracing a Pallas kernel body): `kv_slots` maps token positions
-  to cache slots through a block table, `load_rows` / `store_rows` move [rows, head_dim] tiles
+  to cache slots through a block table, `step_keys` gives a loop step's key positions and slots
+  (or the next step's, read a step ahead), `load_rows` / `store_rows` move [rows, head_dim] tiles
   by row index (masked rows are neither read nor written), `attend_tile` is one step of the
   online softmax (flash attention) over a tile of keys, with int8 / fp8 pages dequantized in
   registers, and `finish` normalizes it.
@@ -113,6 +114,22 @@ def kv_slots(table_ref, table_base, tok, *, page_size: int, table_width: int, nu
     page = table_ref[table_base + entry]  # [BK]
     page = jnp.minimum(jnp.maximum(page, 0), num_pages - 1)
     return page * page_size + jax.lax.rem(tok, page_size)  # [BK]
+
+
+def step_keys(i, carry, positions, slots_of, prefetch: bool):
+    """Loop step i's keys: (carry, key positions [BK], their slots [BK], the next step's slots
+    or None). positions(i) gives step i's key positions, slots_of(tok) their cache slots.
+
+    With `prefetch` the loop carries (carry, this step's slots) and each step reads the next
+    step's table entries, so that no K/V load waits on a table load of its own step; the loop
+    starts from (carry, slots_of(positions(first))) and each step returns (carry, next slots).
+    Entries past a table are clamped (kv_slots), so the step after the last reads in bounds.
+    """
+    tok = positions(i)
+    if not prefetch:
+        return carry, tok, slots_of(tok), None
+    carry, slots = carry
+    return carry, tok, slots, slots_of(positions(i + 1))
 
 
 def load_rows(ref, rows, valid=None):

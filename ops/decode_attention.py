@@ -96,18 +96,16 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: i
     first = jnp.minimum(split * per_split, num_blocks)
     last = jnp.minimum(first + per_split, num_blocks)
 
-    def tile_slots(i):
-        tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK] key positions
-        return tok, tiles.kv_slots(tables_ref, 0, tok, page_size=page_size,
-                                   table_width=table_width, num_pages=num_pages)  # [BK]
+    def positions(i):  # [BK] key positions of loop step i
+        return lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+
+    def slots_of(tok):  # [BK] their cache slots
+        return tiles.kv_slots(tables_ref, 0, tok, page_size=page_size,
+                              table_width=table_width, num_pages=num_pages)
 
     def body(i, carry):
-        if prefetch_slots:  # this tile's slots came with the carry; read the next tile's
-            carry, slots = carry
-            tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            _, next_slots = tile_slots(i + 1)  # entries past the table are clamped
-        else:
-            tok, slots = tile_slots(i)
+        carry, tok, slots, next_slots = tiles.step_keys(i, carry, positions, slots_of,
+                                                        prefetch_slots)
         ok = tok < length
         if sliding_window is not None:
             ok &= tok >= length - sliding_window
@@ -123,7 +121,7 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: i
 
     carry = tiles.init_carry(rows, q.shape[-1])
     if prefetch_slots:
-        carry, _ = jax.lax.fori_loop(first, last, body, (carry, tile_slots(first)[1]))
+        carry, _ = jax.lax.fori_loop(first, last, body, (carry, slots_of(positions(first))))
     else:
         carry = jax.lax.fori_loop(first, last, body, carry)
     out, lse = tiles.finish(carry)  # [M, D], [M]

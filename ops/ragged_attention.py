@@ -114,18 +114,16 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
         mid = first
     table_base = seq * table_width
 
-    def tile_slots(i):
-        tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK] key positions
-        return tok, tiles.kv_slots(tables_ref, table_base, tok, page_size=page_size,
-                                   table_width=table_width, num_pages=num_pages)  # [BK]
+    def positions(i):  # [BK] key positions of loop step i
+        return lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+
+    def slots_of(tok):  # [BK] their cache slots
+        return tiles.kv_slots(tables_ref, table_base, tok, page_size=page_size,
+                              table_width=table_width, num_pages=num_pages)
 
     def body(i, carry, masked: bool):
-        if prefetch_slots:  # this tile's slots came with the carry; read the next tile's
-            carry, slots = carry
-            tok = lo + i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            _, next_slots = tile_slots(i + 1)  # entries past the table are clamped
-        else:
-            tok, slots = tile_slots(i)
+        carry, tok, slots, next_slots = tiles.step_keys(i, carry, positions, slots_of,
+                                                        prefetch_slots)
         ok = (tok < kv_end) if masked else None
         k = tiles.load_rows(k_ref, slots, ok).astype(q.dtype)  # [BK, D]
         v = tiles.load_rows(v_ref, slots, ok).astype(q.dtype)  # [BK, D]
@@ -144,7 +142,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
 
     carry = tiles.init_carry(block_m, q.shape[-1])
     if prefetch_slots:  # the slots go from the unmasked loop on to the masked one
-        carry = (carry, tile_slots(first)[1])
+        carry = (carry, slots_of(positions(first)))
     carry = jax.lax.fori_loop(first, mid, functools.partial(body, masked=False), carry)
     carry = jax.lax.fori_loop(mid, last, functools.partial(body, masked=True), carry)
     if prefetch_slots:
