@@ -279,11 +279,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             num_tokens += n
         slots = self.scheduler.rows.slots(requests)  # [S] rows of the persistent tables
         batch = self._step_batch(slots, tokens, counts, firsts)
-        sample_index = None
-        if placeholders:
-            sample_index = np.full(num_tokens, -1, np.int32)
-            sample_index[placeholders] = sources
-            self.stats.num_tokens_from_device += len(placeholders)
+        sample_index = self._sample_index(num_tokens, placeholders, sources)
         results = self.runner.execute_and_sample(
             batch, self._sampling_arrays(requests, slots),
             None if prev is None else prev.next_inputs, sample_index)
@@ -294,6 +290,18 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 r.num_pending += 1
                 r.pending_row = i
         return InFlight(requests, completes, results, next_inputs=results[0])
+
+    def _sample_index(self, num_tokens: int, placeholders: list[int],
+                      sources: list[int]) -> np.ndarray | None:
+        """int32 [num_tokens]: for the tokens at `placeholders`, whose ids are still in flight,
+        their rows `sources` in the in-flight step's samples; -1 for the host's ids. None when
+        every id is on the host."""
+        if not placeholders:
+            return None
+        sample_index = np.full(num_tokens, -1, np.int32)
+        sample_index[placeholders] = sources
+        self.stats.num_tokens_from_device += len(placeholders)
+        return sample_index
 
     def _step_batch(self, slots: np.ndarray, tokens, counts, firsts) -> StepBatch:
         """The StepBatch of rows `slots` of the persistent block tables computing `counts`
@@ -336,7 +344,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         tokens, chosen, top_ids, top_logprobs = samples
         deltas = []
         limit = self._context_limit()
-        eos, detokenizers = self.cfg.eos_token_ids, self._detokenizers
+        detokenizers = self._detokenizers
         for i, (request, complete, token) in enumerate(zip(flight.requests, flight.completes,
                                                           tokens.tolist())):
             if not complete:
@@ -348,16 +356,12 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                     and request.request_id not in detokenizers):
                 # The common case inlined (a decode token: no logprobs, no text, not the
                 # first): append it; one that stops the request goes the general way.
-                out, params = request.output_ids, request.params
-                out.append(token)
-                if (token not in params.stop_token_ids
-                        and (params.ignore_eos or token not in eos)
-                        and len(out) < params.max_tokens
-                        and len(request.prompt_ids) + len(out) < limit):
+                request.output_ids.append(token)
+                if self._stop_reason(request, token, limit) is None:
                     deltas.append(StreamDelta(request.group_id, request.sample_index, "",
                                               [token], None, None))
                     continue
-                out.pop()
+                request.output_ids.pop()
             logprob = (None if chosen is None else
                        logprob_entry(request, i, chosen, top_ids, top_logprobs))
             deltas.append(self._append_tokens(request, [token], logprob, now, limit))

@@ -54,11 +54,7 @@ class MultiStepRounds:
         slots = self.scheduler.rows.slots(requests)
         batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
                                  [r.num_computed_tokens for r in requests])
-        sample_index = None
-        if placeholders:
-            sample_index = np.full(len(requests), -1, np.int32)
-            sample_index[placeholders] = sources
-            self.stats.num_tokens_from_device += len(placeholders)
+        sample_index = self._sample_index(len(requests), placeholders, sources)
         out, last = self.runner.execute_multi_step(
             batch, self._sampling_arrays(requests, slots), steps,
             self.engine_cfg.unroll_decode_steps,

@@ -123,6 +123,14 @@ def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
             bucket(num_prefill_seqs))
 
 
+def input_tokens(fields: dict, prev_samples: jax.Array) -> jax.Array:
+    """A step's input token ids [N] (inside its program): the host's, or prev_samples
+    [sample_index] where the unpacked fields' sample_index is >= 0 (a token the previous step
+    sampled, whose id the host has not read yet: asynchronous scheduling)."""
+    index = fields["sample_index"]
+    return jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], fields["tokens"])
+
+
 def _pad(a: np.ndarray, shape: tuple[int, ...], value: int) -> np.ndarray:
     out = np.full(shape, value, dtype=np.int32)
     out[tuple(slice(0, s) for s in a.shape)] = a
@@ -177,8 +185,7 @@ class ModelRunner:
         id (a token the previous step sampled, whose id the host has not read yet).
         """
         x = unpack(packed, layout)
-        index = x["sample_index"]
-        tokens = jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], x["tokens"])
+        tokens = input_tokens(x, prev_samples)
         meta = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"],
             block_tables=x["block_tables"], query_start_loc=x["query_start_loc"],
@@ -217,8 +224,7 @@ class ModelRunner:
         zero-padded (what the next step reads its in-flight tokens from), cache).
         """
         x = unpack(packed, layout)
-        index = x["sample_index"]
-        first_tokens = jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], x["tokens"])
+        first_tokens = input_tokens(x, prev_samples)
         tables, kv_lens, page_size = x["block_tables"], x["kv_lens"], self.page_size  # [S, W]
         real = kv_lens > 0  # [S] padding rows compute nothing and write nowhere
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from configs.model import ModelConfig
 from engine.mesh import DATA, mesh_shape
 from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepBatch,
-                           bucket, bucket_key, start_copies)
+                           bucket, bucket_key, input_tokens, start_copies)
 from engine.sampling import SamplingArrays, sample_step
 from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
                              shard_state)
@@ -129,8 +129,7 @@ class ShardedModelRunner(ModelRunner):
         # Each field [dp, ...] with the shards end to end: [dp * size] (block tables
         # [dp * S, W]).
         x = {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
-        index = x["sample_index"]
-        tokens = jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], x["tokens"])
+        tokens = input_tokens(x, prev_samples)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         meta = AttentionMetadata(
             x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],

@@ -183,14 +183,18 @@ def phase_figures(stats, phases: dict, per_step: list) -> dict:
         name: 1e3 * total / max(stats.num_model_steps, 1) for name, total in phases.items()}}
     print("host phases, ms per model step: " + ", ".join(
         f"{name} {ms:.3f}" for name, ms in out["host_phase_ms_per_step"].items()), flush=True)
-    most = max((launched for launched, _, _ in per_step), default=0)
-    busiest = [(n, d) for launched, n, d in per_step if launched == most]
-    rounds = [s for s in stats.steps if s[0] == most]
-    model_steps = sum(n for n, _ in busiest)
+    # per_step[i] is the phases of the round stats.steps[i] (launched, host, wall, exposed,
+    # model steps) records; both started empty with the timed run.
+    if len(per_step) != len(stats.steps):
+        raise RuntimeError(f"{len(per_step)} timed rounds for {len(stats.steps)} recorded ones")
+    most = max((s[0] for s in stats.steps), default=0)
+    busiest = [(s, d) for s, d in zip(stats.steps, per_step) if s[0] == most]
+    model_steps = sum(s[4] for s, _ in busiest)
     if not busiest or not model_steps:
         return out
     at_most = {name: 1e3 * sum(d[name] for _, d in busiest) / model_steps
                for name in busiest[0][1]}
+    rounds = [s for s, _ in busiest]
     host_ms = 1e3 * sum(s[1] for s in rounds) / model_steps
     at_most["other host"] = host_ms - sum(at_most.values())
     step_ms = 1e3 * sum(s[2] for s in rounds) / model_steps

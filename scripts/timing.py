@@ -79,8 +79,9 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
     (EngineStats).
 
     per_step: if given, each engine.step() that records a round in engine.stats.steps (with
-    record_steps on) appends (sequences launched, model steps, {phase: seconds in that call})
-    to it, so that phases can be read at a given number of running sequences."""
+    record_steps on) appends {phase: seconds in that call} to it, so that per_step[i] goes with
+    engine.stats.steps[i] when both start empty (phases at a given number of running
+    sequences)."""
     totals = dict.fromkeys(["schedule", "rows + batch", "sampling arrays", "dispatch step",
                             "dispatch multi-step", "update computed", "finish + append"], 0.0)
 
@@ -109,8 +110,6 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
                 return inner_step(*args, **kwargs)
             finally:
                 if len(engine.stats.steps) > rounds:
-                    launched, *_, model_steps = engine.stats.steps[-1]
-                    per_step.append((launched, model_steps,
-                                     {k: totals[k] - before[k] for k in totals}))
+                    per_step.append({k: totals[k] - before[k] for k in totals})
         engine.step = step
     return totals

@@ -34,8 +34,10 @@ def decisive_model(cfg, dtype):
 # jax's default precision allows on a GPU, 32 layers of random weights amplify rounding into
 # logit differences of several units. The kernels alone agree with the reference to 2e-5 in
 # float32 and one bf16 unit in the last place (docs/PERFORMANCE.md; test_ragged_attention).
+# The bf16 case allows no near-tie in its first 8 tokens (its runs diverged at token 13 at the
+# earliest): a tie of 0 accepts no difference there.
 CASES = [("llama3.2-1b-4layers", jnp.float32, 16, 0.02),
-         ("llama3.2-1b-4layers", jnp.bfloat16, 8, 0.25),
+         ("llama3.2-1b-4layers", jnp.bfloat16, 8, 0.0),
          ("llama3.1-8b", jnp.float32, 16, 0.02)]
 
 
