@@ -111,13 +111,15 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         group_id = self._next_group
         self._next_group += 1
         now = time.perf_counter()
+        stop_ids = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else self.cfg.eos_token_ids)
         samples = []
         for index in range(params.n):
             seed = (params.seed + index) % 2**32 if params.seed is not None \
                 else int(self._rng.integers(2**32))
             request = Request(self._next_request, list(prompt_ids), params, seed,
                               priority=priority, arrival_time=now, group_id=group_id,
-                              sample_index=index)
+                              sample_index=index, stop_ids=stop_ids)
             if self.spec_config is not None:  # start optimistic: k proposals
                 request.spec_ema_accepted = float(self.spec_config.num_speculative_tokens)
             if params.uses_penalties:
@@ -227,9 +229,9 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         if self.spec_config is not None:
             launched, spec_deltas = self._speculative_step()
             return launched, deltas + spec_deltas
-        if overlap:  # (synchronous rounds have no token in flight: nothing to hold)
-            self._hold_ending_requests()
-        output = self.scheduler.schedule()
+        # A request whose in-flight token ends it by length computes nothing more (synchronous
+        # rounds have no token in flight: nothing to hold).
+        output = self.scheduler.schedule(self._context_limit() if overlap else None)
         if self._multi_step_ready(output):
             launched = self._launch_round(output)
         else:
@@ -243,15 +245,6 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         if launched is None and not had_in_flight and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could schedule nothing although requests wait")
         return (0 if launched is None else len(launched.requests)), deltas
-
-    def _hold_ending_requests(self) -> None:
-        """Marks the requests whose in-flight token ends them by length (max_tokens or the
-        context): the scheduler skips them."""
-        limit = self._context_limit()
-        for r in self.scheduler.running:
-            r.hold = r.num_pending > 0 and (
-                len(r.output_ids) + r.num_pending >= r.params.max_tokens
-                or r.num_tokens + r.num_pending >= limit)
 
     def _launch(self, output: SchedulerOutput) -> InFlight:
         """Builds the step batch, runs the step and the sampler; does not wait for them."""
@@ -408,12 +401,10 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         return min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
 
     def _stop_reason(self, r: Request, token: int, limit: int) -> FinishReason | None:
-        params = r.params
-        if (token in params.stop_token_ids
-                or (not params.ignore_eos and token in self.cfg.eos_token_ids)):
+        if token in r.stop_ids:
             return FinishReason.STOP
         num_outputs = len(r.output_ids)
-        if num_outputs >= params.max_tokens or len(r.prompt_ids) + num_outputs >= limit:
+        if num_outputs >= r.params.max_tokens or len(r.prompt_ids) + num_outputs >= limit:
             return FinishReason.LENGTH
         return None
 

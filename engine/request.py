@@ -98,11 +98,9 @@ class Request:
     num_draft_computed: int = 0
     spec_ema_accepted: float = 0.0
     # Asynchronous scheduling (engine/llm_engine.py): tokens sampled on the device whose ids the
-    # host has not read yet (0, 1, or briefly 2), the row of the newest one in its step, and
-    # whether the request waits for them before it may be scheduled again (they end it).
+    # host has not read yet (0, 1, or briefly 2), and the row of the newest one in its step.
     num_pending: int = 0
     pending_row: int = -1
-    hold: bool = False
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
@@ -112,6 +110,9 @@ class Request:
     # none, and how many of its pages that row holds.
     slot: int = -1
     table_len: int = 0
+    # Token ids that end it: params.stop_token_ids, and the model's EOS ids unless ignore_eos
+    # (set by the engine, which knows the EOS ids).
+    stop_ids: frozenset = frozenset()
 
     def __post_init__(self):
         # The per-row sampler inputs that never change, as one tuple (SamplingArrays reads it

@@ -107,40 +107,55 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Chooses this step's requests and token counts, allocating their pages."""
+    def schedule(self, hold_limit: int | None = None) -> SchedulerOutput:
+        """Chooses this step's requests and token counts, allocating their pages.
+
+        hold_limit (asynchronous scheduling: the context limit): a request whose tokens in
+        flight end it by length (max_tokens, or this many tokens) is skipped: it computes
+        nothing more.
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        running = self.running
+        capacity_per_page = self.pool.page_size
         # 1. Running requests, oldest first; preempt the youngest when pages run out.
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if request.hold:  # its in-flight token ends it: nothing more to compute
-                i += 1
+        while i < len(running) and budget > 0:
+            request = running[i]
+            pending = request.num_pending
+            num_outputs = len(request.output_ids) + pending
+            if pending and hold_limit is not None and (
+                    num_outputs >= request.params.max_tokens
+                    or len(request.prompt_ids) + num_outputs >= hold_limit):
+                i += 1  # its in-flight token ends it: nothing more to compute
                 continue
             # Tokens sampled on the device but not yet read (asynchronous scheduling) are
             # computed like known ones: the step reads their ids on the device.
-            remaining = (len(request.prompt_ids) + len(request.output_ids)
-                         + request.num_pending - request.num_computed_tokens)
-            num_new = remaining
+            computed = request.num_computed_tokens
+            num_new = len(request.prompt_ids) + num_outputs - computed
             if request.lookahead:  # speculation: room for the proposed tokens after the last
                 request.lookahead = max(min(request.lookahead, budget - 1)
-                                        if remaining == 1 else 0, 0)
+                                        if num_new == 1 else 0, 0)
                 num_new += request.lookahead
-            num_new = min(num_new, budget)
-            while not self.pool.grow(request.pages, request.num_computed_tokens + num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request itself was preempted: everything younger is gone too
+            if num_new > budget:
+                num_new = budget
+            if computed + num_new > len(request.pages) * capacity_per_page:  # pages to add
+                while not self.pool.grow(request.pages, computed + num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                else:
+                    scheduled.append(ScheduledRequest(request, num_new))
+                    budget -= num_new
+                    i += 1
+                    continue
+                break  # the request itself was preempted: everything younger is gone too
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            i += 1
         # 2. Waiting requests, by priority then arrival, while budgets and pages allow.
         while (self._waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
