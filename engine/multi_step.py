@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.engine_types import InFlight
+from engine.engine_types import InFlight, StreamDelta
 from engine.scheduler import SchedulerOutput
 
 
@@ -73,13 +73,28 @@ class MultiStepRounds:
     def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
         """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop
         condition (a request that stopped inside the round drops the rest); returns the
-        deltas."""
+        deltas. A row none of whose tokens can end its request (no stop id of the round's
+        requests among them, max_tokens and the context not reached, no text to detokenize) is
+        appended whole; the others token by token (_append_tokens)."""
         limit = self._context_limit()
+        steps = flight.steps
+        requests = flight.requests
+        block = tokens[:, : len(requests)].T  # [S, steps]
+        stop_ids = set().union(*(r.stop_ids for r in requests))
+        may_stop = (np.isin(block, np.fromiter(stop_ids, np.int64, len(stop_ids))).any(axis=1)
+                    if stop_ids else np.zeros(len(requests), np.bool_))
+        detokenizers = self._detokenizers
         deltas = []
-        rows = tokens[:, : len(flight.requests)].T.tolist()  # [S][steps]
-        for r, row in zip(flight.requests, rows):
-            r.num_pending -= flight.steps
+        for r, row, stop in zip(requests, block.tolist(), may_stop.tolist()):
+            r.num_pending -= steps
             if r.finish_reason is not None:
                 continue  # ended or aborted while the round ran: its tokens are dropped
-            deltas.append(self._append_tokens(r, row, None, now, limit))
+            num_outputs = len(r.output_ids) + steps
+            if (stop or num_outputs >= r.params.max_tokens
+                    or len(r.prompt_ids) + num_outputs >= limit or r.first_token_time is None
+                    or r.request_id in detokenizers):
+                deltas.append(self._append_tokens(r, row, None, now, limit))
+            else:
+                r.output_ids += row
+                deltas.append(StreamDelta(r.group_id, r.sample_index, "", row, None, None))
         return deltas

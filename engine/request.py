@@ -138,8 +138,32 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
 
     @property
+    def tokens(self) -> "TokenSlices":
+        """token_ids for slicing, without building the whole list (a page's tokens: O(page))."""
+        return TokenSlices(self)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class TokenSlices:
+    """A request's token ids (prompt then outputs) that can be sliced ([start:stop]) and
+    measured, as the block pool reads them, without concatenating the two lists."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: Request):
+        self._request = request
+
+    def __len__(self) -> int:
+        return self._request.num_tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"TokenSlices takes [start:stop] slices, got {index!r}")
+        start, stop, _ = index.indices(self._request.num_tokens)
+        return self._request.tokens_between(start, max(start, stop))
 
 
 @dataclasses.dataclass

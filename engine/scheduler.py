@@ -212,6 +212,6 @@ class Scheduler:
                 known = min(computed, len(request.prompt_ids) + len(request.output_ids))
                 if known // page_size > request.num_cached_pages:
                     request.num_cached_pages = self.pool.cache_full_pages(
-                        request.token_ids, request.pages, known, request.num_cached_pages)
+                        request.tokens, request.pages, known, request.num_cached_pages)
             if not request.prompt_cached and computed >= len(request.prompt_ids):
                 request.prompt_cached = True

@@ -5,16 +5,25 @@
 The engine runs a tiny model's configuration, but its runner is replaced by a stub that returns
 fixed token ids at once, so each step times only what the host does: scheduling, block tables
 and the step batch, sampling arrays, counters, appending tokens and stop checks (what
-`bench_serving` calls host time, less the dispatch of the jitted step). `--num_seqs` requests
-decode together (prompts of 70-85 tokens, outputs long enough never to finish); the table gives
-the best of `--repeats` medians of `--steps` steps, in total and per phase (the phase timers
-add about a microsecond per call).
+`bench_serving` calls host time, less the dispatch of the jitted step).
+
+- `--workload=decode`: `--num_seqs` requests decode together (prompts of 70-85 tokens, outputs
+  long enough never to finish); the table gives the best of `--repeats` medians of `--steps`
+  rounds, per model step, in total and per phase (the phase timers add about a microsecond per
+  call).
+- `--workload=serving`: bench_serving's default workload (400 requests at once, log-normal
+  prompt and output lengths, medians 200 and 150) through `--num_seqs` slots, with its
+  admissions, prefill chunks and finishes; host time per model step over all rounds and over
+  those with the most sequences running (bench_serving's "at 256 running").
+
+`--num_decode_steps` > 1 runs multi-step rounds (the stub returns a round's tokens too).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import json
+import math
 import statistics
 import time
 
@@ -33,36 +42,96 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 64, "Decode steps per timing.")
     flags.DEFINE_integer("repeats", 7, "Timings (the best is reported).")
     flags.DEFINE_bool("async_scheduling", True, "Engine with asynchronous scheduling.")
+    flags.DEFINE_integer("num_decode_steps", 1, "Decode steps per round (multi-step rounds).")
+    flags.DEFINE_enum("workload", "decode", ["decode", "serving"],
+                      "decode: num_seqs sequences decoding; serving: bench_serving's workload.")
     flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 
 
-def stub_engine(num_seqs: int, async_scheduling: bool):
-    """An engine of tiny-llama's shapes whose runner returns token ids 1.. at once."""
+def stub_engine(num_seqs: int, async_scheduling: bool, num_decode_steps: int = 1,
+                add_requests: bool = True, max_num_batched_tokens: int = 8192,
+                max_model_len: int = 4096):
+    """An engine of tiny-llama's shapes whose runner returns token ids 3.. at once (a round:
+    the same ids at every step); with add_requests, num_seqs requests that do not finish
+    before max_model_len."""
     import engine.llm_engine as llm_engine
     from configs.model import TINY_LLAMA
     from engine.request import SamplingParams
+    from engine.runner import bucket
     from models.weights import random_model
-    cfg = dataclasses.replace(TINY_LLAMA, max_position_embeddings=4096)
+    cfg = dataclasses.replace(TINY_LLAMA, max_position_embeddings=max_model_len)
     engine = llm_engine.LLMEngine(cfg, random_model(cfg, 0), None, llm_engine.EngineConfig(
-        max_model_len=4096, max_num_seqs=num_seqs, max_num_batched_tokens=8192,
-        async_scheduling=async_scheduling))
-    tokens = np.arange(num_seqs, dtype=np.int32) % 200 + 3  # never an EOS id
+        max_model_len=max_model_len, max_num_seqs=num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        async_scheduling=async_scheduling, num_decode_steps=num_decode_steps))
+    tokens = np.arange(max_num_batched_tokens, dtype=np.int32) % 200 + 3  # never an EOS id
 
     def execute_and_sample(batch, arrays, prev_samples=None, sample_index=None):
         return tokens[: max(batch.num_seqs, 1)].copy(), None, None, None
 
+    def execute_multi_step(batch, arrays, steps, unroll, prev_samples=None, sample_index=None):
+        return np.tile(tokens[: bucket(batch.num_seqs)], (steps, 1)), None
+
     engine.runner.execute_and_sample = execute_and_sample
-    rng = np.random.default_rng(0)
-    for i in range(num_seqs):
-        engine.add_request(rng.integers(3, 256, 70 + i % 16).tolist(),
-                           SamplingParams(max_tokens=3000, ignore_eos=True))
+    engine.runner.execute_multi_step = execute_multi_step
+    if add_requests:
+        rng = np.random.default_rng(0)
+        for i in range(num_seqs):
+            engine.add_request(rng.integers(3, 256, 70 + i % 16).tolist(),
+                               SamplingParams(max_tokens=max_model_len - 100,
+                                              ignore_eos=True))
     return engine
 
 
-def measure(num_seqs: int, steps: int, repeats: int, async_scheduling: bool) -> dict:
-    """Best-of-`repeats` medians of host seconds per step (no timers installed), then each
-    phase's seconds per step over `steps` more steps with the phase timers on."""
-    engine = stub_engine(num_seqs, async_scheduling)
+def serving_workload(engine, num_requests: int = 400, seed: int = 0) -> None:
+    """Adds bench_serving's default workload: log-normal prompt and output lengths (medians 200
+    and 150, sigma 0.8, at most 1024 and 1000 tokens), all at once, ignoring EOS."""
+    from engine.request import SamplingParams
+    rng = np.random.default_rng(seed)
+
+    def lengths(median, longest):
+        drawn = rng.lognormal(math.log(median), 0.8, num_requests)
+        return np.clip(np.round(drawn), 4, longest).astype(int).tolist()
+
+    for prompt_len, output_len in zip(lengths(200, 1024), lengths(150, 1000)):
+        engine.add_request(rng.integers(3, 256, prompt_len).tolist(),
+                           SamplingParams(max_tokens=output_len, ignore_eos=True))
+
+
+def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int) -> dict:
+    """Host seconds per model step over the serving workload: all rounds, and the rounds with
+    the most sequences running; per phase at the most running (timers on)."""
+    engine = stub_engine(num_seqs, async_scheduling, num_decode_steps, add_requests=False,
+                         max_num_batched_tokens=2048)
+    engine.stats = type(engine.stats)(record_steps=True)
+    per_step: list = []
+    phases = timing.time_engine_phases(engine, per_step)
+    serving_workload(engine)
+    gc.collect()
+    gc.freeze()
+    while engine.has_unfinished():
+        engine.step()
+        engine.finished_request_ids()
+    gc.unfreeze()
+    steps = np.asarray(engine.stats.steps, float)  # (launched, host, wall, exposed, model steps)
+    busiest = np.nonzero(steps[:, 0] == steps[:, 0].max())[0]
+    model_steps = steps[busiest, 4].sum()
+    return {"workload": "serving", "num_seqs": num_seqs, "async_scheduling": async_scheduling,
+            "num_decode_steps": num_decode_steps, "rounds": len(steps),
+            "host_s_per_step_all": float(steps[:, 1].sum() / steps[:, 4].sum()),
+            "rounds_at_most_running": len(busiest),
+            "multi_step_rounds_at_most_running": int((steps[busiest, 4] > 1).sum()),
+            "host_s_per_step": float(steps[busiest, 1].sum() / model_steps),
+            "phase_s_per_step": {k: sum(per_step[i][k] for i in busiest) / model_steps
+                                 for k in phases if any(per_step[i][k] for i in busiest)}}
+
+
+def measure(num_seqs: int, steps: int, repeats: int, async_scheduling: bool,
+            num_decode_steps: int = 1) -> dict:
+    """Best-of-`repeats` medians of host seconds per model step (no timers installed), then
+    each phase's seconds per model step over `steps` more rounds with the phase timers on."""
+    rounds = 3 + steps * (repeats + 1)
+    engine = stub_engine(num_seqs, async_scheduling, num_decode_steps,
+                         max_model_len=max(4096, 128 + rounds * num_decode_steps))
     for _ in range(3):  # prefill and the first decode steps
         engine.step()
     if engine.num_running != num_seqs:
@@ -76,22 +145,37 @@ def measure(num_seqs: int, steps: int, repeats: int, async_scheduling: bool) -> 
             start = time.perf_counter()
             engine.step()
             per_step.append(time.perf_counter() - start)
-        medians.append(statistics.median(per_step))
+        medians.append(statistics.median(per_step) / num_decode_steps)
     phases = timing.time_engine_phases(engine)  # per-call timers: about 1 us each
+    model_steps = engine.stats.num_model_steps
     for _ in range(steps):
         engine.step()
+    model_steps = engine.stats.num_model_steps - model_steps
     gc.unfreeze()
-    return {"num_seqs": num_seqs, "async_scheduling": async_scheduling, "steps": steps,
+    return {"workload": "decode", "num_seqs": num_seqs, "async_scheduling": async_scheduling,
+            "num_decode_steps": num_decode_steps, "steps": steps,
             "host_s_per_step": min(medians),
-            "phase_s_per_step": {k: v / steps for k, v in phases.items() if v}}
+            "phase_s_per_step": {k: v / model_steps for k, v in phases.items() if v}}
 
 
 def main(_):
-    result = measure(FLAGS.num_seqs, FLAGS.steps, FLAGS.repeats, FLAGS.async_scheduling)
-    print(f"{result['num_seqs']} sequences, "
-          f"{'asynchronous' if result['async_scheduling'] else 'synchronous'}: "
-          f"{result['host_s_per_step'] * 1e3:.3f} ms of host work per step "
-          f"({result['host_s_per_step'] / result['num_seqs'] * 1e6:.2f} us per sequence)")
+    if FLAGS.workload == "serving":
+        result = measure_serving(FLAGS.num_seqs, FLAGS.async_scheduling, FLAGS.num_decode_steps)
+    else:
+        result = measure(FLAGS.num_seqs, FLAGS.steps, FLAGS.repeats, FLAGS.async_scheduling,
+                         FLAGS.num_decode_steps)
+    mode = (f"{'asynchronous' if result['async_scheduling'] else 'synchronous'}, "
+            f"{result['num_decode_steps']}-step rounds")
+    if FLAGS.workload == "serving":
+        print(f"serving workload, {result['num_seqs']} slots, {mode}: "
+              f"{result['host_s_per_step_all'] * 1e3:.3f} ms of host work per model step over "
+              f"all {result['rounds']} rounds; {result['host_s_per_step'] * 1e3:.3f} ms over the "
+              f"{result['rounds_at_most_running']} rounds with the most running "
+              f"({result['multi_step_rounds_at_most_running']} of them multi-step)")
+    else:
+        print(f"{result['num_seqs']} sequences, {mode}: "
+              f"{result['host_s_per_step'] * 1e3:.3f} ms of host work per model step "
+              f"({result['host_s_per_step'] / result['num_seqs'] * 1e6:.2f} us per sequence)")
     print("| phase | ms per step |\n|---|---:|")
     for name, seconds in sorted(result["phase_s_per_step"].items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {seconds * 1e3:.3f} |")
