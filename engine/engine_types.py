@@ -2,6 +2,7 @@
 (plain dataclasses; engine/llm_engine.py re-exports them)."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 from engine.request import FinishReason, Request
@@ -39,6 +40,11 @@ class EngineConfig:
     # A round's steps traced one after another (one straight program, like a single step,
     # num_decode_steps times longer to compile) instead of a device loop.
     unroll_decode_steps: bool = False
+    # Dispatch each step's jitted program from a worker thread (with async_scheduling): the
+    # call holds its thread while XLA enqueues (or updates and launches the CUDA graphs of) the
+    # program's kernels, about 1-2.5 ms for a step on the H200; with the GIL released there,
+    # the engine's Python of the next step runs meanwhile.
+    dispatch_thread: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_decode_steps, int) or self.num_decode_steps < 1:
@@ -86,10 +92,24 @@ class InFlight:
 
     requests: list[Request]  # one per row
     completes: list[bool]  # the row's sample is its request's next token (not a partial prefill)
-    # A step: runner.sample_device's device arrays (tokens padded to sample_rows). A round:
-    # (its tokens [steps, bucket(S)],).
-    results: tuple
-    # The device tokens [sample_rows] a step launched after this one reads its in-flight input
-    # tokens from (row i: row i's newest token); a round's last step's.
-    next_inputs: object = None
+    # (results, next_inputs) of its dispatch, or a Future of them (dispatched on a worker
+    # thread: EngineConfig.dispatch_thread). results: a step's runner.sample_device device
+    # arrays (tokens padded to sample_rows), a round's (tokens [steps, bucket(S)],).
+    # next_inputs: the device tokens [sample_rows] a step launched after this one reads its
+    # in-flight input tokens from (row i: row i's newest token); a round's last step's.
+    launch: tuple | concurrent.futures.Future
     steps: int = 1  # model steps (a multi-step round runs several)
+
+    def outcome(self) -> tuple:
+        """(results, next_inputs), waiting for the dispatch if a worker thread makes it (and
+        raising its error if it failed)."""
+        launch = self.launch
+        return launch.result() if isinstance(launch, concurrent.futures.Future) else launch
+
+    @property
+    def results(self) -> tuple:
+        return self.outcome()[0]
+
+    @property
+    def next_inputs(self):
+        return self.outcome()[1]

@@ -11,6 +11,7 @@ device. Speculative rounds live in engine/spec_rounds.py.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Iterator, Sequence
 
@@ -70,6 +71,9 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             self.draft = DraftProposer(draft_cfg, draft_model, num_pages, engine_cfg.page_size,
                                        engine_cfg.max_num_seqs, max_width)
         self.stats = EngineStats()
+        self._dispatcher = (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pallasite-dispatch")
+            if engine_cfg.dispatch_thread and engine_cfg.async_scheduling else None)
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._next_request = 0
         self._next_group = 0
@@ -273,16 +277,29 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         slots = self.scheduler.rows.slots(requests)  # [S] rows of the persistent tables
         batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = self._sample_index(num_tokens, placeholders, sources)
-        results = self.runner.execute_and_sample(
-            batch, self._sampling_arrays(requests, slots),
-            None if prev is None else prev.next_inputs, sample_index)
+        arrays = self._sampling_arrays(requests, slots)
+
+        def dispatch():
+            results = self.runner.execute_and_sample(
+                batch, arrays, None if prev is None else prev.next_inputs, sample_index)
+            return results, results[0]
+
+        launch = self._dispatch(dispatch)
         self.scheduler.update_computed(output)
         self.stats.num_computed_tokens += output.num_tokens
         for i, r in enumerate(requests):
             if completes[i]:
                 r.num_pending += 1
                 r.pending_row = i
-        return InFlight(requests, completes, results, next_inputs=results[0])
+        return InFlight(requests, completes, launch)
+
+    def _dispatch(self, dispatch):
+        """dispatch()'s (results, next_inputs), or a Future of them made on the worker thread
+        (EngineConfig.dispatch_thread), which runs dispatches in launch order: a dispatch that
+        reads the step before's next_inputs finds that step dispatched."""
+        if self._dispatcher is None:
+            return dispatch()
+        return self._dispatcher.submit(dispatch)
 
     def _sample_index(self, num_tokens: int, placeholders: list[int],
                       sources: list[int]) -> np.ndarray | None:

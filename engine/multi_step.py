@@ -55,10 +55,15 @@ class MultiStepRounds:
         batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
                                  [r.num_computed_tokens for r in requests])
         sample_index = self._sample_index(len(requests), placeholders, sources)
-        out, last = self.runner.execute_multi_step(
-            batch, self._sampling_arrays(requests, slots), steps,
-            self.engine_cfg.unroll_decode_steps,
-            None if prev is None else prev.next_inputs, sample_index)
+        arrays = self._sampling_arrays(requests, slots)
+
+        def dispatch():
+            out, last = self.runner.execute_multi_step(
+                batch, arrays, steps, self.engine_cfg.unroll_decode_steps,
+                None if prev is None else prev.next_inputs, sample_index)
+            return (out,), last
+
+        launch = self._dispatch(dispatch)
         for it in output.scheduled:
             it.num_new_tokens = steps
         self.scheduler.update_computed(output)
@@ -67,8 +72,7 @@ class MultiStepRounds:
             r.num_pending += steps
             r.pending_row = i
         self._round_steps = steps
-        return InFlight(requests, [True] * len(requests), (out,), next_inputs=last,
-                        steps=steps)
+        return InFlight(requests, [True] * len(requests), launch, steps=steps)
 
     def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
         """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop

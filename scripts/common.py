@@ -39,6 +39,9 @@ def define_engine_flags() -> None:
                       "Schedule and launch the next step while the device runs the current one "
                       "(host work hides behind device work); speculation and penalties run "
                       "synchronously.")
+    flags.DEFINE_bool("dispatch_thread", False,
+                      "With --async_scheduling: dispatch each step's program from a worker "
+                      "thread, so the engine's Python runs while XLA launches the step.")
     flags.DEFINE_integer("num_decode_steps", 1,
                          "Decode steps per program while every running request decodes "
                          "(multi-step scheduling: the host works once per this many steps; "
@@ -97,6 +100,7 @@ def engine_config_from_flags(FLAGS, cfg):
                         enable_prefix_caching=FLAGS.enable_prefix_caching,
                         enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
                         async_scheduling=FLAGS.async_scheduling,
+                        dispatch_thread=FLAGS.dispatch_thread,
                         num_decode_steps=FLAGS.num_decode_steps,
                         unroll_decode_steps=FLAGS.unroll_decode_steps)
 

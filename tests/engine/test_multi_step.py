@@ -61,11 +61,14 @@ def test_random_streams_equal_single_steps(make_engine):
     assert sum(multi) > 0
 
 
-def test_random_streams_with_asynchronous_rounds_equal_single_steps(make_engine):
+@pytest.mark.parametrize("dispatch_thread", [False, True])
+def test_random_streams_with_asynchronous_rounds_equal_single_steps(make_engine, dispatch_thread):
     """Asynchronous scheduling with multi-step rounds (each round or step launched before the
-    host reads the one before): the same outcomes as synchronous single steps, and rounds did
-    read their first tokens on the device."""
+    host reads the one before), its dispatches made on the engine's thread or on a worker
+    thread: the same outcomes as synchronous single steps, and rounds did read their first
+    tokens on the device."""
     overlapped = []
+    config = dataclasses.replace(MULTI_ASYNC_STRESS, dispatch_thread=dispatch_thread)
 
     @HYPOTHESIS
     @given(stream=request_streams())
@@ -76,8 +79,7 @@ def test_random_streams_with_asynchronous_rounds_equal_single_steps(make_engine)
             engines.append(engine)
             return multi_step_rounds(engine)
 
-        _, rounds = same_outcomes_across(make_engine, (STRESS, MULTI_ASYNC_STRESS), stream,
-                                         instrument)
+        _, rounds = same_outcomes_across(make_engine, (STRESS, config), stream, instrument)
         overlapped.append((sum(n > 1 for n in rounds), engines[1].stats.num_tokens_from_device))
 
     run()
