@@ -177,7 +177,8 @@ def phase_figures(stats, phases: dict, per_step: list) -> dict:
     detokenization), without the dispatch of the jitted program."""
     # The engine's host time not in a timed phase: its step loop, stop checks, output
     # assembly, detokenization, the timers themselves.
-    phases["other host"] = stats.host_time_s - sum(phases.values())
+    on_host = {name: t for name, t in phases.items() if not name.startswith(timing.WORKER)}
+    phases["other host"] = stats.host_time_s - sum(on_host.values())
     phases["wait for tokens"] = stats.step_time_s - stats.host_time_s
     out = {"host_phase_ms_per_step": {
         name: 1e3 * total / max(stats.num_model_steps, 1) for name, total in phases.items()}}
@@ -196,7 +197,8 @@ def phase_figures(stats, phases: dict, per_step: list) -> dict:
                for name in busiest[0][1]}
     rounds = [s for s, _ in busiest]
     host_ms = 1e3 * sum(s[1] for s in rounds) / model_steps
-    at_most["other host"] = host_ms - sum(at_most.values())
+    at_most["other host"] = host_ms - sum(ms for name, ms in at_most.items()
+                                          if not name.startswith(timing.WORKER))
     step_ms = 1e3 * sum(s[2] for s in rounds) / model_steps
     python_ms = host_ms - sum(ms for name, ms in at_most.items() if name.startswith("dispatch"))
     out |= {"host_phase_ms_per_step_at_max_running": at_most,

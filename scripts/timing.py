@@ -71,6 +71,9 @@ def add_phase_timer(owner, name: str, totals: dict, phase: str,
     setattr(owner, name, timed)
 
 
+WORKER = "worker thread: "  # prefix of the phases timed on the dispatch thread
+
+
 def time_engine_phases(engine, per_step: list | None = None) -> dict:
     """Wraps the host phases of this engine (its own methods and those of its scheduler, rows
     and runner: no module-wide patch) with timers; returns {phase: total seconds}, filled as the
@@ -95,9 +98,14 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
     timed(engine.scheduler.rows, "slots", "rows + batch")
     timed(engine, "_step_batch", "rows + batch")
     timed(engine, "_sampling_arrays", "sampling arrays")
-    timed(engine.runner, "execute_and_sample", "dispatch step")
-    if hasattr(engine.runner, "execute_multi_step"):
-        timed(engine.runner, "execute_multi_step", "dispatch multi-step")
+    # With a dispatch thread (EngineConfig.dispatch_thread) the dispatches run beside the
+    # engine's host time, not in it: their phases are marked WORKER.
+    worker = WORKER if getattr(engine, "_dispatcher", None) is not None else ""
+    for name, phase in (("execute_and_sample", "dispatch step"),
+                        ("execute_multi_step", "dispatch multi-step")):
+        if hasattr(engine.runner, name):
+            totals[worker + phase] = totals.pop(phase)
+            timed(engine.runner, name, worker + phase)
     timed(engine, "_append_samples", "finish + append")  # a step's tokens, read
     timed(engine, "_append_round", "finish + append")  # a multi-step round's
     timed(engine, "_append_tokens", "finish + append")  # (rounds and speculation call it)
