@@ -54,6 +54,7 @@ flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
 flags.DEFINE_integer("peer_max_tokens", 1 << 19, "skip the XLA peer above batch x context")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_list("ragged_config", [], "override: block_m,block_k,num_warps,num_stages")
+flags.DEFINE_list("decode_config", [], "override: block_k,num_splits,num_warps,num_stages")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
 
 L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
@@ -148,6 +149,9 @@ def bench_decode(batch: int, context: int, calib: dict, config=None, peers=True)
     kv_bytes = 2 * batch * context * FLAGS.num_kv_heads * FLAGS.head_dim * itemsize
     if quantized:
         kv_bytes += 2 * batch * context * FLAGS.num_kv_heads * 4
+    if config is None and FLAGS.decode_config:
+        block_k, splits, warps, stages = map(int, FLAGS.decode_config)
+        config = DecodeConfig(block_k, splits, warps, stages)
     cfg = config or decode_config(batch, FLAGS.num_kv_heads, pages_per_seq * FLAGS.page_size,
                                   FLAGS.head_dim, itemsize)
 
