@@ -16,7 +16,8 @@ from flax import nnx
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache
 from ops.matmul import linear
-from ops.paged_attention import step_attention, write_kv
+from ops.paged_attention import step_attention
+from ops.rope_kv import rope_and_write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -61,17 +62,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [N, heads, D]; positions: int32 [N]."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)  # [N, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [N, 1, D]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -123,30 +113,25 @@ class Attention(nnx.Module):
             self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, rngs, dtype)
 
-    def project_qkv(self, x: jax.Array, cfg: ModelConfig):
-        """q [N, H * D], k [N, KVH * D], v [N, KVH * D] of x [N, hidden]."""
-        if not hasattr(self, "qkv_proj"):
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q_cols, kv_cols = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = self.qkv_proj(x)  # [N, (H + 2 KVH) * D]
-        return qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
+    def project_qkv(self, x: jax.Array):
+        """The fused projection [N, (H + 2 KVH) * D] of x [N, hidden], or the three projections
+        (q [N, H * D], k [N, KVH * D], v [N, KVH * D])."""
+        if hasattr(self, "qkv_proj"):
+            return self.qkv_proj(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray):
         num_tokens = x.shape[0]
-        d = cfg.head_dim
-        q, k, v = self.project_qkv(x, cfg)
-        q = q.reshape(num_tokens, cfg.num_heads, d)  # [N, H, D]
-        k = k.reshape(num_tokens, cfg.num_kv_heads, d)  # [N, KVH, D]
-        v = v.reshape(num_tokens, cfg.num_kv_heads, d)
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.slot_mapping,
-                                    kv_quant=meta.kv_quant)
+        # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
+        q, k_pages, v_pages = rope_and_write_kv(
+            self.project_qkv(x), meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
+            num_heads=cfg.num_heads, kv_quant=meta.kv_quant)  # q [N, H, D]
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs)  # [N, H, D]
-        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * d)), k_pages, v_pages
+        return (self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)), k_pages,
+                v_pages)
 
 
 class MLP(nnx.Module):

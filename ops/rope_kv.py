@@ -1,0 +1,198 @@
+"""Rotary embedding of a step's queries and keys, fused with the KV-cache write.
+
+In a decode step the attention block between the q/k/v projection and the attention kernel is
+a handful of tiny ops: RoPE on the queries, RoPE on the keys, and the scatter of keys and values
+into their cache slots. XLA runs them as separate kernels (for llama3.1-8b at batch 1 on the
+H200: five per layer, because a one-row scatter becomes a select plus a dynamic-update-slice per
+cache), each reading almost nothing but paying a kernel's start and drain. `rope_and_write_kv`
+does all of it in one Pallas kernel on GPU, and in plain jnp elsewhere.
+
+Kernel: one program per (token, kv head). It computes the token's angles (position x inverse
+frequency, float32), rotates the kv head's key and writes it and the value to the token's slot
+in the pages (which are aliased to the outputs: written in place), and rotates the kv head's G
+query heads into the output. Rotate-half (HF) layout: element i pairs with i +- D/2. A slot < 0
+(padding) writes nothing. Quantized caches, a sharded step and head dims that are not a power
+of two take the jnp path.
+
+Cache layout as in ops/paged_attention.py: k_pages, v_pages [KVH, P, S, D].
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops import attention_tiles as tiles
+from ops.paged_attention import write_kv
+from ops.sharded_attention import active_mesh
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x: [N, heads, D]; positions: int32 [N]."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)  # [N, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]  # [N, 1, D]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int):
+    """q [N, H, D], k and v [N, KVH, D] of the fused projection [N, (H + 2 KVH) * D] or of
+    (q [N, H * D], k [N, KVH * D], v [N, KVH * D])."""
+    if isinstance(qkv, (tuple, list)):
+        q, k, v = qkv
+    else:
+        q_cols, kv_cols = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv[:, :q_cols], qkv[:, q_cols:q_cols + kv_cols], qkv[:, q_cols + kv_cols:]
+    n = q.shape[0]
+    return (q.reshape(n, num_heads, head_dim), k.reshape(n, num_kv_heads, head_dim),
+            v.reshape(n, num_kv_heads, head_dim))
+
+
+def rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *,
+                                num_heads: int, kv_quant: str | None = None):
+    """The unfused ops: RoPE on q and k (apply_rope), then write_kv."""
+    num_kv_heads, _, _, head_dim = k_pages.shape
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, kv_quant=kv_quant)
+    return q, k_pages, v_pages
+
+
+def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, kp_in_ref, vp_in_ref,
+                    q_out_ref, kp_ref, vp_ref, *, group: int, rows: int, head_dim: int,
+                    q_col: int, k_col: int, v_col: int):
+    # pos_ref, slot_ref: [N] int32 (all tokens); freq_ref: [D] float32 (inverse frequencies,
+    #   repeated for both halves)
+    # q_ref, k_ref, v_ref: [C] this token's projection row(s); its q heads start at column
+    #   q_col, its k heads at k_col, its v heads at v_col
+    # kp_ref, vp_ref: [P * S, D] this kv head's pages (aliased to kp_in_ref, vp_in_ref)
+    # q_out_ref: [H * D] this token's rotated queries
+    del kp_in_ref, vp_in_ref  # the same buffers as kp_ref, vp_ref
+    t, h = pl.program_id(0), pl.program_id(1)
+    half = head_dim // 2
+    i = jnp.arange(head_dim, dtype=jnp.int32)  # [D]
+    partner = jnp.where(i < half, i + half, i - half)  # the element i rotates with
+    sign = jnp.where(i < half, -1.0, 1.0).astype(jnp.float32)
+    angles = pos_ref[t].astype(jnp.float32) * plgpu.load(freq_ref.at[i])  # [D]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    def rotate(ref, cols, partner_cols, mask=None):  # ref[cols] rotated, float32
+        other = None if mask is None else 0.0
+        x = plgpu.load(ref.at[cols], mask=mask, other=other).astype(jnp.float32)
+        xp = plgpu.load(ref.at[partner_cols], mask=mask, other=other).astype(jnp.float32)
+        return x * cos + sign * xp * sin
+
+    slot = slot_ref[t]
+    ok = jnp.full((1,), slot >= 0)  # [1]
+    row = jnp.full((1,), jnp.maximum(slot, 0))  # [1]
+    base = k_col + h * head_dim
+    k = rotate(k_ref, base + i, base + partner)  # [D]
+    tiles.store_rows(kp_ref, row, k[None, :], ok)
+    v = plgpu.load(v_ref.at[v_col + h * head_dim + i])  # [D]
+    tiles.store_rows(vp_ref, row, v[None, :], ok)
+
+    g = jnp.arange(rows, dtype=jnp.int32)  # [G'] this kv head's query heads (padded)
+    head_ok = g < group
+    # Padding rows read head 0 and are written past the end of the output (masked on the GPU,
+    # dropped by the interpreter), so they never touch a real head's row.
+    cols = jnp.where(head_ok, h * group + g, 0)[:, None] * head_dim  # [G', 1]
+    mask = jnp.broadcast_to(head_ok[:, None], (rows, head_dim))
+    q = rotate(q_ref, q_col + cols + i[None, :], q_col + cols + partner[None, :], mask)
+    out_cols = jnp.where(head_ok, h * group + g, q_out_ref.shape[0] // head_dim)[:, None]
+    plgpu.store(q_out_ref.at[out_cols * head_dim + i[None, :]], q.astype(q_out_ref.dtype),
+                mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "columns", "interpret"))
+def _rope_kv_pallas(positions, slot_mapping, freq, sources, k_pages, v_pages, *, num_heads,
+                    columns, interpret):
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    num_tokens = positions.shape[0]
+    num_slots = num_pages * page_size
+    group = num_heads // num_kv_heads
+    q_src, k_src, v_src = sources
+    k_rows = k_pages.reshape(num_kv_heads, num_slots, head_dim)  # free
+    v_rows = v_pages.reshape(num_kv_heads, num_slots, head_dim)
+
+    def row_spec(src):  # this token's row of a projection output
+        return pl.BlockSpec((None, src.shape[1]), lambda t, h: (t, 0))
+
+    page_spec = pl.BlockSpec((None, num_slots, head_dim), lambda t, h: (h, 0, 0))
+    kernel = functools.partial(
+        _rope_kv_kernel, group=group, rows=tiles.next_pow2(group), head_dim=head_dim,
+        q_col=columns[0], k_col=columns[1], v_col=columns[2])
+    q, k_rows, v_rows = pl.pallas_call(
+        kernel, grid=(num_tokens, num_kv_heads),
+        in_specs=[pl.BlockSpec((num_tokens,), lambda t, h: (0,)),
+                  pl.BlockSpec((num_tokens,), lambda t, h: (0,)),
+                  pl.BlockSpec((head_dim,), lambda t, h: (0,)),
+                  row_spec(q_src), row_spec(k_src), row_spec(v_src), page_spec, page_spec],
+        out_specs=[pl.BlockSpec((None, num_heads * head_dim), lambda t, h: (t, 0)),
+                   page_spec, page_spec],
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_heads * head_dim), q_src.dtype),
+                   jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype),
+                   jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)],
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="rope_and_write_kv",
+    )(positions, slot_mapping, freq, q_src, k_src, v_src, k_rows, v_rows)
+    return (q.reshape(num_tokens, num_heads, head_dim), k_rows.reshape(k_pages.shape),
+            v_rows.reshape(v_pages.shape))
+
+
+def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: jax.Array,
+                      v_pages: jax.Array, slot_mapping: jax.Array, *, num_heads: int,
+                      kv_quant: str | None = None, impl: str | None = None):
+    """RoPE on this step's queries and keys, and the keys and values written to their slots.
+
+    qkv: the fused projection [N, (H + 2 KVH) * D] (columns q, k, v), or the three projections
+      (q [N, H * D], k [N, KVH * D], v [N, KVH * D]), in the pages' dtype.
+    positions, slot_mapping: int32 [N] (slot < 0: padding, not written); inv_freq: float32
+      [D / 2] (models.llama.rope_inv_freq). k_pages, v_pages: [KVH, P, S, D].
+    kv_quant as in ops.paged_attention.write_kv (the jnp path runs it).
+    impl: None (the kernel on GPU unless PALLASITE_ATTENTION=reference, else jnp), 'pallas',
+      'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
+    Returns (q [N, H, D] rotated, k_pages, v_pages); the pages are updated in place when donated.
+    """
+    name = "rope_and_write_kv"
+    num_kv_heads, _, _, head_dim = k_pages.shape
+    sources = tuple(qkv) if isinstance(qkv, (tuple, list)) else (qkv, qkv, qkv)
+    widths = ((num_heads + 2 * num_kv_heads) * head_dim,) * 3 if len(set(map(id, sources))) == 1 \
+        else (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    if len(sources) != 3 or any(s.ndim != 2 or s.shape != (positions.shape[0], w)
+                                for s, w in zip(sources, widths)):
+        raise ValueError(f"{name}: qkv {[s.shape for s in sources]} must be [N, (H + 2 KVH) * D]"
+                         f" or three [N, H * D], [N, KVH * D], [N, KVH * D] arrays for "
+                         f"{positions.shape[0]} positions, H={num_heads}, pages {k_pages.shape}")
+    if slot_mapping.shape != positions.shape or num_heads % num_kv_heads:
+        raise ValueError(f"{name}: slot_mapping {slot_mapping.shape} must match positions "
+                         f"{positions.shape}, and H={num_heads} be a multiple of KVH="
+                         f"{num_kv_heads}")
+    resolved = tiles.resolve_impl(impl, name)
+    if impl is None and os.environ.get("PALLASITE_ATTENTION") == "reference":
+        resolved = "reference"
+    kernel_ok = (head_dim >= 16 and head_dim == tiles.next_pow2(head_dim) and kv_quant is None
+                 and active_mesh() is None and k_pages.dtype == sources[0].dtype
+                 and positions.shape[0] > 0)
+    if resolved == "reference" or not kernel_ok:
+        if resolved != "reference" and impl is not None:
+            raise ValueError(f"{name}: the kernel needs a power-of-two head_dim >= 16, pages in "
+                             f"the projections' dtype, no kv_quant and no mesh")
+        return rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages,
+                                           slot_mapping, num_heads=num_heads, kv_quant=kv_quant)
+    fused = len(set(map(id, sources))) == 1
+    columns = ((0, num_heads * head_dim, (num_heads + num_kv_heads) * head_dim) if fused
+               else (0, 0, 0))
+    freq = jnp.asarray(np.concatenate([inv_freq, inv_freq]).astype(np.float32))  # [D]
+    return _rope_kv_pallas(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), freq,
+                           sources, k_pages, v_pages, num_heads=num_heads, columns=columns,
+                           interpret=tiles.interpret_or_gpu(resolved))
