@@ -5,6 +5,13 @@ normalizing multiply), each a kernel's start and drain for a few kilobytes: for 
 batch 1 on the H200, 64 of the step's 585 kernels. The kernel here does one row per program:
 the sum of squares, the scale and the weight in one pass over the row held in registers.
 
+When it runs by default (`KERNEL_ROWS`), from llama3.1-8b decode steps on the H200 (docs/
+PERFORMANCE.md): at 32 rows it made the step 1-2% faster (5.28 -> 5.17 ms at context 512,
+8.70 -> 8.60 ms at 4096), but at 1 row 3% slower (4.87 -> 5.01 ms): one program per row leaves
+a single row on one SM, slower than XLA's two small kernels. From about a hundred rows on
+(llama3.2-1b at 256 sequences, prefill) XLA already emits one normalization kernel, and the
+kernel has not been timed there. So XLA keeps rows outside 16-64.
+
 Numerics follow the model's definition (HF Llama): y = (x * rsqrt(mean(x^2) + eps)) rounded to
 x's dtype, times the weight, in float32 math and rounded again to x's dtype.
 """
@@ -20,6 +27,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import attention_tiles as tiles
 from ops.sharded_attention import active_mesh
+
+KERNEL_ROWS = (16, 64)  # rows (tokens) for which impl=None picks the kernel on GPU (see above)
 
 
 def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -63,17 +72,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, impl: str | None = 
              ) -> jax.Array:
     """RMSNorm of x [N, H] (or [H]) with weight [H] in x's dtype; float32 math.
 
-    impl: None (the kernel on GPU unless PALLASITE_ATTENTION=reference, which selects the jnp
-    path of every fused kernel; jnp elsewhere and under a sharded step), 'pallas',
-    'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
+    impl: None (on GPU the kernel for KERNEL_ROWS rows, unless PALLASITE_ATTENTION=reference,
+    which selects the jnp path of every fused kernel; jnp otherwise, elsewhere and under a
+    sharded step), 'pallas', 'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
     """
     name = "rms_norm"
     if x.ndim not in (1, 2) or weight.shape != x.shape[-1:]:
         raise ValueError(f"{name}: x {x.shape} must be [N, H] or [H] and weight {weight.shape} "
                          f"[H]")
     resolved = tiles.resolve_impl(impl, name)
+    rows = x.shape[0] if x.ndim == 2 else 1
     if impl is None and (os.environ.get("PALLASITE_ATTENTION") == "reference"
-                         or active_mesh() is not None or weight.dtype != x.dtype):
+                         or active_mesh() is not None or weight.dtype != x.dtype
+                         or not KERNEL_ROWS[0] <= rows <= KERNEL_ROWS[1]):
         resolved = "reference"
     if resolved == "reference" or x.size == 0:
         return rms_norm_reference(x, weight, eps)

@@ -65,3 +65,20 @@ def test_lowers_to_triton_for_h200(monkeypatch):
         spec((3, 3584), jnp.bfloat16), spec((3584,), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+
+
+def test_default_dispatch_takes_the_kernel_only_for_its_rows(monkeypatch):
+    """On a GPU (simulated: the default implementation resolves to the interpreted kernel) the
+    kernel runs for KERNEL_ROWS rows only; 1 row (where it measured slower) and many rows stay
+    with XLA."""
+    import ops.rms_norm as mod
+    monkeypatch.setattr(mod.tiles, "resolve_impl",
+                        lambda impl, name: "pallas_interpret" if impl is None else impl)
+    calls = []
+    kernel = mod._rms_norm_pallas
+    monkeypatch.setattr(mod, "_rms_norm_pallas", lambda *a, **k: calls.append(a[0].shape[0])
+                        or kernel(*a, **k))
+    w = jnp.ones(64, jnp.float32)
+    for rows in (1, 16, 32, 64, 65, 300):
+        mod.rms_norm(jnp.ones((rows, 64), jnp.float32), w, 1e-6)
+    assert calls == [16, 32, 64]
