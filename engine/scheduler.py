@@ -118,7 +118,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         running = self.running
-        capacity_per_page = self.pool.page_size
+        page_size = self.pool.page_size
         # 1. Running requests, oldest first; preempt the youngest when pages run out.
         i = 0
         while i < len(running) and budget > 0:
@@ -140,18 +140,8 @@ class Scheduler:
                 num_new += request.lookahead
             if num_new > budget:
                 num_new = budget
-            if computed + num_new > len(request.pages) * capacity_per_page:  # pages to add
-                while not self.pool.grow(request.pages, computed + num_new):
-                    victim = running.pop()
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is request:
-                        break
-                else:
-                    scheduled.append(ScheduledRequest(request, num_new))
-                    budget -= num_new
-                    i += 1
-                    continue
+            if (computed + num_new > len(request.pages) * page_size  # pages to add
+                    and not self._grow_or_preempt(request, computed + num_new, preempted)):
                 break  # the request itself was preempted: everything younger is gone too
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -170,6 +160,18 @@ class Scheduler:
             self.running.append(request)
             budget -= scheduled[-1].num_new_tokens
         return SchedulerOutput(scheduled, preempted)
+
+    def _grow_or_preempt(self, request: Request, num_tokens: int,
+                         preempted: list[Request]) -> bool:
+        """Gives a running request pages for num_tokens tokens, preempting the youngest running
+        requests while the pool is short; False if the request itself had to be preempted."""
+        while not self.pool.grow(request.pages, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
 
     def _admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest]) -> bool:
         # At least one token must be computed to produce logits: never hit the whole sequence.

@@ -357,3 +357,32 @@ def test_host_modules_do_not_import_jax():
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                             text=True, timeout=60, env={**os.environ, "PYTHONPATH": root})
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("older_grows", [True, False])
+def test_scheduler_preempts_the_youngest_and_never_schedules_a_preempted_request(older_grows):
+    """A pool of 4 pages of 4 tokens; three requests of 5 prompt tokens take 2 pages each at
+    admission (the third finds none). Then the younger running request needs a third page:
+    if the older one needs one too, it preempts the younger to get it; if not, the younger
+    preempts itself. Either way the younger is not scheduled, holds no pages and has its
+    computed tokens dropped, and no waiting request is admitted in that step."""
+    from engine.request import Request, SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+    pool = BlockPool(4, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=16), pool)
+    reqs = [Request(i, list(range(10 * i, 10 * i + 5)), SamplingParams(), 0) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    first = sched.schedule()
+    assert [it.request for it in first.scheduled] == reqs[:2]
+    sched.update_computed(first)
+    reqs[0].output_ids += [1, 2, 3, 4] if older_grows else [1, 2]  # 9 tokens need 3 pages
+    reqs[1].output_ids += [1, 2, 3, 4]
+    second = sched.schedule()
+    assert second.preempted == [reqs[1]]
+    assert [it.request for it in second.scheduled] == [reqs[0]]
+    assert sched.running == [reqs[0]] and not reqs[1].pages and reqs[1].num_computed_tokens == 0
+    assert len(reqs[0].pages) == (3 if older_grows else 2)
+    assert pool.num_free == (1 if older_grows else 2)
+    pool.check_invariants()
