@@ -165,9 +165,10 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
     """
     name = "rope_and_write_kv"
     num_kv_heads, _, _, head_dim = k_pages.shape
-    sources = tuple(qkv) if isinstance(qkv, (tuple, list)) else (qkv, qkv, qkv)
-    widths = ((num_heads + 2 * num_kv_heads) * head_dim,) * 3 if len(set(map(id, sources))) == 1 \
-        else (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    fused = not isinstance(qkv, (tuple, list))
+    sources = (qkv, qkv, qkv) if fused else tuple(qkv)
+    widths = (((num_heads + 2 * num_kv_heads) * head_dim,) * 3 if fused
+              else (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim))
     if len(sources) != 3 or any(s.ndim != 2 or s.shape != (positions.shape[0], w)
                                 for s, w in zip(sources, widths)):
         raise ValueError(f"{name}: qkv {[s.shape for s in sources]} must be [N, (H + 2 KVH) * D]"
@@ -189,7 +190,6 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
                              f"the projections' dtype, no kv_quant and no mesh")
         return rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages,
                                            slot_mapping, num_heads=num_heads, kv_quant=kv_quant)
-    fused = len(set(map(id, sources))) == 1
     columns = ((0, num_heads * head_dim, (num_heads + num_kv_heads) * head_dim) if fused
                else (0, 0, 0))
     freq = jnp.asarray(np.concatenate([inv_freq, inv_freq]).astype(np.float32))  # [D]
