@@ -286,7 +286,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
 
         launch = self._dispatch(dispatch)
         self.scheduler.update_computed(output)
-        self.stats.num_computed_tokens += output.num_tokens
+        self.stats.num_computed_tokens += num_tokens
         for i, r in enumerate(requests):
             if completes[i]:
                 r.num_pending += 1
