@@ -1,0 +1,68 @@
+"""The model with its GPU-only fusions (ops/rope_kv.py, ops/rms_norm.py) gives the same greedy
+tokens as without them, on the CPU: the kernels run in Pallas's interpreter.
+
+On a GPU these kernels run by default; on the CPU the jnp ops do. Here their dispatch is made to
+pick the interpreted kernels (the norm kernel for every row count), and a tiny Llama-3.1 model
+(random unit-scale float32 weights, fused and separate q/k/v projections, GQA) generates with
+chunked prefill and several decode steps: tokens must be equal and log-probabilities within
+float32 rounding.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from configs.model import TINY_LLAMA31
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.request import SamplingParams
+from models.llama import fuse_projections
+from tests.engine.weights import unit_scale_model
+
+ENGINE_CFG = EngineConfig(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=16,
+                          page_size=4)
+
+
+def generate(model, cfg, prompts):
+    engine = LLMEngine(cfg, model, None, ENGINE_CFG)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    return engine.generate(prompts, params)
+
+
+def interpret_fused_kernels(monkeypatch):
+    """Make rope_and_write_kv and rms_norm pick their kernels, interpreted, on the CPU."""
+    import ops.rms_norm
+    import ops.rope_kv
+    for module in (ops.rope_kv, ops.rms_norm):
+        monkeypatch.setattr(module.tiles, "resolve_impl",
+                            lambda impl, name: "pallas_interpret" if impl is None else impl)
+    monkeypatch.setattr(ops.rms_norm, "KERNEL_ROWS", (1, 1 << 30))
+    calls = {"rope_kv": 0, "rms_norm": 0}
+    for module, fn, key in ((ops.rope_kv, "_rope_kv_pallas", "rope_kv"),
+                            (ops.rms_norm, "_rms_norm_pallas", "rms_norm")):
+        inner = getattr(module, fn)
+
+        def counted(*args, _inner=inner, _key=key, **kwargs):
+            calls[_key] += 1
+            return _inner(*args, **kwargs)
+        monkeypatch.setattr(module, fn, counted)
+    return calls
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_greedy_tokens_equal_with_the_fused_kernels(monkeypatch, fused):
+    cfg = TINY_LLAMA31.replace(num_heads=4, num_kv_heads=2, head_dim=16)  # the kernels' sizes
+    model = unit_scale_model(cfg, 5)
+    if fused:
+        cfg, model = fuse_projections(cfg, model)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (3, 21, 9)]
+    want = generate(model, cfg, prompts)
+    calls = interpret_fused_kernels(monkeypatch)
+    jax.clear_caches()  # the step programs traced above must be traced again
+    got = generate(model, cfg, prompts)
+    assert calls["rope_kv"] > 0 and calls["rms_norm"] > 0  # the kernels did run
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        np.testing.assert_allclose([lp for lp, _ in g.outputs[0].logprobs],
+                                   [lp for lp, _ in w.outputs[0].logprobs], rtol=1e-4, atol=1e-4)
