@@ -8,9 +8,9 @@ the sum of squares, the scale and the weight in one pass over the row held in re
 When it runs by default (`KERNEL_ROWS`), from llama3.1-8b decode steps on the H200 (docs/
 PERFORMANCE.md): at 32 rows it made the step 1-2% faster (5.28 -> 5.17 ms at context 512,
 8.70 -> 8.60 ms at 4096), but at 1 row 3% slower (4.87 -> 5.01 ms): one program per row leaves
-a single row on one SM, slower than XLA's two small kernels. From about a hundred rows on
-(llama3.2-1b at 256 sequences, prefill) XLA already emits one normalization kernel, and the
-kernel has not been timed there. So XLA keeps rows outside 16-64.
+a single row on one SM, slower than XLA's two small kernels. At 256 rows (llama3.2-1b's decode
+step, dumped on the H200) XLA already emits one normalization kernel; the kernel has not been
+timed at more than 32 rows. So XLA keeps rows outside 16-64.
 
 Numerics follow the model's definition (HF Llama): y = (x * rsqrt(mean(x^2) + eps)) rounded to
 x's dtype, times the weight, in float32 math and rounded again to x's dtype.
