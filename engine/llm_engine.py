@@ -337,14 +337,12 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
     def _finish(self, flight: InFlight) -> list[StreamDelta]:
         """Reads a launched step's samples (waiting for the device) and appends them."""
         start = time.perf_counter()
-        if flight.steps > 1:  # a round: tokens [steps, bucket(S)]
-            [tokens] = fetch_samples(flight.results, flight.steps)
-            now = time.perf_counter()
-            self._wait_s += now - start
-            return self._append_round(flight, tokens, now)
-        samples = fetch_samples(flight.results, len(flight.requests))
+        round_ = flight.steps > 1  # a round's results: (tokens [steps, bucket(S)],)
+        samples = fetch_samples(flight.results, flight.steps if round_ else len(flight.requests))
         now = time.perf_counter()
         self._wait_s += now - start
+        if round_:
+            return self._append_round(flight, samples[0], now)
         return self._append_samples(flight, samples, now)
 
     def _append_samples(self, flight: InFlight, samples: tuple,
@@ -420,6 +418,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
     def _stop_reason(self, r: Request, token: int, limit: int) -> FinishReason | None:
         if token in r.stop_ids:
             return FinishReason.STOP
+        # Request.length_room(limit) <= 0, inlined: this runs for every token.
         num_outputs = len(r.output_ids)
         if num_outputs >= r.params.max_tokens or len(r.prompt_ids) + num_outputs >= limit:
             return FinishReason.LENGTH

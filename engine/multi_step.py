@@ -93,9 +93,7 @@ class MultiStepRounds:
             r.num_pending -= steps
             if r.finish_reason is not None:
                 continue  # ended or aborted while the round ran: its tokens are dropped
-            num_outputs = len(r.output_ids) + steps
-            if (stop or num_outputs >= r.params.max_tokens
-                    or len(r.prompt_ids) + num_outputs >= limit or r.first_token_time is None
+            if (stop or r.length_room(limit) <= steps or r.first_token_time is None
                     or r.request_id in detokenizers):
                 deltas.append(self._append_tokens(r, row, None, now, limit))
             else:

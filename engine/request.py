@@ -137,6 +137,13 @@ class Request:
             return self.output_ids[start - num_prompt:end - num_prompt]
         return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
 
+    def length_room(self, limit: int) -> int:
+        """Output tokens it may still append before it ends by length: max_tokens, or `limit`
+        tokens in all (the context). 0 or less: it has ended."""
+        num_outputs = len(self.output_ids)
+        return min(self.params.max_tokens - num_outputs,
+                   limit - len(self.prompt_ids) - num_outputs)
+
     @property
     def tokens(self) -> "TokenSlices":
         """token_ids for slicing, without building the whole list (a page's tokens: O(page))."""

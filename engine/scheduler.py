@@ -125,10 +125,12 @@ class Scheduler:
             request = running[i]
             pending = request.num_pending
             num_outputs = len(request.output_ids) + pending
+            # Request.length_room(hold_limit) <= pending, inlined: this loop runs for every
+            # request at every step.
             if pending and hold_limit is not None and (
                     num_outputs >= request.params.max_tokens
                     or len(request.prompt_ids) + num_outputs >= hold_limit):
-                i += 1  # its in-flight token ends it: nothing more to compute
+                i += 1  # its in-flight tokens end it: nothing more to compute
                 continue
             # Tokens sampled on the device but not yet read (asynchronous scheduling) are
             # computed like known ones: the step reads their ids on the device.

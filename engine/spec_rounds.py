@@ -98,7 +98,7 @@ class SpeculativeRounds:
             # Within max_tokens and the context (as _stop_reason): a lookahead past the whole
             # pool's pages would make the request preempt itself, and the step stall.
             limit = self._context_limit()
-            room = min(r.params.max_tokens - len(r.output_ids) - 1, limit - r.num_tokens - 1)
+            room = r.length_room(limit) - 1
             k = min(room, spec.num_speculative_tokens,
                     max(1, math.ceil(r.spec_ema_accepted) + 1))
             if k <= 0:

@@ -19,6 +19,7 @@ used by the CPU tests) supports exactly this form of gather and masked scatter.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,13 @@ FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 
 
 def resolve_impl(impl: str | None, name: str) -> str:
-    """None -> 'pallas' on GPU, 'reference' elsewhere; otherwise one of IMPLS."""
+    """None -> 'pallas' on GPU, 'reference' elsewhere or with the environment variable
+    PALLASITE_ATTENTION=reference (read when a step is traced: the jnp path of every kernel of
+    this family, attention, RoPE + KV write and RMSNorm); otherwise one of IMPLS."""
     if impl is None:
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        on_gpu = jax.default_backend() == "gpu"
+        return ("pallas" if on_gpu and os.environ.get("PALLASITE_ATTENTION") != "reference"
+                else "reference")
     if impl not in IMPLS:
         raise ValueError(f"{name}: impl {impl!r} must be None or one of {IMPLS}")
     return impl

@@ -21,8 +21,8 @@ B=8 at 4k context -> 4 splits (2: +25%, 9: +10% time), B=32 -> 1, B=1 at 32k -> 
 boundaries follow each sequence's actual length, so short sequences in a wide table still
 spread over all splits. Figures in docs/PERFORMANCE.md. `DecodeConfig.prefetch_slots` reads
 the next tile's block-table entries one loop step ahead, so that no K/V load of a step waits on
-that step's own table load; the tuning sweep (scripts/bench_attention.py --modes=sweep) times
-it against the default, which it stays until it has run on a GPU.
+that step's own table load; the tuning sweep (scripts/bench_attention.py --modes=sweep) timed
+it on an H200 with no gain for decode, so it stays off.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     # Read the next tile's block-table entries one loop step ahead, so that no K/V load waits
-    # on a table load of its own step (an experiment of the tuning sweep; off by default).
+    # on a table load of its own step (an experiment of the tuning sweep: no gain for decode on
+    # the H200, off by default).
     prefetch_slots: bool = False
 
 

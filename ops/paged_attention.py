@@ -10,11 +10,10 @@ kernels plug in behind `paged_attention` (dispatch by backend); on CPU the refer
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
+from ops import attention_tiles as tiles
 from ops.kv_quant import quantize_kv
 from ops.sharded_attention import active_mesh, sharded_step_attention, sharded_write_kv
 
@@ -195,7 +194,7 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return sharded_step_attention(mesh, q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len,
                                       max_prefill_seqs=max_prefill_seqs)
-    if jax.default_backend() == "gpu" and os.environ.get("PALLASITE_ATTENTION") != "reference":
+    if tiles.resolve_impl(None, "step_attention") == "pallas":
         from ops.ragged_attention import ragged_paged_attention
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len)

@@ -18,7 +18,6 @@ x's dtype, times the weight, in float32 math and rounded again to x's dtype.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -82,8 +81,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, impl: str | None = 
                          f"[H]")
     resolved = tiles.resolve_impl(impl, name)
     rows = x.shape[0] if x.ndim == 2 else 1
-    if impl is None and (os.environ.get("PALLASITE_ATTENTION") == "reference"
-                         or active_mesh() is not None or weight.dtype != x.dtype
+    if impl is None and (active_mesh() is not None or weight.dtype != x.dtype
                          or not KERNEL_ROWS[0] <= rows <= KERNEL_ROWS[1]):
         resolved = "reference"
     if resolved == "reference" or x.size == 0:

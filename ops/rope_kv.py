@@ -19,7 +19,6 @@ Cache layout as in ops/paged_attention.py: k_pages, v_pages [KVH, P, S, D].
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -179,8 +178,6 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
                          f"{positions.shape}, and H={num_heads} be a multiple of KVH="
                          f"{num_kv_heads}")
     resolved = tiles.resolve_impl(impl, name)
-    if impl is None and os.environ.get("PALLASITE_ATTENTION") == "reference":
-        resolved = "reference"
     kernel_ok = (head_dim >= 16 and head_dim == tiles.next_pow2(head_dim) and kv_quant is None
                  and active_mesh() is None and k_pages.dtype == sources[0].dtype
                  and positions.shape[0] > 0)

@@ -5,7 +5,7 @@ On a GPU these kernels run by default; on the CPU the jnp ops do. Here their dis
 pick the interpreted kernels (the norm kernel for every row count), and a tiny Llama-3.1 model
 (random unit-scale float32 weights, fused and separate q/k/v projections, GQA) generates with
 chunked prefill and several decode steps: tokens must be equal and log-probabilities within
-float32 rounding.
+float32 rounding (1e-5).
 """
 from __future__ import annotations
 
@@ -64,5 +64,6 @@ def test_greedy_tokens_equal_with_the_fused_kernels(monkeypatch, fused):
     assert calls["rope_kv"] > 0 and calls["rms_norm"] > 0  # the kernels did run
     for g, w in zip(got, want):
         assert g.output_ids == w.output_ids
+        # float32 log-probabilities: the interpreted kernels differ by about 5e-7
         np.testing.assert_allclose([lp for lp, _ in g.outputs[0].logprobs],
-                                   [lp for lp, _ in w.outputs[0].logprobs], rtol=1e-4, atol=1e-4)
+                                   [lp for lp, _ in w.outputs[0].logprobs], rtol=1e-6, atol=1e-5)
