@@ -37,6 +37,11 @@ class EngineConfig:
     # With async_scheduling a round is launched before the host reads the one before;
     # penalties, logprobs, speculation and a sharded runner take single steps.
     num_decode_steps: int = 1
+    # With rounds: schedule for them under load (engine/multi_step.py, `_rounds_possible`):
+    # admissions pause after an admitting step while fewer than 1/8 of the slots are free, and
+    # a prompt that does not fit the rest of a step's token budget waits for the next
+    # admitting step unless it is that step's first admission. False: admit every step.
+    pause_admissions_for_rounds: bool = True
     # A round's steps traced one after another (one straight program, like a single step,
     # num_decode_steps times longer to compile) instead of a device loop.
     unroll_decode_steps: bool = False
@@ -80,8 +85,10 @@ class EngineStats:
     host_time_s: float = 0.0  # scheduling, batch building, postprocessing, detokenization
     # Host time during which the device had nothing queued (an upper bound; see LLMEngine.step).
     exposed_host_time_s: float = 0.0
-    # Per round (sequences launched, host s, round s, exposed host s, model steps), when
-    # record_steps is on.
+    # Per round (sequences running after its scheduling, host s, round s, exposed host s,
+    # model steps, requests waiting after its scheduling), when record_steps is on. Running
+    # includes a request whose tokens in flight end it (it holds its slot but computes
+    # nothing more).
     record_steps: bool = False
     steps: list = dataclasses.field(default_factory=list)
 

@@ -82,6 +82,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         self._finished_groups: list[int] = []
         self._in_flight: InFlight | None = None  # the launched step not read yet
         self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
+        self._admitted_last = False  # the last step admitted waiting requests (multi_step.py)
         self._wait_s = 0.0
 
     def _num_pages(self, cfg: ModelConfig, model, engine_cfg: EngineConfig) -> int:
@@ -214,7 +215,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         exposed = host if not overlap or self._wait_s < 1e-4 else 0.0
         self.stats.exposed_host_time_s += exposed
         if self.stats.record_steps:
-            self.stats.steps.append((num_seqs, host, wall, exposed, self._round_steps))
+            self.stats.steps.append((num_seqs, host, wall, exposed, self._round_steps,
+                                     self.scheduler.num_waiting))
         return deltas
 
     def _can_overlap(self) -> bool:
@@ -224,7 +226,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 and self.runner.supports_async_scheduling and not self._penalized)
 
     def _round(self, overlap: bool) -> tuple[int, list[StreamDelta]]:
-        """(sequences launched, deltas) of one round; see `step`."""
+        """(sequences running after this round's scheduling, deltas) of one round; see
+        `step`."""
         deltas = []
         had_in_flight = self._in_flight is not None
         if had_in_flight and not overlap:
@@ -235,7 +238,12 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             return launched, deltas + spec_deltas
         # A request whose in-flight token ends it by length computes nothing more (synchronous
         # rounds have no token in flight: nothing to hold).
-        output = self.scheduler.schedule(self._context_limit() if overlap else None)
+        rounds = self._rounds_possible() and self.engine_cfg.pause_admissions_for_rounds
+        output = self.scheduler.schedule(self._context_limit() if overlap else None,
+                                         admit=not (rounds and self._defer_admission()),
+                                         whole_prompts=rounds)
+        self._admitted_last = output.num_admitted > 0
+        num_running = len(self.scheduler.running)  # held ones included: they keep their slots
         if self._multi_step_ready(output):
             launched = self._launch_round(output)
         else:
@@ -248,7 +256,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             self._in_flight = None
         if launched is None and not had_in_flight and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could schedule nothing although requests wait")
-        return (0 if launched is None else len(launched.requests)), deltas
+        return num_running, deltas
 
     def _launch(self, output: SchedulerOutput) -> InFlight:
         """Builds the step batch, runs the step and the sampler; does not wait for them."""

@@ -17,14 +17,34 @@ from engine.scheduler import SchedulerOutput
 class MultiStepRounds:
     """LLMEngine's multi-step rounds (see the module docstring)."""
 
+    def _rounds_possible(self) -> bool:
+        """Whether rounds can run at all: more than one decode step per round, and no
+        penalties, speculation or runner that rules them out. The engine then schedules for
+        rounds (Scheduler.schedule's admit and whole_prompts): under load a request ends and
+        a waiting one is admitted almost every step, and a step with a prefill chunk cannot
+        be a round; so admissions pause after an admitting step while few slots are free
+        (`_defer_admission`), and a prompt that does not fit what is left of a step's token
+        budget waits for the next admitting step (unless it is that step's first admission),
+        so that the step after an admission can be a round. A waiting request may wait up to
+        a round longer."""
+        return (self.engine_cfg.num_decode_steps > 1 and not self._penalized
+                and self.spec_config is None and self.runner.supports_multi_step)
+
+    def _defer_admission(self) -> bool:
+        """Whether a step, when rounds are possible, admits no waiting request: when the step
+        before admitted some and fewer than an eighth of the sequence slots are free (with
+        more free, admissions go on step after step, so that the running set stays at least
+        7/8 full)."""
+        free = self.engine_cfg.max_num_seqs - len(self.scheduler.running)
+        return self._admitted_last and free < self.engine_cfg.max_num_seqs // 8
+
     def _multi_step_ready(self, output: SchedulerOutput) -> bool:
         """Whether this step can run as num_decode_steps decode steps: every scheduled request
         decodes one token (known, or in flight from the step before), none has penalties or
         logprobs, the context has room for all the steps, and the pool has pages for them
         (taken here)."""
         steps = self.engine_cfg.num_decode_steps
-        if (steps == 1 or not output.scheduled or output.preempted or self._penalized
-                or self.spec_config is not None or not self.runner.supports_multi_step):
+        if not output.scheduled or output.preempted or not self._rounds_possible():
             return False
         limit = self._context_limit()
         for it in output.scheduled:

@@ -72,9 +72,13 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"    # aborted by the caller
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
-    """A sequence being generated: its tokens and how many of them are in the KV cache."""
+    """A sequence being generated: its tokens and how many of them are in the KV cache.
+
+    Compared by identity (eq=False): the scheduler finds and removes requests in its lists, and
+    a field-by-field comparison per element made that O(running) in Python.
+    """
 
     request_id: int
     prompt_ids: list[int]

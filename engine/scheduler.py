@@ -48,6 +48,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
+    num_admitted: int = 0  # waiting requests admitted this step (the last ones of `scheduled`)
 
     @property
     def num_tokens(self) -> int:
@@ -107,12 +108,16 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def schedule(self, hold_limit: int | None = None) -> SchedulerOutput:
+    def schedule(self, hold_limit: int | None = None, admit: bool = True,
+                 whole_prompts: bool = False) -> SchedulerOutput:
         """Chooses this step's requests and token counts, allocating their pages.
 
         hold_limit (asynchronous scheduling: the context limit): a request whose tokens in
         flight end it by length (max_tokens, or this many tokens) is skipped: it computes
-        nothing more.
+        nothing more. admit=False: no waiting request is admitted this step unless none is
+        running. whole_prompts: a waiting request whose prompt does not fit the remaining
+        budget is admitted (and chunked) only as the step's first admission. The engine sets
+        both for multi-step rounds, which need every running request decoding.
         """
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -149,19 +154,23 @@ class Scheduler:
             budget -= num_new
             i += 1
         # 2. Waiting requests, by priority then arrival, while budgets and pages allow.
-        while (self._waiting and budget > 0 and not preempted
+        num_admitted = 0
+        admit = admit or not self.running
+        while (admit and self._waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self._waiting[0][2]
             if request.num_pending:
                 break  # preempted while a token was in flight: readmitted once it is read
             if request.wait_for is not None and not request.wait_for.prompt_cached:
                 break  # a parallel sample waits until its sibling's prompt pages are cached
-            if not self._admit(request, budget, scheduled):
+            if not self._admit(request, budget, scheduled,
+                               allow_partial=not (whole_prompts and num_admitted)):
                 break
             heapq.heappop(self._waiting)
             self.running.append(request)
             budget -= scheduled[-1].num_new_tokens
-        return SchedulerOutput(scheduled, preempted)
+            num_admitted += 1
+        return SchedulerOutput(scheduled, preempted, num_admitted)
 
     def _grow_or_preempt(self, request: Request, num_tokens: int,
                          preempted: list[Request]) -> bool:
@@ -175,12 +184,14 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest]) -> bool:
+    def _admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest],
+               allow_partial: bool = True) -> bool:
         # At least one token must be computed to produce logits: never hit the whole sequence.
         cached = self.pool.cached_prefix(request.token_ids, request.num_tokens - 1)
         num_computed = len(cached) * self.pool.page_size
         num_new = min(request.num_tokens - num_computed, budget)
-        if num_new < request.num_tokens - num_computed and not self.config.enable_chunked_prefill:
+        if num_new < request.num_tokens - num_computed and not (
+                allow_partial and self.config.enable_chunked_prefill):
             self.pool.free(cached)
             return False
         pages = list(cached)

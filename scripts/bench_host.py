@@ -112,17 +112,22 @@ def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int
         engine.step()
         engine.finished_request_ids()
     gc.unfreeze()
-    steps = np.asarray(engine.stats.steps, float)  # (launched, host, wall, exposed, model steps)
-    busiest = np.nonzero(steps[:, 0] == steps[:, 0].max())[0]
-    model_steps = steps[busiest, 4].sum()
-    return {"workload": "serving", "num_seqs": num_seqs, "async_scheduling": async_scheduling,
-            "num_decode_steps": num_decode_steps, "rounds": len(steps),
-            "host_s_per_step_all": float(steps[:, 1].sum() / steps[:, 4].sum()),
-            "rounds_at_most_running": len(busiest),
-            "multi_step_rounds_at_most_running": int((steps[busiest, 4] > 1).sum()),
-            "host_s_per_step": float(steps[busiest, 1].sum() / model_steps),
-            "phase_s_per_step": {k: sum(per_step[i][k] for i in busiest) / model_steps
-                                 for k in phases if any(per_step[i][k] for i in busiest)}}
+    steps = np.asarray(engine.stats.steps, float).reshape(-1, 6)
+    out = {"workload": "serving", "num_seqs": num_seqs, "async_scheduling": async_scheduling,
+           "num_decode_steps": num_decode_steps, "rounds": len(steps),
+           "host_s_per_step_all": float(steps[:, 1].sum() / steps[:, 4].sum())}
+    for name, mask in timing.round_sets(steps).items():
+        chosen = np.nonzero(mask)[0]
+        model_steps = steps[chosen, 4].sum()
+        out |= {f"rounds_{name}": len(chosen),
+                f"multi_step_rounds_{name}": int((steps[chosen, 4] > 1).sum()),
+                f"mean_running_{name}": float(steps[chosen, 0].mean()) if len(chosen) else None,
+                f"host_s_per_step_{name}": (float(steps[chosen, 1].sum() / model_steps)
+                                            if model_steps else None),
+                f"phase_s_per_step_{name}": {
+                    k: sum(per_step[i][k] for i in chosen) / model_steps
+                    for k in phases if model_steps and any(per_step[i][k] for i in chosen)}}
+    return out
 
 
 def measure(num_seqs: int, steps: int, repeats: int, async_scheduling: bool,
@@ -169,15 +174,25 @@ def main(_):
     if FLAGS.workload == "serving":
         print(f"serving workload, {result['num_seqs']} slots, {mode}: "
               f"{result['host_s_per_step_all'] * 1e3:.3f} ms of host work per model step over "
-              f"all {result['rounds']} rounds; {result['host_s_per_step'] * 1e3:.3f} ms over the "
-              f"{result['rounds_at_most_running']} rounds with the most running "
-              f"({result['multi_step_rounds_at_most_running']} of them multi-step)")
+              f"all {result['rounds']} rounds")
+        table = None
+        for name, label in (("at_max_running", "with the most running"),
+                            ("saturated", "while saturated (requests waiting)")):
+            if result[f"host_s_per_step_{name}"] is None:
+                continue
+            table = result[f"phase_s_per_step_{name}"]
+            print(f"  {result[f'host_s_per_step_{name}'] * 1e3:.3f} ms over the "
+                  f"{result[f'rounds_{name}']} rounds {label} "
+                  f"({result[f'multi_step_rounds_{name}']} of them multi-step, "
+                  f"{result[f'mean_running_{name}']:.1f} running on average)")
+        print(f"phases {label}:")
     else:
         print(f"{result['num_seqs']} sequences, {mode}: "
               f"{result['host_s_per_step'] * 1e3:.3f} ms of host work per model step "
               f"({result['host_s_per_step'] / result['num_seqs'] * 1e6:.2f} us per sequence)")
+        table = result["phase_s_per_step"]
     print("| phase | ms per step |\n|---|---:|")
-    for name, seconds in sorted(result["phase_s_per_step"].items(), key=lambda kv: -kv[1]):
+    for name, seconds in sorted(table.items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {seconds * 1e3:.3f} |")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:

@@ -149,32 +149,40 @@ def summarize(duration, useful, ttft, tpot, latency) -> dict:
 def host_share(engine) -> dict:
     """Host time (scheduling, batch building, detokenization) as a share of step time: all of
     it, and the part during which the device had nothing queued (exposed; with asynchronous
-    scheduling the rest overlaps device work). A multi-step round counts as its model steps:
-    its host time and wall time are shared among them."""
-    steps = np.asarray(engine.stats.steps, float).reshape(-1, 5)
-    busiest = steps[steps[:, 0] >= steps[:, 0].max()] if len(steps) else steps
+    scheduling the rest overlaps device work); over all rounds and over each of
+    timing.round_sets (at the most sequences running; saturated). A multi-step round counts as
+    its model steps: its host time and wall time are shared among them."""
+    steps = np.asarray(engine.stats.steps, float).reshape(-1, 6)
 
     def share(s, column):
         return float(s[:, column].sum() / s[:, 2].sum()) if len(s) else None
 
-    return {"host_share_all_steps": share(steps, 1),
-            "host_share_at_max_running": share(busiest, 1),
-            "exposed_host_share_all_steps": share(steps, 3),
-            "exposed_host_share_at_max_running": share(busiest, 3),
-            "max_running": int(steps[:, 0].max()) if len(steps) else 0,
-            "mean_step_s_at_max_running": (float(busiest[:, 2].sum() / busiest[:, 4].sum())
-                                           if len(busiest) else None),
-            "host_s_per_step_at_max_running": (float(busiest[:, 1].sum() / busiest[:, 4].sum())
-                                               if len(busiest) else None),
-            "async_scheduling": engine.engine_cfg.async_scheduling,
-            "num_decode_steps": engine.engine_cfg.num_decode_steps}
+    out = {"host_share_all_steps": share(steps, 1),
+           "exposed_host_share_all_steps": share(steps, 3),
+           "max_running": int(steps[:, 0].max()) if len(steps) else 0,
+           "async_scheduling": engine.engine_cfg.async_scheduling,
+           "num_decode_steps": engine.engine_cfg.num_decode_steps}
+    for name, mask in timing.round_sets(steps).items():
+        chosen = steps[mask]
+        model_steps = chosen[:, 4].sum()
+        out |= {f"host_share_{name}": share(chosen, 1),
+                f"exposed_host_share_{name}": share(chosen, 3),
+                f"rounds_{name}": len(chosen), f"model_steps_{name}": int(model_steps),
+                f"multi_step_rounds_{name}": int((chosen[:, 4] > 1).sum()),
+                f"mean_running_{name}": float(chosen[:, 0].mean()) if len(chosen) else None,
+                f"mean_step_s_{name}": (float(chosen[:, 2].sum() / model_steps)
+                                        if model_steps else None),
+                f"host_s_per_step_{name}": (float(chosen[:, 1].sum() / model_steps)
+                                            if model_steps else None)}
+    return out
 
 
 def phase_figures(stats, phases: dict, per_step: list) -> dict:
-    """The host phases in ms per model step over all steps, and at the most sequences running;
-    printed. At the most running, the engine's Python is also given as a share of the step:
-    the issue's host time (scheduling, batch building, bookkeeping, appending tokens and
-    detokenization), without the dispatch of the jitted program."""
+    """The host phases in ms per model step over all steps, and over each of
+    timing.round_sets (at the most sequences running; saturated); printed. Over those the
+    engine's Python is also given as a share of the step: the issue's host time (scheduling,
+    batch building, bookkeeping, appending tokens and detokenization), without the dispatch of
+    the jitted program."""
     # The engine's host time not in a timed phase: its step loop, stop checks, output
     # assembly, detokenization, the timers themselves.
     on_host = {name: t for name, t in phases.items() if not name.startswith(timing.WORKER)}
@@ -184,29 +192,32 @@ def phase_figures(stats, phases: dict, per_step: list) -> dict:
         name: 1e3 * total / max(stats.num_model_steps, 1) for name, total in phases.items()}}
     print("host phases, ms per model step: " + ", ".join(
         f"{name} {ms:.3f}" for name, ms in out["host_phase_ms_per_step"].items()), flush=True)
-    # per_step[i] is the phases of the round stats.steps[i] (launched, host, wall, exposed,
-    # model steps) records; both started empty with the timed run.
+    # per_step[i] is the phases of the round stats.steps[i] (running, host, wall, exposed,
+    # model steps, waiting) records; both started empty with the timed run.
     if len(per_step) != len(stats.steps):
         raise RuntimeError(f"{len(per_step)} timed rounds for {len(stats.steps)} recorded ones")
-    most = max((s[0] for s in stats.steps), default=0)
-    busiest = [(s, d) for s, d in zip(stats.steps, per_step) if s[0] == most]
-    model_steps = sum(s[4] for s, _ in busiest)
-    if not busiest or not model_steps:
-        return out
-    at_most = {name: 1e3 * sum(d[name] for _, d in busiest) / model_steps
-               for name in busiest[0][1]}
-    rounds = [s for s, _ in busiest]
-    host_ms = 1e3 * sum(s[1] for s in rounds) / model_steps
-    at_most["other host"] = host_ms - sum(ms for name, ms in at_most.items()
-                                          if not name.startswith(timing.WORKER))
-    step_ms = 1e3 * sum(s[2] for s in rounds) / model_steps
-    python_ms = host_ms - sum(ms for name, ms in at_most.items() if name.startswith("dispatch"))
-    out |= {"host_phase_ms_per_step_at_max_running": at_most,
-            "engine_python_share_at_max_running": python_ms / step_ms}
-    print(f"host phases at {most} running, ms per model step: " + ", ".join(
-        f"{name} {ms:.3f}" for name, ms in at_most.items())
-        + f"; the engine's Python (all but the dispatch) {python_ms:.3f} ms of a "
-        f"{step_ms:.3f} ms step ({python_ms / step_ms:.1%})", flush=True)
+    for name, mask in timing.round_sets(stats.steps).items():
+        chosen = [(s, d) for s, d, m in zip(stats.steps, per_step, mask) if m]
+        model_steps = sum(s[4] for s, _ in chosen)
+        if not model_steps:
+            continue
+        ms = {phase: 1e3 * sum(d[phase] for _, d in chosen) / model_steps
+              for phase in chosen[0][1]}
+        host_ms = 1e3 * sum(s[1] for s, _ in chosen) / model_steps
+        ms["other host"] = host_ms - sum(v for phase, v in ms.items()
+                                         if not phase.startswith(timing.WORKER))
+        step_ms = 1e3 * sum(s[2] for s, _ in chosen) / model_steps
+        python_ms = host_ms - sum(v for phase, v in ms.items() if phase.startswith("dispatch"))
+        out |= {f"host_phase_ms_per_step_{name}": ms,
+                f"engine_python_share_{name}": python_ms / step_ms}
+        rounds = len(chosen)
+        label = {"at_max_running": f"at {max(s[0] for s in stats.steps)} running",
+                 "saturated": "while saturated"}[name]
+        print(f"host phases {label} ({rounds} rounds, {int(model_steps)} model steps, "
+              f"{sum(s[4] > 1 for s, _ in chosen)} of the rounds multi-step), ms per model "
+              "step: " + ", ".join(f"{phase} {v:.3f}" for phase, v in ms.items())
+              + f"; the engine's Python (all but the dispatch) {python_ms:.3f} ms of a "
+              f"{step_ms:.3f} ms step ({python_ms / step_ms:.1%})", flush=True)
     return out
 
 
@@ -241,6 +252,7 @@ def print_table(results: dict) -> None:
     for name, key in (("host share", "host_share"), ("exposed host share", "exposed_host_share")):
         rows.append((f"{name} of step", fmt(c.get(f"{key}_all_steps")), "-"))
         rows.append((f"{name} at {running} running", fmt(c.get(f"{key}_at_max_running")), "-"))
+        rows.append((f"{name} while saturated", fmt(c.get(f"{key}_saturated")), "-"))
     width = max(len(r[0]) for r in rows)
     for r in rows:
         print(f"{r[0]:<{width}}  {r[1]:>12}  {r[2]:>12}")

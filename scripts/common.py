@@ -46,6 +46,10 @@ def define_engine_flags() -> None:
                          "Decode steps per program while every running request decodes "
                          "(multi-step scheduling: the host works once per this many steps; "
                          "with --async_scheduling rounds overlap too). 1: off.")
+    flags.DEFINE_bool("pause_admissions_for_rounds", True,
+                      "With --num_decode_steps: after a step that admitted requests, admit none "
+                      "while fewer than 1/8 of the slots are free, and chunk only a step's first "
+                      "admitted prompt, so that the next step can be a round.")
     flags.DEFINE_bool("unroll_decode_steps", False,
                       "With --num_decode_steps: trace a round's steps one after another (one "
                       "straight program) instead of a device loop; compiles longer.")
@@ -102,6 +106,7 @@ def engine_config_from_flags(FLAGS, cfg):
                         async_scheduling=FLAGS.async_scheduling,
                         dispatch_thread=FLAGS.dispatch_thread,
                         num_decode_steps=FLAGS.num_decode_steps,
+                        pause_admissions_for_rounds=FLAGS.pause_admissions_for_rounds,
                         unroll_decode_steps=FLAGS.unroll_decode_steps)
 
 

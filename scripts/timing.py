@@ -74,6 +74,25 @@ def add_phase_timer(owner, name: str, totals: dict, phase: str,
 WORKER = "worker thread: "  # prefix of the phases timed on the dispatch thread
 
 
+def round_sets(steps) -> dict:
+    """Boolean masks over an engine's recorded rounds (EngineStats.steps rows: running,
+    host s, wall s, exposed s, model steps, waiting), by load:
+
+    - "at_max_running": the rounds with the most sequences running after scheduling;
+    - "saturated": from the first such round on, the rounds after whose scheduling requests
+      still waited: the engine at its capacity, whatever the admission policy leaves free
+      (multi-step rounds pause admissions while few slots are free, so the most running is
+      reached mostly at admitting steps). Empty when nothing waited then.
+    """
+    import numpy as np
+    steps = np.asarray(steps, float).reshape(-1, 6)
+    if not len(steps):
+        return {"at_max_running": np.zeros(0, bool), "saturated": np.zeros(0, bool)}
+    at_max = steps[:, 0] >= steps[:, 0].max()
+    after_fill = np.arange(len(steps)) >= np.argmax(at_max)
+    return {"at_max_running": at_max, "saturated": after_fill & (steps[:, 5] > 0)}
+
+
 def time_engine_phases(engine, per_step: list | None = None) -> dict:
     """Wraps the host phases of this engine (its own methods and those of its scheduler, rows
     and runner: no module-wide patch) with timers; returns {phase: total seconds}, filled as the

@@ -18,6 +18,7 @@ from engine.request import FinishReason, SamplingParams
 from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
                                                    engine_maker, random_prompt, request_streams,
                                                    same_outcomes_across)
+from scripts.timing import round_sets
 from tests.engine.weights import unit_scale_model
 
 MULTI_STRESS = dataclasses.replace(STRESS, num_decode_steps=3)
@@ -159,3 +160,28 @@ def test_warmup_compiles_the_rounds_a_run_reaches(make_engine):
     engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
     assert max(log) == 4
     assert set(engine.runner.compiled_shapes) == warmed
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_outputs_under_load_with_and_without_the_admission_pause(make_engine, overlap):
+    """Under load (three times more requests than slots, a request ending almost every step),
+    rounds with admissions paused for them (EngineConfig.pause_admissions_for_rounds) and
+    without give single steps' outputs, rounds ran while requests waited, and no page leaks."""
+    rng = np.random.default_rng(42)
+    prompts = [random_prompt(rng, int(n)) for n in rng.integers(4, 24, 48)]
+    params = [SamplingParams(max_tokens=int(n), ignore_eos=True)
+              for n in rng.integers(8, 40, 48)]
+    loaded = dataclasses.replace(BASE, max_num_seqs=16, max_num_batched_tokens=128,
+                                 num_pages=64, enable_chunked_prefill=True,
+                                 async_scheduling=overlap)
+    outs = []
+    for steps, pause in ((1, True), (4, True), (4, False)):
+        engine = make_engine(dataclasses.replace(loaded, num_decode_steps=steps,
+                                                 pause_admissions_for_rounds=pause))
+        engine.stats = type(engine.stats)(record_steps=True)
+        outs.append([o.output_ids for o in engine.generate(prompts, params)])
+        check_all_free(engine)
+        steps_run = np.asarray(engine.stats.steps)  # (running, host, wall, exposed, steps, waiting)
+        saturated = steps_run[round_sets(steps_run)["saturated"], 4]
+        assert (saturated.max() > 1) == (steps > 1)
+    assert outs[1] == outs[0] and outs[2] == outs[0]
