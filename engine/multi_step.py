@@ -19,8 +19,9 @@ class MultiStepRounds:
 
     def _rounds_possible(self) -> bool:
         """Whether rounds can run at all: more than one decode step per round, and no
-        penalties, speculation or runner that rules them out. The engine then schedules for
-        rounds (Scheduler.schedule's admit and whole_prompts): under load a request ends and
+        penalties, speculation or runner that rules them out. With
+        EngineConfig.pause_admissions_for_rounds the engine then schedules for rounds
+        (Scheduler.schedule's admit and whole_prompts): under load a request ends and
         a waiting one is admitted almost every step, and a step with a prefill chunk cannot
         be a round; so admissions pause after an admitting step while few slots are free
         (`_defer_admission`), and a prompt that does not fit what is left of a step's token

@@ -43,6 +43,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 7, "Timings (the best is reported).")
     flags.DEFINE_bool("async_scheduling", True, "Engine with asynchronous scheduling.")
     flags.DEFINE_integer("num_decode_steps", 1, "Decode steps per round (multi-step rounds).")
+    flags.DEFINE_bool("pause_admissions_for_rounds", False,
+                      "EngineConfig.pause_admissions_for_rounds (with --num_decode_steps > 1).")
     flags.DEFINE_enum("workload", "decode", ["decode", "serving"],
                       "decode: num_seqs sequences decoding; serving: bench_serving's workload.")
     flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
@@ -50,7 +52,7 @@ def define_flags() -> None:
 
 def stub_engine(num_seqs: int, async_scheduling: bool, num_decode_steps: int = 1,
                 add_requests: bool = True, max_num_batched_tokens: int = 8192,
-                max_model_len: int = 4096):
+                max_model_len: int = 4096, pause_admissions_for_rounds: bool = False):
     """An engine of tiny-llama's shapes whose runner returns token ids 3.. at once (a round:
     the same ids at every step); with add_requests, num_seqs requests that do not finish
     before max_model_len."""
@@ -62,7 +64,8 @@ def stub_engine(num_seqs: int, async_scheduling: bool, num_decode_steps: int = 1
     cfg = dataclasses.replace(TINY_LLAMA, max_position_embeddings=max_model_len)
     engine = llm_engine.LLMEngine(cfg, random_model(cfg, 0), None, llm_engine.EngineConfig(
         max_model_len=max_model_len, max_num_seqs=num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        async_scheduling=async_scheduling, num_decode_steps=num_decode_steps))
+        async_scheduling=async_scheduling, num_decode_steps=num_decode_steps,
+        pause_admissions_for_rounds=pause_admissions_for_rounds))
     tokens = np.arange(max_num_batched_tokens, dtype=np.int32) % 200 + 3  # never an EOS id
 
     def execute_and_sample(batch, arrays, prev_samples=None, sample_index=None):
@@ -97,11 +100,14 @@ def serving_workload(engine, num_requests: int = 400, seed: int = 0) -> None:
                            SamplingParams(max_tokens=output_len, ignore_eos=True))
 
 
-def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int) -> dict:
-    """Host seconds per model step over the serving workload: all rounds, and the rounds with
-    the most sequences running; per phase at the most running (timers on)."""
+def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int,
+                    pause_admissions_for_rounds: bool = False) -> dict:
+    """Host seconds per model step over the serving workload: all rounds, and those of each
+    of timing.round_sets (the most sequences running; saturated), in total and per phase
+    (timers on)."""
     engine = stub_engine(num_seqs, async_scheduling, num_decode_steps, add_requests=False,
-                         max_num_batched_tokens=2048)
+                         max_num_batched_tokens=2048,
+                         pause_admissions_for_rounds=pause_admissions_for_rounds)
     engine.stats = type(engine.stats)(record_steps=True)
     per_step: list = []
     phases = timing.time_engine_phases(engine, per_step)
@@ -165,7 +171,8 @@ def measure(num_seqs: int, steps: int, repeats: int, async_scheduling: bool,
 
 def main(_):
     if FLAGS.workload == "serving":
-        result = measure_serving(FLAGS.num_seqs, FLAGS.async_scheduling, FLAGS.num_decode_steps)
+        result = measure_serving(FLAGS.num_seqs, FLAGS.async_scheduling, FLAGS.num_decode_steps,
+                                 FLAGS.pause_admissions_for_rounds)
     else:
         result = measure(FLAGS.num_seqs, FLAGS.steps, FLAGS.repeats, FLAGS.async_scheduling,
                          FLAGS.num_decode_steps)

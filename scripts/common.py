@@ -46,7 +46,7 @@ def define_engine_flags() -> None:
                          "Decode steps per program while every running request decodes "
                          "(multi-step scheduling: the host works once per this many steps; "
                          "with --async_scheduling rounds overlap too). 1: off.")
-    flags.DEFINE_bool("pause_admissions_for_rounds", True,
+    flags.DEFINE_bool("pause_admissions_for_rounds", False,
                       "With --num_decode_steps: after a step that admitted requests, admit none "
                       "while fewer than 1/8 of the slots are free, and chunk only a step's first "
                       "admitted prompt, so that the next step can be a round.")

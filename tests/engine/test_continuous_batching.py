@@ -86,8 +86,8 @@ def recording_schedule(engine):
     """Wraps engine.scheduler.schedule to log each step's [(request, computed before, new)]."""
     log, schedule = [], engine.scheduler.schedule
 
-    def record(*args):
-        out = schedule(*args)
+    def record(*args, **kwargs):
+        out = schedule(*args, **kwargs)
         log.append([(it.request, it.request.num_computed_tokens, it.num_new_tokens)
                     for it in out.scheduled])
         return out

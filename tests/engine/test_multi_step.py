@@ -163,7 +163,7 @@ def test_warmup_compiles_the_rounds_a_run_reaches(make_engine):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_outputs_under_load_with_and_without_the_admission_pause(make_engine, overlap):
+def test_outputs_under_load_with_and_without_the_admission_pause(overlap):
     """Under load (three times more requests than slots, a request ending almost every step),
     rounds with admissions paused for them (EngineConfig.pause_admissions_for_rounds) and
     without give single steps' outputs, rounds ran while requests waited, and no page leaks."""
@@ -174,6 +174,7 @@ def test_outputs_under_load_with_and_without_the_admission_pause(make_engine, ov
     loaded = dataclasses.replace(BASE, max_num_seqs=16, max_num_batched_tokens=128,
                                  num_pages=64, enable_chunked_prefill=True,
                                  async_scheduling=overlap)
+    make_engine = engine_maker(unit_scale_model(CFG, 3))  # its own: 16 slots, not 4
     outs = []
     for steps, pause in ((1, True), (4, True), (4, False)):
         engine = make_engine(dataclasses.replace(loaded, num_decode_steps=steps,

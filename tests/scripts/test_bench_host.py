@@ -36,15 +36,13 @@ def test_admission_pause_puts_more_model_steps_in_rounds_under_load():
     runs a larger share of the model steps in rounds than admitting every step (measured
     0.83 against 0.63), at most a round of admissions later (the running set stays at least
     7/8 full on average)."""
-    import dataclasses
     import numpy as np
     from scripts.timing import round_sets
     shares = {}
     for pause in (True, False):
         engine = bench_host.stub_engine(256, True, 8, add_requests=False,
-                                        max_num_batched_tokens=2048)
-        engine.engine_cfg = dataclasses.replace(engine.engine_cfg,
-                                                pause_admissions_for_rounds=pause)
+                                        max_num_batched_tokens=2048,
+                                        pause_admissions_for_rounds=pause)
         engine.stats = type(engine.stats)(record_steps=True)
         bench_host.serving_workload(engine)
         while engine.has_unfinished():
@@ -55,3 +53,15 @@ def test_admission_pause_puts_more_model_steps_in_rounds_under_load():
         shares[pause] = saturated[saturated[:, 4] > 1, 4].sum() / saturated[:, 4].sum()
         assert saturated[:, 0].mean() >= 7 / 8 * 256
     assert shares[True] > shares[False] + 0.1, shares
+
+
+def test_serving_workload_figures_per_round_set():
+    """--workload=serving: host time per model step over all rounds, at the most running and
+    while saturated, with rounds counted and phases timed."""
+    result = bench_host.measure_serving(32, True, 4, pause_admissions_for_rounds=True)
+    assert result["host_s_per_step_all"] > 0
+    for name in ("at_max_running", "saturated"):
+        assert result[f"rounds_{name}"] > 0 and result[f"host_s_per_step_{name}"] > 0
+        assert {"schedule", "finish + append"} <= set(result[f"phase_s_per_step_{name}"])
+    assert 0 < result["multi_step_rounds_saturated"] <= result["rounds_saturated"]
+    assert result["mean_running_at_max_running"] == 32
