@@ -246,6 +246,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         num_running = len(self.scheduler.running)  # held ones included: they keep their slots
         if self._multi_step_ready(output):
             launched = self._launch_round(output)
+        elif self._mixed_round_ready(output):
+            launched = self._launch_mixed_round(output)
         else:
             launched = self._launch(output) if output.scheduled else None
         if self._in_flight is not None:
@@ -261,6 +263,26 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
     def _launch(self, output: SchedulerOutput) -> InFlight:
         """Builds the step batch, runs the step and the sampler; does not wait for them."""
         prev = self._in_flight
+        requests, completes, batch, sample_index, arrays = self._step_inputs(output)
+
+        def dispatch():
+            results = self.runner.execute_and_sample(
+                batch, arrays, None if prev is None else prev.next_inputs, sample_index)
+            return results, results[0]
+
+        launch = self._dispatch(dispatch)
+        self.scheduler.update_computed(output)
+        self.stats.num_computed_tokens += len(batch.token_ids)
+        for i, r in enumerate(requests):
+            if completes[i]:
+                r.num_pending += 1
+                r.pending_row = i
+        return InFlight(requests, completes, launch)
+
+    def _step_inputs(self, output: SchedulerOutput) -> tuple:
+        """(requests, completes, StepBatch, sample_index, SamplingArrays) of a scheduled step.
+        completes[i]: request i's last token this step is its next one (its sample is a new
+        token), not a prefill chunk short of the prompt's end."""
         requests = [it.request for it in output.scheduled]
         counts = [it.num_new_tokens for it in output.scheduled]
         firsts, tokens, completes, placeholders, sources = [], [], [], [], []
@@ -285,21 +307,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         slots = self.scheduler.rows.slots(requests)  # [S] rows of the persistent tables
         batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = self._sample_index(num_tokens, placeholders, sources)
-        arrays = self._sampling_arrays(requests, slots)
-
-        def dispatch():
-            results = self.runner.execute_and_sample(
-                batch, arrays, None if prev is None else prev.next_inputs, sample_index)
-            return results, results[0]
-
-        launch = self._dispatch(dispatch)
-        self.scheduler.update_computed(output)
-        self.stats.num_computed_tokens += num_tokens
-        for i, r in enumerate(requests):
-            if completes[i]:
-                r.num_pending += 1
-                r.pending_row = i
-        return InFlight(requests, completes, launch)
+        return (requests, completes, batch, sample_index,
+                self._sampling_arrays(requests, slots))
 
     def _dispatch(self, dispatch):
         """dispatch()'s (results, next_inputs), or a Future of them made on the worker thread
@@ -505,6 +514,9 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             if multi_steps > 1 and max(q_lens) == 1 and not verification:
                 self.runner.warmup_multi_step(len(q_lens), width, multi_steps,
                                               self.engine_cfg.unroll_decode_steps)
+            if multi_steps > 1 and max(q_lens) > 1 and self.engine_cfg.mixed_rounds:
+                self.runner.warmup_mixed_round(q_lens, width, multi_steps,
+                                               self.engine_cfg.unroll_decode_steps)
             if progress is not None:
                 progress(i + 1, len(shapes))
         self.runner.warmup_samplers()

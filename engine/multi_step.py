@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.engine_types import InFlight, StreamDelta
+from engine.runner import bucket
 from engine.scheduler import SchedulerOutput
 
 
@@ -95,6 +96,58 @@ class MultiStepRounds:
         self._round_steps = steps
         return InFlight(requests, [True] * len(requests), launch, steps=steps)
 
+    def _mixed_round_ready(self, output: SchedulerOutput) -> bool:
+        """Whether this step (with prefill chunks) can run as a mixed round
+        (EngineConfig.mixed_rounds): the step, then num_decode_steps - 1 decode steps of its
+        rows that complete their prompt or decode. Needs more than half of the sequence slots'
+        bucket scheduled (the decode steps run over the step's padded rows, which prefill steps
+        pad to that bucket), no logprobs, context room for the rows that go on, and pages for
+        them (taken here)."""
+        if (not self.engine_cfg.mixed_rounds or not output.scheduled or output.preempted
+                or not self._rounds_possible()
+                or 2 * len(output.scheduled) <= bucket(self.engine_cfg.max_num_seqs)):
+            return False
+        extra = self.engine_cfg.num_decode_steps - 1
+        limit = self._context_limit()
+        going_on = []
+        for it in output.scheduled:
+            r = it.request
+            if r.params.logprobs is not None:
+                return False
+            end = r.num_computed_tokens + it.num_new_tokens
+            if end >= r.num_tokens + r.num_pending:  # its step token is its next one
+                if end + extra > limit:
+                    return False
+                going_on.append((r, end + extra))
+        return all(self.pool.grow(r.pages, n) for r, n in going_on)
+
+    def _launch_mixed_round(self, output: SchedulerOutput) -> InFlight:
+        """Launches a mixed round (see `_mixed_round_ready`) as one program, without waiting."""
+        steps = self.engine_cfg.num_decode_steps
+        prev = self._in_flight
+        requests, completes, batch, sample_index, arrays = self._step_inputs(output)
+
+        def dispatch():
+            tokens, last = self.runner.execute_mixed_round(
+                batch, np.asarray(completes, np.bool_), arrays, steps,
+                self.engine_cfg.unroll_decode_steps,
+                None if prev is None else prev.next_inputs, sample_index)
+            return (tokens,), last
+
+        launch = self._dispatch(dispatch)
+        self.stats.num_computed_tokens += len(batch.token_ids)
+        for it, complete in zip(output.scheduled, completes):
+            if complete:
+                it.num_new_tokens += steps - 1
+                self.stats.num_computed_tokens += steps - 1
+        self.scheduler.update_computed(output)
+        for i, (r, complete) in enumerate(zip(requests, completes)):
+            if complete:
+                r.num_pending += steps
+                r.pending_row = i
+        self._round_steps = steps
+        return InFlight(requests, completes, launch, steps=steps)
+
     def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
         """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop
         condition (a request that stopped inside the round drops the rest); returns the
@@ -110,7 +163,10 @@ class MultiStepRounds:
                     if stop_ids else np.zeros(len(requests), np.bool_))
         detokenizers = self._detokenizers
         deltas = []
-        for r, row, stop in zip(requests, block.tolist(), may_stop.tolist()):
+        for r, row, stop, complete in zip(requests, block.tolist(), may_stop.tolist(),
+                                          flight.completes):
+            if not complete:
+                continue  # a mixed round's prefill chunk short of the prompt's end
             r.num_pending -= steps
             if r.finish_reason is not None:
                 continue  # ended or aborted while the round ran: its tokens are dropped

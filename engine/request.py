@@ -72,7 +72,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"    # aborted by the caller
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
     """A sequence being generated: its tokens and how many of them are in the KV cache.
 
@@ -117,6 +117,7 @@ class Request:
     # Token ids that end it: params.stop_token_ids, and the model's EOS ids unless ignore_eos
     # (set by the engine, which knows the EOS ids).
     stop_ids: frozenset = frozenset()
+    sampling_row: tuple = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         # The per-row sampler inputs that never change, as one tuple (SamplingArrays reads it

@@ -176,6 +176,8 @@ class ModelRunner:
                                         static_argnames=("layout", "out_rows"))
         self._multi_step = jax.jit(self._multi_step_impl, donate_argnums=(1,),
                                    static_argnames=("layout", "num_steps", "mode", "unroll"))
+        self._mixed_round = jax.jit(self._mixed_round_impl, donate_argnums=(1,),
+                                    static_argnames=("layout", "num_steps", "mode", "unroll"))
 
     def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
@@ -200,7 +202,7 @@ class ModelRunner:
         programs). They read only the model's structure and config from their runner, so two
         runners of one model can share them (tests build many engines of one model)."""
         self._step, self._step_and_argmax = other._step, other._step_and_argmax
-        self._multi_step = other._multi_step
+        self._multi_step, self._mixed_round = other._multi_step, other._mixed_round
 
     def _step_and_argmax_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                               out_rows: int):
@@ -225,33 +227,68 @@ class ModelRunner:
         """
         x = unpack(packed, layout)
         first_tokens = input_tokens(x, prev_samples)
-        tables, kv_lens, page_size = x["block_tables"], x["kv_lens"], self.page_size  # [S, W]
-        real = kv_lens > 0  # [S] padding rows compute nothing and write nowhere
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        return self._decode_loop(model, cache, first_tokens, x["positions"], x["kv_lens"] > 0,
+                                 x["block_tables"], floats, ints, num_steps, 0, mode, unroll)
+
+    def _decode_loop(self, model, cache, first_tokens, positions, real, tables, floats, ints,
+                     num_steps: int, first_draw: int, mode: str, unroll: bool):
+        """`num_steps` decode steps of the S rows in one device loop: step i computes token
+        first_tokens (then each step's samples) at positions + i, in the rows where `real`
+        (the others compute nothing and write nowhere), and samples with draw index ints[2] +
+        first_draw + i. Returns (tokens [num_steps, S], last tokens [sample_rows], cache)."""
+        page_size, num_seqs = self.page_size, positions.shape[0]
+        start = jnp.arange(num_seqs + 1, dtype=jnp.int32)  # one query token per row
+        rows = jnp.arange(num_seqs, dtype=jnp.int32)
 
         def body(i, carry):
             cache, tokens, out = carry  # tokens [S], out [num_steps, S]
-            positions = x["positions"] + i
-            page_index = jnp.minimum(positions // page_size, tables.shape[1] - 1)
+            pos = positions + i
+            page_index = jnp.minimum(pos // page_size, tables.shape[1] - 1)
             page = jnp.take_along_axis(tables, page_index[:, None], axis=1)[:, 0]
             meta = AttentionMetadata(
-                positions=positions, slot_mapping=jnp.where(
-                    real, page * page_size + positions % page_size, -1),
-                block_tables=tables, query_start_loc=x["query_start_loc"],
-                kv_lens=jnp.where(real, kv_lens + i, 0), max_q_len=1, max_prefill_seqs=0,
+                positions=pos, slot_mapping=jnp.where(real, page * page_size + pos % page_size,
+                                                      -1),
+                block_tables=tables, query_start_loc=start,
+                kv_lens=jnp.where(real, pos + 1, 0), max_q_len=1, max_prefill_seqs=0,
                 kv_quant=self.kv_quant)
-            logits, cache = forward(model, cache, tokens, meta, self.cfg, x["logits_indices"])
-            if mode == "greedy":
-                tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            else:  # the draw index of step i is the first's + i (ints[2]: steps)
-                tokens = sample_from_packed(logits, floats, ints.at[2].add(i.astype(ints.dtype)),
-                                            mode=mode)
+            logits, cache = forward(model, cache, tokens, meta, self.cfg, rows)
+            tokens = self._draw(logits, floats, ints, first_draw + i, mode)
             return cache, tokens, out.at[i].set(tokens)
 
-        out = jnp.zeros((num_steps, layout.num_seqs), jnp.int32)
+        out = jnp.zeros((num_steps, num_seqs), jnp.int32)
         cache, last, out = jax.lax.fori_loop(0, num_steps, body, (cache, first_tokens, out),
                                              unroll=unroll)
         return out, jnp.pad(last, (0, self.sample_rows - last.shape[0])), cache
+
+    @staticmethod
+    def _draw(logits, floats, ints, draw: int | jax.Array, mode: str) -> jax.Array:
+        """Each row's token: the argmax (mode 'greedy'), or drawn with draw index ints[2] +
+        draw (engine.sampling.sample_from_packed)."""
+        if mode == "greedy":
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        draw = jnp.asarray(draw).astype(ints.dtype)
+        return sample_from_packed(logits, floats, ints.at[2].add(draw), mode=mode)
+
+    def _mixed_round_impl(self, weights, cache, packed, floats, ints, prev_samples,
+                          layout: StepLayout, num_steps: int, mode: str, unroll: bool = False):
+        """A step of any kind (prefill chunks and decodes mixed, `_step_impl`) and then
+        num_steps - 1 decode steps of its rows, in one program. packed: the step's inputs
+        (step_inputs.pack) followed by one int32 per row, 1 where the row's step token is its
+        request's next token (a prompt completed, or a decode), 0 for a prefill chunk short of
+        the prompt's end or padding: only those rows decode on, from position kv_lens.
+        Returns (tokens int32 [num_steps, S]: the step's samples, then each decode step's;
+        the last step's tokens [sample_rows]; cache)."""
+        num_seqs = layout.num_seqs
+        step_packed, complete = packed[:-num_seqs], packed[-num_seqs:] > 0
+        logits, cache = self._step_impl(weights, cache, step_packed, prev_samples, layout)
+        first = self._draw(logits, floats, ints, 0, mode)  # [S]
+        x = unpack(step_packed, layout)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        rest, last, cache = self._decode_loop(model, cache, first, x["kv_lens"], complete,
+                                              x["block_tables"], floats, ints, num_steps - 1,
+                                              1, mode, unroll)
+        return jnp.concatenate([first[None], rest]), last, cache
 
     def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
                            unroll: bool = False, prev_samples: jax.Array | None = None,
@@ -274,6 +311,33 @@ class ModelRunner:
         self.compiled_shapes.add(("multi_step", layout, num_steps, mode, unroll))
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
         tokens, last, self.cache = self._multi_step(
+            self._weights, self.cache, packed, floats, ints,
+            self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode,
+            unroll)
+        tokens.copy_to_host_async()
+        return tokens, last
+
+    def execute_mixed_round(self, batch: StepBatch, complete: np.ndarray,
+                            arrays: SamplingArrays, num_steps: int, unroll: bool = False,
+                            prev_samples: jax.Array | None = None,
+                            sample_index: np.ndarray | None = None) -> tuple:
+        """Runs a step of any kind and then num_steps - 1 decode steps of the rows where
+        `complete` (bool [S]: the row's step token is its request's next token; every such row
+        needs pages for num_steps - 1 more tokens) as one program, without waiting. Returns
+        device arrays: tokens int32 [num_steps, bucket(S)] (row i's are meaningful where
+        complete[i]; their copy to the host has started) and the last step's tokens
+        [sample_rows] (as `execute_multi_step`). No penalties or logprobs."""
+        if arrays.penalties is not None or arrays.num_logprobs:
+            raise ValueError("a mixed round takes no penalties or logprobs")
+        if len(complete) != batch.num_seqs:
+            raise ValueError(f"complete has {len(complete)} rows for {batch.num_seqs} sequences")
+        layout, packed = self._padded(batch, sample_index)
+        mode = arrays.mode()
+        self.compiled_shapes.add(("mixed_round", layout, num_steps, mode, unroll))
+        packed = np.concatenate([packed, _pad(np.asarray(complete, np.int32),
+                                              (layout.num_seqs,), 0)])
+        floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
+        tokens, last, self.cache = self._mixed_round(
             self._weights, self.cache, packed, floats, ints,
             self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode,
             unroll)
@@ -368,6 +432,15 @@ class ModelRunner:
         dummy = _padding_batch([1] * num_seqs, num_pages)
         np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs), num_steps,
                                            unroll)[0])
+
+    def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int,
+                           unroll: bool = False) -> None:
+        """Compiles the greedy mixed-round program of a step whose sequences compute q_lens
+        tokens each (on padding: nothing is written)."""
+        dummy = _padding_batch(q_lens, num_pages)
+        np.asarray(self.execute_mixed_round(dummy, np.zeros(dummy.num_seqs, np.bool_),
+                                            SamplingArrays.defaults(dummy.num_seqs), num_steps,
+                                            unroll)[0])
 
     def warmup_samplers(self) -> None:
         """Compiles the sampler programs of batches with sampled rows (without and with top-k /

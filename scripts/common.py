@@ -50,6 +50,10 @@ def define_engine_flags() -> None:
                       "With --num_decode_steps: after a step that admitted requests, admit none "
                       "while fewer than 1/8 of the slots are free, and chunk only a step's first "
                       "admitted prompt, so that the next step can be a round.")
+    flags.DEFINE_bool("mixed_rounds", False,
+                      "With --num_decode_steps: run a step with prefill chunks and then "
+                      "num_decode_steps - 1 decode steps of its rows in one program, when more "
+                      "than half of the sequence slots are scheduled.")
     flags.DEFINE_bool("unroll_decode_steps", False,
                       "With --num_decode_steps: trace a round's steps one after another (one "
                       "straight program) instead of a device loop; compiles longer.")
@@ -107,6 +111,7 @@ def engine_config_from_flags(FLAGS, cfg):
                         dispatch_thread=FLAGS.dispatch_thread,
                         num_decode_steps=FLAGS.num_decode_steps,
                         pause_admissions_for_rounds=FLAGS.pause_admissions_for_rounds,
+                        mixed_rounds=FLAGS.mixed_rounds,
                         unroll_decode_steps=FLAGS.unroll_decode_steps)
 
 

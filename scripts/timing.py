@@ -105,7 +105,8 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
     engine.stats.steps[i] when both start empty (phases at a given number of running
     sequences)."""
     totals = dict.fromkeys(["schedule", "rows + batch", "sampling arrays", "dispatch step",
-                            "dispatch multi-step", "update computed", "finish + append"], 0.0)
+                            "dispatch multi-step", "dispatch mixed round", "update computed",
+                            "finish + append"], 0.0)
 
     active: set = set()
 
@@ -121,7 +122,8 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
     # engine's host time, not in it: their phases are marked WORKER.
     worker = WORKER if getattr(engine, "_dispatcher", None) is not None else ""
     for name, phase in (("execute_and_sample", "dispatch step"),
-                        ("execute_multi_step", "dispatch multi-step")):
+                        ("execute_multi_step", "dispatch multi-step"),
+                        ("execute_mixed_round", "dispatch mixed round")):
         if hasattr(engine.runner, name):
             totals[worker + phase] = totals.pop(phase)
             timed(engine.runner, name, worker + phase)

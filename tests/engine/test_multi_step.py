@@ -148,17 +148,21 @@ def test_rounds_fall_back_to_single_steps(make_engine):
         EngineConfig(num_decode_steps=0)
 
 
-def test_warmup_compiles_the_rounds_a_run_reaches(make_engine):
-    """After warm-up, a greedy run of multi-step rounds compiles nothing new."""
+@pytest.mark.parametrize("mixed", [False, True])
+def test_warmup_compiles_the_rounds_a_run_reaches(make_engine, mixed):
+    """After warm-up, a greedy run of multi-step rounds (with mixed rounds: its first step,
+    three prompts, runs as one) compiles nothing new."""
     rng = np.random.default_rng(42)
-    prompts = [random_prompt(rng, 10), random_prompt(rng, 14)]
-    engine = make_engine(MULTI_BASE)
-    engine.warmup(num_seqs=2, max_total_len=40, prompt_lens=[10, 14])
+    lens = [10, 14, 12] if mixed else [10, 14]
+    prompts = [random_prompt(rng, n) for n in lens]
+    engine = make_engine(dataclasses.replace(MULTI_BASE, mixed_rounds=mixed))
+    engine.warmup(num_seqs=len(lens), max_total_len=40, prompt_lens=lens)
     warmed = set(engine.runner.compiled_shapes)
-    assert any(key[0] == "multi_step" for key in warmed if isinstance(key[0], str))
+    kinds = {key[0] for key in warmed if isinstance(key[0], str)}
+    assert "multi_step" in kinds and ("mixed_round" in kinds) == mixed
     log = multi_step_rounds(engine)
     engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
-    assert max(log) == 4
+    assert max(log) == 4 and (log[0] == 4) == mixed
     assert set(engine.runner.compiled_shapes) == warmed
 
 
@@ -186,3 +190,34 @@ def test_outputs_under_load_with_and_without_the_admission_pause(overlap):
         saturated = steps_run[round_sets(steps_run)["saturated"], 4]
         assert (saturated.max() > 1) == (steps > 1)
     assert outs[1] == outs[0] and outs[2] == outs[0]
+
+
+MIXED_STRESS = dataclasses.replace(MULTI_STRESS, mixed_rounds=True)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_streams_with_mixed_rounds_equal_single_steps(make_engine, overlap):
+    """Mixed rounds (EngineConfig.mixed_rounds: a step with prefill chunks, then decode steps
+    of its rows that completed their prompts or decode, in one program), synchronous and
+    asynchronous: the outcomes of single steps on random request streams (chunked prefill,
+    preemption, aborts, seeded sampling), and mixed rounds did run."""
+    config = dataclasses.replace(MIXED_STRESS, async_scheduling=overlap)
+    mixed = []
+
+    @HYPOTHESIS
+    @given(stream=request_streams())
+    def run(stream):
+        def instrument(engine):
+            launches, inner = [], engine._launch_mixed_round
+
+            def launch(output):
+                launches.append(len(output.scheduled))
+                return inner(output)
+            engine._launch_mixed_round = launch
+            return launches
+
+        _, launches = same_outcomes_across(make_engine, (STRESS, config), stream, instrument)
+        mixed.append(len(launches))
+
+    run()
+    assert sum(mixed) > 0

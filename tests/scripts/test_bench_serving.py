@@ -7,7 +7,7 @@ import sys
 import pytest
 
 PHASES = {"schedule", "rows + batch", "sampling arrays", "dispatch step", "dispatch multi-step",
-          "update computed", "finish + append", "other host", "wait for tokens"}
+          "dispatch mixed round", "update computed", "finish + append", "other host", "wait for tokens"}
 WORKLOAD = ["--model=tiny-llama", "--random_weights", "--num_requests=12", "--max_num_seqs=4",
             "--max_num_batched_tokens=64", "--max_model_len=256", "--max_input_len=40",
             "--max_output_len=20", "--input_len=16", "--output_len=8", "--warmup=rerun",
@@ -25,17 +25,19 @@ def run_bench(tmp_path, *flags) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["async", "multi_step", "async_multi_step",
-                                  "async_multi_step_thread"])
+                                  "async_multi_step_thread", "async_mixed_rounds"])
 def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
     flags = {"async": ["--async_scheduling=true"],
              "multi_step": ["--num_decode_steps=4", "--static_baseline=false"],
              "async_multi_step": ["--num_decode_steps=4", "--async_scheduling=true",
                                   "--static_baseline=false"],
              "async_multi_step_thread": ["--num_decode_steps=4", "--async_scheduling=true",
-                                         "--dispatch_thread", "--static_baseline=false"]}[mode]
+                                         "--dispatch_thread", "--static_baseline=false"],
+             "async_mixed_rounds": ["--num_decode_steps=4", "--async_scheduling=true",
+                                    "--mixed_rounds", "--static_baseline=false"]}[mode]
     # Dispatches made on the worker thread are timed beside the host time, not in it.
     worker = "worker thread: " if mode.endswith("thread") else ""
-    dispatch = {"dispatch step", "dispatch multi-step"}
+    dispatch = {"dispatch step", "dispatch multi-step", "dispatch mixed round"}
     expected = {worker + name if name in dispatch else name for name in PHASES}
     result = run_bench(tmp_path, *flags)
     run = result["continuous"]
@@ -63,3 +65,5 @@ def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
     else:
         assert run["num_decode_steps"] == 4 and "static" not in result
         assert phases[worker + "dispatch multi-step"] > 0  # decodes ran as rounds
+        # prefill steps ran as mixed rounds exactly when asked
+        assert (phases[worker + "dispatch mixed round"] > 0) == mode.endswith("mixed_rounds")
