@@ -48,7 +48,8 @@ class EngineConfig:
     # With rounds: a step with prefill chunks is followed, in the same program, by
     # num_decode_steps - 1 decode steps of its rows whose prompts it completes or which decode
     # (engine/multi_step.py, `_mixed_round_ready`), when more than half of the sequence slots'
-    # bucket is scheduled. vLLM's multi-step with chunked prefill did the same.
+    # bucket is scheduled and, while requests wait, fewer than 1/16 of the slots are free.
+    # vLLM's multi-step with chunked prefill did the same.
     mixed_rounds: bool = False
     # A round's steps traced one after another (one straight program, like a single step,
     # num_decode_steps times longer to compile) instead of a device loop.
