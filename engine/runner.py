@@ -301,21 +301,11 @@ class ModelRunner:
         its input tokens (asynchronous scheduling; prev_samples and sample_index as in
         `execute_padded`). No penalties or logprobs (they need the host between steps).
         `unroll`: see `_multi_step_impl`."""
-        if arrays.penalties is not None or arrays.num_logprobs:
-            raise ValueError("multi-step decoding takes no penalties or logprobs")
         if len(batch.token_ids) != batch.num_seqs:
             raise ValueError(f"multi-step decoding needs one token per sequence, got "
                              f"{len(batch.token_ids)} tokens for {batch.num_seqs} sequences")
-        layout, packed = self._padded(batch, sample_index)
-        mode = arrays.mode()
-        self.compiled_shapes.add(("multi_step", layout, num_steps, mode, unroll))
-        floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
-        tokens, last, self.cache = self._multi_step(
-            self._weights, self.cache, packed, floats, ints,
-            self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode,
-            unroll)
-        tokens.copy_to_host_async()
-        return tokens, last
+        return self._run_round(self._multi_step, "multi_step", batch, arrays, num_steps, unroll,
+                               prev_samples, sample_index)
 
     def execute_mixed_round(self, batch: StepBatch, complete: np.ndarray,
                             arrays: SamplingArrays, num_steps: int, unroll: bool = False,
@@ -327,17 +317,27 @@ class ModelRunner:
         device arrays: tokens int32 [num_steps, bucket(S)] (row i's are meaningful where
         complete[i]; their copy to the host has started) and the last step's tokens
         [sample_rows] (as `execute_multi_step`). No penalties or logprobs."""
-        if arrays.penalties is not None or arrays.num_logprobs:
-            raise ValueError("a mixed round takes no penalties or logprobs")
         if len(complete) != batch.num_seqs:
             raise ValueError(f"complete has {len(complete)} rows for {batch.num_seqs} sequences")
+        return self._run_round(self._mixed_round, "mixed_round", batch, arrays, num_steps,
+                               unroll, prev_samples, sample_index, complete)
+
+    def _run_round(self, program, kind: str, batch: StepBatch, arrays: SamplingArrays,
+                   num_steps: int, unroll: bool, prev_samples, sample_index,
+                   complete: np.ndarray | None = None) -> tuple:
+        """Pads and packs a round's batch (with `complete` appended, for a mixed round), runs
+        the jitted `program` without waiting and starts its tokens' copy to the host; returns
+        (tokens [num_steps, bucket(S)], last step's tokens [sample_rows])."""
+        if arrays.penalties is not None or arrays.num_logprobs:
+            raise ValueError(f"a {kind.replace('_', '-')} round takes no penalties or logprobs")
         layout, packed = self._padded(batch, sample_index)
         mode = arrays.mode()
-        self.compiled_shapes.add(("mixed_round", layout, num_steps, mode, unroll))
-        packed = np.concatenate([packed, _pad(np.asarray(complete, np.int32),
-                                              (layout.num_seqs,), 0)])
+        self.compiled_shapes.add((kind, layout, num_steps, mode, unroll))
+        if complete is not None:
+            packed = np.concatenate([packed, _pad(np.asarray(complete, np.int32),
+                                                  (layout.num_seqs,), 0)])
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
-        tokens, last, self.cache = self._mixed_round(
+        tokens, last, self.cache = program(
             self._weights, self.cache, packed, floats, ints,
             self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode,
             unroll)
