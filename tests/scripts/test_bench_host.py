@@ -65,3 +65,17 @@ def test_serving_workload_figures_per_round_set():
         assert {"schedule", "finish + append"} <= set(result[f"phase_s_per_step_{name}"])
     assert 0 < result["multi_step_rounds_saturated"] <= result["rounds_saturated"]
     assert result["mean_running_at_max_running"] == 32
+
+
+def test_round_sets_pick_the_most_running_and_the_saturated_rounds():
+    """timing.round_sets: rows (running, host, wall, exposed, model steps, waiting); saturated
+    starts at the first round at the most running and keeps the rounds after whose scheduling
+    requests waited; nothing recorded gives empty sets."""
+    from scripts.timing import round_sets
+    steps = [(4, 0, 1, 0, 1, 9), (8, 0, 1, 0, 1, 5), (7, 0, 1, 0, 8, 3), (8, 0, 1, 0, 1, 1),
+             (6, 0, 1, 0, 8, 0), (8, 0, 1, 0, 1, 0)]
+    sets = round_sets(steps)
+    assert sets["at_max_running"].tolist() == [False, True, False, True, False, True]
+    assert sets["saturated"].tolist() == [False, True, True, True, False, False]
+    empty = round_sets([])
+    assert empty["at_max_running"].size == empty["saturated"].size == 0
