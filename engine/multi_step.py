@@ -3,6 +3,9 @@ scheduling): while every running request decodes, one program runs num_decode_st
 (ModelRunner.execute_multi_step) and the host schedules, dispatches and reads tokens once per
 round. With asynchronous scheduling a round is launched before the host reads the step or round
 before it, like a single step: its first tokens come from that one's samples on the device.
+With EngineConfig.mixed_rounds a step with prefill chunks is a round too (`_mixed_round_ready`:
+the step, then decode steps of its rows, ModelRunner.execute_mixed_round); with
+EngineConfig.pause_admissions_for_rounds admissions pause so that rounds can follow them.
 A mixin of LLMEngine: it uses the engine's scheduler, pool, runner, in-flight step and
 _append_tokens.
 """
