@@ -270,14 +270,25 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 batch, arrays, None if prev is None else prev.next_inputs, sample_index)
             return results, results[0]
 
-        launch = self._dispatch(dispatch)
+        return self._launched(output, requests, completes, self._dispatch(dispatch), 1)
+
+    def _launched(self, output: SchedulerOutput, requests: list[Request], completes: list[bool],
+                  launch, steps: int) -> InFlight:
+        """The bookkeeping of a launched step or round of `steps` model steps: each complete
+        row (its step token is its request's next one) computes steps - 1 tokens more than its
+        step's and leaves `steps` sampled tokens in flight; counters and cached pages advance."""
+        if steps > 1:
+            for it, complete in zip(output.scheduled, completes):
+                if complete:
+                    it.num_new_tokens += steps - 1
         self.scheduler.update_computed(output)
-        self.stats.num_computed_tokens += len(batch.token_ids)
-        for i, r in enumerate(requests):
-            if completes[i]:
-                r.num_pending += 1
+        self.stats.num_computed_tokens += output.num_tokens
+        for i, (r, complete) in enumerate(zip(requests, completes)):
+            if complete:
+                r.num_pending += steps
                 r.pending_row = i
-        return InFlight(requests, completes, launch)
+        self._round_steps = steps
+        return InFlight(requests, completes, launch, steps=steps)
 
     def _step_inputs(self, output: SchedulerOutput) -> tuple:
         """(requests, completes, StepBatch, sample_index, SamplingArrays) of a scheduled step.

@@ -88,16 +88,8 @@ class MultiStepRounds:
                 None if prev is None else prev.next_inputs, sample_index)
             return (out,), last
 
-        launch = self._dispatch(dispatch)
-        for it in output.scheduled:
-            it.num_new_tokens = steps
-        self.scheduler.update_computed(output)
-        self.stats.num_computed_tokens += output.num_tokens
-        for i, r in enumerate(requests):
-            r.num_pending += steps
-            r.pending_row = i
-        self._round_steps = steps
-        return InFlight(requests, [True] * len(requests), launch, steps=steps)
+        return self._launched(output, requests, [True] * len(requests),
+                              self._dispatch(dispatch), steps)
 
     def _mixed_round_ready(self, output: SchedulerOutput) -> bool:
         """Whether this step (with prefill chunks) can run as a mixed round
@@ -142,19 +134,7 @@ class MultiStepRounds:
                 None if prev is None else prev.next_inputs, sample_index)
             return (tokens,), last
 
-        launch = self._dispatch(dispatch)
-        self.stats.num_computed_tokens += len(batch.token_ids)
-        for it, complete in zip(output.scheduled, completes):
-            if complete:
-                it.num_new_tokens += steps - 1
-                self.stats.num_computed_tokens += steps - 1
-        self.scheduler.update_computed(output)
-        for i, (r, complete) in enumerate(zip(requests, completes)):
-            if complete:
-                r.num_pending += steps
-                r.pending_row = i
-        self._round_steps = steps
-        return InFlight(requests, completes, launch, steps=steps)
+        return self._launched(output, requests, completes, self._dispatch(dispatch), steps)
 
     def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
         """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop

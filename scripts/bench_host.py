@@ -135,14 +135,10 @@ def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int
     for name, mask in timing.round_sets(steps).items():
         chosen = np.nonzero(mask)[0]
         model_steps = steps[chosen, 4].sum()
-        out |= {f"rounds_{name}": len(chosen),
-                f"multi_step_rounds_{name}": int((steps[chosen, 4] > 1).sum()),
-                f"mean_running_{name}": float(steps[chosen, 0].mean()) if len(chosen) else None,
-                f"host_s_per_step_{name}": (float(steps[chosen, 1].sum() / model_steps)
-                                            if model_steps else None),
-                f"phase_s_per_step_{name}": {
-                    k: sum(per_step[i][k] for i in chosen) / model_steps
-                    for k in phases if model_steps and any(per_step[i][k] for i in chosen)}}
+        out |= timing.round_set_figures(steps, mask, name)
+        out[f"phase_s_per_step_{name}"] = {
+            k: sum(per_step[i][k] for i in chosen) / model_steps
+            for k in phases if model_steps and any(per_step[i][k] for i in chosen)}
     return out
 
 
@@ -192,17 +188,17 @@ def main(_):
         print(f"serving workload, {result['num_seqs']} slots, {mode}: "
               f"{result['host_s_per_step_all'] * 1e3:.3f} ms of host work per model step over "
               f"all {result['rounds']} rounds")
-        table = None
+        table, table_label = {}, ""
         for name, label in (("at_max_running", "with the most running"),
                             ("saturated", "while saturated (requests waiting)")):
             if result[f"host_s_per_step_{name}"] is None:
                 continue
-            table = result[f"phase_s_per_step_{name}"]
+            table, table_label = result[f"phase_s_per_step_{name}"], label
             print(f"  {result[f'host_s_per_step_{name}'] * 1e3:.3f} ms over the "
                   f"{result[f'rounds_{name}']} rounds {label} "
                   f"({result[f'multi_step_rounds_{name}']} of them multi-step, "
                   f"{result[f'mean_running_{name}']:.1f} running on average)")
-        print(f"phases {label}:")
+        print(f"phases {table_label}:")
     else:
         print(f"{result['num_seqs']} sequences, {mode}: "
               f"{result['host_s_per_step'] * 1e3:.3f} ms of host work per model step "

@@ -163,17 +163,9 @@ def host_share(engine) -> dict:
            "async_scheduling": engine.engine_cfg.async_scheduling,
            "num_decode_steps": engine.engine_cfg.num_decode_steps}
     for name, mask in timing.round_sets(steps).items():
-        chosen = steps[mask]
-        model_steps = chosen[:, 4].sum()
-        out |= {f"host_share_{name}": share(chosen, 1),
-                f"exposed_host_share_{name}": share(chosen, 3),
-                f"rounds_{name}": len(chosen), f"model_steps_{name}": int(model_steps),
-                f"multi_step_rounds_{name}": int((chosen[:, 4] > 1).sum()),
-                f"mean_running_{name}": float(chosen[:, 0].mean()) if len(chosen) else None,
-                f"mean_step_s_{name}": (float(chosen[:, 2].sum() / model_steps)
-                                        if model_steps else None),
-                f"host_s_per_step_{name}": (float(chosen[:, 1].sum() / model_steps)
-                                            if model_steps else None)}
+        out |= {f"host_share_{name}": share(steps[mask], 1),
+                f"exposed_host_share_{name}": share(steps[mask], 3)}
+        out |= timing.round_set_figures(steps, mask, name)
     return out
 
 

@@ -93,6 +93,23 @@ def round_sets(steps) -> dict:
     return {"at_max_running": at_max, "saturated": after_fill & (steps[:, 5] > 0)}
 
 
+def round_set_figures(steps, mask, name: str) -> dict:
+    """Figures of the rounds `mask` picks out of EngineStats.steps rows (see `round_sets`),
+    keyed `<figure>_<name>`: rounds, model steps, multi-step rounds, mean running, and wall
+    and host seconds per model step (None without model steps)."""
+    import numpy as np
+    chosen = np.asarray(steps, float).reshape(-1, 6)[mask]
+    model_steps = chosen[:, 4].sum()
+
+    def per_step(column):
+        return float(chosen[:, column].sum() / model_steps) if model_steps else None
+
+    return {f"rounds_{name}": len(chosen), f"model_steps_{name}": int(model_steps),
+            f"multi_step_rounds_{name}": int((chosen[:, 4] > 1).sum()),
+            f"mean_running_{name}": float(chosen[:, 0].mean()) if len(chosen) else None,
+            f"mean_step_s_{name}": per_step(2), f"host_s_per_step_{name}": per_step(1)}
+
+
 def time_engine_phases(engine, per_step: list | None = None) -> dict:
     """Wraps the host phases of this engine (its own methods and those of its scheduler, rows
     and runner: no module-wide patch) with timers; returns {phase: total seconds}, filled as the
