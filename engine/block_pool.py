@@ -64,13 +64,14 @@ class BlockPool:
         if count > len(self._free):
             raise OutOfPagesError(
                 f"KV cache out of pages: need {count}, {len(self._free)} of {self.num_pages} free")
+        free, key_of_page, refs = self._free, self._key_of_page, self.ref_counts
         pages = []
         for _ in range(count):
-            page, _ = self._free.popitem(last=False)
-            key = self._key_of_page.pop(page, None)
+            page, _ = free.popitem(last=False)
+            key = key_of_page.pop(page, None)
             if key is not None:
                 del self._page_of_key[key]
-            self.ref_counts[page] = 1
+            refs[page] = 1
             pages.append(page)
         return pages
 
@@ -90,12 +91,14 @@ class BlockPool:
 
         Pages are freed last-first, so a sequence's tail pages are evicted before its prefix.
         """
+        refs, free = self.ref_counts, self._free
         for page in reversed(pages):
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] < 0:
+            count = refs[page] - 1
+            refs[page] = count
+            if count == 0:
+                free[page] = None
+            elif count < 0:
                 raise RuntimeError(f"page {page} freed more often than it was referenced")
-            if self.ref_counts[page] == 0:
-                self._free[page] = None
 
     # ---- prefix cache ---------------------------------------------------------------------------
 
@@ -132,19 +135,25 @@ class BlockPool:
         """
         if not self.enable_prefix_caching:
             return num_computed // self.page_size
-        full = num_computed // self.page_size
+        size = self.page_size
+        full = num_computed // size
+        if full <= num_cached_pages:
+            return num_cached_pages
         parent = None
         if num_cached_pages > 0:
             parent = self._key_of_page.get(pages[num_cached_pages - 1])
             if parent is None:  # the chain is broken (page owned elsewhere): recompute it
                 parent = self._chain_key(token_ids, num_cached_pages)
-        for i in range(num_cached_pages, full):
-            key = page_hash(parent, token_ids[i * self.page_size:(i + 1) * self.page_size])
-            if key not in self._page_of_key and pages[i] not in self._key_of_page:
-                self._page_of_key[key] = pages[i]
-                self._key_of_page[pages[i]] = key
+        span = token_ids[num_cached_pages * size:full * size]  # the new pages' tokens, one slice
+        page_of_key, key_of_page = self._page_of_key, self._key_of_page
+        for i, start in zip(range(num_cached_pages, full), range(0, len(span), size)):
+            key = page_hash(parent, span[start:start + size])
+            page = pages[i]
+            if key not in page_of_key and page not in key_of_page:
+                page_of_key[key] = page
+                key_of_page[page] = key
             parent = key
-        return max(full, num_cached_pages)
+        return full
 
     def _chain_key(self, token_ids: Sequence[int], num_pages: int) -> int | None:
         parent = None

@@ -296,25 +296,27 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         token), not a prefill chunk short of the prompt's end."""
         requests = [it.request for it in output.scheduled]
         counts = [it.num_new_tokens for it in output.scheduled]
-        firsts, tokens, completes, placeholders, sources = [], [], [], [], []
-        num_tokens = 0
-        for r, n in zip(requests, counts):  # the only Python loop over the rows
-            first = r.num_computed_tokens
-            num_prompt = len(r.prompt_ids)
-            known = num_prompt + len(r.output_ids)
-            firsts.append(first)
-            if first + n > known:  # its last token is in flight: read it from prev's samples
-                if n > 1:
-                    tokens += r.tokens_between(first, first + n - 1)
-                tokens.append(0)
-                placeholders.append(num_tokens + n - 1)
-                sources.append(r.pending_row)
-            elif n == 1 and first >= num_prompt:  # a decode step whose token the host has
-                tokens.append(r.output_ids[first - num_prompt])
-            else:
-                tokens += r.tokens_between(first, first + n)
-            completes.append(first + n >= known + r.num_pending)
-            num_tokens += n
+        # Per row, in comprehensions (the only Python passes over the rows): first position,
+        # tokens the host knows, tokens in flight.
+        firsts = [r.num_computed_tokens for r in requests]
+        knowns = [len(r.prompt_ids) + len(r.output_ids) for r in requests]
+        pendings = [r.num_pending for r in requests]
+        ends = [f + n for f, n in zip(firsts, counts)]
+        completes = [e >= k + p for e, k, p in zip(ends, knowns, pendings)]
+        # A row whose last token is in flight reads it from prev's samples (a placeholder 0
+        # here); the rest of its tokens, and every token of the other rows, the host has:
+        # written row by row for the rows with such tokens only (prompts, mostly).
+        in_flight = [i for i, (e, k) in enumerate(zip(ends, knowns)) if e > k]
+        starts = np.zeros(len(requests) + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        num_tokens = int(starts[-1])
+        tokens = np.zeros(num_tokens, np.int32)  # [N]
+        for i, (r, first, end, known) in enumerate(zip(requests, firsts, ends, knowns)):
+            upto = min(end, known)
+            if upto > first:
+                tokens[starts[i]:starts[i] + upto - first] = r.tokens_between(first, upto)
+        placeholders = (starts[1:] - 1)[in_flight]
+        sources = [requests[i].pending_row for i in in_flight]
         slots = self.scheduler.rows.slots(requests)  # [S] rows of the persistent tables
         batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = self._sample_index(num_tokens, placeholders, sources)
@@ -329,12 +331,12 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             return dispatch()
         return self._dispatcher.submit(dispatch)
 
-    def _sample_index(self, num_tokens: int, placeholders: list[int],
-                      sources: list[int]) -> np.ndarray | None:
-        """int32 [num_tokens]: for the tokens at `placeholders`, whose ids are still in flight,
-        their rows `sources` in the in-flight step's samples; -1 for the host's ids. None when
-        every id is on the host."""
-        if not placeholders:
+    def _sample_index(self, num_tokens: int, placeholders, sources: list[int]
+                      ) -> np.ndarray | None:
+        """int32 [num_tokens]: for the tokens at `placeholders` (indices), whose ids are still
+        in flight, their rows `sources` in the in-flight step's samples; -1 for the host's ids.
+        None when every id is on the host."""
+        if len(placeholders) == 0:
             return None
         sample_index = np.full(num_tokens, -1, np.int32)
         sample_index[placeholders] = sources

@@ -49,17 +49,29 @@ class MultiStepRounds:
         logprobs, the context has room for all the steps, and the pool has pages for them
         (taken here)."""
         steps = self.engine_cfg.num_decode_steps
-        if not output.scheduled or output.preempted or not self._rounds_possible():
+        if (not output.scheduled or output.preempted or not self._rounds_possible()
+                or output.scheduled[-1].num_new_tokens != 1):  # admissions come last
             return False
         limit = self._context_limit()
         for it in output.scheduled:
             r = it.request
+            computed = r.num_computed_tokens
             if (it.num_new_tokens != 1
-                    or r.num_computed_tokens != r.num_tokens + r.num_pending - 1
-                    or r.num_computed_tokens + steps > limit or r.params.logprobs is not None):
+                    or computed != len(r.prompt_ids) + len(r.output_ids) + r.num_pending - 1
+                    or computed + steps > limit or r.params.logprobs is not None):
                 return False
-        return all(self.pool.grow(it.request.pages, it.request.num_computed_tokens + steps)
-                   for it in output.scheduled)
+        return self._grow_all((it.request, it.request.num_computed_tokens + steps)
+                              for it in output.scheduled)
+
+    def _grow_all(self, needs) -> bool:
+        """Pages for every (request, tokens) of `needs` (BlockPool.grow; False at the first
+        the pool cannot give, with the pages taken so far kept)."""
+        pool = self.pool
+        size = pool.page_size
+        for r, n in needs:
+            if n > len(r.pages) * size and not pool.grow(r.pages, n):
+                return False
+        return True
 
     def _launch_round(self, output: SchedulerOutput) -> InFlight:
         """Launches num_decode_steps decode steps of the scheduled requests as one program,
@@ -115,11 +127,12 @@ class MultiStepRounds:
             if r.params.logprobs is not None:
                 return False
             end = r.num_computed_tokens + it.num_new_tokens
-            if end >= r.num_tokens + r.num_pending:  # its step token is its next one
+            # its step token is its next one
+            if end >= len(r.prompt_ids) + len(r.output_ids) + r.num_pending:
                 if end + extra > limit:
                     return False
                 going_on.append((r, end + extra))
-        return all(self.pool.grow(r.pages, n) for r, n in going_on)
+        return self._grow_all(going_on)
 
     def _launch_mixed_round(self, output: SchedulerOutput) -> InFlight:
         """Launches a mixed round (see `_mixed_round_ready`) as one program, without waiting."""
@@ -158,7 +171,9 @@ class MultiStepRounds:
             r.num_pending -= steps
             if r.finish_reason is not None:
                 continue  # ended or aborted while the round ran: its tokens are dropped
-            if (stop or r.length_room(limit) <= steps or r.first_token_time is None
+            num_outputs = len(r.output_ids) + steps  # Request.length_room(limit) <= steps:
+            if (stop or num_outputs >= r.params.max_tokens  # (inlined, it runs for every row)
+                    or len(r.prompt_ids) + num_outputs >= limit or r.first_token_time is None
                     or r.request_id in detokenizers):
                 deltas.append(self._append_tokens(r, row, None, now, limit))
             else:

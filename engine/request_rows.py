@@ -39,16 +39,31 @@ class RequestRows:
         return self.capacity - len(self._free)
 
     def slots(self, requests) -> np.ndarray:
-        """int32 [S]: each request's slot, its row brought up to date with its pages."""
+        """int32 [S]: each request's slot, its row brought up to date with its pages (the
+        pages gained since its last write, all of a row at once in one scatter)."""
         out = []
+        rows, cols, pages, counted, counts = [], [], [], [], []
         for r in requests:
             slot = r.slot
             if slot < 0:
                 slot = self._assign(r)
             n = len(r.pages)
-            if n != r.table_len:
-                self._write(r, slot, n)
+            written = r.table_len
+            if n != written:
+                start = written if n > written else 0  # it lost pages: write them all again
+                rows += [slot] * (n - start)
+                cols += range(start, n)
+                pages += r.pages[start:n]
+                counted.append(slot)
+                counts.append(n)
+                r.table_len = n
             out.append(slot)
+        if counted:
+            if max(counts) > self.tables.shape[1]:
+                self._grow(columns=max(max(counts), 2 * self.tables.shape[1])
+                           - self.tables.shape[1])
+            self.tables[rows, cols] = pages
+            self.num_pages[counted] = counts
         return np.array(out, np.int32)
 
     def release(self, request) -> None:
@@ -66,15 +81,6 @@ class RequestRows:
         self.sampling[slot] = request.sampling_row
         self.logprobs[slot] = request.params.logprobs is not None
         return slot
-
-    def _write(self, request, slot: int, n: int) -> None:
-        """Writes the pages the request gained since the last write (all, if it lost some)."""
-        start = request.table_len if n > request.table_len else 0
-        if n > self.tables.shape[1]:
-            self._grow(columns=max(n, 2 * self.tables.shape[1]) - self.tables.shape[1])
-        self.tables[slot, start:n] = request.pages[start:n]
-        self.num_pages[slot] = n
-        request.table_len = n
 
     def _grow(self, rows: int = 0, columns: int = 0) -> None:
         self.tables = np.pad(self.tables, ((0, rows), (0, columns)))

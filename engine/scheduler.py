@@ -101,6 +101,13 @@ class Scheduler:
         self.abort(request)
 
     def _release(self, request: Request) -> None:
+        """Frees a request's pages, first keying its full pages in the prefix cache (those of
+        its known tokens: speculative or in-flight tokens may be computed but not appended)."""
+        if request.pages:
+            known = min(request.num_computed_tokens, request.num_tokens)
+            if known // self.pool.page_size > request.num_cached_pages:
+                self.pool.cache_full_pages(request.tokens, request.pages, known,
+                                           request.num_cached_pages)
         self.pool.free(request.pages)
         request.pages = []
         request.num_cached_pages = 0
@@ -215,18 +222,21 @@ class Scheduler:
         heapq.heappush(self._waiting, (request.priority, -1 - self.num_preemptions, request))
 
     def update_computed(self, output: SchedulerOutput) -> None:
-        """Advances the counters of the computed tokens and caches newly full pages."""
+        """Advances the counters of the computed tokens and caches the prompts' newly full
+        pages. The pages after the prompt are cached when the request releases them
+        (`_release`: finished, aborted or preempted): only then can another request's prompt
+        (the next turn of a conversation, or this request readmitted) reach them, and keying
+        them page by page as decoding fills them cost a hash per page inside every step."""
         page_size = self.pool.page_size
         for item in output.scheduled:
             request = item.request
             computed = request.num_computed_tokens + item.num_new_tokens
             request.num_computed_tokens = computed
-            if computed // page_size > request.num_cached_pages:  # a page may have filled up
-                # Accepted speculative tokens are computed before the engine appends them: only
-                # pages whose tokens are all known can be keyed (the rest are keyed next step).
-                known = min(computed, len(request.prompt_ids) + len(request.output_ids))
-                if known // page_size > request.num_cached_pages:
+            if not request.prompt_cached:
+                num_prompt = len(request.prompt_ids)
+                if computed >= num_prompt:
+                    request.prompt_cached = True
+                    computed = num_prompt
+                if computed // page_size > request.num_cached_pages:
                     request.num_cached_pages = self.pool.cache_full_pages(
-                        request.tokens, request.pages, known, request.num_cached_pages)
-            if not request.prompt_cached and computed >= len(request.prompt_ids):
-                request.prompt_cached = True
+                        request.prompt_ids, request.pages, computed, request.num_cached_pages)

@@ -321,6 +321,30 @@ def test_prefix_cache_hits_change_nothing_and_compute_fewer_tokens(make_engine):
     assert pool.prefix_hit_tokens == 3 * 48 and 0 < pool.prefix_hit_rate < 1
 
 
+def test_a_next_turn_hits_the_pages_of_the_previous_output(make_engine):
+    """A conversation's second turn (first prompt + first output + new tokens) reuses every full
+    page of the first turn, output pages included (keyed when the first request released them),
+    and gives the same tokens as without the prefix cache."""
+    rng = np.random.default_rng(24)
+    first = random_prompt(rng, 20)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    results = {}
+    for caching in (False, True):
+        engine = make_engine(dataclasses.replace(STRESS, max_num_batched_tokens=96,
+                                                 enable_prefix_caching=caching))
+        turn1 = engine.generate([first], params)[0]
+        history = first + turn1.output_ids  # 50 tokens: 3 full pages, 2 past the prompt's
+        turn2 = engine.generate([history + random_prompt(np.random.default_rng(25), 7)],
+                                SamplingParams(max_tokens=5, ignore_eos=True))[0]
+        check_all_free(engine)
+        results[caching] = (turn1.output_ids, turn2)
+    assert results[True][0] == results[False][0]
+    assert results[True][1].output_ids == results[False][1].output_ids
+    assert results[False][1].num_prefix_hit_tokens == 0
+    # 49 of the 50 history tokens were computed (the last output token never is): 3 pages
+    assert results[True][1].num_prefix_hit_tokens == 3 * PAGE
+
+
 # ---------------------------------------------------------------------------------------- n > 1
 
 def test_parallel_samples_are_single_seeded_requests_sharing_prompt_pages(make_engine):
