@@ -277,16 +277,17 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         """The bookkeeping of a launched step or round of `steps` model steps: each complete
         row (its step token is its request's next one) computes steps - 1 tokens more than its
         step's and leaves `steps` sampled tokens in flight; counters and cached pages advance."""
-        if steps > 1:
-            for it, complete in zip(output.scheduled, completes):
-                if complete:
-                    it.num_new_tokens += steps - 1
-        self.scheduler.update_computed(output)
-        self.stats.num_computed_tokens += output.num_tokens
-        for i, (r, complete) in enumerate(zip(requests, completes)):
+        extra = steps - 1
+        num_tokens = 0
+        for i, (it, complete) in enumerate(zip(output.scheduled, completes)):  # one pass
             if complete:
+                it.num_new_tokens += extra
+                r = it.request
                 r.num_pending += steps
                 r.pending_row = i
+            num_tokens += it.num_new_tokens
+        self.scheduler.update_computed(output)
+        self.stats.num_computed_tokens += num_tokens
         self._round_steps = steps
         return InFlight(requests, completes, launch, steps=steps)
 

@@ -45,7 +45,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_decode_steps", 1, "Decode steps per round (multi-step rounds).")
     flags.DEFINE_bool("pause_admissions_for_rounds", False,
                       "EngineConfig.pause_admissions_for_rounds (with --num_decode_steps > 1).")
-    flags.DEFINE_bool("mixed_rounds", False,
+    flags.DEFINE_bool("mixed_rounds", True,
                       "EngineConfig.mixed_rounds (with --num_decode_steps > 1).")
     flags.DEFINE_enum("workload", "decode", ["decode", "serving"],
                       "decode: num_seqs sequences decoding; serving: bench_serving's workload.")
@@ -55,7 +55,7 @@ def define_flags() -> None:
 def stub_engine(num_seqs: int, async_scheduling: bool, num_decode_steps: int = 1,
                 add_requests: bool = True, max_num_batched_tokens: int = 8192,
                 max_model_len: int = 4096, pause_admissions_for_rounds: bool = False,
-                mixed_rounds: bool = False):
+                mixed_rounds: bool = True):
     """An engine of tiny-llama's shapes whose runner returns token ids 3.. at once (a round:
     the same ids at every step); with add_requests, num_seqs requests that do not finish
     before max_model_len."""
@@ -110,7 +110,7 @@ def serving_workload(engine, num_requests: int = 400, seed: int = 0) -> None:
 
 def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int,
                     pause_admissions_for_rounds: bool = False,
-                    mixed_rounds: bool = False) -> dict:
+                    mixed_rounds: bool = True) -> dict:
     """Host seconds per model step over the serving workload: all rounds, and those of each
     of timing.round_sets (the most sequences running; saturated), in total and per phase
     (timers on)."""

@@ -50,10 +50,11 @@ def define_engine_flags() -> None:
                       "With --num_decode_steps: after a step that admitted requests, admit none "
                       "while fewer than 1/8 of the slots are free, and chunk only a step's first "
                       "admitted prompt, so that the next step can be a round.")
-    flags.DEFINE_bool("mixed_rounds", False,
+    flags.DEFINE_bool("mixed_rounds", True,
                       "With --num_decode_steps: run a step with prefill chunks and then "
                       "num_decode_steps - 1 decode steps of its rows in one program, when more "
-                      "than half of the sequence slots are scheduled.")
+                      "than half of the sequence slots are scheduled (--nomixed_rounds: such "
+                      "steps run alone).")
     flags.DEFINE_bool("unroll_decode_steps", False,
                       "With --num_decode_steps: trace a round's steps one after another (one "
                       "straight program) instead of a device loop; compiles longer.")

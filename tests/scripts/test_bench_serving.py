@@ -28,13 +28,16 @@ def run_bench(tmp_path, *flags) -> dict:
                                   "async_multi_step_thread", "async_mixed_rounds"])
 def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
     flags = {"async": ["--async_scheduling=true"],
-             "multi_step": ["--num_decode_steps=4", "--static_baseline=false"],
+             "multi_step": ["--num_decode_steps=4", "--static_baseline=false",
+                            "--nomixed_rounds"],
              "async_multi_step": ["--num_decode_steps=4", "--async_scheduling=true",
-                                  "--static_baseline=false"],
+                                  "--static_baseline=false", "--nomixed_rounds"],
              "async_multi_step_thread": ["--num_decode_steps=4", "--async_scheduling=true",
-                                         "--dispatch_thread", "--static_baseline=false"],
+                                         "--dispatch_thread", "--static_baseline=false",
+                                         "--nomixed_rounds"],
+             # mixed rounds are the default
              "async_mixed_rounds": ["--num_decode_steps=4", "--async_scheduling=true",
-                                    "--mixed_rounds", "--static_baseline=false"]}[mode]
+                                    "--static_baseline=false"]}[mode]
     # Dispatches made on the worker thread are timed beside the host time, not in it.
     worker = "worker thread: " if mode.endswith("thread") else ""
     dispatch = {"dispatch step", "dispatch multi-step", "dispatch mixed round"}
