@@ -296,28 +296,29 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         completes[i]: request i's last token this step is its next one (its sample is a new
         token), not a prefill chunk short of the prompt's end."""
         requests = [it.request for it in output.scheduled]
-        counts = [it.num_new_tokens for it in output.scheduled]
-        # Per row, in comprehensions (the only Python passes over the rows): first position,
-        # tokens the host knows, tokens in flight.
-        firsts = [r.num_computed_tokens for r in requests]
-        knowns = [len(r.prompt_ids) + len(r.output_ids) for r in requests]
-        pendings = [r.num_pending for r in requests]
-        ends = [f + n for f, n in zip(firsts, counts)]
-        completes = [e >= k + p for e, k, p in zip(ends, knowns, pendings)]
+        # Per row, in comprehensions (the only Python passes over all rows): tokens computed
+        # this step, first position, tokens the host knows, tokens in flight; the rest is
+        # vectorized.
+        counts = np.array([it.num_new_tokens for it in output.scheduled], np.int64)  # [S]
+        firsts = np.array([r.num_computed_tokens for r in requests], np.int64)  # [S]
+        knowns = np.array([len(r.prompt_ids) + len(r.output_ids) for r in requests], np.int64)
+        pendings = np.array([r.num_pending for r in requests], np.int64)  # [S]
+        ends = firsts + counts
+        completes = (ends >= knowns + pendings).tolist()
         # A row whose last token is in flight reads it from prev's samples (a placeholder 0
         # here); the rest of its tokens, and every token of the other rows, the host has:
         # written row by row for the rows with such tokens only (prompts, mostly).
-        in_flight = [i for i, (e, k) in enumerate(zip(ends, knowns)) if e > k]
+        in_flight = np.flatnonzero(ends > knowns)  # [F]
         starts = np.zeros(len(requests) + 1, np.int64)
         np.cumsum(counts, out=starts[1:])
         num_tokens = int(starts[-1])
         tokens = np.zeros(num_tokens, np.int32)  # [N]
-        for i, (r, first, end, known) in enumerate(zip(requests, firsts, ends, knowns)):
-            upto = min(end, known)
-            if upto > first:
-                tokens[starts[i]:starts[i] + upto - first] = r.tokens_between(first, upto)
-        placeholders = (starts[1:] - 1)[in_flight]
-        sources = [requests[i].pending_row for i in in_flight]
+        upto = np.minimum(ends, knowns)
+        for i in np.flatnonzero(upto > firsts).tolist():
+            first, last = int(firsts[i]), int(upto[i])
+            tokens[starts[i]:starts[i] + last - first] = requests[i].tokens_between(first, last)
+        placeholders = starts[1:][in_flight] - 1
+        sources = [requests[i].pending_row for i in in_flight.tolist()]
         slots = self.scheduler.rows.slots(requests)  # [S] rows of the persistent tables
         batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = self._sample_index(num_tokens, placeholders, sources)

@@ -41,30 +41,25 @@ class RequestRows:
     def slots(self, requests) -> np.ndarray:
         """int32 [S]: each request's slot, its row brought up to date with its pages (the
         pages gained since its last write, all of a row at once in one scatter)."""
-        out = []
-        rows, cols, pages, counted, counts = [], [], [], [], []
-        for r in requests:
-            slot = r.slot
-            if slot < 0:
-                slot = self._assign(r)
-            n = len(r.pages)
-            written = r.table_len
-            if n != written:
+        for r in [r for r in requests if r.slot < 0]:
+            self._assign(r)
+        changed = [r for r in requests if len(r.pages) != r.table_len]
+        if changed:
+            rows, cols, pages, counts = [], [], [], []
+            for r in changed:
+                n, written = len(r.pages), r.table_len
                 start = written if n > written else 0  # it lost pages: write them all again
-                rows += [slot] * (n - start)
+                rows += [r.slot] * (n - start)
                 cols += range(start, n)
                 pages += r.pages[start:n]
-                counted.append(slot)
                 counts.append(n)
                 r.table_len = n
-            out.append(slot)
-        if counted:
             if max(counts) > self.tables.shape[1]:
                 self._grow(columns=max(max(counts), 2 * self.tables.shape[1])
                            - self.tables.shape[1])
             self.tables[rows, cols] = pages
-            self.num_pages[counted] = counts
-        return np.array(out, np.int32)
+            self.num_pages[[r.slot for r in changed]] = counts
+        return np.array([r.slot for r in requests], np.int32)
 
     def release(self, request) -> None:
         """Gives a request's slot back (its pages were freed)."""
