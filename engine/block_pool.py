@@ -20,7 +20,8 @@ class OutOfPagesError(RuntimeError):
 
 
 def page_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The prefix-cache key of a full page, chained over its parent page's key."""
+    """The prefix-cache key of a full page, chained over its parent page's key (tokens: a
+    list or a tuple of ids; tuple() of a tuple is the tuple itself)."""
     return hash((parent, tuple(tokens)))
 
 
@@ -65,6 +66,13 @@ class BlockPool:
             raise OutOfPagesError(
                 f"KV cache out of pages: need {count}, {len(self._free)} of {self.num_pages} free")
         free, key_of_page, refs = self._free, self._key_of_page, self.ref_counts
+        if count == 1:  # a decoding sequence's next page: the common case
+            page, _ = free.popitem(last=False)
+            key = key_of_page.pop(page, None)
+            if key is not None:
+                del self._page_of_key[key]
+            refs[page] = 1
+            return [page]
         pages = []
         for _ in range(count):
             page, _ = free.popitem(last=False)
@@ -144,11 +152,11 @@ class BlockPool:
             parent = self._key_of_page.get(pages[num_cached_pages - 1])
             if parent is None:  # the chain is broken (page owned elsewhere): recompute it
                 parent = self._chain_key(token_ids, num_cached_pages)
-        span = token_ids[num_cached_pages * size:full * size]  # the new pages' tokens, one slice
+        span = iter(token_ids[num_cached_pages * size:full * size])  # the new pages' tokens
         page_of_key, key_of_page = self._page_of_key, self._key_of_page
-        for i, start in zip(range(num_cached_pages, full), range(0, len(span), size)):
-            key = page_hash(parent, span[start:start + size])
-            page = pages[i]
+        # zip(*[span] * size): the span's consecutive pages, as tuples
+        for page, tokens in zip(pages[num_cached_pages:full], zip(*[span] * size)):
+            key = page_hash(parent, tokens)
             if key not in page_of_key and page not in key_of_page:
                 page_of_key[key] = page
                 key_of_page[page] = key

@@ -132,31 +132,32 @@ class Scheduler:
         running = self.running
         page_size = self.pool.page_size
         # 1. Running requests, oldest first; preempt the youngest when pages run out.
-        i = 0
-        while i < len(running) and budget > 0:
+        i, num_running = 0, len(running)
+        while i < num_running and budget > 0:
             request = running[i]
             pending = request.num_pending
             num_outputs = len(request.output_ids) + pending
+            num_tokens = len(request.prompt_ids) + num_outputs
             # Request.length_room(hold_limit) <= pending, inlined: this loop runs for every
             # request at every step.
             if pending and hold_limit is not None and (
-                    num_outputs >= request.params.max_tokens
-                    or len(request.prompt_ids) + num_outputs >= hold_limit):
+                    num_outputs >= request.params.max_tokens or num_tokens >= hold_limit):
                 i += 1  # its in-flight tokens end it: nothing more to compute
                 continue
             # Tokens sampled on the device but not yet read (asynchronous scheduling) are
             # computed like known ones: the step reads their ids on the device.
             computed = request.num_computed_tokens
-            num_new = len(request.prompt_ids) + num_outputs - computed
+            num_new = num_tokens - computed
             if request.lookahead:  # speculation: room for the proposed tokens after the last
                 request.lookahead = max(min(request.lookahead, budget - 1)
                                         if num_new == 1 else 0, 0)
                 num_new += request.lookahead
             if num_new > budget:
                 num_new = budget
-            if (computed + num_new > len(request.pages) * page_size  # pages to add
-                    and not self._grow_or_preempt(request, computed + num_new, preempted)):
-                break  # the request itself was preempted: everything younger is gone too
+            if computed + num_new > len(request.pages) * page_size:  # pages to add
+                if not self._grow_or_preempt(request, computed + num_new, preempted):
+                    break  # the request itself was preempted: everything younger is gone too
+                num_running = len(running)  # younger requests may have been preempted
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             i += 1
