@@ -43,7 +43,7 @@ import numpy as np
 from absl import app, flags
 
 from configs.model import get_preset
-from scripts.common import fail
+from scripts.common import fail, set_xla_flags
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -387,6 +387,7 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv):
     del argv
+    set_xla_flags()  # before jax's backend starts
     if FLAGS.plot_from:
         plot(json.load(open(FLAGS.plot_from)), FLAGS.plot_out or "decode.png")
         return

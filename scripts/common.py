@@ -130,10 +130,34 @@ flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/pallas
                     "jax persistent compilation cache ('' disables): a second start is faster.")
 
 
+flags.DEFINE_bool("exhaustive_gemm_search", True,
+                  "On GPU, XLA tries every Triton tiling of each matrix product when it "
+                  "autotunes a program (--xla_gpu_exhaustive_tiling_search): on the H200 "
+                  "llama3.1-8b decode steps ran 2-5% faster, and programs compile about 3x "
+                  "longer (the persistent compilation cache keeps a second start fast).")
+
+
+def add_xla_flag(name: str, value) -> None:
+    """Appends --name=value to XLA_FLAGS unless the variable sets `name` already (the user's
+    setting wins); call before jax's backend starts."""
+    current = os.environ.get("XLA_FLAGS", "")
+    if name not in current:
+        os.environ["XLA_FLAGS"] = f"{current} {name}={value}".strip()
+
+
+def set_xla_flags() -> None:
+    """The XLA flags the scripts' flags ask for (--exhaustive_gemm_search); before jax's
+    backend starts."""
+    if flags.FLAGS.exhaustive_gemm_search:
+        add_xla_flag("--xla_gpu_exhaustive_tiling_search", "true")
+
+
 def setup_jax() -> None:
-    """Quiets jax's backend probing and turns on the persistent compilation cache."""
+    """Sets the XLA flags of the scripts' flags, quiets jax's backend probing and turns on
+    the persistent compilation cache; call before jax's backend starts."""
     import logging
 
+    set_xla_flags()
     import jax
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)

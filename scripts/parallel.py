@@ -48,10 +48,9 @@ def setup_parallel():
 
 def host_devices(count: int) -> None:
     """Asks for `count` host CPU devices (XLA_FLAGS), unless set already; call before jax starts."""
-    flag = "--xla_force_host_platform_device_count"
-    current = os.environ.get("XLA_FLAGS", "")
-    if count > 1 and flag not in current:
-        os.environ["XLA_FLAGS"] = f"{current} {flag}={count}".strip()
+    from scripts.common import add_xla_flag
+    if count > 1:
+        add_xla_flag("--xla_force_host_platform_device_count", count)
 
 
 def describe(mesh) -> str:
