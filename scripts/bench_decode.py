@@ -88,6 +88,9 @@ flags.DEFINE_string("plot_out", None, "Write a PNG plot here (needs matplotlib).
 flags.DEFINE_string("plot_from", None, "Only plot this JSON of an earlier run (--plot_out).")
 flags.DEFINE_integer("seed", 0, "Seed of weights, cache values and tokens.")
 FLAGS = flags.FLAGS
+# The decode step is what this benchmark measures, and it compiles few programs: XLA's
+# exhaustive GEMM tiling search is worth its compile time here (scripts/common.py).
+FLAGS.set_default("exhaustive_gemm_search", True)
 
 
 def save(results: dict) -> None:

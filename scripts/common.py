@@ -130,11 +130,12 @@ flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/pallas
                     "jax persistent compilation cache ('' disables): a second start is faster.")
 
 
-flags.DEFINE_bool("exhaustive_gemm_search", True,
+flags.DEFINE_bool("exhaustive_gemm_search", False,
                   "On GPU, XLA tries every Triton tiling of each matrix product when it "
                   "autotunes a program (--xla_gpu_exhaustive_tiling_search): on the H200 "
-                  "llama3.1-8b decode steps ran 2-5% faster, and programs compile about 3x "
-                  "longer (the persistent compilation cache keeps a second start fast).")
+                  "llama3.1-8b decode steps ran 2-8% faster, but programs compile 3-4x longer "
+                  "(a server's warm-up of llama3.2-1b took over 4 minutes instead of 66 s; the "
+                  "persistent compilation cache keeps a second start fast). On in bench_decode.")
 
 
 def add_xla_flag(name: str, value) -> None:

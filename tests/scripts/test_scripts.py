@@ -118,14 +118,14 @@ def test_eval_ppl_writes_json(tmp_path, cache_dir):
 
 
 def test_setup_jax_asks_xla_for_the_exhaustive_gemm_search_unless_told_not_to():
-    """--exhaustive_gemm_search (on by default) adds XLA's flag to XLA_FLAGS before jax starts;
-    --noexhaustive_gemm_search leaves it out, and a setting already in XLA_FLAGS wins."""
+    """--exhaustive_gemm_search (off by default) adds XLA's flag to XLA_FLAGS before jax
+    starts; without it nothing is added, and a setting already in XLA_FLAGS wins."""
     code = ("import os, sys; from absl import flags; from scripts import common; "
             "flags.FLAGS(sys.argv); common.setup_jax(); print(os.environ.get('XLA_FLAGS', ''))")
     flag = "--xla_gpu_exhaustive_tiling_search"
-    cases = [((), "", f"{flag}=true"), (("--noexhaustive_gemm_search",), "", ""),
-             ((), f"{flag}=false", f"{flag}=false"),
-             ((), "--xla_dump_to=/tmp/x", f"--xla_dump_to=/tmp/x {flag}=true")]
+    on = "--exhaustive_gemm_search"
+    cases = [((on,), "", f"{flag}=true"), ((), "", ""), ((on,), f"{flag}=false", f"{flag}=false"),
+             ((on,), "--xla_dump_to=/tmp/x", f"--xla_dump_to=/tmp/x {flag}=true")]
     for args, before, want in cases:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=before)
