@@ -421,3 +421,33 @@ def test_scheduler_admission_flags():
     assert [(it.request, it.num_new_tokens) for it in chunked.scheduled] == [
         (reqs[0], 1), (reqs[1], 1), (reqs[2], 1), (reqs[3], 21)]
     sched.pool.check_invariants()
+
+
+def test_pages_past_the_prompt_are_keyed_when_the_request_releases_them():
+    """While a request runs only its prompt's full pages are in the prefix cache; when it
+    releases its pages (here by abort; finish and preemption release the same way) every full
+    page of its known, computed tokens is keyed, so a later prompt that repeats them (a next
+    turn, or the request readmitted) hits them all."""
+    from engine.request import Request, SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+    pool = BlockPool(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,
+                                      max_model_len=32), pool)
+    request = Request(0, [5, 6, 7, 8, 9, 10], SamplingParams(), 0)  # 6 prompt tokens
+    sched.add(request)
+    sched.update_computed(sched.schedule())  # the prompt: 6 tokens computed
+    for token in range(20, 27):  # 7 decode steps: 13 tokens computed, 12 of them in 3 pages
+        request.output_ids.append(token)
+        sched.update_computed(sched.schedule())
+    request.output_ids.append(27)  # the newest token is known but not computed
+    tokens = request.prompt_ids + request.output_ids  # 14
+    assert request.num_computed_tokens == 13
+    probe = tokens + [99]  # a prompt that repeats all of them
+    hit = pool.cached_prefix(probe, len(probe) - 1)
+    assert len(hit) == 1  # while running: the prompt's one full page only
+    pool.free(hit)
+    sched.abort(request)
+    hit = pool.cached_prefix(probe, len(probe) - 1)
+    assert len(hit) == 3  # released: pages 0-2 (12 computed tokens), not the partial 4th
+    pool.free(hit)
+    pool.check_invariants()
