@@ -41,6 +41,12 @@ class ModelConfig:
     # instead of five (models.llama.fuse_projections; fewer, larger matmuls in a decode step).
     # Checkpoints store the unfused layout; fusion happens after loading, on one device.
     fused_projections: bool = False
+    # Each RMSNorm before a projection (q/k/v, gate/up, the output head) is applied as
+    # project(x * weight) times the row's rsqrt(mean(x^2) + eps) after the product
+    # (models.llama.normed_product): XLA fuses the multiply by the weight into the product and
+    # the row scale into what follows it, so the norm's own multiply kernel goes. Equal in exact
+    # arithmetic; in bf16 it rounds at other points than HF's RMSNorm.
+    fold_norm_scale: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
 

@@ -119,12 +119,14 @@ class Attention(nnx.Module):
             return self.qkv_proj(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
+    def __call__(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray):
-        num_tokens = x.shape[0]
+        """Attention of projected tokens (project_qkv's output) over the cache, with this step's
+        K/V written; returns (o_proj's output [N, hidden], k_pages, v_pages)."""
+        num_tokens = meta.positions.shape[0]
         # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
         q, k_pages, v_pages = rope_and_write_kv(
-            self.project_qkv(x), meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
+            qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
             num_heads=cfg.num_heads, kv_quant=meta.kv_quant)  # q [N, H, D]
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
@@ -143,14 +145,38 @@ class MLP(nnx.Module):
             self.up_proj = _linear(cfg, h, i, rngs, dtype)
         self.down_proj = _linear(cfg, i, h, rngs, dtype)
 
-    def __call__(self, x):
+    def project_gate_up(self, x):
+        """The fused gate/up projection [N, 2 I] of x, or (gate [N, I], up [N, I])."""
         if hasattr(self, "gate_up_proj"):
-            gate_up = self.gate_up_proj(x)  # [N, 2 I]
+            return self.gate_up_proj(x)
+        return self.gate_proj(x), self.up_proj(x)
+
+    def __call__(self, x):
+        return self.down(self.project_gate_up(x))
+
+    def down(self, gate_up):
+        """down_proj(SiLU(gate) x up) of project_gate_up's output."""
+        if isinstance(gate_up, tuple):
+            gate, up = gate_up
+        else:
             i = gate_up.shape[-1] // 2
             gate, up = gate_up[:, :i], gate_up[:, i:]
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(jax.nn.silu(gate) * up)
+
+
+def normed_product(norm: RMSNorm, x: jax.Array, project, fold: bool):
+    """project(norm(x)) (project: x [N, hidden] -> an array or a tuple of arrays).
+
+    fold (ModelConfig.fold_norm_scale): project(x * weight) times each row's rsqrt(mean(x^2) +
+    eps), in float32, after the product; the product is linear in its rows, so this is the same
+    function in exact arithmetic, with the norm's multiply fused into XLA's product.
+    """
+    if not fold:
+        return project(norm(x))
+    xf = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm.eps)  # [N, 1]
+    out = project(x * norm.weight[...].astype(x.dtype))
+    return jax.tree.map(lambda y: (y.astype(jnp.float32) * scale).astype(y.dtype), out)
 
 
 class DecoderLayer(nnx.Module):
@@ -163,10 +189,14 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray):
         """Pre-norm attention then MLP, each with a residual; returns (x, k_pages, v_pages)."""
-        attn_out, k_pages, v_pages = self.self_attn(
-            self.input_layernorm(x), k_pages, v_pages, meta, cfg, inv_freq)
+        fold = cfg.fold_norm_scale
+        # (a q/k/v bias would be scaled with the product: no fold there)
+        qkv = normed_product(self.input_layernorm, x, self.self_attn.project_qkv,
+                             fold and not cfg.attention_bias)
+        attn_out, k_pages, v_pages = self.self_attn(qkv, k_pages, v_pages, meta, cfg, inv_freq)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp.down(normed_product(self.post_attention_layernorm, x,
+                                             self.mlp.project_gate_up, fold))
         return x, k_pages, v_pages
 
 
@@ -197,13 +227,10 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
     for i, layer in enumerate(model.layers):
         x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq)
-    x = model.norm(x)
     if logits_indices is not None:
-        x = x[logits_indices]  # [S, hidden]
-    if cfg.tie_word_embeddings:
-        logits = model.embed_tokens.attend(x)
-    else:
-        logits = model.lm_head(x)
+        x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
+    head = model.embed_tokens.attend if cfg.tie_word_embeddings else model.lm_head
+    logits = normed_product(model.norm, x, head, cfg.fold_norm_scale)
     return logits.astype(jnp.float32), KVCache(tuple(k_all), tuple(v_all))
 
 

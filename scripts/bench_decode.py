@@ -6,7 +6,8 @@
 
 For each model (random weights of the preset's real shapes, made on the device; `--quant`
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused after
-loading, models.llama.fuse_projections; `mesh`: the sharded runner over a --tp mesh), one
+loading, models.llama.fuse_projections; `folded`: fused, and each RMSNorm folded into the
+product after it, ModelConfig.fold_norm_scale; `mesh`: the sharded runner over a --tp mesh), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C: every sequence attends to C tokens): the runner's jitted step as
   the engine issues it (execute_padded: host padding + dispatch) queued --steps times with one
@@ -51,8 +52,8 @@ flags.DEFINE_list("context", ["512", "4096"], "Decode contexts (tokens attended 
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and KV.")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
-VARIANTS = ("base", "fused", "mesh")
-flags.DEFINE_list("variants", ["base"], "base, fused, mesh (see the module docstring).")
+VARIANTS = ("base", "fused", "folded", "mesh")
+flags.DEFINE_list("variants", ["base"], "base, fused, folded, mesh (see the module docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
@@ -142,7 +143,10 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     """(cfg, runner) of one model variant, with a random cache sized for every row."""
     from scripts import decode_steps as ds
     cfg, model = ds.build_model(get_preset(name), dtype, FLAGS.seed, FLAGS.quant,
-                                fused=variant == "fused", mesh=mesh if variant == "mesh" else None)
+                                fused=variant in ("fused", "folded"),
+                                mesh=mesh if variant == "mesh" else None)
+    if variant == "folded":
+        cfg = cfg.replace(fold_norm_scale=True)
     batches = [int(b) for b in FLAGS.batch] + [FLAGS.greedy_batch]
     contexts = [int(c) + FLAGS.multi_step for c in FLAGS.context] + [
         int(c) for c in FLAGS.prefill] + [FLAGS.greedy_context + FLAGS.multi_step]

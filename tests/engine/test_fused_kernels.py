@@ -67,3 +67,24 @@ def test_greedy_tokens_equal_with_the_fused_kernels(monkeypatch, fused):
         # float32 log-probabilities: the interpreted kernels differ by about 5e-7
         np.testing.assert_allclose([lp for lp, _ in g.outputs[0].logprobs],
                                    [lp for lp, _ in w.outputs[0].logprobs], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset,fused", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_folded_norm_scale_gives_the_same_tokens(preset, fused):
+    """ModelConfig.fold_norm_scale (each RMSNorm applied as project(x * weight) times the row's
+    scale after the product) is the same function: equal greedy tokens and float32
+    log-probabilities within rounding, fused projections or not, with a q/k/v bias (Qwen2,
+    whose q/k/v product keeps the plain norm) and a tied output head."""
+    from configs.model import TINY_QWEN2
+    cfg = TINY_LLAMA31 if preset == "llama" else TINY_QWEN2
+    model = unit_scale_model(cfg, 7)
+    if fused:
+        cfg, model = fuse_projections(cfg, model)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 17, 11)]
+    want = generate(model, cfg, prompts)
+    got = generate(model, cfg.replace(fold_norm_scale=True), prompts)
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        np.testing.assert_allclose([lp for lp, _ in g.outputs[0].logprobs],
+                                   [lp for lp, _ in w.outputs[0].logprobs], rtol=1e-5, atol=1e-5)

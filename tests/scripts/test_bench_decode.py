@@ -155,7 +155,7 @@ def test_summarize_trace_counts_stream_kernels_once():
 def test_bench_decode_runs_end_to_end(tmp_path):
     out = tmp_path / "decode.json"
     args = ["--model=tiny-llama31", "--batch=1,3", "--context=24,40", "--prefill=16",
-            "--variants=base,fused", "--dtype=float32", "--steps=2", "--runs=1",
+            "--variants=base,fused,folded", "--dtype=float32", "--steps=2", "--runs=1",
             "--loop_steps=2", "--greedy_steps=3", "--greedy_batch=2", "--greedy_context=32",
             "--page_size=8", "--nocalibrate", "--nohf", f"--json_out={out}", "--multi_step=3",
             "--profile=tiny-llama31:1:24", "--profile_steps=1",
@@ -167,7 +167,7 @@ def test_bench_decode_runs_end_to_end(tmp_path):
     res = json.loads(out.read_text())
     rows = res["decode"]
     assert [(r["variant"], r["batch"], r["context"]) for r in rows] == [
-        (v, b, c) for v in ("base", "fused") for b in (1, 3) for c in (24, 40)]
+        (v, b, c) for v in ("base", "fused", "folded") for b in (1, 3) for c in (24, 40)]
     for r in rows:
         assert "error" not in r, r
         assert r["compiles_during_timing"] == 0
@@ -176,15 +176,16 @@ def test_bench_decode_runs_end_to_end(tmp_path):
         assert r["kv_bytes"] == r["batch"] * r["context"] * kv_bytes_per_token(
             get_preset("tiny-llama31"), jnp.float32)
     assert {r["prompt_tokens"] for r in res["prefill"]} == {16}
-    assert res["greedy_check"]["tiny-llama31"]["results"]["fused"]["equal"] is True
-    for variant in ("base", "fused"):  # rounds of 3 steps, looped or unrolled: same tokens
+    for variant in ("fused", "folded"):  # the same tokens as base
+        assert res["greedy_check"]["tiny-llama31"]["results"][variant]["equal"] is True
+    for variant in ("base", "fused", "folded"):  # rounds of 3 steps, looped or unrolled: same tokens
         for kind in ("+multi_step", "+multi_step_unrolled"):
             assert res["greedy_check"]["tiny-llama31"]["results"][variant + kind]["equal"] is True
     assert all(r["multi_step_s"] > 0 and r["multi_step_unrolled_s"] > 0
                and r["multi_step_dispatch_s"] > 0 and r["multi_steps"] == 3 for r in rows)
     greedy = res["greedy"][0]
     assert np.asarray(greedy["margins"]).shape == np.asarray(greedy["tokens"]).shape == (2, 3)
-    assert len(res["profiles"]) == 2  # traced (no device events on the CPU: an error entry)
+    assert len(res["profiles"]) == 3  # traced (no device events on the CPU: an error entry)
     assert all("traced_wall_s_per_step" in p for p in res["profiles"])
     assert "| tiny-llama31 | fused | 3 | 40 |" in proc.stdout
     if importlib.util.find_spec("matplotlib") is None:
