@@ -119,8 +119,13 @@ class Attention(nnx.Module):
             return self.qkv_proj(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
+    def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray):
+        """Attention of normed hidden states x [N, hidden]: project_qkv, then `attend`."""
+        return self.attend(self.project_qkv(x), k_pages, v_pages, meta, cfg, inv_freq)
+
+    def attend(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
+               inv_freq: np.ndarray):
         """Attention of projected tokens (project_qkv's output) over the cache, with this step's
         K/V written; returns (o_proj's output [N, hidden], k_pages, v_pages)."""
         num_tokens = meta.positions.shape[0]
@@ -193,7 +198,8 @@ class DecoderLayer(nnx.Module):
         # (a q/k/v bias would be scaled with the product: no fold there)
         qkv = normed_product(self.input_layernorm, x, self.self_attn.project_qkv,
                              fold and not cfg.attention_bias)
-        attn_out, k_pages, v_pages = self.self_attn(qkv, k_pages, v_pages, meta, cfg, inv_freq)
+        attn_out, k_pages, v_pages = self.self_attn.attend(qkv, k_pages, v_pages, meta, cfg,
+                                                           inv_freq)
         x = x + attn_out
         x = x + self.mlp.down(normed_product(self.post_attention_layernorm, x,
                                              self.mlp.project_gate_up, fold))

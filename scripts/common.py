@@ -203,7 +203,13 @@ def define_speculative_flags() -> None:
 
 
 def define_fusion_flags() -> None:
-    """--fuse_projections: tri-state (unset: auto)."""
+    """--fuse_projections: tri-state (unset: auto); --fold_norm_scale."""
+    flags.DEFINE_bool("fold_norm_scale", False,
+                      "Apply each RMSNorm before a projection as project(x * weight) times the "
+                      "row's rsqrt scale after the product (ModelConfig.fold_norm_scale), so XLA "
+                      "fuses the norm's multiply into the product: llama3.1-8b batch-1 decode "
+                      "2.3% faster on the H200. The same function, rounded at other points than "
+                      "HF's RMSNorm in bf16.")
     flags.DEFINE_bool("fuse_projections", None,
                       "Fuse each layer's q/k/v and gate/up kernels into one matmul each after "
                       "loading (and quantizing); same tokens, fewer and larger matmuls (+36% "
@@ -233,12 +239,16 @@ def check_fusion(mesh) -> None:
 
 def fuse_from_flags(cfg, model, mesh=None, label: str = "model") -> tuple:
     """(cfg, model), with q/k/v and gate/up fused in place when --fuse_projections (or auto)
-    says so (models.llama.fuse_projections), with a line on stderr. Call after loading and
+    says so (models.llama.fuse_projections), with a line on stderr, and cfg.fold_norm_scale
+    set by --fold_norm_scale. Call after loading and
     quantizing. In auto mode a model that cannot be fused (act-order quantized kernels) stays
     unfused, with a note."""
     import jax
 
     from models.llama import fuse_projections
+    if flags.FLAGS.fold_norm_scale and not cfg.fold_norm_scale:
+        cfg = cfg.replace(fold_norm_scale=True)
+        print(f"{label}: RMSNorm scales folded into the products after them", file=sys.stderr)
     requested = flags.FLAGS.fuse_projections
     if cfg.fused_projections or not fusion_wanted(requested, jax.default_backend(), mesh):
         return cfg, model

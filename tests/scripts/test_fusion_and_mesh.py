@@ -48,6 +48,16 @@ def test_forced_fusion_gives_the_same_greedy_tokens(unfused):
     assert all(len(o["token_ids"]) == 10 for o in plain)
 
 
+def test_folded_norm_scale_gives_the_same_greedy_tokens(unfused):
+    """generate --fold_norm_scale (ModelConfig.fold_norm_scale) reaches the model: the same
+    greedy tokens as without it (the CPU runs float32)."""
+    plain, plain_err = unfused
+    folded, err = generate_json("--fuse_projections=true", "--fold_norm_scale")
+    line = "model: RMSNorm scales folded into the products after them"
+    assert line in err and line not in plain_err
+    assert [o["token_ids"] for o in folded] == [o["token_ids"] for o in plain]
+
+
 def test_fused_target_and_draft_give_the_same_greedy_tokens(unfused):
     plain, _ = unfused
     spec, err = generate_json("--fuse_projections", "--speculative=draft",
