@@ -29,6 +29,23 @@ def generate(model, cfg, prompts):
     return engine.generate(prompts, params)
 
 
+def assert_same_generations(got, want, rtol: float) -> None:
+    """Equal greedy tokens; float32 log-probabilities within rtol (atol 1e-5)."""
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        np.testing.assert_allclose([lp for lp, _ in g.outputs[0].logprobs],
+                                   [lp for lp, _ in w.outputs[0].logprobs], rtol=rtol, atol=1e-5)
+
+
+def model_and_prompts(cfg, seed: int, fused: bool, lengths):
+    """(cfg, unit-scale model, fused if asked, random prompts of `lengths` tokens)."""
+    model = unit_scale_model(cfg, seed)
+    if fused:
+        cfg, model = fuse_projections(cfg, model)
+    rng = np.random.default_rng(seed)
+    return cfg, model, [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths]
+
+
 def interpret_fused_kernels(monkeypatch):
     """Make rope_and_write_kv and rms_norm pick their kernels, interpreted, on the CPU."""
     import ops.rms_norm
@@ -51,22 +68,14 @@ def interpret_fused_kernels(monkeypatch):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_greedy_tokens_equal_with_the_fused_kernels(monkeypatch, fused):
-    cfg = TINY_LLAMA31.replace(num_heads=4, num_kv_heads=2, head_dim=16)  # the kernels' sizes
-    model = unit_scale_model(cfg, 5)
-    if fused:
-        cfg, model = fuse_projections(cfg, model)
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (3, 21, 9)]
+    cfg, model, prompts = model_and_prompts(  # the kernels' sizes
+        TINY_LLAMA31.replace(num_heads=4, num_kv_heads=2, head_dim=16), 5, fused, (3, 21, 9))
     want = generate(model, cfg, prompts)
     calls = interpret_fused_kernels(monkeypatch)
     jax.clear_caches()  # the step programs traced above must be traced again
     got = generate(model, cfg, prompts)
     assert calls["rope_kv"] > 0 and calls["rms_norm"] > 0  # the kernels did run
-    for g, w in zip(got, want):
-        assert g.output_ids == w.output_ids
-        # float32 log-probabilities: the interpreted kernels differ by about 5e-7
-        np.testing.assert_allclose([lp for lp, _ in g.outputs[0].logprobs],
-                                   [lp for lp, _ in w.outputs[0].logprobs], rtol=1e-6, atol=1e-5)
+    assert_same_generations(got, want, rtol=1e-6)  # the interpreted kernels: about 5e-7 off
 
 
 @pytest.mark.parametrize("preset,fused", [("llama", False), ("llama", True), ("qwen2", False)])
@@ -76,15 +85,8 @@ def test_folded_norm_scale_gives_the_same_tokens(preset, fused):
     log-probabilities within rounding, fused projections or not, with a q/k/v bias (Qwen2,
     whose q/k/v product keeps the plain norm) and a tied output head."""
     from configs.model import TINY_QWEN2
-    cfg = TINY_LLAMA31 if preset == "llama" else TINY_QWEN2
-    model = unit_scale_model(cfg, 7)
-    if fused:
-        cfg, model = fuse_projections(cfg, model)
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 17, 11)]
+    cfg, model, prompts = model_and_prompts(TINY_LLAMA31 if preset == "llama" else TINY_QWEN2,
+                                            7, fused, (5, 17, 11))
     want = generate(model, cfg, prompts)
     got = generate(model, cfg.replace(fold_norm_scale=True), prompts)
-    for g, w in zip(got, want):
-        assert g.output_ids == w.output_ids
-        np.testing.assert_allclose([lp for lp, _ in g.outputs[0].logprobs],
-                                   [lp for lp, _ in w.outputs[0].logprobs], rtol=1e-5, atol=1e-5)
+    assert_same_generations(got, want, rtol=1e-5)
