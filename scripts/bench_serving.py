@@ -42,6 +42,9 @@ flags.DEFINE_enum("warmup", "shapes", ["shapes", "rerun"],
                   "exact with --request_rate=inf, where the schedule is deterministic).")
 flags.DEFINE_bool("host_phases", False, "Time the engine's host phases (schedule, batch, "
                   "dispatch, append; and the wait for tokens) in the continuous run; ms per step.")
+flags.DEFINE_string("host_profile", None, "Profile the continuous run's Python with cProfile "
+                    "and write the functions with the most own time here (text); the JSON gets "
+                    "the top ones (where a device host's engine Python goes).")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 flags.DEFINE_string("url", None, "Drive a running server (scripts.serve) at this address "
                     "over HTTP instead of an in-process engine (scripts/bench_http.py).")
@@ -267,6 +270,28 @@ def warm_up(engine, longest: int, rerun) -> int:
     return len(engine.runner.compiled_shapes) - before
 
 
+def profiled(run, path: str, top: int = 40):
+    """(run(), [[function, calls, own s, cumulative s] of the `top` functions by own time]),
+    with cProfile on during run(); the whole table (by own time) is written to `path`."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        out = run()
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats()
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return out, [[f"{file}:{line}({name})", calls, own, cum]
+                 for (file, line, name), (_, calls, own, cum, _) in rows]
+
+
 def main(argv):
     del argv
     if FLAGS.url:
@@ -319,7 +344,12 @@ def main(argv):
     engine.stats = type(engine.stats)(record_steps=True)
     per_step: list = []
     phases = timing.time_engine_phases(engine, per_step) if FLAGS.host_phases else None
-    results["continuous"] = run_continuous(engine, work) | host_share(engine)
+    if FLAGS.host_profile:
+        continuous, results["host_profile_top"] = profiled(lambda: run_continuous(engine, work),
+                                                           FLAGS.host_profile)
+    else:
+        continuous = run_continuous(engine, work)
+    results["continuous"] = continuous | host_share(engine)
     if phases is not None:
         results["continuous"] |= phase_figures(engine.stats, phases, per_step)
     release(engine)

@@ -38,6 +38,9 @@ def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
              # mixed rounds are the default
              "async_mixed_rounds": ["--num_decode_steps=4", "--async_scheduling=true",
                                     "--static_baseline=false"]}[mode]
+    profile = tmp_path / "host_profile.txt"
+    if mode == "async_mixed_rounds":  # and the engine's Python profiled (--host_profile)
+        flags = flags + [f"--host_profile={profile}"]
     # Dispatches made on the worker thread are timed beside the host time, not in it.
     worker = "worker thread: " if mode.endswith("thread") else ""
     dispatch = {"dispatch step", "dispatch multi-step", "dispatch mixed round"}
@@ -62,6 +65,13 @@ def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
     # (equal, up to rounding, when the dispatches ran on the worker thread)
     assert 0 < run["engine_python_share_at_max_running"] <= run["host_share_at_max_running"] * (
         1 + 1e-9)
+    if mode == "async_mixed_rounds":
+        assert "scheduler.py" in profile.read_text()
+        top = result["host_profile_top"]
+        assert any("(schedule)" in name for name, *_ in top)
+        assert all(calls > 0 and own >= 0 and cum >= 0 for _, calls, own, cum in top)
+    else:
+        assert "host_profile_top" not in result
     if mode == "async":
         assert result["static"]["output_tokens_per_s"] > 0
         assert result["continuous_over_static"] > 0
