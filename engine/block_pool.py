@@ -66,13 +66,6 @@ class BlockPool:
             raise OutOfPagesError(
                 f"KV cache out of pages: need {count}, {len(self._free)} of {self.num_pages} free")
         free, key_of_page, refs = self._free, self._key_of_page, self.ref_counts
-        if count == 1:  # a decoding sequence's next page: the common case
-            page, _ = free.popitem(last=False)
-            key = key_of_page.pop(page, None)
-            if key is not None:
-                del self._page_of_key[key]
-            refs[page] = 1
-            return [page]
         pages = []
         for _ in range(count):
             page, _ = free.popitem(last=False)

@@ -103,11 +103,10 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """Frees a request's pages, first keying its full pages in the prefix cache (those of
         its known tokens: speculative or in-flight tokens may be computed but not appended)."""
-        if request.pages:
-            known = min(request.num_computed_tokens, request.num_tokens)
-            if known // self.pool.page_size > request.num_cached_pages:
-                self.pool.cache_full_pages(request.tokens, request.pages, known,
-                                           request.num_cached_pages)
+        if request.pages:  # (cache_full_pages returns at once when no page is new)
+            self.pool.cache_full_pages(request.tokens, request.pages,
+                                       min(request.num_computed_tokens, request.num_tokens),
+                                       request.num_cached_pages)
         self.pool.free(request.pages)
         request.pages = []
         request.num_cached_pages = 0

@@ -287,9 +287,9 @@ def profiled(run, path: str, top: int = 40):
     stats.print_stats()
     with open(path, "w") as f:
         f.write(text.getvalue())
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    top_rows = [(func, stats.stats[func]) for func in stats.fcn_list[:top]]  # by own time
     return out, [[f"{file}:{line}({name})", calls, own, cum]
-                 for (file, line, name), (_, calls, own, cum, _) in rows]
+                 for (file, line, name), (_, calls, own, cum, _) in top_rows]
 
 
 def main(argv):

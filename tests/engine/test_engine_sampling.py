@@ -1,0 +1,127 @@
+"""Sampling parameters end to end through the engine: logprobs of the chosen and top-N tokens
+against the model's own log-softmax, and repetition / presence / frequency penalties against a
+numpy reference (the models and engines of tests/engine/test_continuous_batching.py)."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from engine.request import SamplingParams
+from engine.runner import full_sequence_logits
+from tests.engine.test_continuous_batching import (CFG, PAGE, STRESS, check_all_free,
+                                                   engine_maker, random_prompt)
+from tests.engine.weights import unit_scale_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return unit_scale_model(CFG, 3)
+
+
+@pytest.fixture(scope="module")
+def make_engine(model):
+    return engine_maker(model)
+
+
+# ------------------------------------------------------------------------------------- logprobs
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def reference_logits(model, sequences):
+    """Raw logits of every position of each sequence, from one fresh full-sequence prefill
+    (rows padded at the end to one length: causal, so padding changes no earlier position)."""
+    width = max(len(s) for s in sequences)
+    rows = np.asarray([list(s) + [3] * (width - len(s)) for s in sequences], np.int32)
+    return full_sequence_logits(CFG, model, rows, page_size=PAGE)
+
+
+def test_logprobs_match_the_models_log_softmax(make_engine, model):
+    rng = np.random.default_rng(24)
+    prompts = [random_prompt(rng, 11), random_prompt(rng, 30)]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5),
+              SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, temperature=1.2, seed=4)]
+    engine = make_engine(STRESS)
+    outs = engine.generate(prompts, params)
+    logits = reference_logits(model, [o.prompt_ids + o.output_ids for o in outs])
+    for out, p, row in zip(outs, params, logits):
+        assert len(out.outputs[0].logprobs) == len(out.output_ids) == 6
+        for t, (token, (chosen, top)) in enumerate(zip(out.output_ids, out.outputs[0].logprobs)):
+            expected = log_softmax(row[len(out.prompt_ids) + t - 1])
+            assert chosen == pytest.approx(expected[token], abs=1e-4)
+            assert len(top) == p.logprobs
+            values = list(top.values())
+            assert values == sorted(values, reverse=True)
+            assert list(top) == np.argsort(-expected)[:p.logprobs].tolist()
+            np.testing.assert_allclose(values, np.sort(expected)[::-1][:p.logprobs], atol=1e-4)
+            if p.temperature == 0:
+                assert token == next(iter(top)) and chosen == pytest.approx(values[0])
+    check_all_free(engine)
+
+
+# ------------------------------------------------------------------------------------ penalties
+
+def numpy_penalized(logits, prompt, output, rep, presence, frequency):
+    """HF repetition penalty over prompt and output tokens; OpenAI presence / frequency
+    penalties over output tokens; in float64."""
+    x = np.asarray(logits, np.float64).copy()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    for t, c in collections.Counter(output).items():
+        x[t] -= frequency * c + presence
+    return x
+
+
+def test_penalties_match_numpy_and_push_the_expected_way(make_engine, model):
+    """Every generated token is the argmax of the numpy-penalized model logits; where it differs
+    from the unpenalized argmax g, it moved the way the penalty pushes. The prompt repeats a few
+    tokens and its plain greedy first token is one of them, so the repetition penalty changes
+    the very first token."""
+    engine = make_engine(STRESS)
+    rng = np.random.default_rng(25)
+    plain = SamplingParams(max_tokens=1, ignore_eos=True)
+    for _ in range(200):
+        prompt = random_prompt(rng, 12) * 3
+        [first] = engine.generate([prompt], plain)
+        if first.output_ids[0] in prompt:
+            break
+    else:
+        pytest.fail("no prompt whose greedy first token repeats a prompt token")
+    cases = {"repetition": SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=3.0),
+             "presence": SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=2.0),
+             "frequency": SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=2.0),
+             "negative presence": SamplingParams(max_tokens=10, ignore_eos=True,
+                                                 presence_penalty=-2.0),
+             "plain": SamplingParams(max_tokens=10, ignore_eos=True)}
+    outs = dict(zip(cases, engine.generate([prompt] * len(cases), list(cases.values()))))
+    check_all_free(engine)
+    logits = dict(zip(cases, reference_logits(model, [prompt + o.output_ids
+                                                       for o in outs.values()])))
+    assert outs["repetition"].output_ids[0] != first.output_ids[0]
+    for name, p in cases.items():
+        output, moved = outs[name].output_ids, 0
+        for t, x in enumerate(output):
+            raw = logits[name][len(prompt) + t - 1]
+            before = output[:t]
+            penalized = numpy_penalized(raw, prompt, before, p.repetition_penalty,
+                                        p.presence_penalty, p.frequency_penalty)
+            assert x == int(np.argmax(penalized)), (name, t)
+            g = int(np.argmax(raw))
+            if x == g:
+                continue
+            moved += 1
+            seen = set(prompt) | set(before)
+            if name == "repetition":
+                assert g in seen and x not in seen
+            elif name == "presence":
+                assert g in before and x not in before
+            elif name == "frequency":
+                assert before.count(g) > before.count(x)
+            elif name == "negative presence":
+                assert x in before and g not in before
+        assert (moved > 0) == (name != "plain"), (name, output)
