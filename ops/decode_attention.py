@@ -52,6 +52,10 @@ class DecodeConfig:
     # on a table load of its own step (an experiment of the tuning sweep: no gain for decode on
     # the H200, off by default).
     prefetch_slots: bool = False
+    # With several splits, merge them inside the kernel: the last split of each (sequence, kv
+    # head) to finish (an atomic counter) combines the others' partials, so no merge kernel runs
+    # after it (`tiles.merge_split_partials`).
+    merge_in_kernel: bool = False
 
 
 def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: int,
@@ -68,14 +72,19 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: i
                    rows: int, block_k: int, page_size: int, num_pages: int, table_width: int,
                    num_splits: int, sm_scale: float, soft_cap: float | None,
                    sliding_window: int | None, quantized: bool, split_out: bool,
-                   prefetch_slots: bool = False):
+                   prefetch_slots: bool = False, merge_in_kernel: bool = False,
+                   gpu_sync: bool = True):
     # lengths_ref: [B] int32, tokens in the cache per sequence (all sequences)
     # tables_ref:  [W] int32, this sequence's block table
     # q_ref:       [H, D], this sequence's query heads
     # k_ref, v_ref: [P * S, D], this kv head's pages, one row per cache slot
     # refs: (ks_ref [P * S] f32, vs_ref [P * S] f32 when quantized), then
     #   o_ref [H, D] (q dtype, one split) or [H, D] f32 (this split's partial),
-    #   lse_ref [H] f32 (this split's log2-sum-exp) when split_out
+    #   lse_ref [H] f32 (this split's log2-sum-exp) when split_out;
+    #   with merge_in_kernel instead: the counts' input ref (aliased to counts_ref), then
+    #   o_ref [H, D] (q dtype, the merged output),
+    #   part_o_ref [K, H, D] f32 and part_lse_ref [K, H] f32 (every split's partial of this
+    #   sequence), counts_ref [B, KVH] int32 (splits finished; zero before the call and after)
     if quantized:
         ks_ref, vs_ref, *out_refs = refs
     else:
@@ -126,6 +135,12 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: i
     else:
         carry = jax.lax.fori_loop(first, last, body, carry)
     out, lse = tiles.finish(carry)  # [M, D], [M]
+    if merge_in_kernel:
+        _, o_ref, part_o_ref, part_lse_ref, counts_ref = out_refs  # counts in = counts out
+        tiles.merge_split_partials(out, lse, h * group + g, row_ok, o_ref, part_o_ref,
+                                   part_lse_ref, counts_ref, (b, h), split, num_splits,
+                                   gpu_sync=gpu_sync)
+        return
     tiles.store_rows(out_refs[0], h * group + g, out, row_ok)
     if split_out:
         tiles.store_vector(out_refs[1], h * group + g, lse, row_ok)
@@ -144,6 +159,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales
     quantized = k_scales is not None
     splits = config.num_splits
     split_out = splits > 1
+    merge_in_kernel = split_out and config.merge_in_kernel
 
     k_rows = k_pages.reshape(num_kv_heads, num_slots, head_dim)  # [KVH, P*S, D], free
     v_rows = v_pages.reshape(num_kv_heads, num_slots, head_dim)
@@ -160,7 +176,23 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales
         in_specs += [pl.BlockSpec((None, num_slots), lambda b, h, s: (h, 0))] * 2
         args += [k_scales.reshape(num_kv_heads, num_slots),
                  v_scales.reshape(num_kv_heads, num_slots)]
-    if split_out:
+    aliases = {}
+    if merge_in_kernel:
+        # The merged output, every split's partial of the sequence (read by its last split)
+        # and the counters of finished splits, zeros in and out (aliased, updated in place).
+        args.append(jnp.zeros((batch, num_kv_heads), jnp.int32))
+        in_specs.append(pl.BlockSpec((batch, num_kv_heads), lambda b, h, s: (0, 0)))
+        aliases = {len(args) - 1: 3}
+        out_shape = [jax.ShapeDtypeStruct((batch, num_heads, head_dim), q.dtype),
+                     jax.ShapeDtypeStruct((splits, batch, num_heads, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, batch, num_heads), jnp.float32),
+                     jax.ShapeDtypeStruct((batch, num_kv_heads), jnp.int32)]
+        out_specs = [pl.BlockSpec((None, num_heads, head_dim), lambda b, h, s: (b, 0, 0)),
+                     pl.BlockSpec((splits, None, num_heads, head_dim),
+                                  lambda b, h, s: (0, b, 0, 0)),
+                     pl.BlockSpec((splits, None, num_heads), lambda b, h, s: (0, b, 0)),
+                     pl.BlockSpec((batch, num_kv_heads), lambda b, h, s: (0, 0))]
+    elif split_out:
         out_shape = [jax.ShapeDtypeStruct((splits, batch, num_heads, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((splits, batch, num_heads), jnp.float32)]
         out_specs = [pl.BlockSpec((None, None, num_heads, head_dim),
@@ -174,14 +206,16 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales
         block_k=config.block_k, page_size=page_size, num_pages=num_pages,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
-        prefetch_slots=config.prefetch_slots)
+        prefetch_slots=config.prefetch_slots, merge_in_kernel=merge_in_kernel,
+        gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret, name="paged_decode_attention",
     )(*args)
-    if not split_out:
+    if not split_out or merge_in_kernel:
         return outs[0]
     return tiles.merge_splits(outs[0], outs[1], q.dtype)  # [B, H, D]
 

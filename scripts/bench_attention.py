@@ -38,7 +38,9 @@ from ops.ragged_attention import RaggedConfig, ragged_config, ragged_paged_atten
 from scripts import timing
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("modes", ["calib", "decode", "prefill"], "calib, decode, prefill, sweep")
+flags.DEFINE_list("modes", ["calib", "decode", "prefill"],
+                  "calib, decode, prefill, sweep, merge (key splits merged in the decode kernel "
+                  "against the merge kernel after it)")
 flags.DEFINE_list("batches", ["1", "8", "32", "128"], "decode batch sizes")
 flags.DEFINE_list("contexts", ["512", "2048", "4096", "8192", "32768"], "decode contexts")
 flags.DEFINE_list("chunks", ["512", "1024", "2048", "4096", "8192"], "prefill chunk sizes")
@@ -54,7 +56,8 @@ flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
 flags.DEFINE_integer("peer_max_tokens", 1 << 19, "skip the XLA peer above batch x context")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_list("ragged_config", [], "override: block_m,block_k,num_warps,num_stages")
-flags.DEFINE_list("decode_config", [], "override: block_k,num_splits,num_warps,num_stages")
+flags.DEFINE_list("decode_config", [], "override: block_k,num_splits,num_warps,num_stages"
+                  "[,merge_in_kernel (0 or 1)]")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
 
 L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
@@ -150,8 +153,8 @@ def bench_decode(batch: int, context: int, calib: dict, config=None, peers=True)
     if quantized:
         kv_bytes += 2 * batch * context * FLAGS.num_kv_heads * 4
     if config is None and FLAGS.decode_config:
-        block_k, splits, warps, stages = map(int, FLAGS.decode_config)
-        config = DecodeConfig(block_k, splits, warps, stages)
+        block_k, splits, warps, stages, *merge = map(int, FLAGS.decode_config)
+        config = DecodeConfig(block_k, splits, warps, stages, merge_in_kernel=any(merge))
     cfg = config or decode_config(batch, FLAGS.num_kv_heads, pages_per_seq * FLAGS.page_size,
                                   FLAGS.head_dim, itemsize)
 
@@ -287,6 +290,21 @@ def sweep(calib: dict) -> list[dict]:
     return rows
 
 
+def merge_sweep(calib: dict) -> list[dict]:
+    """Decode with its key splits merged inside the kernel (DecodeConfig.merge_in_kernel) against
+    the same tiles merged by a kernel after it, alternating, at several split counts."""
+    rows = []
+    for batch, context, split_counts in [(1, 512, (2, 4)), (1, 4096, (8, 16)),
+                                         (8, 4096, (4, 6, 9, 12)), (8, 8192, (4, 6, 9)),
+                                         (16, 4096, (2, 3, 4))]:
+        for splits in split_counts:
+            for merge in (False, True):
+                cfg = DecodeConfig(128, splits, 4, 3, merge_in_kernel=merge)
+                rows += bench_decode(batch, context, calib, config=cfg, peers=False)
+                print(rows[-1], flush=True)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'kind':14s} {'impl':17s} {'shape':>14s} {'us':>9s} {'TB/s':>6s} {'%copy':>6s} "
           f"{'TFLOP/s':>8s} {'%mm':>5s}  config")
@@ -325,6 +343,9 @@ def main(argv):
     rows = []
     if "sweep" in FLAGS.modes:
         rows += sweep(calib)
+        write_json(calib, rows)
+    if "merge" in FLAGS.modes:
+        rows += merge_sweep(calib)
         write_json(calib, rows)
     if "decode" in FLAGS.modes:
         for batch in map(int, FLAGS.batches):

@@ -50,6 +50,9 @@ flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
 flags.DEFINE_list("context", ["512", "4096"], "Decode contexts (tokens attended per sequence).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and KV.")
+flags.DEFINE_enum("matmul_precision", "default", ["default", "high", "highest"],
+                  "jax's default matmul precision for the run: on a GPU 'default' lets float32 "
+                  "products use TF32; 'highest' keeps them float32 (for float32 greedy checks).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
 VARIANTS = ("base", "fused", "folded", "mesh")
@@ -423,10 +426,13 @@ def main(argv):
                                "read_bytes_per_s": FLAGS.copy_tbs * 1e12,
                                "matmul_flops_per_s": FLAGS.matmul_tflops * 1e12})
     save(results)
+    precision = None if FLAGS.matmul_precision == "default" else FLAGS.matmul_precision
+    results["matmul_precision"] = FLAGS.matmul_precision
     for name in FLAGS.model:
         for variant in variants:
             try:
-                measure_model(name, variant, results, results["calibration"], mesh)
+                with jax.default_matmul_precision(precision):
+                    measure_model(name, variant, results, results["calibration"], mesh)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory building the model
                 results["setup"].append({"model": name, "variant": variant,
                                          "error": f"{type(e).__name__}: {str(e)[:300]}"})

@@ -62,6 +62,11 @@ CASES = [
     (8, 32, 8, 2, "bfloat16", None, DecodeConfig(block_k=16, num_splits=3, prefetch_slots=True)),
     (16, 64, 8, 2, "float32", "int8", DecodeConfig(block_k=32, num_splits=2,
                                                    prefetch_slots=True)),
+    # Splits merged inside the kernel by the last one to finish (more splits than some
+    # sequences have key blocks: empty splits take part in the merge too).
+    (8, 32, 8, 2, "bfloat16", None, DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=True)),
+    (16, 64, 8, 2, "float32", "int8", DecodeConfig(block_k=16, num_splits=5,
+                                                   merge_in_kernel=True)),
 ]
 
 
@@ -133,10 +138,11 @@ def test_dispatch_and_validation():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-@pytest.mark.parametrize("kv_dtype,head_dim,page_size,prefetch", [
-    ("bfloat16", 128, 16, False), ("int8", 64, 128, False), ("float8_e4m3fn", 256, 8, False),
-    ("bfloat16", 128, 16, True)])
-def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, prefetch):
+@pytest.mark.parametrize("kv_dtype,head_dim,page_size,config", [
+    ("bfloat16", 128, 16, None), ("int8", 64, 128, None), ("float8_e4m3fn", 256, 8, None),
+    ("bfloat16", 128, 16, DecodeConfig(128, 4, prefetch_slots=True)),
+    ("int8", 128, 16, DecodeConfig(128, 4, merge_in_kernel=True))])
+def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, config):
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
@@ -146,8 +152,7 @@ def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, p
     scales = spec((8, 64, page_size), jnp.float32) if kv_dtype != "bfloat16" else None
     tables, lengths = spec((4, 16), jnp.int32), spec((4,), jnp.int32)
 
-    def f(q, k, v, t, n, ks, vs):
-        config = DecodeConfig(128, 4, prefetch_slots=True) if prefetch else None  # heuristic
+    def f(q, k, v, t, n, ks, vs):  # config None: the heuristic's
         return paged_attention(q, k, v, t, n, k_scales=ks, v_scales=vs, impl="pallas",
                                soft_cap=30.0, sliding_window=100, config=config)
 

@@ -158,6 +158,7 @@ def test_bench_decode_runs_end_to_end(tmp_path):
             "--variants=base,fused,folded", "--dtype=float32", "--steps=2", "--runs=1",
             "--loop_steps=2", "--greedy_steps=3", "--greedy_batch=2", "--greedy_context=32",
             "--page_size=8", "--nocalibrate", "--nohf", f"--json_out={out}", "--multi_step=3",
+            "--matmul_precision=highest",
             "--profile=tiny-llama31:1:24", "--profile_steps=1",
             f"--profile_dir={tmp_path / 'prof'}"]
     proc = subprocess.run([sys.executable, "-m", "scripts.bench_decode", *args],
@@ -166,6 +167,7 @@ def test_bench_decode_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = res["decode"]
+    assert res["matmul_precision"] == "highest"
     assert [(r["variant"], r["batch"], r["context"]) for r in rows] == [
         (v, b, c) for v in ("base", "fused", "folded") for b in (1, 3) for c in (24, 40)]
     for r in rows:
