@@ -10,7 +10,8 @@ the kv head's whole group (grouped-query attention: G query heads share each K/V
 rows are padded to 16, the smallest tl.dot tile), then walks its slice of the sequence's keys
 `block_k` tokens at a time, gathering each token's row through the block table, with an
 online softmax. With more than one split (flash-decoding) each program writes its normalized
-partial output and log-sum-exp, and `merge_splits` combines them in jnp.
+partial output and log-sum-exp, and `merge_splits` combines them in jnp, or the last program
+of the sequence and kv head to finish combines them (`merge_in_kernel`).
 
 Tuning (`decode_config`, from a sweep on an H200 at 32 q / 8 kv heads, head_dim 128, page 16):
 block_k = 128 tokens per step (a 64 KiB K+V tile in bf16; 64 for head_dim 256), 4 warps,
@@ -19,7 +20,11 @@ or slower). Key splits: about two programs per SM over sequences x kv heads (132
 H100/H200), but at least 2 tiles per split for the longest sequence the block table allows:
 B=8 at 4k context -> 4 splits (2: +25%, 9: +10% time), B=32 -> 1, B=1 at 32k -> 32. The split
 boundaries follow each sequence's actual length, so short sequences in a wide table still
-spread over all splits. Figures in docs/PERFORMANCE.md. `DecodeConfig.prefetch_slots` reads
+spread over all splits. Up to 8 (sequence, kv head) streams (B = 1 at 8 kv heads) the splits
+are merged inside the kernel (`merge_in_kernel`: the last split to finish combines the others;
+15-17 us instead of 17.5-20 at B = 1 / 512 on an H200), above that by a jnp merge after it
+(inside, B = 8 / 4k took 54-60 against 49-53 us). Figures in docs/PERFORMANCE.md.
+`DecodeConfig.prefetch_slots` reads
 the next tile's block-table entries one loop step ahead, so that no K/V load of a step waits on
 that step's own table load; the tuning sweep (scripts/bench_attention.py --modes=sweep) timed
 it on an H200 with no gain for decode, so it stays off.
@@ -38,6 +43,7 @@ from ops import attention_tiles as tiles
 from ops.kv_quant import dequantize_pages
 
 NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
+MERGE_IN_KERNEL_PROGRAMS = 8  # (sequence, kv head) programs up to which splits merge in-kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +71,10 @@ def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: i
     programs = batch * num_kv_heads
     want = max(1, round(2 * NUM_SMS / programs))  # about two programs per SM
     most = max(1, max_kv_tokens // (2 * block_k))  # >= 2 tiles per split at the widest
-    return DecodeConfig(block_k=block_k, num_splits=min(want, most, 64))
+    # Splits merged in the kernel where the call is latency-bound: a few programs (one llama
+    # sequence's kv heads); bandwidth-bound calls keep the merge kernel after it.
+    return DecodeConfig(block_k=block_k, num_splits=min(want, most, 64),
+                        merge_in_kernel=programs <= MERGE_IN_KERNEL_PROGRAMS)
 
 
 def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,15 @@ class RaggedConfig:
     # Read the next tile's block-table entries one loop step ahead (as DecodeConfig's; an
     # experiment of the tuning sweep, off by default).
     prefetch_slots: bool = False
+    # Merge the key splits inside the kernel (as DecodeConfig's): no merge kernel after it.
+    merge_in_kernel: bool = False
 
 
 def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
                   max_kv_tokens: int, head_dim: int) -> RaggedConfig:
-    """The tuning heuristic (see the module docstring)."""
+    """The tuning heuristic (see the module docstring). Key splits are merged by a jnp fusion
+    after the kernel, or inside it with the environment variable PALLASITE_SPLIT_MERGE=kernel
+    (read when a step is traced; RaggedConfig.merge_in_kernel)."""
     cap = 128 if head_dim <= 128 else 64
     block_m = min(max(tiles.next_pow2(max_q_len * group), 16), cap)
     block_m = max(block_m, tiles.next_pow2(group))
@@ -71,14 +76,17 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
         want = max(1, round(2 * NUM_SMS / (num_seqs * num_kv_heads)))
         most = max(1, max_kv_tokens // (2 * block_k))
         splits = min(want, most, 64)
-    return RaggedConfig(block_m=block_m, block_k=block_k, num_splits=splits)
+    merge_in_kernel = os.environ.get("PALLASITE_SPLIT_MERGE") == "kernel"
+    return RaggedConfig(block_m=block_m, block_k=block_k, num_splits=splits,
+                        merge_in_kernel=merge_in_kernel)
 
 
 def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    num_heads: int, block_m: int, block_k: int, page_size: int, num_pages: int,
                    table_width: int, num_splits: int, sm_scale: float,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
-                   split_out: bool, prefetch_slots: bool = False):
+                   split_out: bool, prefetch_slots: bool = False,
+                   merge_in_kernel: bool = False, gpu_sync: bool = True):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)
     # tables_ref: [S * W] int32, all block tables, flattened
@@ -86,7 +94,10 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
     # k_ref, v_ref: [P * S, D], this kv head's pages, one row per cache slot
     # refs: (ks_ref [P * S] f32, vs_ref [P * S] f32 when quantized), then
     #   o_ref [N * H, D] (q dtype, one split) or [N * H, D] f32 (this split's partial),
-    #   lse_ref [N * H] f32 (this split's log2-sum-exp) when split_out
+    #   lse_ref [N * H] f32 (this split's log2-sum-exp) when split_out;
+    #   with merge_in_kernel instead: the counts' input ref (aliased to counts_ref), then
+    #   o_ref [N * H, D] (q dtype, merged), part_o_ref [K, N * H, D] f32, part_lse_ref
+    #   [K, N * H] f32 and counts_ref [num q blocks, KVH] int32 (tiles.merge_split_partials)
     if quantized:
         ks_ref, vs_ref, *out_refs = refs
     else:
@@ -149,6 +160,12 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
     if prefetch_slots:
         carry = carry[0]
     out, lse = tiles.finish(carry)  # [M, D], [M]
+    if merge_in_kernel:
+        _, o_ref, part_o_ref, part_lse_ref, counts_ref = out_refs  # counts in = counts out
+        tiles.merge_split_partials(out, lse, q_rows, row_ok, o_ref, part_o_ref, part_lse_ref,
+                                   counts_ref, (pl.program_id(2), h), split, num_splits,
+                                   gpu_sync=gpu_sync)
+        return
     tiles.store_rows(out_refs[0], q_rows, out, row_ok)
     if split_out:
         tiles.store_vector(out_refs[1], q_rows, lse, row_ok)
@@ -195,6 +212,7 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
     quantized = k_scales is not None
     splits = config.num_splits
     split_out = splits > 1
+    merge_in_kernel = split_out and config.merge_in_kernel
 
     meta = _q_blocks(query_start_loc, kv_lens, num_tokens, block_q, num_q_blocks)
     rows = num_tokens * num_heads
@@ -215,7 +233,22 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         in_specs += [pl.BlockSpec((None, num_slots), lambda h, s, i: (h, 0))] * 2
         args += [k_scales.reshape(num_kv_heads, num_slots),
                  v_scales.reshape(num_kv_heads, num_slots)]
-    if split_out:
+    aliases = {}
+    if merge_in_kernel:
+        # The merged output, all splits' partials (read back by each group's last split) and
+        # the counts of finished splits per (q block, kv head): zeros in and out, in place.
+        args.append(jnp.zeros((num_q_blocks, num_kv_heads), jnp.int32))
+        in_specs.append(pl.BlockSpec((num_q_blocks, num_kv_heads), lambda h, s, i: (0, 0)))
+        aliases = {len(args) - 1: 3}
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype),
+                     jax.ShapeDtypeStruct((splits, rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((num_q_blocks, num_kv_heads), jnp.int32)]
+        out_specs = [pl.BlockSpec((rows, head_dim), lambda h, s, i: (0, 0)),
+                     pl.BlockSpec((splits, rows, head_dim), lambda h, s, i: (0, 0, 0)),
+                     pl.BlockSpec((splits, rows), lambda h, s, i: (0, 0)),
+                     pl.BlockSpec((num_q_blocks, num_kv_heads), lambda h, s, i: (0, 0))]
+    elif split_out:
         out_shape = [jax.ShapeDtypeStruct((splits, rows, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((splits, rows), jnp.float32)]
         out_specs = [pl.BlockSpec((None, rows, head_dim), lambda h, s, i: (s, 0, 0)),
@@ -228,14 +261,16 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         block_k=config.block_k, page_size=page_size, num_pages=num_pages,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
-        prefetch_slots=config.prefetch_slots)
+        prefetch_slots=config.prefetch_slots, merge_in_kernel=merge_in_kernel,
+        gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+        input_output_aliases=aliases, compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret, name="ragged_paged_attention",
     )(*args)
-    out = outs[0] if not split_out else tiles.merge_splits(outs[0], outs[1], q.dtype)
+    split_merge = split_out and not merge_in_kernel
+    out = tiles.merge_splits(outs[0], outs[1], q.dtype) if split_merge else outs[0]
     return out.reshape(num_tokens, num_heads, head_dim)
 
 

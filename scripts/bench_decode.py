@@ -7,7 +7,9 @@
 For each model (random weights of the preset's real shapes, made on the device; `--quant`
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused after
 loading, models.llama.fuse_projections; `folded`: fused, and each RMSNorm folded into the
-product after it, ModelConfig.fold_norm_scale; `mesh`: the sharded runner over a --tp mesh), one
+product after it, ModelConfig.fold_norm_scale; `merged`: folded, with the attention kernel's key
+splits merged inside it, PALLASITE_SPLIT_MERGE=kernel; `mesh`: the sharded runner over a --tp
+mesh), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C: every sequence attends to C tokens): the runner's jitted step as
   the engine issues it (execute_padded: host padding + dispatch) queued --steps times with one
@@ -32,6 +34,7 @@ JSON is rewritten after every row, so a run cut short keeps what it measured; a 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -55,8 +58,9 @@ flags.DEFINE_enum("matmul_precision", "default", ["default", "high", "highest"],
                   "products use TF32; 'highest' keeps them float32 (for float32 greedy checks).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
-VARIANTS = ("base", "fused", "folded", "mesh")
-flags.DEFINE_list("variants", ["base"], "base, fused, folded, mesh (see the module docstring).")
+VARIANTS = ("base", "fused", "folded", "merged", "mesh")
+flags.DEFINE_list("variants", ["base"], "base, fused, folded, merged, mesh (see the module "
+                  "docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
@@ -142,13 +146,29 @@ def run_hf_peer(results: dict) -> None:
         save(results)
 
 
+@contextlib.contextmanager
+def split_merge(variant: str):
+    """PALLASITE_SPLIT_MERGE=kernel while the `merged` variant is built, traced and timed (its
+    runner is its own, so its programs are traced under it); the setting before it otherwise."""
+    before = os.environ.get("PALLASITE_SPLIT_MERGE")
+    if variant == "merged":
+        os.environ["PALLASITE_SPLIT_MERGE"] = "kernel"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PALLASITE_SPLIT_MERGE", None)
+        else:
+            os.environ["PALLASITE_SPLIT_MERGE"] = before
+
+
 def variant_setup(name: str, variant: str, dtype, mesh):
     """(cfg, runner) of one model variant, with a random cache sized for every row."""
     from scripts import decode_steps as ds
     cfg, model = ds.build_model(get_preset(name), dtype, FLAGS.seed, FLAGS.quant,
-                                fused=variant in ("fused", "folded"),
+                                fused=variant in ("fused", "folded", "merged"),
                                 mesh=mesh if variant == "mesh" else None)
-    if variant == "folded":
+    if variant in ("folded", "merged"):
         cfg = cfg.replace(fold_norm_scale=True)
     batches = [int(b) for b in FLAGS.batch] + [FLAGS.greedy_batch]
     contexts = [int(c) + FLAGS.multi_step for c in FLAGS.context] + [
@@ -431,7 +451,7 @@ def main(argv):
     for name in FLAGS.model:
         for variant in variants:
             try:
-                with jax.default_matmul_precision(precision):
+                with jax.default_matmul_precision(precision), split_merge(variant):
                     measure_model(name, variant, results, results["calibration"], mesh)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory building the model
                 results["setup"].append({"model": name, "variant": variant,

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ops.decode_attention import DecodeConfig, paged_attention, paged_attention_reference
+from ops.decode_attention import (DecodeConfig, decode_config, paged_attention,
+                                  paged_attention_reference)
 from tests.ops.paged_cases import NP_DTYPES, attention_np, make_paged_case, rel_err, tolerance
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -159,3 +160,12 @@ def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, c
     text = jax.jit(f).trace(q, pages, pages, tables, lengths, scales, scales).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+
+
+def test_heuristic_merges_in_kernel_only_for_a_few_programs():
+    """One llama sequence (8 kv heads) merges its splits in the kernel; a batch of 8 does not."""
+    one, eight = decode_config(1, 8, 4096, 128, 2), decode_config(8, 8, 4096, 128, 2)
+    assert one.num_splits > 1 and one.merge_in_kernel
+    assert eight.num_splits > 1 and not eight.merge_in_kernel
+    # 600 tokens: 2 splits of the heuristic, merged in the kernel
+    run_case(page_size=16, head_dim=64, num_heads=8, num_kv_heads=8, lengths=(600,))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ops.decode_attention import paged_attention
-from ops.ragged_attention import (RaggedConfig, ragged_paged_attention,
+from ops.ragged_attention import (RaggedConfig, ragged_config, ragged_paged_attention,
                                   ragged_paged_attention_reference)
 from tests.ops.paged_cases import NP_DTYPES, attention_np, make_paged_case, rel_err, tolerance
 
@@ -74,6 +74,11 @@ CASES = [
                                                  prefetch_slots=True)),
     (16, 64, 8, 2, "float32", "int8", RaggedConfig(block_m=32, block_k=16,
                                                     prefetch_slots=True)),
+    # Splits merged inside the kernel by the last one of each (q block, kv head) to finish.
+    (8, 32, 8, 1, "bfloat16", None, RaggedConfig(block_m=16, block_k=16, num_splits=3,
+                                                 merge_in_kernel=True)),
+    (16, 64, 8, 2, "float32", "int8", RaggedConfig(block_m=32, block_k=16, num_splits=4,
+                                                    merge_in_kernel=True)),
 ]
 
 
@@ -151,11 +156,12 @@ def test_validation():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-@pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,prefetch", [
-    ("bfloat16", 128, 16, 2048, False), ("int8", 64, 128, 4, False),
-    ("float8_e4m3fn", 256, 8, 512, False), ("bfloat16", 128, 16, 1, True)])
+@pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,variant", [
+    ("bfloat16", 128, 16, 2048, None), ("int8", 64, 128, 4, None),
+    ("float8_e4m3fn", 256, 8, 512, None), ("bfloat16", 128, 16, 1, "prefetch"),
+    ("bfloat16", 128, 16, 1, "merge")])
 def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, max_q_len,
-                                   prefetch):
+                                   variant):
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
@@ -166,7 +172,8 @@ def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, m
     tables, starts, kv_lens = spec((4, 64), jnp.int32), spec((5,), jnp.int32), spec((4,), jnp.int32)
 
     def f(q, k, v, t, qs, n, ks, vs):
-        config = RaggedConfig(16, 128, 4, prefetch_slots=True) if prefetch else None
+        config = {"prefetch": RaggedConfig(16, 128, 4, prefetch_slots=True),
+                  "merge": RaggedConfig(16, 128, 4, merge_in_kernel=True)}.get(variant)
         return ragged_paged_attention(q, k, v, t, qs, n, max_q_len=max_q_len, k_scales=ks,
                                       v_scales=vs, impl="pallas", sliding_window=300,
                                       config=config)
@@ -174,3 +181,16 @@ def test_lowers_to_triton_for_h200(monkeypatch, kv_dtype, head_dim, page_size, m
     text = jax.jit(f).trace(q, pages, pages, tables, starts, kv_lens, scales, scales).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+
+
+def test_split_merge_setting_picks_the_in_kernel_merge(monkeypatch):
+    """PALLASITE_SPLIT_MERGE=kernel turns on RaggedConfig.merge_in_kernel (bench_decode's
+    `merged` variant); decode-sized tiles at a long context split their keys either way."""
+    decode = dict(num_seqs=1, num_kv_heads=8, group=4, max_q_len=1, max_kv_tokens=4096,
+                  head_dim=128)
+    monkeypatch.delenv("PALLASITE_SPLIT_MERGE", raising=False)
+    plain = ragged_config(**decode)
+    monkeypatch.setenv("PALLASITE_SPLIT_MERGE", "kernel")
+    merged = ragged_config(**decode)
+    assert plain.num_splits == merged.num_splits > 1
+    assert not plain.merge_in_kernel and merged.merge_in_kernel
