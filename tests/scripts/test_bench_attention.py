@@ -1,0 +1,25 @@
+"""scripts/bench_attention.py on the CPU: the decode rows with the Pallas kernel interpreted
+(tiny shapes), an explicit --decode_config that merges the splits in the kernel, and the JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_attention_decode_rows_with_the_merge_in_kernel(tmp_path):
+    out = tmp_path / "attention.json"
+    args = ["--modes=decode", "--batches=2", "--contexts=64", "--num_heads=4",
+            "--num_kv_heads=2", "--head_dim=16", "--page_size=8", "--calls=1", "--queue=1",
+            "--runs=1", "--impl=pallas_interpret", "--decode_config=16,2,4,3,1",
+            f"--json_out={out}"]
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
+    ours = rows["pallasite"]
+    assert (ours["batch"], ours["context"]) == (2, 64) and ours["us"] > 0
+    assert "num_splits=2" in ours["config"] and "merge_in_kernel=True" in ours["config"]
+    assert rows["xla"]["us"] > 0  # the jnp peer on the same arrays
+    assert "B2 ctx64" in proc.stdout
