@@ -64,10 +64,7 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
                   max_kv_tokens: int, head_dim: int) -> RaggedConfig:
     """The tuning heuristic (see the module docstring). Key splits are merged by a jnp fusion
     after the kernel, or inside it with the environment variable PALLASITE_SPLIT_MERGE=kernel
-    (read when a step is traced; RaggedConfig.merge_in_kernel). PALLASITE_DECODE_TILES=wide
-    (an experiment, read the same way) gives decode steps of few sequences half-size key tiles
-    and as many splits as tiles allow (down to one tile per split), to spread a short context
-    over more SMs."""
+    (read when a step is traced; RaggedConfig.merge_in_kernel)."""
     cap = 128 if head_dim <= 128 else 64
     block_m = min(max(tiles.next_pow2(max_q_len * group), 16), cap)
     block_m = max(block_m, tiles.next_pow2(group))
@@ -77,10 +74,7 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
     splits = 1
     if block_m <= 32:  # as decode_config
         want = max(1, round(2 * NUM_SMS / (num_seqs * num_kv_heads)))
-        tiles_per_split = 2
-        if os.environ.get("PALLASITE_DECODE_TILES") == "wide" and want > 1:
-            block_k, tiles_per_split = block_k // 2, 1
-        most = max(1, max_kv_tokens // (tiles_per_split * block_k))
+        most = max(1, max_kv_tokens // (2 * block_k))
         splits = min(want, most, 64)
     merge_in_kernel = os.environ.get("PALLASITE_SPLIT_MERGE") == "kernel"
     return RaggedConfig(block_m=block_m, block_k=block_k, num_splits=splits,

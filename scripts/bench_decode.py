@@ -8,9 +8,8 @@ For each model (random weights of the preset's real shapes, made on the device; 
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused after
 loading, models.llama.fuse_projections; `folded`: fused, and each RMSNorm folded into the
 product after it, ModelConfig.fold_norm_scale; `merged`: folded, with the attention kernel's key
-splits merged inside it, PALLASITE_SPLIT_MERGE=kernel; `wide`: folded, with half-size key tiles
-and more splits for decode steps of few sequences, PALLASITE_DECODE_TILES=wide; `mesh`: the
-sharded runner over a --tp mesh), one
+splits merged inside it, PALLASITE_SPLIT_MERGE=kernel; `mesh`: the sharded runner over a --tp
+mesh), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C: every sequence attends to C tokens): the runner's jitted step as
   the engine issues it (execute_padded: host padding + dispatch) queued --steps times with one
@@ -59,9 +58,9 @@ flags.DEFINE_enum("matmul_precision", "default", ["default", "high", "highest"],
                   "products use TF32; 'highest' keeps them float32 (for float32 greedy checks).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
-VARIANTS = ("base", "fused", "folded", "merged", "wide", "mesh")
-flags.DEFINE_list("variants", ["base"], "base, fused, folded, merged, wide, mesh (see the "
-                  "module docstring).")
+VARIANTS = ("base", "fused", "folded", "merged", "mesh")
+flags.DEFINE_list("variants", ["base"], "base, fused, folded, merged, mesh (see the module "
+                  "docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
@@ -147,37 +146,29 @@ def run_hf_peer(results: dict) -> None:
         save(results)
 
 
-# Variants that are `folded` with an attention setting read when the step is traced.
-VARIANT_ENV = {"merged": ("PALLASITE_SPLIT_MERGE", "kernel"),
-               "wide": ("PALLASITE_DECODE_TILES", "wide")}
-
-
 @contextlib.contextmanager
-def variant_env(variant: str):
-    """The variant's environment setting (VARIANT_ENV) while it is built, traced and timed (its
+def split_merge(variant: str):
+    """PALLASITE_SPLIT_MERGE=kernel while the `merged` variant is built, traced and timed (its
     runner is its own, so its programs are traced under it); the setting before it otherwise."""
-    if variant not in VARIANT_ENV:
-        yield
-        return
-    name, value = VARIANT_ENV[variant]
-    before = os.environ.get(name)
-    os.environ[name] = value
+    before = os.environ.get("PALLASITE_SPLIT_MERGE")
+    if variant == "merged":
+        os.environ["PALLASITE_SPLIT_MERGE"] = "kernel"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(name, None)
+            os.environ.pop("PALLASITE_SPLIT_MERGE", None)
         else:
-            os.environ[name] = before
+            os.environ["PALLASITE_SPLIT_MERGE"] = before
 
 
 def variant_setup(name: str, variant: str, dtype, mesh):
     """(cfg, runner) of one model variant, with a random cache sized for every row."""
     from scripts import decode_steps as ds
     cfg, model = ds.build_model(get_preset(name), dtype, FLAGS.seed, FLAGS.quant,
-                                fused=variant in ("fused", "folded", *VARIANT_ENV),
+                                fused=variant in ("fused", "folded", "merged"),
                                 mesh=mesh if variant == "mesh" else None)
-    if variant == "folded" or variant in VARIANT_ENV:
+    if variant in ("folded", "merged"):
         cfg = cfg.replace(fold_norm_scale=True)
     batches = [int(b) for b in FLAGS.batch] + [FLAGS.greedy_batch]
     contexts = [int(c) + FLAGS.multi_step for c in FLAGS.context] + [
@@ -460,7 +451,7 @@ def main(argv):
     for name in FLAGS.model:
         for variant in variants:
             try:
-                with jax.default_matmul_precision(precision), variant_env(variant):
+                with jax.default_matmul_precision(precision), split_merge(variant):
                     measure_model(name, variant, results, results["calibration"], mesh)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory building the model
                 results["setup"].append({"model": name, "variant": variant,

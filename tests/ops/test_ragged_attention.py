@@ -194,19 +194,3 @@ def test_split_merge_setting_picks_the_in_kernel_merge(monkeypatch):
     merged = ragged_config(**decode)
     assert plain.num_splits == merged.num_splits > 1
     assert not plain.merge_in_kernel and merged.merge_in_kernel
-
-
-def test_wide_decode_tiles_halve_the_tile_and_split_further(monkeypatch):
-    """PALLASITE_DECODE_TILES=wide (bench_decode's `wide` variant): decode steps of few
-    sequences take half-size key tiles and one tile per split; the kernel stays exact."""
-    decode = dict(num_seqs=1, num_kv_heads=8, group=4, max_q_len=1, max_kv_tokens=512,
-                  head_dim=128)
-    monkeypatch.delenv("PALLASITE_DECODE_TILES", raising=False)
-    plain = ragged_config(**decode)
-    monkeypatch.setenv("PALLASITE_DECODE_TILES", "wide")
-    wide = ragged_config(**decode)
-    assert (plain.block_k, plain.num_splits) == (128, 2)
-    assert (wide.block_k, wide.num_splits) == (64, 8)
-    # Decode-only sequences through the heuristic's wide tiles (head_dim 32: 64-key tiles).
-    run_case(page_size=8, head_dim=32, num_heads=8, num_kv_heads=2,
-             sequences=((70, 1), (1, 1), (0, 0), (150, 1)), seed=5)
