@@ -22,8 +22,9 @@ B=8 at 4k context -> 4 splits (2: +25%, 9: +10% time), B=32 -> 1, B=1 at 32k -> 
 boundaries follow each sequence's actual length, so short sequences in a wide table still
 spread over all splits. Up to 8 (sequence, kv head) streams (B = 1 at 8 kv heads) the splits
 are merged inside the kernel (`merge_in_kernel`: the last split to finish combines the others;
-15-17 us instead of 17.5-20 at B = 1 / 512 on an H200), above that by a jnp merge after it
-(inside, B = 8 / 4k took 54-60 against 49-53 us). Figures in docs/PERFORMANCE.md.
+faster at B = 1 in 7 of 8 pairs on an H200, e.g. 15.0 against 20.2 us at 512 tokens), above
+that by a jnp merge after it (inside was slower at B = 8 / 4k in 6 of 8 pairs, by up to 10 us).
+Figures in docs/PERFORMANCE.md.
 `DecodeConfig.prefetch_slots` reads
 the next tile's block-table entries one loop step ahead, so that no K/V load of a step waits on
 that step's own table load; the tuning sweep (scripts/bench_attention.py --modes=sweep) timed
