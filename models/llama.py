@@ -17,7 +17,7 @@ from configs.model import ModelConfig
 from engine.kv_cache import KVCache
 from ops.matmul import linear
 from ops.paged_attention import step_attention
-from ops.rms_norm import rms_norm
+from ops.rms_norm import rms_norm, rms_scale
 from ops.rope_kv import rope_and_write_kv
 
 
@@ -178,8 +178,7 @@ def normed_product(norm: RMSNorm, x: jax.Array, project, fold: bool):
     """
     if not fold:
         return project(norm(x))
-    xf = x.astype(jnp.float32)
-    scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm.eps)  # [N, 1]
+    scale = rms_scale(x, norm.eps)  # [N, 1]
     out = project(x * norm.weight[...].astype(x.dtype))
     return jax.tree.map(lambda y: (y.astype(jnp.float32) * scale).astype(y.dtype), out)
 

@@ -30,11 +30,15 @@ from ops.sharded_attention import active_mesh
 KERNEL_ROWS = (16, 64)  # rows (tokens) for which impl=None picks the kernel on GPU (see above)
 
 
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """float32 [..., 1]: each row's rsqrt(mean(x^2) + eps) over x's last axis."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x [..., H] normalized over its last axis and scaled by weight [H] (jnp)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+    return weight * (x.astype(jnp.float32) * rms_scale(x, eps)).astype(x.dtype)
 
 
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, hidden: int, width: int, eps: float):

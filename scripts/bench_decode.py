@@ -34,7 +34,6 @@ JSON is rewritten after every row, so a run cut short keeps what it measured; a 
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
 import json
@@ -42,6 +41,7 @@ import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 from absl import app, flags
@@ -144,22 +144,6 @@ def run_hf_peer(results: dict) -> None:
              **{k: part[k] for k in ("torch", "transformers", "device", "init_s") if k in part}})
         print(f"hf peer {model} {' '.join(extra)}: {status}; {len(part['rows'])} rows", flush=True)
         save(results)
-
-
-@contextlib.contextmanager
-def split_merge(variant: str):
-    """PALLASITE_SPLIT_MERGE=kernel while the `merged` variant is built, traced and timed (its
-    runner is its own, so its programs are traced under it); the setting before it otherwise."""
-    before = os.environ.get("PALLASITE_SPLIT_MERGE")
-    if variant == "merged":
-        os.environ["PALLASITE_SPLIT_MERGE"] = "kernel"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PALLASITE_SPLIT_MERGE", None)
-        else:
-            os.environ["PALLASITE_SPLIT_MERGE"] = before
 
 
 def variant_setup(name: str, variant: str, dtype, mesh):
@@ -451,7 +435,10 @@ def main(argv):
     for name in FLAGS.model:
         for variant in variants:
             try:
-                with jax.default_matmul_precision(precision), split_merge(variant):
+                # `merged`: the setting on while the variant is built, traced and timed (its
+                # runner is its own, so its programs are traced under it).
+                env = {"PALLASITE_SPLIT_MERGE": "kernel"} if variant == "merged" else {}
+                with jax.default_matmul_precision(precision), mock.patch.dict(os.environ, env):
                     measure_model(name, variant, results, results["calibration"], mesh)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory building the model
                 results["setup"].append({"model": name, "variant": variant,

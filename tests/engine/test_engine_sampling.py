@@ -11,18 +11,11 @@ import pytest
 from engine.request import SamplingParams
 from engine.runner import full_sequence_logits
 from tests.engine.test_continuous_batching import (CFG, PAGE, STRESS, check_all_free,
-                                                   engine_maker, random_prompt)
-from tests.engine.weights import unit_scale_model
+                                                   make_engine, model, random_prompt)
 
-
-@pytest.fixture(scope="module")
-def model():
-    return unit_scale_model(CFG, 3)
-
-
-@pytest.fixture(scope="module")
-def make_engine(model):
-    return engine_maker(model)
+# The fixtures `model` and `make_engine` are test_continuous_batching's (module-scoped: this
+# module builds its own instances); pytest finds them by name in this module's namespace.
+FIXTURES = (model, make_engine)
 
 
 # ------------------------------------------------------------------------------------- logprobs
