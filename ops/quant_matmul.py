@@ -10,24 +10,30 @@ Weights arrive in the packed layouts of quant/qtensor.py, read as they are store
 Kernel: one program per (row block, column block, K split). It walks its slice of K one tile at a
 time (block_k rows: R = block_k / 8 words for int4), dequantizes the tile in registers and
 accumulates in float32:
-  * Unpacking without integer-to-float conversions (a slow instruction): nibble j of a word is
-    masked in place and OR-ed under an exponent that makes its lowest bit worth 1, so
+  * Unpacking without integer-to-float conversions (a slow instruction; the dot path): nibble j
+    of a word is masked in place and OR-ed under an exponent that makes its lowest bit worth 1, so
     `bitcast(bits) - magic` is exactly c - zero as a float32 (one LOP3 and one FADD per weight).
     Nibbles 4..7 come from the word shifted right by 16 (one shift per four weights).
   * The K order inside a tile is free: nibble j of R words holds rows 8i + j, so the tile is R x
     BN weights times the activation columns 8i + j (a strided load of x, which sits in cache).
     The 8 rows of a word always share a group (group_size is a multiple of 8).
-  * block_m < 16 ("fma" path, decode with one or two rows): plain float32 multiply-adds into a
-    [R, BN] accumulator per row; the group scale multiplies the sum over a word's 8 nibbles
-    once (and the offset the sum of its 8 activations), so a weight costs about three
-    instructions and no data leaves registers; the accumulator is reduced over R once, at the
-    end.
+  * block_m < 16 ("fma" path, decode with one or two rows): "mantissa codes" instead
+    (ops/quant_tiles.py). A code c moved to mantissa bits p.. under the exponent of 1.0 is the
+    float 1 + c 2^(p-23), exactly: one shift (shared by two nibbles) and one LOP3 per weight.
+    Each activation is scaled by 2^(23-p) (exact), so a product is x c plus x 2^(23-p); that
+    excess and the zero point's x zero are summed once per packed row and start its sum
+    negated, and each code then costs one fused multiply-add, emitted as PTX fma.rn.f32 by
+    inline assembly (Triton does not contract Pallas's separate multiply and add: Nsight
+    Compute counted no fused instruction in the kernel before). The group scale multiplies the
+    sum over a word's codes once (one more fma into a [R, BN] accumulator per row, reduced over
+    R at the end). The kernel is bound by its instructions, not by memory (Nsight Compute,
+    docs/PERFORMANCE.md), so `matmul_config` splits K for many resident warps.
   * block_m >= 16 ("dot" path): the scaled tile, cast to the activation dtype, feeds tl.dot
     (tensor cores), 8 dots of K = R per int4 tile.
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
     are summed in jnp (a small fused reduction).
-The paths above are MatmulConfig.path "auto" (today's default; `matmul_config` picks nothing
-else until the H200 sweep of scripts/bench_matmul.py has measured the others). Three tensor-core
+The paths above are MatmulConfig.path "auto" (`matmul_config` runs them for M <= 2 and
+17 <= M <= 128). Three tensor-core
 paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked loads):
   * "mma": acc [BM, BN] += x [BM, R] @ w [R, BN] per code j, as the dot path.
     "mma_t": acc [BN, BM] += w [BN, R] @ x [R, BM], the transposed product: the weight tile is
@@ -72,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.quant_mma import _mma_kernel
-from ops.quant_tiles import _dequant_tile, _load, _program_tiles
+from ops.quant_tiles import _dequant_tile, _fma, _load, _mantissa_codes, _program_tiles
 
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -106,35 +112,60 @@ def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulC
 
     Tiles from sweeps on an H200 (scripts/bench_matmul.py --modes=sweep: 4096x4096 and
     4096x28672 at M = 1, 16, 64; then the four Llama shapes at M = 1, 16 with the mma paths;
-    docs/PERFORMANCE.md); splits give about two programs per SM.
+    docs/PERFORMANCE.md); above two rows, splits give about two programs per SM (one or two
+    rows: `_gemv_config`).
     """
     if m > 128:
         return None  # compute-bound: XLA's dequantize + bf16 dot (see docs/PERFORMANCE.md)
     if m <= 2:
-        wide = n >= 16384
-        if bits == 4:
-            cfg = MatmulConfig(block_m=_next_pow2(m), block_n=(256 if wide else 128) // m,
-                               block_k=256 if wide else 512, num_warps=8)
-        else:
-            cfg = MatmulConfig(block_m=_next_pow2(m), block_n=256 // m, block_k=32, num_warps=8)
-    elif m <= 16:  # the "mma" path: fastest of the sweep at M = 16 on 3 of the 4 Llama shapes
+        return _gemv_config(bits, m, k, n)
+    if m <= 16:  # the "mma" path: fastest of the sweep at M = 16 on 3 of the 4 Llama shapes
         cfg = (MatmulConfig(block_m=16, block_n=256, block_k=256, path="mma") if bits == 4
                else MatmulConfig(block_m=16, block_n=128, block_k=64, path="mma"))
     else:
         bm = max(16, _next_pow2(m))
         cfg = MatmulConfig(block_m=bm, block_n=128 if bm <= 64 else 64,
                            block_k=256 if bits == 4 else 64)
+    return _with_splits(cfg, bits, m, k, n, per_sm=2, min_tiles=2, max_splits=16)
+
+
+def _with_splits(cfg: MatmulConfig, bits: int, m: int, k: int, n: int, *, per_sm: int,
+                 min_tiles: int, max_splits: int) -> MatmulConfig:
+    """cfg with the K splits that give about `per_sm` programs per SM, each split at least
+    `min_tiles` K tiles, at most `max_splits`."""
     rows = k // 8 if bits == 4 else k
     step = cfg.block_k // 8 if bits == 4 else cfg.block_k
     tiles = -(-rows // step)
     programs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    splits = max(1, min(round(2 * NUM_SMS / programs), tiles // 2, 16))
+    splits = max(1, min(round(per_sm * NUM_SMS / programs), tiles // min_tiles, max_splits))
     return dataclasses.replace(cfg, num_splits=splits)
+
+
+def _gemv_config(bits: int, m: int, k: int, n: int) -> MatmulConfig:
+    """The fma path's tiles for one or two activation rows (decode at batch 1 or 2).
+
+    The kernel is bound by its instructions (Nsight Compute on an H200, 4096x28672 int4:
+    issue slots 54-66% busy, DRAM 32-38%), so it wants many resident warps: int4 runs
+    [16 words, 256 / M columns] tiles with 4 warps split over K until there are about 16
+    programs per SM (at most 64 splits), except where the columns alone give two programs
+    per SM (the lm head), which keeps the wider 8-warp tiles without splits; int8 runs 8-warp
+    [32, 256 / M] tiles at about 8 programs per SM (at most 16 splits). From the occupancy
+    sweep of docs/PERFORMANCE.md (tenth session).
+    """
+    block_m, block_n = _next_pow2(m), 256 // m
+    if bits == 8:
+        cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=8)
+        return _with_splits(cfg, bits, m, k, n, per_sm=8, min_tiles=2, max_splits=16)
+    if -(-n // block_n) >= 2 * NUM_SMS:
+        cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=256, num_warps=8)
+        return _with_splits(cfg, bits, m, k, n, per_sm=2, min_tiles=2, max_splits=16)
+    cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=128, num_warps=4)
+    return _with_splits(cfg, bits, m, k, n, per_sm=16, min_tiles=1, max_splits=64)
 
 
 def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
                    group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
-                   num_splits: int, asymmetric: bool):
+                   num_splits: int, asymmetric: bool, interpret: bool = False):
     # x_ref:  [M, K] activations (act-order already gathered), x dtype
     # w_ref:  [K/8, N] int32 (int4) or [K, N] uint8 (int8): the packed weights, `rows` rows
     # s_ref:  [G, N] group scales; refs: (o_ref [G, N] offsets when asymmetric), out_ref:
@@ -191,7 +222,8 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
     def body(t, accs):  # accs: block_m x [R, BN] float32
         r, r_ok, s, o = tile_params(t)
         word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
-        codes = [_dequant_tile(word, j, zero, bits) for j in range(per_word)]  # [R, BN] each
+        codes = _mantissa_codes(word, bits)  # per code j: (1 + c 2^(p-23) [R, BN], p)
+        full = lambda a: jnp.broadcast_to(a, word.shape)  # noqa: E731  -> [R, BN]
         new = []
         for i, acc in enumerate(accs):
             row = jnp.minimum(mb * block_m + i, m - 1)
@@ -199,16 +231,19 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
             for j in range(per_word):
                 kc = x_cols(r, j)
                 view = x_ref.at[row, kc]
-                xs.append(plgpu.load(view, mask=kc < k_total, other=0.0) if r_ok is not None
-                          else plgpu.load(view))  # [R]
-            part = xs[0].astype(jnp.float32)[:, None] * codes[0]
-            for j in range(1, per_word):
-                part += xs[j].astype(jnp.float32)[:, None] * codes[j]  # [R, BN]
-            part = part * s
+                x = (plgpu.load(view, mask=kc < k_total, other=0.0) if r_ok is not None
+                     else plgpu.load(view))
+                xs.append(x.astype(jnp.float32))  # [R]
+            scaled = [x * float(2 ** (23 - p)) for x, (_, p) in zip(xs, codes)]  # [R], exact
+            xsum = sum(xs[1:], xs[0])  # [R]
+            # sum_j x_j (c_j - zero) = sum_j scaled_j v_j - sum_j scaled_j - zero xsum
+            part = full((-(sum(scaled[1:], scaled[0]) + zero * xsum))[:, None])
+            for x, (v, _) in zip(scaled, codes):
+                part = _fma(full(x[:, None]), v, part, interpret)  # [R, BN]
+            acc = _fma(part, full(s), acc, interpret)
             if asymmetric:
-                xsum = sum(x.astype(jnp.float32) for x in xs)  # [R]
-                part += xsum[:, None] * o
-            new.append(acc + part)
+                acc = _fma(full(xsum[:, None]), full(o), acc, interpret)
+            new.append(acc)
         return tuple(new)
 
     step_shape = (step, block_n)
@@ -249,7 +284,7 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = full((m, n))
     if config.path == "auto":
-        body = _matmul_kernel
+        body = functools.partial(_matmul_kernel, interpret=interpret)
     else:
         body = functools.partial(_mma_kernel, transposed=config.path == "mma_t",
                                  wide=config.path == "mma_wide")

@@ -62,3 +62,43 @@ def _program_tiles(m: int, n: int, rows: int, block_m: int, block_n: int, step: 
     last = jnp.minimum(first + per_split, num_tiles)
     return (cols, cols < n if n % block_n else None, x_rows,
             x_rows < m if m % block_m else None, first, last)
+
+
+# Mantissa codes (the fma path). A code c placed at mantissa bits p..p+3 (p+7 for int8) under
+# the exponent of 1.0 is the float 1 + c 2^(p-23), exactly: one shift (shared by two codes) and
+# one LOP3 per weight, and no float instruction. Its activation is scaled by 2^(23-p) (exact),
+# so the product is x c + x 2^(23-p); the second term (with the zero point's x zero) starts the
+# sum of a packed row negated, and the codes' products then cost one fused multiply-add each.
+# int4 nibble j sits at bits 4j: (left shift of the word, negative = right, logical) per j, so
+# that it lands at p = 12 or 16 (the larger p, the smaller the term cancelled).
+NIBBLE_SHIFTS = (16, 8, 8, 0, 0, -8, -8, -16)
+ONE_BITS = 0x3F800000  # float32 1.0
+
+
+def _mantissa_codes(word, bits: int):
+    """[(v float32 [R, BN], p)] of a word tile (int32 [R, BN]): v = 1 + c 2^(p-23) for each code
+    c of the word (8 nibbles for int4, the one byte for int8), p its mantissa position."""
+    if bits == 8:
+        shifted = {15: word << 15}
+        places = [(15, 15)]
+    else:
+        shifted = {t: (word << t if t > 0 else jax.lax.shift_right_logical(word, -t)
+                       if t < 0 else word) for t in set(NIBBLE_SHIFTS)}
+        places = [(t, 4 * j + t) for j, t in enumerate(NIBBLE_SHIFTS)]
+    out = []
+    for t, p in places:
+        mask = (0xFF if bits == 8 else 0xF) << p
+        out.append((jax.lax.bitcast_convert_type((shifted[t] & mask) | ONE_BITS, jnp.float32), p))
+    return out
+
+
+def _fma(a, b, c, interpret: bool):
+    """a * b + c (float32 [R, BN] each) rounded once: PTX fma.rn.f32 when compiled (Triton
+    does not contract Pallas's separate multiply and add), plain jnp when interpreted."""
+    if interpret:
+        return a * b + c
+    [out] = plgpu.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c],
+                                         constraints="=f,f,f,f", pack=1,
+                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape,
+                                                                                   jnp.float32)])
+    return out
