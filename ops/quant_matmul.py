@@ -17,17 +17,8 @@ accumulates in float32:
   * The K order inside a tile is free: nibble j of R words holds rows 8i + j, so the tile is R x
     BN weights times the activation columns 8i + j (a strided load of x, which sits in cache).
     The 8 rows of a word always share a group (group_size is a multiple of 8).
-  * block_m < 16 ("fma" path, decode with one or two rows): "mantissa codes" instead
-    (ops/quant_tiles.py). A code c moved to mantissa bits p.. under the exponent of 1.0 is the
-    float 1 + c 2^(p-23), exactly: one shift (shared by two nibbles) and one LOP3 per weight.
-    Each activation is scaled by 2^(23-p) (exact), so a product is x c plus x 2^(23-p); that
-    excess and the zero point's x zero are summed once per packed row and start its sum
-    negated, and each code then costs one fused multiply-add, emitted as PTX fma.rn.f32 by
-    inline assembly (Triton does not contract Pallas's separate multiply and add: Nsight
-    Compute counted no fused instruction in the kernel before). The group scale multiplies the
-    sum over a word's codes once (one more fma into a [R, BN] accumulator per row, reduced over
-    R at the end). The kernel is bound by its instructions, not by memory (Nsight Compute,
-    docs/PERFORMANCE.md), so `matmul_config` splits K for many resident warps.
+  * block_m < 16 ("fma" path, decode with one or two rows): ops/quant_gemv.py, float32
+    fused multiply-adds over "mantissa codes" and pre-scaled activations (its docstring).
   * block_m >= 16 ("dot" path): the scaled tile, cast to the activation dtype, feeds tl.dot
     (tensor cores), 8 dots of K = R per int4 tile.
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
@@ -78,7 +69,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.quant_mma import _mma_kernel
-from ops.quant_tiles import _dequant_tile, _fma, _load, _mantissa_codes, _program_tiles
+from ops.quant_gemv import gemv_kernel, prescale
+from ops.quant_tiles import _dequant_tile, _load, _program_tiles
 
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -165,20 +157,19 @@ def _gemv_config(bits: int, m: int, k: int, n: int) -> MatmulConfig:
 
 def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
                    group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
-                   num_splits: int, asymmetric: bool, interpret: bool = False):
+                   num_splits: int, asymmetric: bool):
+    # The "dot" path (block_m >= 16; block_m < 16 runs ops/quant_gemv.py's kernel).
     # x_ref:  [M, K] activations (act-order already gathered), x dtype
     # w_ref:  [K/8, N] int32 (int4) or [K, N] uint8 (int8): the packed weights, `rows` rows
     # s_ref:  [G, N] group scales; refs: (o_ref [G, N] offsets when asymmetric), out_ref:
     #         [M, N] in x's dtype (one split) or [M, N] float32 (this split's partial)
     o_ref = refs[0] if asymmetric else None
     out_ref = refs[-1]
-    mb = pl.program_id(0)
     per_word = 8 if bits == 4 else 1  # K rows per packed row
     zero = 0 if asymmetric else 2 ** (bits - 1)
     cols, col_ok, x_rows, x_row_ok, first, last = _program_tiles(
         m, n, rows, block_m, block_n, step, num_splits)
     uniform = group_rows % step == 0 or num_groups == 1
-    dot_path = block_m >= 16
     k_total = rows * per_word
 
     def tile_params(t):
@@ -195,70 +186,27 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
     def x_cols(r, j):
         return r * per_word + j  # [R] activation columns of code j of rows r
 
-    if dot_path:
-        def body(t, acc):  # acc [BM, BN] float32
-            r, r_ok, s, o = tile_params(t)
-            word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
-            for j in range(per_word):
-                w = _dequant_tile(word, j, zero, bits)  # [R, BN] c - zero
-                w = w * s + o if asymmetric else w * s
-                kc = x_cols(r, j)
-                k_ok = kc < k_total if r_ok is not None else None
-                xj = _load(x_ref, x_rows, kc, x_row_ok, k_ok)  # [BM, R]
-                acc += plgpu.dot(xj, w.astype(xj.dtype))
-            return acc
-
-        acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_m, block_n), jnp.float32))
-        mask = jnp.ones(acc.shape, jnp.bool_)
-        if x_row_ok is not None:
-            mask &= x_row_ok[:, None]
-        if col_ok is not None:
-            mask &= col_ok[None, :]
-        out_rows = jnp.where(x_rows < m, x_rows, m)  # masked rows go past the end
-        plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
-                    mask=mask)
-        return
-
-    def body(t, accs):  # accs: block_m x [R, BN] float32
+    def body(t, acc):  # acc [BM, BN] float32
         r, r_ok, s, o = tile_params(t)
         word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
-        codes = _mantissa_codes(word, bits)  # per code j: (1 + c 2^(p-23) [R, BN], p)
-        full = lambda a: jnp.broadcast_to(a, word.shape)  # noqa: E731  -> [R, BN]
-        new = []
-        for i, acc in enumerate(accs):
-            row = jnp.minimum(mb * block_m + i, m - 1)
-            xs = []
-            for j in range(per_word):
-                kc = x_cols(r, j)
-                view = x_ref.at[row, kc]
-                x = (plgpu.load(view, mask=kc < k_total, other=0.0) if r_ok is not None
-                     else plgpu.load(view))
-                xs.append(x.astype(jnp.float32))  # [R]
-            scaled = [x * float(2 ** (23 - p)) for x, (_, p) in zip(xs, codes)]  # [R], exact
-            xsum = sum(xs[1:], xs[0])  # [R]
-            # sum_j x_j (c_j - zero) = sum_j scaled_j v_j - sum_j scaled_j - zero xsum
-            part = full((-(sum(scaled[1:], scaled[0]) + zero * xsum))[:, None])
-            for x, (v, _) in zip(scaled, codes):
-                part = _fma(full(x[:, None]), v, part, interpret)  # [R, BN]
-            acc = _fma(part, full(s), acc, interpret)
-            if asymmetric:
-                acc = _fma(full(xsum[:, None]), full(o), acc, interpret)
-            new.append(acc)
-        return tuple(new)
+        for j in range(per_word):
+            w = _dequant_tile(word, j, zero, bits)  # [R, BN] c - zero
+            w = w * s + o if asymmetric else w * s
+            kc = x_cols(r, j)
+            k_ok = kc < k_total if r_ok is not None else None
+            xj = _load(x_ref, x_rows, kc, x_row_ok, k_ok)  # [BM, R]
+            acc += plgpu.dot(xj, w.astype(xj.dtype))
+        return acc
 
-    step_shape = (step, block_n)
-    accs = jax.lax.fori_loop(first, last, body,
-                             tuple(jnp.zeros(step_shape, jnp.float32) for _ in range(block_m)))
-    for i, acc in enumerate(accs):
-        row_i = mb * block_m + i
-        out = jnp.sum(acc, axis=0)[None, :]  # [1, BN]
-        row_vec = jnp.full((1,), row_i, jnp.int32)
-        ok = jnp.broadcast_to((row_vec < m)[:, None], out.shape)
-        if col_ok is not None:
-            ok &= col_ok[None, :]
-        out_row = jnp.where(row_vec < m, row_vec, m)
-        plgpu.store(out_ref.at[out_row[:, None], cols[None, :]], out.astype(out_ref.dtype),
-                    mask=ok)
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_m, block_n), jnp.float32))
+    mask = jnp.ones(acc.shape, jnp.bool_)
+    if x_row_ok is not None:
+        mask &= x_row_ok[:, None]
+    if col_ok is not None:
+        mask &= col_ok[None, :]
+    out_rows = jnp.where(x_rows < m, x_rows, m)  # masked rows go past the end
+    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
+                mask=mask)
 
 
 def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config: MatmulConfig,
@@ -272,19 +220,25 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     splits = config.num_splits
     grid = (pl.cdiv(m, config.block_m), pl.cdiv(n, config.block_n), splits)  # (rows, cols, K split)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
+    gemv = config.path == "auto" and config.block_m < 16
     in_specs = [full((m, k)), full((rows, n)), full((num_groups, n))]
-    args = [x, w, scales]
+    args = [prescale(x, bits) if gemv else x, w, scales]
     if asymmetric:
         in_specs.append(full((num_groups, n)))
         args.append(offsets)
+    if gemv:  # ops/quant_gemv.py: pre-scaled float32 activations, then x itself
+        in_specs.append(full((m, k)))
+        args.append(x)
     if splits > 1:
         out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
         out_spec = pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0))
     else:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = full((m, n))
-    if config.path == "auto":
-        body = functools.partial(_matmul_kernel, interpret=interpret)
+    if gemv:
+        body = functools.partial(gemv_kernel, interpret=interpret)
+    elif config.path == "auto":
+        body = _matmul_kernel
     else:
         body = functools.partial(_mma_kernel, transposed=config.path == "mma_t",
                                  wide=config.path == "mma_wide")

@@ -209,6 +209,7 @@ def test_gpu_llama_shapes(bits, k, n):
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
 @pytest.mark.parametrize("bits,block_m,asymmetric,path,dtype,group", [
     (4, 1, False, None, "bfloat16", 128), (4, 2, True, None, "bfloat16", 128),
+    (4, 1, True, None, "float16", 32),  # groups finer than the fma path's tile
     (4, 16, True, None, "bfloat16", 128), (8, 1, True, None, "bfloat16", 128),
     (8, 16, False, None, "bfloat16", 128),
     (4, 1, False, "mma", "bfloat16", 128), (4, 16, True, "mma_t", "bfloat16", 128),
@@ -221,6 +222,16 @@ def test_lowers_to_triton_for_h200(monkeypatch, bits, block_m, asymmetric, path,
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+    verified = []
+
+    def lower_and_verify(*args, **kwargs):  # the op verifiers XLA's Triton parser runs
+        result = lower(*args, **kwargs)
+        assert result.module.operation.verify()
+        verified.append(True)
+        return result
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module",
+                        lower_and_verify)
     spec = jax.ShapeDtypeStruct
     k, n = 4096, 6144
     packed = spec((k // 8, n), jnp.int32) if bits == 4 else spec((k, n), jnp.uint8)
@@ -237,4 +248,4 @@ def test_lowers_to_triton_for_h200(monkeypatch, bits, block_m, asymmetric, path,
     text = jax.jit(f).trace(spec((block_m, k), dtype), packed, scales,
                             scales if asymmetric else None).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+    assert "triton" in text and verified
