@@ -87,6 +87,32 @@ class BlockPool:
             pages.extend(self.allocate(missing))
         return True
 
+    def grow_all(self, needs) -> bool:
+        """`grow` for each (pages, num_tokens) of `needs`, in order: False at the first the pool
+        cannot satisfy (the pages given before it are kept). The pages all come from one
+        `allocate` when the pool has them (a multi-step round grows about half of its
+        sequences by a page, and one call per sequence cost more than the pages)."""
+        size = self.page_size
+        wants = []
+        total = 0
+        for pages, num_tokens in needs:
+            missing = -(-num_tokens // size) - len(pages)
+            if missing > 0:
+                wants.append((pages, missing))
+                total += missing
+        if total <= len(self._free):
+            taken = self.allocate(total)
+            start = 0
+            for pages, missing in wants:
+                pages += taken[start:start + missing]
+                start += missing
+            return True
+        for pages, missing in wants:
+            if missing > len(self._free):
+                return False
+            pages += self.allocate(missing)
+        return True
+
     def free(self, pages: Sequence[int]) -> None:
         """Drops one reference to each page; unreferenced pages join the free list.
 

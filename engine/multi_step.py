@@ -64,14 +64,10 @@ class MultiStepRounds:
                               for it in output.scheduled)
 
     def _grow_all(self, needs) -> bool:
-        """Pages for every (request, tokens) of `needs` (BlockPool.grow; False at the first
-        the pool cannot give, with the pages taken so far kept)."""
-        pool = self.pool
-        size = pool.page_size
-        for r, n in needs:
-            if n > len(r.pages) * size and not pool.grow(r.pages, n):
-                return False
-        return True
+        """Pages for every (request, tokens) of `needs` (BlockPool.grow_all: False at the
+        first the pool cannot give, with the pages taken so far kept)."""
+        size = self.pool.page_size
+        return self.pool.grow_all([(r.pages, n) for r, n in needs if n > len(r.pages) * size])
 
     def _launch_round(self, output: SchedulerOutput) -> InFlight:
         """Launches num_decode_steps decode steps of the scheduled requests as one program,

@@ -81,6 +81,11 @@ class ShardedBlockPool:
         pages.extend(p + offset for p in local[len(pages):])
         return True
 
+    def grow_all(self, needs) -> bool:
+        """`grow` for each (pages, num_tokens) of `needs`, in order; False at the first that
+        fails (BlockPool.grow_all)."""
+        return all(self.grow(pages, num_tokens) for pages, num_tokens in needs)
+
     def allocate(self, count: int) -> list[int]:
         """`count` free pages of the least used shard."""
         shard = self._least_used()

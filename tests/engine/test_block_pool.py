@@ -323,6 +323,29 @@ def test_bad_sizes_raise(num_pages, page_size):
         BlockPool(num_pages, page_size)
 
 
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(num_pages=st.integers(1, 12), held=st.lists(st.integers(0, 3), max_size=5),
+       wants=st.lists(st.integers(0, 5 * PS), max_size=5))
+def test_grow_all_equals_growing_one_by_one(num_pages, held, wants):
+    """grow_all gives the same pages, in the same order, as grow called per sequence, and
+    stops at the same sequence when the pool runs out (earlier ones keep their pages)."""
+    one, bulk = BlockPool(num_pages, PS), BlockPool(num_pages, PS)
+    seqs_one, seqs_bulk = [], []
+    for count in held:
+        count = min(count, one.num_free)
+        seqs_one.append(one.allocate(count))
+        seqs_bulk.append(bulk.allocate(count))
+    needs = list(zip(range(len(seqs_one)), wants))
+    expected = True
+    for i, num_tokens in needs:
+        if not one.grow(seqs_one[i], num_tokens):
+            expected = False
+            break
+    assert bulk.grow_all([(seqs_bulk[i], n) for i, n in needs]) == expected
+    assert seqs_bulk == seqs_one and snapshot(bulk) == snapshot(one)
+    bulk.check_invariants()
+
+
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(num_pages=st.integers(1, 6),
        counts=st.lists(st.integers(0, 4), min_size=1, max_size=12))
