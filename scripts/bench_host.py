@@ -47,6 +47,8 @@ def define_flags() -> None:
                       "EngineConfig.pause_admissions_for_rounds (with --num_decode_steps > 1).")
     flags.DEFINE_bool("mixed_rounds", True,
                       "EngineConfig.mixed_rounds (with --num_decode_steps > 1).")
+    flags.DEFINE_integer("num_requests", 400, "Requests of the serving workload (more give more "
+                         "rounds while saturated, a steadier figure).")
     flags.DEFINE_enum("workload", "decode", ["decode", "serving"],
                       "decode: num_seqs sequences decoding; serving: bench_serving's workload.")
     flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
@@ -110,7 +112,7 @@ def serving_workload(engine, num_requests: int = 400, seed: int = 0) -> None:
 
 def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int,
                     pause_admissions_for_rounds: bool = False,
-                    mixed_rounds: bool = True) -> dict:
+                    mixed_rounds: bool = True, num_requests: int = 400) -> dict:
     """Host seconds per model step over the serving workload: all rounds, and those of each
     of timing.round_sets (the most sequences running; saturated), in total and per phase
     (timers on)."""
@@ -121,7 +123,7 @@ def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int
     engine.stats = type(engine.stats)(record_steps=True)
     per_step: list = []
     phases = timing.time_engine_phases(engine, per_step)
-    serving_workload(engine)
+    serving_workload(engine, num_requests)
     gc.collect()
     gc.freeze()
     while engine.has_unfinished():
@@ -178,7 +180,8 @@ def measure(num_seqs: int, steps: int, repeats: int, async_scheduling: bool,
 def main(_):
     if FLAGS.workload == "serving":
         result = measure_serving(FLAGS.num_seqs, FLAGS.async_scheduling, FLAGS.num_decode_steps,
-                                 FLAGS.pause_admissions_for_rounds, FLAGS.mixed_rounds)
+                                 FLAGS.pause_admissions_for_rounds, FLAGS.mixed_rounds,
+                                 FLAGS.num_requests)
     else:
         result = measure(FLAGS.num_seqs, FLAGS.steps, FLAGS.repeats, FLAGS.async_scheduling,
                          FLAGS.num_decode_steps)
