@@ -4,7 +4,7 @@ multiply-adds instead of tensor cores.
 
 Measured on an H200 (Nsight Compute, docs/PERFORMANCE.md), this kernel is bound by its
 instructions, not by memory: reading the packed words alone runs at 3.3 TB/s, and the first
-version issued about 44 instructions per int4 word (5.5 per weight). What cuts them:
+version issued about 52 instructions per int4 word (6.5 per weight). What cuts them:
 
 * Mantissa codes. A code c moved to mantissa bits p.. under the exponent of 1.0 is the float
   v = 1 + c 2^(p-23), exactly, with no integer-to-float conversion. For int4 one funnel shift
@@ -23,6 +23,9 @@ version issued about 44 instructions per int4 word (5.5 per weight). What cuts t
   the tile's activations. Finer groups subtract them per packed row instead.
 * The group scale multiplies a word's 8-code sum once (one more fma into the [R, BN]
   accumulator, reduced over R at the end); asymmetric offsets add o sum(x) per tile.
+
+Its reference is ops/quant_matmul.py's `int4_matmul_reference` / `int8_matmul_reference` (the
+tests compare both on the same packed arrays); `int4_matmul` / `int8_matmul` dispatch here.
 
 Precision: x' 2^(23-p) carries up to 2^11 x, summed and cancelled in float32, which leaves
 about 1e-5 of the output's size (the tests' float32 tolerance is 1e-3).

@@ -1,5 +1,6 @@
-"""Tile helpers shared by the quantized matmul kernels (ops/quant_matmul.py, ops/quant_mma.py):
-masked tile loads, a program's tile bounds, and codes unpacked into exact float32.
+"""Tile helpers shared by the quantized matmul kernels (ops/quant_matmul.py, ops/quant_mma.py,
+ops/quant_gemv.py): masked tile loads, a program's tile bounds, and codes unpacked into exact
+float32.
 
 Packed layouts (quant/qtensor.py): int4 packed int32 [K/8, N], nibble j of word i = K row 8i + j;
 int8 codes uint8 [K, N].
