@@ -56,15 +56,12 @@ def test_one_dimensional_input_and_validation():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
-def test_lowers_to_triton_for_h200(monkeypatch):
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+def test_lowers_to_triton_for_h200(h200_lowering):
     spec = jax.ShapeDtypeStruct
     text = jax.jit(lambda x, w: rms_norm(x, w, 1e-5, impl="pallas")).trace(
         spec((3, 3584), jnp.bfloat16), spec((3584,), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+    assert "triton" in text and h200_lowering
 
 
 def test_default_dispatch_takes_the_kernel_only_for_its_rows(monkeypatch):
