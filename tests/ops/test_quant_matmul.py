@@ -157,6 +157,30 @@ def test_heuristic_configs_are_valid():
                 assert cfg.num_splits >= 1 and cfg.block_k % per_word == 0
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mantissa_codes_and_prescale_are_exact(bits):
+    """ops/quant_gemv.py (the one/two-row path): each code c of a packed element becomes the
+    float 1 + c 2^(p-23) exactly, and x 2^(23-p) times it is x c plus the excess the kernel
+    subtracts (numpy on fresh random words; the PTX lop3 of the GPU build is the same bits)."""
+    from ops.quant_gemv import code_positions, mantissa_codes, prescale
+    rng = np.random.default_rng(7)
+    if bits == 4:
+        words = rng.integers(0, 2 ** 32, (5, 6), dtype=np.uint64).astype(np.uint32)
+        codes = [(words >> np.uint32(4 * j)) & np.uint32(0xF) for j in range(8)]
+        words = words.view(np.int32)
+    else:
+        words = rng.integers(0, 256, (5, 6)).astype(np.int32)
+        codes = [words]
+    got = mantissa_codes(jnp.asarray(words), bits, interpret=True)
+    positions = code_positions(bits)
+    assert len(got) == len(codes) == len(positions)
+    for v, c, p in zip(got, codes, positions):
+        np.testing.assert_array_equal(np.asarray(v), 1.0 + c.astype(np.float64) * 2.0 ** (p - 23))
+    x = rng.standard_normal((2, 16 * len(positions))).astype(np.float32)
+    factors = np.resize([2.0 ** (23 - p) for p in positions], x.shape[1])
+    np.testing.assert_array_equal(np.asarray(prescale(jnp.asarray(x), bits)), x * factors)
+
+
 def test_validation():
     rng = np.random.default_rng(5)
     w = make_weight(rng, 4, 256, 64, 64, False, False, "bfloat16")
