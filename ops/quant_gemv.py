@@ -45,6 +45,8 @@ ONE_BITS = 0x3F800000  # float32 1.0
 NIBBLE_ROTATIONS = (16, 8, 8, 0, 0, 24, 24, 16)
 NIBBLE_POSITIONS = tuple((4 * j + r) % 32 for j, r in enumerate(NIBBLE_ROTATIONS))  # 16 / 12
 BYTE_POSITION = 15  # int8: the code's mantissa position
+
+
 def code_positions(bits: int) -> tuple[int, ...]:
     """Mantissa position p of each code of a packed element (8 nibbles, or the byte)."""
     return NIBBLE_POSITIONS if bits == 4 else (BYTE_POSITION,)
