@@ -92,11 +92,10 @@ class BlockPool:
         cannot satisfy (the pages given before it are kept). The pages all come from one
         `allocate` when the pool has them (a multi-step round grows about half of its
         sequences by a page, and one call per sequence cost more than the pages)."""
-        size = self.page_size
         wants = []
         total = 0
         for pages, num_tokens in needs:
-            missing = -(-num_tokens // size) - len(pages)
+            missing = self.pages_needed(num_tokens) - len(pages)
             if missing > 0:
                 wants.append((pages, missing))
                 total += missing

@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ops.quant_tiles import _load, _program_tiles
+from ops.quant_tiles import _load, _program_tiles, _tile_rows_and_scales
 
 ONE_BITS = 0x3F800000  # float32 1.0
 # int4: per nibble j, the left rotation of the word that brings it to bit p_j.
@@ -118,14 +118,8 @@ def gemv_kernel(xs_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: in
         return jnp.broadcast_to(a, (step, block_n))
 
     def body(t, carry):  # carry: block_m x ([R, BN] accumulator, [1, BN] tile corrections)
-        r = t * step + jnp.arange(step, dtype=jnp.int32)  # [R] packed rows of this tile
-        r_ok = r < rows if rows % step else None
-        if uniform:
-            g = jnp.full((1,), jnp.minimum(t * step // group_rows, num_groups - 1), jnp.int32)
-        else:
-            g = jnp.minimum(r // group_rows, num_groups - 1)  # [R] group of each packed row
-        s = _load(s_ref, g, cols, None, col_ok, jnp.float32)  # [1 or R, BN]
-        o = _load(o_ref, g, cols, None, col_ok, jnp.float32) if asymmetric else None
+        r, r_ok, s, o = _tile_rows_and_scales(t, step, rows, group_rows, num_groups, s_ref,
+                                              o_ref, cols, col_ok)  # s, o [1 or R, BN]
         word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
         codes = mantissa_codes(word, bits, interpret)  # per code j: [R, BN]
         out = []

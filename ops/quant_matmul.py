@@ -70,7 +70,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops.quant_mma import _mma_kernel
 from ops.quant_gemv import gemv_kernel, prescale
-from ops.quant_tiles import _dequant_tile, _load, _program_tiles
+from ops.quant_tiles import _dequant_tile, _load, _program_tiles, _tile_rows_and_scales
 
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -169,25 +169,14 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
     zero = 0 if asymmetric else 2 ** (bits - 1)
     cols, col_ok, x_rows, x_row_ok, first, last = _program_tiles(
         m, n, rows, block_m, block_n, step, num_splits)
-    uniform = group_rows % step == 0 or num_groups == 1
     k_total = rows * per_word
-
-    def tile_params(t):
-        r = t * step + jnp.arange(step, dtype=jnp.int32)  # [R] packed rows of this tile
-        r_ok = r < rows if rows % step else None
-        if uniform:  # the whole tile sits in one group: one scale row, broadcast over R
-            g = jnp.full((1,), jnp.minimum(t * step // group_rows, num_groups - 1), jnp.int32)
-        else:
-            g = jnp.minimum(r // group_rows, num_groups - 1)  # [R] group of each packed row
-        s = _load(s_ref, g, cols, None, col_ok, jnp.float32)  # [R, BN]
-        o = _load(o_ref, g, cols, None, col_ok, jnp.float32) if asymmetric else None
-        return r, r_ok, s, o
 
     def x_cols(r, j):
         return r * per_word + j  # [R] activation columns of code j of rows r
 
     def body(t, acc):  # acc [BM, BN] float32
-        r, r_ok, s, o = tile_params(t)
+        r, r_ok, s, o = _tile_rows_and_scales(t, step, rows, group_rows, num_groups, s_ref,
+                                              o_ref, cols, col_ok)  # s, o [1 or R, BN]
         word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
         for j in range(per_word):
             w = _dequant_tile(word, j, zero, bits)  # [R, BN] c - zero

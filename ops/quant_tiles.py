@@ -64,3 +64,18 @@ def _program_tiles(m: int, n: int, rows: int, block_m: int, block_n: int, step: 
     return (cols, cols < n if n % block_n else None, x_rows,
             x_rows < m if m % block_m else None, first, last)
 
+
+def _tile_rows_and_scales(t, step: int, rows: int, group_rows: int, num_groups: int,
+                          s_ref, o_ref, cols, col_ok):
+    """K tile t's packed rows r [R] (with their mask, None when all in bounds) and its float32
+    scales s (and offsets o, o_ref None: None): [1, BN] where the tile lies in one group (one
+    row, broadcast over R), else [R, BN] (each packed row's group)."""
+    r = t * step + jnp.arange(step, dtype=jnp.int32)  # [R] packed rows of this tile
+    r_ok = r < rows if rows % step else None
+    if group_rows % step == 0 or num_groups == 1:  # the tile sits in one group
+        g = jnp.full((1,), jnp.minimum(t * step // group_rows, num_groups - 1), jnp.int32)
+    else:
+        g = jnp.minimum(r // group_rows, num_groups - 1)  # [R] group of each packed row
+    s = _load(s_ref, g, cols, None, col_ok, jnp.float32)
+    o = _load(o_ref, g, cols, None, col_ok, jnp.float32) if o_ref is not None else None
+    return r, r_ok, s, o
