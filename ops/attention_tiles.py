@@ -28,9 +28,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.kv_quant import is_quantized_kv_dtype
+from ops.ptx import exp2_fma
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # masked logit (log2 units): exp2(MASK_VALUE - m) == 0 for any real m
+RESCALE_SLACK = 8.0  # lazy rescaling: how far (log2 units) a tile max may pass the running max
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -182,13 +184,19 @@ def init_carry(num_rows: int, head_dim: int):
 
 
 def attend_tile(q, k, v, k_scale, v_scale, mask, carry, *, sm_scale: float,
-                soft_cap: float | None):
+                soft_cap: float | None, lazy_rescale: bool = False, ptx: bool = False):
     """One online-softmax step: q [M, D] against keys k and values v [BK, D].
 
     k, v are in q's dtype (int8 / fp8 tiles already converted); k_scale, v_scale [BK] are the
     per-token dequantization scales or None; mask [M, BK] (True = visible) or None.
     The K scale multiplies logit columns and the V scale the probability columns, which equals
     attending to the dequantized pages. Returns the new carry.
+
+    lazy_rescale: the running max moves (and the accumulator is rescaled, D multiplies per row)
+    only when some row's tile max exceeds it by more than RESCALE_SLACK, so that most steps skip
+    the rescale; the probabilities are then at most 2^RESCALE_SLACK, the same result up to
+    rounding (the normalization divides the same factor out). ptx: the exponent is one PTX fma
+    and ex2.approx.ftz per logit (ops.ptx.exp2_fma); False in interpret mode.
     """
     acc, m, l = carry
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -196,19 +204,33 @@ def attend_tile(q, k, v, k_scale, v_scale, mask, carry, *, sm_scale: float,
     if k_scale is not None:
         s = s * k_scale[None, :]
     if soft_cap is None:
-        s = s * (sm_scale * LOG2E)
+        scale = sm_scale * LOG2E  # s * scale: logits in log2 units, scaled inside the exp2
     else:
         s = (soft_cap * LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+        scale = 1.0
     if mask is not None:
-        s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [M]
-    alpha = jnp.exp2(m - m_new)  # [M]
-    p = jnp.exp2(s - m_new[:, None])  # [M, BK]
-    l = l * alpha + jnp.sum(p, axis=1)
+        s = jnp.where(mask, s, MASK_VALUE / scale)
+    tile_max = jnp.max(s, axis=1) * scale  # [M] (scale > 0)
+
+    def rescale(acc, m, l):
+        m_new = jnp.maximum(m, tile_max)
+        alpha = jnp.exp2(m - m_new)  # [M]
+        return acc * alpha[:, None], m_new, l * alpha
+
+    if lazy_rescale:
+        grow = jnp.max(tile_max - m) > RESCALE_SLACK
+        acc, m, l = jax.lax.cond(grow, rescale, lambda *c: c, acc, m, l)
+    else:
+        acc, m, l = rescale(acc, m, l)
+    p = exp2_fma(s, jnp.full_like(s, scale), jnp.broadcast_to(-m[:, None], s.shape),
+                 interpret=not ptx)  # [M, BK]
+    if mask is not None:  # exactly 0, also in a row whose running max is still MASK_VALUE
+        p = jnp.where(mask, p, 0.0)
+    l = l + jnp.sum(p, axis=1)
     if v_scale is not None:
         p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]
-    return acc, m_new, l
+    acc = acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]
+    return acc, m, l
 
 
 def finish(carry):

@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops.ptx import fma
 from ops.quant_tiles import _load, _program_tiles, _tile_rows_and_scales
 
 ONE_BITS = 0x3F800000  # float32 1.0
@@ -83,17 +84,6 @@ def mantissa_codes(word, bits: int, interpret: bool) -> list:
                 args=[jax.lax.bitcast_convert_type(src, jnp.int32)], constraints="=r,r", pack=1,
                 result_shape_dtypes=[jax.ShapeDtypeStruct(src.shape, jnp.int32)])
         out.append(jax.lax.bitcast_convert_type(bits_, jnp.float32))
-    return out
-
-
-def fma(a, b, c, interpret: bool):
-    """a * b + c (float32 [R, BN] each) rounded once: PTX fma.rn.f32 when compiled, plain jnp
-    when interpreted."""
-    if interpret:
-        return a * b + c
-    [out] = plgpu.elementwise_inline_asm(
-        "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
     return out
 
 

@@ -58,6 +58,11 @@ class RaggedConfig:
     prefetch_slots: bool = False
     # Merge the key splits inside the kernel (as DecodeConfig's): no merge kernel after it.
     merge_in_kernel: bool = False
+    # The online softmax's cheaper steps (attention_tiles.attend_tile): rescale the accumulator
+    # only when the running max grows by more than RESCALE_SLACK, and one PTX fma + exp2 per
+    # logit. Ignored in interpret mode (ptx) / exact up to rounding (lazy_rescale).
+    lazy_rescale: bool = False
+    ptx_softmax: bool = False
 
 
 def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
@@ -86,7 +91,8 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    table_width: int, num_splits: int, sm_scale: float,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
                    split_out: bool, prefetch_slots: bool = False,
-                   merge_in_kernel: bool = False, gpu_sync: bool = True):
+                   merge_in_kernel: bool = False, lazy_rescale: bool = False,
+                   ptx_softmax: bool = False, gpu_sync: bool = True):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)
     # tables_ref: [S * W] int32, all block tables, flattened
@@ -149,7 +155,8 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
             if sliding_window is not None:
                 mask &= tok[None, :] > pos[:, None] - sliding_window
         carry = tiles.attend_tile(q, k, v, ks, vs, mask, carry, sm_scale=sm_scale,
-                                  soft_cap=soft_cap)
+                                  soft_cap=soft_cap, lazy_rescale=lazy_rescale,
+                                  ptx=ptx_softmax and gpu_sync)
         return (carry, next_slots) if prefetch_slots else carry
 
     carry = tiles.init_carry(block_m, q.shape[-1])
@@ -262,6 +269,7 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
         prefetch_slots=config.prefetch_slots, merge_in_kernel=merge_in_kernel,
+        lazy_rescale=config.lazy_rescale, ptx_softmax=config.ptx_softmax,
         gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

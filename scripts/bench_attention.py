@@ -2,6 +2,7 @@
 
     python -m scripts.bench_attention --json_out=attention.json
     python -m scripts.bench_attention --modes=sweep     # tuning sweep of the kernels' tiles
+    python -m scripts.bench_attention --modes=calib,softmax --chunks=4096   # softmax variants
 
 Shapes: 32 query heads, 8 kv heads, head_dim 128, page size 16, bf16 (flags change them).
 - calib: the card's two ceilings, measured in the same run: a large bf16 elementwise copy
@@ -40,7 +41,8 @@ from scripts import timing
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "decode", "prefill"],
                   "calib, decode, prefill, sweep, merge (key splits merged in the decode kernel "
-                  "against the merge kernel after it)")
+                  "against the merge kernel after it), softmax (the ragged kernel's softmax "
+                  "variants at --chunks)")
 flags.DEFINE_list("batches", ["1", "8", "32", "128"], "decode batch sizes")
 flags.DEFINE_list("contexts", ["512", "2048", "4096", "8192", "32768"], "decode contexts")
 flags.DEFINE_list("chunks", ["512", "1024", "2048", "4096", "8192"], "prefill chunk sizes")
@@ -290,6 +292,25 @@ def sweep(calib: dict) -> list[dict]:
     return rows
 
 
+SOFTMAX_TILES = ((128, 32, 4, 5), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+                 (128, 128, 8, 3), (256, 64, 8, 3))
+
+
+def softmax_sweep(calib: dict) -> list[dict]:
+    """Ragged prefill at each --chunks size with the online softmax's cheaper steps
+    (RaggedConfig.lazy_rescale, .ptx_softmax) on and off, over prefill tiles; the variants of
+    a tile run one after the other, so they share the machine's state."""
+    rows = []
+    for chunk in map(int, FLAGS.chunks):
+        for block_m, block_k, warps, stages in SOFTMAX_TILES:
+            for lazy, ptx in ((False, False), (True, False), (False, True), (True, True)):
+                cfg = RaggedConfig(block_m, block_k, 1, warps, stages, lazy_rescale=lazy,
+                                   ptx_softmax=ptx)
+                rows += bench_prefill(chunk, calib, config=cfg, peers=False)
+                print(rows[-1], flush=True)
+    return rows
+
+
 def merge_sweep(calib: dict) -> list[dict]:
     """Decode with its key splits merged inside the kernel (DecodeConfig.merge_in_kernel) against
     the same tiles merged by a kernel after it, alternating, at several split counts."""
@@ -346,6 +367,9 @@ def main(argv):
         write_json(calib, rows)
     if "merge" in FLAGS.modes:
         rows += merge_sweep(calib)
+        write_json(calib, rows)
+    if "softmax" in FLAGS.modes:
+        rows += softmax_sweep(calib)
         write_json(calib, rows)
     if "decode" in FLAGS.modes:
         for batch in map(int, FLAGS.batches):
