@@ -20,13 +20,19 @@ padding rows at the end of q, so every output row is finite. Key splits (flash-d
 used for small query counts (decode, speculative verification) over long contexts.
 
 Tuning (`ragged_config`): block_m = next power of two of max_q_len * G, clamped to [16, 128]
-(64 for head_dim 256). Prefill-sized tiles (block_m >= 64): block_k 32, 4 warps, 5 pipeline
-stages (H200 sweep at a 4k-token prefill, 32 q / 8 kv heads: 328 TFLOP/s; 3-4 stages 287;
-block_k 64: 279-281; 8 warps: 220-267; block_m 256: 193-258; block_m 64: 282). Below that the
-program is bandwidth-bound like decode: block_k 128 and key splits as in decode_config when
-block_m <= 32. `RaggedConfig.prefetch_slots` reads the next tile's block-table entries a loop
-step ahead (see ops/decode_attention.py); on the H200 it gave a 4k-token prefill 338 against
-328 TFLOP/s at 5 stages in one sweep, so it stays off until more runs confirm it.
+(64 for head_dim 256). Prefill-sized tiles (block_m >= 64): block_k 64, 4 warps, 3 pipeline
+stages, with the softmax's exponent in PTX (`RaggedConfig.ptx_softmax`: one fma and one
+ex2.approx per logit, where jnp's exp2 costs several instructions). H200 sweep at a 4k-token
+prefill, 32 q / 8 kv heads, TFLOP/s with PTX / jnp softmax: (128, 64, 4 warps, 3 stages)
+379 / 266; (128, 32, 4, 5) 361 / 328; (128, 128, 8, 3) 319 / 260; (256, 64, 8, 3) 318 / 253;
+(128, 64, 8, 3) 271 / 223 (eleventh session; the jnp softmax's best was (128, 32, 4, 5)).
+Rescaling the accumulator only when the running max grows by more than 2^8 (branching on it)
+was slower in 11 of 12 pairs and was dropped. head_dim 256 keeps block_k 32 and 5 stages.
+Below that the program is bandwidth-bound like decode: block_k 128 and key splits as in
+decode_config when block_m <= 32. `RaggedConfig.prefetch_slots` reads the next tile's
+block-table entries a loop step ahead (see ops/decode_attention.py); on the H200 it gave a
+4k-token prefill 338 against 328 TFLOP/s at 5 stages in one sweep, so it stays off until more
+runs confirm it.
 """
 from __future__ import annotations
 
@@ -58,11 +64,9 @@ class RaggedConfig:
     prefetch_slots: bool = False
     # Merge the key splits inside the kernel (as DecodeConfig's): no merge kernel after it.
     merge_in_kernel: bool = False
-    # The online softmax's cheaper steps (attention_tiles.attend_tile): rescale the accumulator
-    # only when the running max grows by more than RESCALE_SLACK, and one PTX fma + exp2 per
-    # logit. Ignored in interpret mode (ptx) / exact up to rounding (lazy_rescale).
-    lazy_rescale: bool = False
-    ptx_softmax: bool = False
+    # One PTX fma + exp2 per logit in the online softmax (attention_tiles.attend_tile; jnp
+    # in interpret mode).
+    ptx_softmax: bool = True
 
 
 def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
@@ -74,6 +78,8 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
     block_m = min(max(tiles.next_pow2(max_q_len * group), 16), cap)
     block_m = max(block_m, tiles.next_pow2(group))
     if block_m >= 64:
+        if head_dim <= 128:
+            return RaggedConfig(block_m=block_m, block_k=64, num_warps=4, num_stages=3)
         return RaggedConfig(block_m=block_m, block_k=32, num_warps=4, num_stages=5)
     block_k = 128 if head_dim <= 128 else 64
     splits = 1
@@ -91,8 +97,8 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    table_width: int, num_splits: int, sm_scale: float,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
                    split_out: bool, prefetch_slots: bool = False,
-                   merge_in_kernel: bool = False, lazy_rescale: bool = False,
-                   ptx_softmax: bool = False, gpu_sync: bool = True):
+                   merge_in_kernel: bool = False, ptx_softmax: bool = True,
+                   gpu_sync: bool = True):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)
     # tables_ref: [S * W] int32, all block tables, flattened
@@ -155,8 +161,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
             if sliding_window is not None:
                 mask &= tok[None, :] > pos[:, None] - sliding_window
         carry = tiles.attend_tile(q, k, v, ks, vs, mask, carry, sm_scale=sm_scale,
-                                  soft_cap=soft_cap, lazy_rescale=lazy_rescale,
-                                  ptx=ptx_softmax and gpu_sync)
+                                  soft_cap=soft_cap, ptx=ptx_softmax and gpu_sync)
         return (carry, next_slots) if prefetch_slots else carry
 
     carry = tiles.init_carry(block_m, q.shape[-1])
@@ -269,8 +274,7 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
         prefetch_slots=config.prefetch_slots, merge_in_kernel=merge_in_kernel,
-        lazy_rescale=config.lazy_rescale, ptx_softmax=config.ptx_softmax,
-        gpu_sync=not interpret)
+        ptx_softmax=config.ptx_softmax, gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases, compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

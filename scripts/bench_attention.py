@@ -292,20 +292,19 @@ def sweep(calib: dict) -> list[dict]:
     return rows
 
 
-SOFTMAX_TILES = ((128, 32, 4, 5), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-                 (128, 128, 8, 3), (256, 64, 8, 3))
+SOFTMAX_TILES = ((128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2), (128, 32, 4, 5),
+                 (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4))
 
 
 def softmax_sweep(calib: dict) -> list[dict]:
-    """Ragged prefill at each --chunks size with the online softmax's cheaper steps
-    (RaggedConfig.lazy_rescale, .ptx_softmax) on and off, over prefill tiles; the variants of
-    a tile run one after the other, so they share the machine's state."""
+    """Ragged prefill at each --chunks size with the softmax's exponent in PTX
+    (RaggedConfig.ptx_softmax) and in jnp, over prefill tiles; the two variants of a tile run
+    one after the other, so they share the machine's state."""
     rows = []
     for chunk in map(int, FLAGS.chunks):
         for block_m, block_k, warps, stages in SOFTMAX_TILES:
-            for lazy, ptx in ((False, False), (True, False), (False, True), (True, True)):
-                cfg = RaggedConfig(block_m, block_k, 1, warps, stages, lazy_rescale=lazy,
-                                   ptx_softmax=ptx)
+            for ptx in (False, True):
+                cfg = RaggedConfig(block_m, block_k, 1, warps, stages, ptx_softmax=ptx)
                 rows += bench_prefill(chunk, calib, config=cfg, peers=False)
                 print(rows[-1], flush=True)
     return rows
