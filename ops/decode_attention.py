@@ -63,6 +63,9 @@ class DecodeConfig:
     # head) to finish (an atomic counter) combines the others' partials, so no merge kernel runs
     # after it (`tiles.merge_split_partials`).
     merge_in_kernel: bool = False
+    # One PTX fma + exp2 per logit in the online softmax, as RaggedConfig's (jnp in interpret
+    # mode). Off by default until measured on decode shapes.
+    ptx_softmax: bool = False
 
 
 def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: int,
@@ -83,7 +86,7 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: i
                    num_splits: int, sm_scale: float, soft_cap: float | None,
                    sliding_window: int | None, quantized: bool, split_out: bool,
                    prefetch_slots: bool = False, merge_in_kernel: bool = False,
-                   gpu_sync: bool = True):
+                   ptx_softmax: bool = False, gpu_sync: bool = True):
     # lengths_ref: [B] int32, tokens in the cache per sequence (all sequences)
     # tables_ref:  [W] int32, this sequence's block table
     # q_ref:       [H, D], this sequence's query heads
@@ -136,7 +139,7 @@ def _decode_kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: i
             ks = tiles.load_scales(ks_ref, slots, ok)  # [BK]
             vs = tiles.load_scales(vs_ref, slots, ok)  # [BK]
         carry = tiles.attend_tile(q, k, v, ks, vs, ok[None, :], carry, sm_scale=sm_scale,
-                                  soft_cap=soft_cap)
+                                  soft_cap=soft_cap, ptx=ptx_softmax and gpu_sync)
         return (carry, next_slots) if prefetch_slots else carry
 
     carry = tiles.init_carry(rows, q.shape[-1])
@@ -217,7 +220,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
         prefetch_slots=config.prefetch_slots, merge_in_kernel=merge_in_kernel,
-        gpu_sync=not interpret)
+        ptx_softmax=config.ptx_softmax, gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases,

@@ -24,6 +24,7 @@ decode step that runs attention once per layer.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -297,10 +298,16 @@ SOFTMAX_TILES = ((128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 2), (128, 32, 4,
 
 
 def softmax_sweep(calib: dict) -> list[dict]:
-    """Ragged prefill at each --chunks size with the softmax's exponent in PTX
-    (RaggedConfig.ptx_softmax) and in jnp, over prefill tiles; the two variants of a tile run
-    one after the other, so they share the machine's state."""
+    """The decode kernel at a few shapes, then ragged prefill at each --chunks size over prefill
+    tiles, each with the softmax's exponent in PTX (ptx_softmax) and in jnp; the two variants
+    run one after the other, so they share the machine's state."""
     rows = []
+    for batch, context in ((1, 512), (1, 4096), (8, 4096), (8, 8192), (32, 4096)):
+        cfg = decode_config(batch, FLAGS.num_kv_heads, context, FLAGS.head_dim, 2)
+        for ptx in (False, True):  # the decode kernel's heuristic tiles
+            rows += bench_decode(batch, context, calib, peers=False,
+                                 config=dataclasses.replace(cfg, ptx_softmax=ptx))
+            print(rows[-1], flush=True)
     for chunk in map(int, FLAGS.chunks):
         for block_m, block_k, warps, stages in SOFTMAX_TILES:
             for ptx in (False, True):

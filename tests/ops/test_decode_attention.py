@@ -68,6 +68,9 @@ CASES = [
     (8, 32, 8, 2, "bfloat16", None, DecodeConfig(block_k=16, num_splits=3, merge_in_kernel=True)),
     (16, 64, 8, 2, "float32", "int8", DecodeConfig(block_k=16, num_splits=5,
                                                    merge_in_kernel=True)),
+    # The softmax's exponent in PTX (compiled; the same jnp as the others when interpreted).
+    (16, 64, 8, 2, "bfloat16", "int8", DecodeConfig(block_k=32, num_splits=2, ptx_softmax=True)),
+    (8, 32, 8, 1, "float16", None, DecodeConfig(block_k=16, num_splits=3, ptx_softmax=True)),
 ]
 
 
@@ -142,7 +145,8 @@ def test_dispatch_and_validation():
 @pytest.mark.parametrize("kv_dtype,head_dim,page_size,config", [
     ("bfloat16", 128, 16, None), ("int8", 64, 128, None), ("float8_e4m3fn", 256, 8, None),
     ("bfloat16", 128, 16, DecodeConfig(128, 4, prefetch_slots=True)),
-    ("int8", 128, 16, DecodeConfig(128, 4, merge_in_kernel=True))])
+    ("int8", 128, 16, DecodeConfig(128, 4, merge_in_kernel=True)),
+    ("bfloat16", 128, 16, DecodeConfig(128, 4, ptx_softmax=True))])
 def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size, config):
     spec = jax.ShapeDtypeStruct
     q = spec((4, 32, head_dim), jnp.bfloat16)
