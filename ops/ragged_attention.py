@@ -20,13 +20,15 @@ padding rows at the end of q, so every output row is finite. Key splits (flash-d
 used for small query counts (decode, speculative verification) over long contexts.
 
 Tuning (`ragged_config`): block_m = next power of two of max_q_len * G, clamped to [16, 128]
-(64 for head_dim 256). Prefill-sized tiles (block_m >= 64): block_k 64, 4 warps, 4 pipeline
+(64 for head_dim 256). Prefill-sized tiles (block_m >= 64): block_k 64, 4 warps, 3 pipeline
 stages, with the softmax's exponent in PTX (`RaggedConfig.ptx_softmax`: one fma and one
 ex2.approx per logit, where jnp's exp2 costs several instructions). H200 sweeps at 32 q / 8 kv
-heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (eleventh session):
-(128, 64, 4 warps, 4 stages) 393 / 276 and 439 / 305; 3 stages 379 / 272 and 436 / 307;
-2 stages 356 / 262; (128, 32, 4, 5), the best with the jnp softmax, 361 / 330 and 407 / 362;
-(128, 128, 8, 3) 319 / 260; (256, 64, 8, 3) 318 / 253; (64, 64, 4, 3) 310 / 242.
+heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (eleventh session, three
+runs): (128, 64, 4 warps, 3 stages) 377-379 / 266-273 and 426-436 / 305-307; 4 stages 368-393
+/ 269-276 and 439 / 305; 2 stages 346-356 / 254-262; (128, 32, 4, 5), the best with the jnp
+softmax, 361-373 / 316-330 and 407 / 362; (128, 128, 8, 3) 319 / 260; (256, 64, 8, 3)
+318 / 253; (64, 64, 4, 3) 308-310 / 242-245. Decode-sized tiles keep the jnp softmax: the
+decode kernel with PTX measured no faster (one run, B = 1-32).
 Rescaling the accumulator only when the running max grows by more than 2^8 (branching on it)
 was slower in 11 of 12 pairs and was dropped. head_dim 256 keeps block_k 32 and 5 stages.
 Below that the program is bandwidth-bound like decode: block_k 128 and key splits as in
@@ -66,8 +68,8 @@ class RaggedConfig:
     # Merge the key splits inside the kernel (as DecodeConfig's): no merge kernel after it.
     merge_in_kernel: bool = False
     # One PTX fma + exp2 per logit in the online softmax (attention_tiles.attend_tile; jnp
-    # in interpret mode).
-    ptx_softmax: bool = True
+    # in interpret mode). ragged_config turns it on for prefill tiles, where it measured faster.
+    ptx_softmax: bool = False
 
 
 def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
@@ -80,7 +82,8 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
     block_m = max(block_m, tiles.next_pow2(group))
     if block_m >= 64:
         if head_dim <= 128:
-            return RaggedConfig(block_m=block_m, block_k=64, num_warps=4, num_stages=4)
+            return RaggedConfig(block_m=block_m, block_k=64, num_warps=4, num_stages=3,
+                                ptx_softmax=True)
         return RaggedConfig(block_m=block_m, block_k=32, num_warps=4, num_stages=5)
     block_k = 128 if head_dim <= 128 else 64
     splits = 1
@@ -98,7 +101,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    table_width: int, num_splits: int, sm_scale: float,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
                    split_out: bool, prefetch_slots: bool = False,
-                   merge_in_kernel: bool = False, ptx_softmax: bool = True,
+                   merge_in_kernel: bool = False, ptx_softmax: bool = False,
                    gpu_sync: bool = True):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)

@@ -79,8 +79,10 @@ CASES = [
                                                  merge_in_kernel=True)),
     (16, 64, 8, 2, "float32", "int8", RaggedConfig(block_m=32, block_k=16, num_splits=4,
                                                     merge_in_kernel=True)),
-    # The softmax in jnp instead of PTX when compiled (the same in interpret mode).
-    (16, 64, 8, 2, "bfloat16", None, RaggedConfig(block_m=64, block_k=16, ptx_softmax=False)),
+    # The softmax's exponent in PTX when compiled (the same jnp as the others when interpreted).
+    (16, 64, 8, 2, "bfloat16", None, RaggedConfig(block_m=64, block_k=16, ptx_softmax=True)),
+    (8, 32, 8, 1, "float16", "int8", RaggedConfig(block_m=16, block_k=16, num_splits=3,
+                                                  ptx_softmax=True)),
 ]
 
 
@@ -96,7 +98,8 @@ def test_sharp_softmax_at_llama_8b_head_dim(dtype):
     """Queries 8x larger than the keys (logits of std 8: a softmax close to one-hot, as in a
     model with large activations), head_dim 128 and GQA 4 as llama3.1-8b, the prefill tiles."""
     run_case(page_size=16, head_dim=128, num_heads=8, num_kv_heads=2, dtype=dtype, q_scale=8.0,
-             config=RaggedConfig(block_m=128, block_k=64, num_warps=4, num_stages=3), seed=4)
+             config=RaggedConfig(block_m=128, block_k=64, num_warps=4, num_stages=3,
+                                 ptx_softmax=True), seed=4)
 
 
 def test_soft_cap_sliding_window_and_odd_group():
@@ -161,7 +164,7 @@ def test_validation():
 @pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,variant", [
     ("bfloat16", 128, 16, 2048, None), ("int8", 64, 128, 4, None),
     ("float8_e4m3fn", 256, 8, 512, None), ("bfloat16", 128, 16, 1, "prefetch"),
-    ("bfloat16", 128, 16, 1, "merge"), ("bfloat16", 128, 16, 2048, "jnp_softmax")])
+    ("bfloat16", 128, 16, 1, "merge"), ("int8", 128, 16, 1, "ptx_softmax")])
 def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size, max_q_len,
                                    variant):
     spec = jax.ShapeDtypeStruct
@@ -173,7 +176,7 @@ def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size,
     def f(q, k, v, t, qs, n, ks, vs):
         config = {"prefetch": RaggedConfig(16, 128, 4, prefetch_slots=True),
                   "merge": RaggedConfig(16, 128, 4, merge_in_kernel=True),
-                  "jnp_softmax": RaggedConfig(128, 64, 4, 3, ptx_softmax=False)}.get(variant)
+                  "ptx_softmax": RaggedConfig(16, 128, 4, ptx_softmax=True)}.get(variant)
         return ragged_paged_attention(q, k, v, t, qs, n, max_q_len=max_q_len, k_scales=ks,
                                       v_scales=vs, impl="pallas", sliding_window=300,
                                       config=config)
