@@ -183,7 +183,7 @@ def init_carry(num_rows: int, head_dim: int):
 
 
 def attend_tile(q, k, v, k_scale, v_scale, mask, carry, *, sm_scale: float,
-                soft_cap: float | None, ptx: bool = False, sum_by_dot: bool = False):
+                soft_cap: float | None, ptx: bool = False):
     """One online-softmax step: q [M, D] against keys k and values v [BK, D].
 
     k, v are in q's dtype (int8 / fp8 tiles already converted); k_scale, v_scale [BK] are the
@@ -194,9 +194,6 @@ def attend_tile(q, k, v, k_scale, v_scale, mask, carry, *, sm_scale: float,
     ptx: the softmax scale is applied inside the exponent, one PTX fma and ex2.approx.ftz per
     logit (ops.ptx.exp2_fma) where jnp's exp2 costs several instructions (False in interpret
     mode; on an H200 it took a 4k-token prefill from 266 to 379 TFLOP/s).
-    sum_by_dot: the probabilities' row sums come from the matrix units (p in v's dtype times a
-    [BK, 16] tile of ones: the sums of the very values that multiply V) instead of a reduction
-    per row.
     """
     acc, m, l = carry
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -219,12 +216,7 @@ def attend_tile(q, k, v, k_scale, v_scale, mask, carry, *, sm_scale: float,
                  interpret=not ptx)  # [M, BK]
     if mask is not None:  # exactly 0, also in a row whose running max is still MASK_VALUE
         p = jnp.where(mask, p, 0.0)
-    if sum_by_dot:  # [M, 16] columns that each hold the row sum
-        ones = jnp.ones((p.shape[1], 16), v.dtype)
-        sums = plgpu.dot(p.astype(v.dtype), ones, precision=precision)
-        l = l + jnp.max(sums, axis=1)
-    else:
-        l = l + jnp.sum(p, axis=1)
+    l = l + jnp.sum(p, axis=1)
     if v_scale is not None:
         p = p * v_scale[None, :]
     acc = acc + plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]

@@ -70,8 +70,6 @@ class RaggedConfig:
     # One PTX fma + exp2 per logit in the online softmax (attention_tiles.attend_tile; jnp
     # in interpret mode). ragged_config turns it on for prefill tiles, where it measured faster.
     ptx_softmax: bool = False
-    # The probabilities' row sums by the matrix units (attention_tiles.attend_tile).
-    sum_by_dot: bool = False
 
 
 def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
@@ -104,7 +102,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
                    split_out: bool, prefetch_slots: bool = False,
                    merge_in_kernel: bool = False, ptx_softmax: bool = False,
-                   sum_by_dot: bool = False, gpu_sync: bool = True):
+                   gpu_sync: bool = True):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)
     # tables_ref: [S * W] int32, all block tables, flattened
@@ -167,8 +165,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
             if sliding_window is not None:
                 mask &= tok[None, :] > pos[:, None] - sliding_window
         carry = tiles.attend_tile(q, k, v, ks, vs, mask, carry, sm_scale=sm_scale,
-                                  soft_cap=soft_cap, ptx=ptx_softmax and gpu_sync,
-                                  sum_by_dot=sum_by_dot)
+                                  soft_cap=soft_cap, ptx=ptx_softmax and gpu_sync)
         return (carry, next_slots) if prefetch_slots else carry
 
     carry = tiles.init_carry(block_m, q.shape[-1])
@@ -281,7 +278,7 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
         prefetch_slots=config.prefetch_slots, merge_in_kernel=merge_in_kernel,
-        ptx_softmax=config.ptx_softmax, sum_by_dot=config.sum_by_dot, gpu_sync=not interpret)
+        ptx_softmax=config.ptx_softmax, gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases, compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

@@ -83,11 +83,6 @@ CASES = [
     (16, 64, 8, 2, "bfloat16", None, RaggedConfig(block_m=64, block_k=16, ptx_softmax=True)),
     (8, 32, 8, 1, "float16", "int8", RaggedConfig(block_m=16, block_k=16, num_splits=3,
                                                   ptx_softmax=True)),
-    # The probabilities' row sums by the matrix units.
-    (16, 64, 8, 2, "bfloat16", "int8", RaggedConfig(block_m=64, block_k=16, ptx_softmax=True,
-                                                    sum_by_dot=True)),
-    (16, 32, 4, 2, "float32", None, RaggedConfig(block_m=32, block_k=16, num_splits=2,
-                                                 sum_by_dot=True)),
 ]
 
 
@@ -169,8 +164,7 @@ def test_validation():
 @pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,variant", [
     ("bfloat16", 128, 16, 2048, None), ("int8", 64, 128, 4, None),
     ("float8_e4m3fn", 256, 8, 512, None), ("bfloat16", 128, 16, 1, "prefetch"),
-    ("bfloat16", 128, 16, 1, "merge"), ("int8", 128, 16, 1, "ptx_softmax"),
-    ("bfloat16", 128, 16, 2048, "sum_by_dot")])
+    ("bfloat16", 128, 16, 1, "merge"), ("int8", 128, 16, 1, "ptx_softmax")])
 def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size, max_q_len,
                                    variant):
     spec = jax.ShapeDtypeStruct
@@ -182,9 +176,7 @@ def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size,
     def f(q, k, v, t, qs, n, ks, vs):
         config = {"prefetch": RaggedConfig(16, 128, 4, prefetch_slots=True),
                   "merge": RaggedConfig(16, 128, 4, merge_in_kernel=True),
-                  "ptx_softmax": RaggedConfig(16, 128, 4, ptx_softmax=True),
-                  "sum_by_dot": RaggedConfig(128, 64, 4, 3, ptx_softmax=True,
-                                             sum_by_dot=True)}.get(variant)
+                  "ptx_softmax": RaggedConfig(16, 128, 4, ptx_softmax=True)}.get(variant)
         return ragged_paged_attention(q, k, v, t, qs, n, max_q_len=max_q_len, k_scales=ks,
                                       v_scales=vs, impl="pallas", sliding_window=300,
                                       config=config)
