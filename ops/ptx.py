@@ -1,11 +1,13 @@
 """Single PTX instructions for Pallas kernels on the Triton backend, with jnp twins for
 interpret mode (the CPU tests).
 
-Triton does not contract Pallas's separate multiply and add into a fused multiply-add, and
-jnp.exp2 lowers to libdevice's __nv_exp2f, which wraps the hardware's approximate exp2 in
-instructions that keep subnormal inputs exact (Nsight Compute on an H200, tenth session). In an
-inner loop those extra instructions are the kernel's cost, so the hot elementwise steps are
-written as inline PTX here.
+Triton does not contract Pallas's separate multiply and add into a fused multiply-add (Nsight
+Compute on an H200 found no fused FP32 instruction in the int4 kernel, tenth session), and
+jnp.exp2 lowers to libdevice's __nv_exp2f, a library function around the hardware's
+approximate exp2. In an inner loop every instruction per element counts, so the hot elementwise
+steps are written as inline PTX here: the int4 kernel's multiply-adds (ops/quant_gemv.py) and
+the attention softmax's exponent (ops/attention_tiles.py; a 4k-token prefill went from 266 to
+379 TFLOP/s, docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
