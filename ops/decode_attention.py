@@ -64,7 +64,7 @@ class DecodeConfig:
     # after it (`tiles.merge_split_partials`).
     merge_in_kernel: bool = False
     # One PTX fma + exp2 per logit in the online softmax, as RaggedConfig's (jnp in interpret
-    # mode). Off by default until measured on decode shapes.
+    # mode). Off: on decode shapes it measured no faster (docs/PERFORMANCE.md, eleventh session).
     ptx_softmax: bool = False
 
 

@@ -28,7 +28,7 @@ runs): (128, 64, 4 warps, 3 stages) 377-379 / 266-273 and 426-436 / 305-307; 4 s
 / 269-276 and 439 / 305; 2 stages 346-356 / 254-262; (128, 32, 4, 5), the best with the jnp
 softmax, 361-373 / 316-330 and 407 / 362; (128, 128, 8, 3) 319 / 260; (256, 64, 8, 3)
 318 / 253; (64, 64, 4, 3) 308-310 / 242-245. Decode-sized tiles keep the jnp softmax: the
-decode kernel with PTX measured no faster (one run, B = 1-32).
+decode kernel with PTX measured no faster (two runs, B = 1-32).
 Rescaling the accumulator only when the running max grows by more than 2^8 (branching on it)
 was slower in 11 of 12 pairs and was dropped. head_dim 256 keeps block_k 32 and 5 stages.
 Below that the program is bandwidth-bound like decode: block_k 128 and key splits as in
