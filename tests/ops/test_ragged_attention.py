@@ -102,11 +102,14 @@ def test_sharp_softmax_at_llama_8b_head_dim(dtype):
                                  ptx_softmax=True), seed=4)
 
 
-def test_soft_cap_sliding_window_and_odd_group():
+@pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not ON_GPU, reason="interpreted, the PTX softmax runs the same jnp as ptx=False"))])
+def test_soft_cap_sliding_window_and_odd_group(ptx):
     # A group of 3 query heads: q blocks of 5 tokens in 16 rows.
     run_case(page_size=8, head_dim=32, num_heads=6, num_kv_heads=2, soft_cap=5.0,
              sliding_window=9, scale=0.3, config=RaggedConfig(block_m=16, block_k=8,
-                                                               num_splits=2), seed=1)
+                                                               num_splits=2, ptx_softmax=ptx),
+             seed=1)
 
 
 def test_single_token_queries_equal_decode():
