@@ -303,7 +303,8 @@ def softmax_sweep(calib: dict) -> list[dict]:
     run one after the other, so they share the machine's state."""
     rows = []
     for batch, context in ((1, 512), (1, 4096), (8, 4096), (8, 8192), (32, 4096)):
-        cfg = decode_config(batch, FLAGS.num_kv_heads, context, FLAGS.head_dim, 2)
+        itemsize = jnp.dtype(FLAGS.kv_dtype or FLAGS.dtype).itemsize
+        cfg = decode_config(batch, FLAGS.num_kv_heads, context, FLAGS.head_dim, itemsize)
         for ptx in (False, True):  # the decode kernel's heuristic tiles
             rows += bench_decode(batch, context, calib, peers=False,
                                  config=dataclasses.replace(cfg, ptx_softmax=ptx))
