@@ -82,6 +82,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         self._finished_groups: list[int] = []
         self._in_flight: InFlight | None = None  # the launched step not read yet
         self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
+        self._with_logprobs: set[int] = set()  # unfinished requests that want logprobs
         self._admitted_last = False  # the last step admitted waiting requests (multi_step.py)
         self._wait_s = 0.0
 
@@ -129,6 +130,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 request.spec_ema_accepted = float(self.spec_config.num_speculative_tokens)
             if params.uses_penalties:
                 self._penalized.add(request.request_id)
+            if params.logprobs is not None:
+                self._with_logprobs.add(request.request_id)
             if index > 0 and self.engine_cfg.enable_prefix_caching:
                 request.wait_for = samples[0]  # share the first sample's prompt pages
             self._next_request += 1
@@ -167,6 +170,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 request.finish_reason = FinishReason.ABORT
                 request.finish_time = time.perf_counter()
                 self._penalized.discard(request.request_id)
+                self._with_logprobs.discard(request.request_id)
         if request_id in self._groups and request_id not in self._finished_groups:
             self._finished_groups.append(request_id)
 
@@ -207,7 +211,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         host = wall - self._wait_s
         self.stats.num_steps += 1
         self.stats.num_model_steps += self._round_steps
-        self.stats.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
+        self.stats.num_generated_tokens += sum([len(d.token_ids) for d in deltas])
         self.stats.step_time_s += wall
         self.stats.host_time_s += host
         # The device idles during host work unless it was still busy when the host came to
@@ -277,17 +281,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         """The bookkeeping of a launched step or round of `steps` model steps: each complete
         row (its step token is its request's next one) computes steps - 1 tokens more than its
         step's and leaves `steps` sampled tokens in flight; counters and cached pages advance."""
-        extra = steps - 1
-        num_tokens = 0
-        for i, (it, complete) in enumerate(zip(output.scheduled, completes)):  # one pass
-            if complete:
-                it.num_new_tokens += extra
-                r = it.request
-                r.num_pending += steps
-                r.pending_row = i
-            num_tokens += it.num_new_tokens
-        self.scheduler.update_computed(output)
-        self.stats.num_computed_tokens += num_tokens
+        self.stats.num_computed_tokens += self.scheduler.update_computed(output, completes, steps)
         self._round_steps = steps
         return InFlight(requests, completes, launch, steps=steps)
 
@@ -295,16 +289,15 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         """(requests, completes, StepBatch, sample_index, SamplingArrays) of a scheduled step.
         completes[i]: request i's last token this step is its next one (its sample is a new
         token), not a prefill chunk short of the prompt's end."""
-        requests = [it.request for it in output.scheduled]
-        # Per row, in comprehensions (the only Python passes over all rows): tokens computed
-        # this step, first position, tokens the host knows, tokens in flight; the rest is
-        # vectorized.
-        counts = np.array([it.num_new_tokens for it in output.scheduled], np.int64)  # [S]
-        firsts = np.array([r.num_computed_tokens for r in requests], np.int64)  # [S]
-        knowns = np.array([len(r.prompt_ids) + len(r.output_ids) for r in requests], np.int64)
-        pendings = np.array([r.num_pending for r in requests], np.int64)  # [S]
+        requests = output.requests
+        # Per row, as the scheduler recorded them (no Python pass over the rows): tokens
+        # computed this step, first position, tokens in all and in flight, pages held.
+        counts = output.counts()  # [S]
+        firsts = np.array(output.firsts, np.int64)  # [S]
+        totals = np.array(output.totals, np.int64)  # [S]
+        knowns = totals - np.array(output.pendings, np.int64)  # [S] tokens the host has
         ends = firsts + counts
-        completes = (ends >= knowns + pendings).tolist()
+        completes = (ends >= totals).tolist()
         # A row whose last token is in flight reads it from prev's samples (a placeholder 0
         # here); the rest of its tokens, and every token of the other rows, the host has:
         # written row by row for the rows with such tokens only (prompts, mostly).
@@ -319,7 +312,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             tokens[starts[i]:starts[i] + last - first] = requests[i].tokens_between(first, last)
         placeholders = starts[1:][in_flight] - 1
         sources = [requests[i].pending_row for i in in_flight.tolist()]
-        slots = self.scheduler.rows.slots(requests)  # [S] rows of the persistent tables
+        # [S] rows of the persistent tables
+        slots = self.scheduler.rows.slots(requests, output.num_pages)
         batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = self._sample_index(num_tokens, placeholders, sources)
         return (requests, completes, batch, sample_index,
@@ -436,6 +430,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._penalized.discard(request.request_id)
+            self._with_logprobs.discard(request.request_id)
             request.finish_time = now
             if all(r.finished for r in self._groups[group_id]):
                 self._finished_groups.append(group_id)
@@ -536,3 +531,4 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 progress(i + 1, len(shapes))
         self.runner.warmup_samplers()
         return len(self.runner.compiled_shapes) - before
+

@@ -47,27 +47,36 @@ class MultiStepRounds:
         """Whether this step can run as num_decode_steps decode steps: every scheduled request
         decodes one token (known, or in flight from the step before), none has penalties or
         logprobs, the context has room for all the steps, and the pool has pages for them
-        (taken here)."""
+        (taken here). Vectorized over the scheduler's per-row records (SchedulerOutput)."""
         steps = self.engine_cfg.num_decode_steps
         if (not output.scheduled or output.preempted or not self._rounds_possible()
-                or output.scheduled[-1].num_new_tokens != 1):  # admissions come last
+                or output.scheduled[-1].num_new_tokens != 1  # admissions come last
+                or self._with_logprobs and any(
+                    it.request.params.logprobs is not None for it in output.scheduled)):
             return False
-        limit = self._context_limit()
-        for it in output.scheduled:
-            r = it.request
-            computed = r.num_computed_tokens
-            if (it.num_new_tokens != 1
-                    or computed != len(r.prompt_ids) + len(r.output_ids) + r.num_pending - 1
-                    or computed + steps > limit or r.params.logprobs is not None):
-                return False
-        return self._grow_all((it.request, it.request.num_computed_tokens + steps)
-                              for it in output.scheduled)
+        firsts = np.array(output.firsts, np.int64)  # [S]
+        if (not (output.counts() == 1).all()
+                or not (firsts == np.array(output.totals, np.int64) - 1).all()
+                or int(firsts.max()) + steps > self._context_limit()):
+            return False
+        return self._grow_rows(output, np.arange(len(firsts)), firsts + steps)
 
-    def _grow_all(self, needs) -> bool:
-        """Pages for every (request, tokens) of `needs` (BlockPool.grow_all: False at the
-        first the pool cannot give, with the pages taken so far kept)."""
+    def _grow_rows(self, output: SchedulerOutput, rows: np.ndarray, ends: np.ndarray) -> bool:
+        """Pages for the scheduled `rows` (indices) to hold `ends` tokens each
+        (BlockPool.grow_all: False at the first the pool cannot give, with the pages taken so
+        far kept); the output's num_pages follow."""
         size = self.pool.page_size
-        return self.pool.grow_all([(r.pages, n) for r, n in needs if n > len(r.pages) * size])
+        short = ends > np.array(output.num_pages, np.int64)[rows] * size
+        rows, ends = rows[short].tolist(), ends[short].tolist()
+        if not rows:
+            return True
+        scheduled = output.scheduled
+        grown = self.pool.grow_all([(scheduled[i].request.pages, end)
+                                    for i, end in zip(rows, ends)])
+        num_pages = output.num_pages
+        for i in rows:
+            num_pages[i] = len(scheduled[i].request.pages)
+        return grown
 
     def _launch_round(self, output: SchedulerOutput) -> InFlight:
         """Launches num_decode_steps decode steps of the scheduled requests as one program,
@@ -75,18 +84,20 @@ class MultiStepRounds:
         scheduling) reads it on the device from the step before."""
         steps = self.engine_cfg.num_decode_steps
         prev = self._in_flight
-        requests = [it.request for it in output.scheduled]
-        tokens, placeholders, sources = [], [], []
-        for i, r in enumerate(requests):
-            if r.num_pending:
-                tokens.append(0)
-                placeholders.append(i)
-                sources.append(r.pending_row)
-            else:
-                tokens.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
-        slots = self.scheduler.rows.slots(requests)
-        batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
-                                 [r.num_computed_tokens for r in requests])
+        requests = output.requests
+        # Each row's input token: in flight (read on the device from the step before: a
+        # placeholder 0 here), or the request's last known one.
+        if all(output.pendings):  # asynchronous scheduling: every row
+            tokens = np.zeros(len(requests), np.int32)
+            placeholders = np.arange(len(requests))
+            sources = [r.pending_row for r in requests]
+        else:
+            tokens = [0 if pending else r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
+                      for r, pending in zip(requests, output.pendings)]
+            placeholders = [i for i, pending in enumerate(output.pendings) if pending]
+            sources = [requests[i].pending_row for i in placeholders]
+        slots = self.scheduler.rows.slots(requests, output.num_pages)
+        batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32), output.firsts)
         sample_index = self._sample_index(len(requests), placeholders, sources)
         arrays = self._sampling_arrays(requests, slots)
 
@@ -115,20 +126,17 @@ class MultiStepRounds:
         free = self.engine_cfg.max_num_seqs - len(self.scheduler.running)
         if self.scheduler.num_waiting and free >= max(1, self.engine_cfg.max_num_seqs // 16):
             return False  # refill the slots with single admission steps first
+        if self._with_logprobs and any(
+                it.request.params.logprobs is not None for it in output.scheduled):
+            return False
         extra = self.engine_cfg.num_decode_steps - 1
-        limit = self._context_limit()
-        going_on = []
-        for it in output.scheduled:
-            r = it.request
-            if r.params.logprobs is not None:
-                return False
-            end = r.num_computed_tokens + it.num_new_tokens
-            # its step token is its next one
-            if end >= len(r.prompt_ids) + len(r.output_ids) + r.num_pending:
-                if end + extra > limit:
-                    return False
-                going_on.append((r, end + extra))
-        return self._grow_all(going_on)
+        ends = np.array(output.firsts, np.int64) + output.counts()  # [S]
+        # the rows whose step token is their next one go on
+        going_on = np.flatnonzero(ends >= np.array(output.totals, np.int64))
+        ends = ends[going_on] + extra
+        if len(ends) and int(ends.max()) > self._context_limit():
+            return False
+        return self._grow_rows(output, going_on, ends)
 
     def _launch_mixed_round(self, output: SchedulerOutput) -> InFlight:
         """Launches a mixed round (see `_mixed_round_ready`) as one program, without waiting."""
@@ -155,7 +163,7 @@ class MultiStepRounds:
         steps = flight.steps
         requests = flight.requests
         block = tokens[:, : len(requests)].T  # [S, steps]
-        stop_ids = set().union(*(r.stop_ids for r in requests))
+        stop_ids = set().union(*[r.stop_ids for r in requests])
         may_stop = (np.isin(block, np.fromiter(stop_ids, np.int64, len(stop_ids))).any(axis=1)
                     if stop_ids else np.zeros(len(requests), np.bool_))
         detokenizers = self._detokenizers
@@ -170,7 +178,7 @@ class MultiStepRounds:
             num_outputs = len(r.output_ids) + steps  # Request.length_room(limit) <= steps:
             if (stop or num_outputs >= r.params.max_tokens  # (inlined, it runs for every row)
                     or len(r.prompt_ids) + num_outputs >= limit or r.first_token_time is None
-                    or r.request_id in detokenizers):
+                    or (detokenizers and r.request_id in detokenizers)):
                 deltas.append(self._append_tokens(r, row, None, now, limit))
             else:
                 r.output_ids += row

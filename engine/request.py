@@ -111,9 +111,8 @@ class Request:
     group_id: int = -1  # the id add_request returned (its samples share it)
     sample_index: int = 0  # which of the group's n samples this is
     # Its row in the engine's persistent block tables (engine/request_rows.py), -1 when it has
-    # none, and how many of its pages that row holds.
+    # none.
     slot: int = -1
-    table_len: int = 0
     # Token ids that end it: params.stop_token_ids, and the model's EOS ids unless ignore_eos
     # (set by the engine, which knows the EOS ids).
     stop_ids: frozenset = frozenset()

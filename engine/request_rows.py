@@ -9,7 +9,8 @@ step's sampling arrays are a gather too (vLLM keeps such a persistent input batc
 
 A slot is taken when a request is first scheduled and given back when its pages are released
 (finish, abort, preemption: Scheduler._release): a request that comes back gets a fresh slot
-and writes all its pages again.
+and writes all its pages again. A row is zero past its request's pages (a released row is
+cleared), so a step's gathered tables need no masking.
 """
 from __future__ import annotations
 
@@ -38,40 +39,55 @@ class RequestRows:
     def num_used(self) -> int:
         return self.capacity - len(self._free)
 
-    def slots(self, requests) -> np.ndarray:
+    def slots(self, requests, num_pages: list[int] | None = None) -> np.ndarray:
         """int32 [S]: each request's slot, its row brought up to date with its pages (the
-        pages gained since its last write, all of a row at once in one scatter)."""
-        for r in [r for r in requests if r.slot < 0]:
-            self._assign(r)
-        changed = [r for r in requests if len(r.pages) != r.table_len]
+        pages gained since its last write, all of a row at once in one scatter). num_pages:
+        len(r.pages) of each request, when the caller has them (the scheduler records them),
+        so that the rows left as they were cost no Python."""
+        slots = [r.slot for r in requests]
+        if -1 in slots:  # requests scheduled for the first time
+            for r in requests:
+                if r.slot < 0:
+                    self._assign(r)
+            slots = [r.slot for r in requests]
+        slots = np.array(slots, np.int32)
+        if num_pages is None:
+            num_pages = [len(r.pages) for r in requests]
+        counts = np.array(num_pages, np.int32)  # [S]
+        changed = np.flatnonzero(counts != self.num_pages[slots]).tolist()
         if changed:
-            rows, cols, pages, counts = [], [], [], []
-            for r in changed:
-                n, written = len(r.pages), r.table_len
-                start = written if n > written else 0  # it lost pages: write them all again
-                rows += [r.slot] * (n - start)
+            rows, cols, pages = [], [], []
+            for i in changed:
+                r = requests[i]
+                slot, n = r.slot, len(r.pages)
+                start = written = int(self.num_pages[slot])
+                if n < written:  # it lost pages: clear the row, then write them all again
+                    self.tables[slot, :written] = 0
+                    start = 0
+                rows += [slot] * (n - start)
                 cols += range(start, n)
                 pages += r.pages[start:n]
-                counts.append(n)
-                r.table_len = n
-            if max(counts) > self.tables.shape[1]:
-                self._grow(columns=max(max(counts), 2 * self.tables.shape[1])
+            widest = int(counts.max())
+            if widest > self.tables.shape[1]:
+                self._grow(columns=max(widest, 2 * self.tables.shape[1])
                            - self.tables.shape[1])
             self.tables[rows, cols] = pages
-            self.num_pages[[r.slot for r in changed]] = counts
-        return np.array([r.slot for r in requests], np.int32)
+            self.num_pages[slots[changed]] = counts[changed]
+        return slots
 
     def release(self, request) -> None:
         """Gives a request's slot back (its pages were freed)."""
         if request.slot >= 0:
+            self.tables[request.slot, : self.num_pages[request.slot]] = 0
+            self.num_pages[request.slot] = 0
             self._free.append(request.slot)
-            request.slot, request.table_len = -1, 0
+            request.slot = -1
 
     def _assign(self, request) -> int:
         if not self._free:
             self._grow(rows=self.capacity)
         slot = self._free.pop()
-        request.slot, request.table_len = slot, 0
+        request.slot = slot
         self.num_pages[slot] = 0
         self.sampling[slot] = request.sampling_row
         self.logprobs[slot] = request.params.logprobs is not None
@@ -84,3 +100,4 @@ class RequestRows:
             self.num_pages = np.pad(self.num_pages, (0, rows))
             self.sampling = np.pad(self.sampling, ((0, rows), (0, 0)))
             self.logprobs = np.pad(self.logprobs, (0, rows))
+

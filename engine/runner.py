@@ -75,13 +75,12 @@ def step_batch_from_arrays(token_ids: np.ndarray, counts: np.ndarray, firsts: np
 
     token_ids int32 [N] (the rows' tokens, concatenated); counts, firsts, num_pages int32 [S]:
     tokens computed, first position, pages held by each row; tables int32 [S, W >= the most
-    pages of a row]. The batch's block tables are cut to the widest row, zero past each row's
-    pages (whatever `tables` holds there).
+    pages of a row], zero past each row's pages (engine.request_rows keeps its rows so). The
+    batch's block tables are cut to the widest row.
     """
     num_rows = len(counts)
     width = max(int(num_pages.max(initial=0)), 1)
-    held = np.arange(width) < num_pages[:, None]  # [S, W]
-    tables = np.where(held, tables[:, :width], 0).astype(np.int32)
+    tables = np.ascontiguousarray(tables[:, :width], np.int32)
     start = np.zeros(num_rows + 1, np.int32)
     np.cumsum(counts, out=start[1:])
     row_of_token = np.repeat(np.arange(num_rows), counts)  # [N]

@@ -15,6 +15,8 @@ import dataclasses
 import heapq
 import itertools
 
+import numpy as np
+
 from engine.block_pool import BlockPool
 from engine.request import FinishReason, Request
 from engine.request_rows import RequestRows
@@ -46,13 +48,32 @@ class ScheduledRequest:
 
 @dataclasses.dataclass
 class SchedulerOutput:
+    """A step's schedule. Besides the scheduled items, per row and as scheduled (so that the
+    engine builds the step without another Python pass over its requests): `firsts`, the
+    request's computed tokens (the step's first position); `totals`, its tokens, those in
+    flight included; `pendings`, those in flight (Request.num_pending); `num_pages`, the pages
+    it holds. Speculative rounds change items after scheduling and do not read these."""
+
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     num_admitted: int = 0  # waiting requests admitted this step (the last ones of `scheduled`)
+    firsts: list[int] = dataclasses.field(default_factory=list)
+    totals: list[int] = dataclasses.field(default_factory=list)
+    pendings: list[int] = dataclasses.field(default_factory=list)
+    num_pages: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def requests(self) -> list[Request]:
+        """The scheduled requests, in order."""
+        return [it.request for it in self.scheduled]
+
+    def counts(self) -> np.ndarray:
+        """int64 [S]: each row's num_new_tokens."""
+        return np.array([it.num_new_tokens for it in self.scheduled], np.int64)
 
 
 class Scheduler:
@@ -126,14 +147,16 @@ class Scheduler:
         both for multi-step rounds, which need every running request decoding.
         """
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        out = SchedulerOutput([], [])
+        scheduled, preempted = out.scheduled, out.preempted
+        firsts, totals, pendings, held = out.firsts, out.totals, out.pendings, out.num_pages
         running = self.running
         page_size = self.pool.page_size
-        # 1. Running requests, oldest first; preempt the youngest when pages run out.
-        i, num_running = 0, len(running)
-        while i < num_running and budget > 0:
-            request = running[i]
+        # 1. Running requests, oldest first; preempt the youngest when pages run out (popped
+        # from the end of `running`: the loop never reaches them).
+        for request in running:
+            if budget <= 0:
+                break
             pending = request.num_pending
             num_outputs = len(request.output_ids) + pending
             num_tokens = len(request.prompt_ids) + num_outputs
@@ -141,8 +164,7 @@ class Scheduler:
             # request at every step.
             if pending and hold_limit is not None and (
                     num_outputs >= request.params.max_tokens or num_tokens >= hold_limit):
-                i += 1  # its in-flight tokens end it: nothing more to compute
-                continue
+                continue  # its in-flight tokens end it: nothing more to compute
             # Tokens sampled on the device but not yet read (asynchronous scheduling) are
             # computed like known ones: the step reads their ids on the device.
             computed = request.num_computed_tokens
@@ -153,15 +175,18 @@ class Scheduler:
                 num_new += request.lookahead
             if num_new > budget:
                 num_new = budget
-            if computed + num_new > len(request.pages) * page_size:  # pages to add
+            num_pages = len(request.pages)
+            if computed + num_new > num_pages * page_size:  # pages to add
                 if not self._grow_or_preempt(request, computed + num_new, preempted):
                     break  # the request itself was preempted: everything younger is gone too
-                num_running = len(running)  # younger requests may have been preempted
+                num_pages = len(request.pages)
             scheduled.append(ScheduledRequest(request, num_new))
+            firsts.append(computed)
+            totals.append(num_tokens)
+            pendings.append(pending)
+            held.append(num_pages)
             budget -= num_new
-            i += 1
         # 2. Waiting requests, by priority then arrival, while budgets and pages allow.
-        num_admitted = 0
         admit = admit or not self.running
         while (admit and self._waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
@@ -170,14 +195,14 @@ class Scheduler:
                 break  # preempted while a token was in flight: readmitted once it is read
             if request.wait_for is not None and not request.wait_for.prompt_cached:
                 break  # a parallel sample waits until its sibling's prompt pages are cached
-            if not self._admit(request, budget, scheduled,
-                               allow_partial=not (whole_prompts and num_admitted)):
+            if not self._admit(request, budget, out,
+                               allow_partial=not (whole_prompts and out.num_admitted)):
                 break
             heapq.heappop(self._waiting)
             self.running.append(request)
             budget -= scheduled[-1].num_new_tokens
-            num_admitted += 1
-        return SchedulerOutput(scheduled, preempted, num_admitted)
+            out.num_admitted += 1
+        return out
 
     def _grow_or_preempt(self, request: Request, num_tokens: int,
                          preempted: list[Request]) -> bool:
@@ -191,7 +216,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest],
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput,
                allow_partial: bool = True) -> bool:
         # At least one token must be computed to produce logits: never hit the whole sequence.
         cached = self.pool.cached_prefix(request.token_ids, request.num_tokens - 1)
@@ -209,7 +234,11 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         request.num_cached_pages = len(cached)
         request.num_prefix_hit_tokens += num_computed
-        scheduled.append(ScheduledRequest(request, num_new))
+        out.scheduled.append(ScheduledRequest(request, num_new))
+        out.firsts.append(num_computed)
+        out.totals.append(request.num_tokens)
+        out.pendings.append(0)
+        out.num_pages.append(len(pages))
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -221,16 +250,31 @@ class Scheduler:
         self.num_preemptions += 1
         heapq.heappush(self._waiting, (request.priority, -1 - self.num_preemptions, request))
 
-    def update_computed(self, output: SchedulerOutput) -> None:
+    def update_computed(self, output: SchedulerOutput, completes=None, steps: int = 1) -> int:
         """Advances the counters of the computed tokens and caches the prompts' newly full
-        pages. The pages after the prompt are cached when the request releases them
-        (`_release`: finished, aborted or preempted): only then can another request's prompt
-        (the next turn of a conversation, or this request readmitted) reach them, and keying
-        them page by page as decoding fills them cost a hash per page inside every step."""
+        pages; returns the tokens computed. The pages after the prompt are cached when the
+        request releases them (`_release`: finished, aborted or preempted): only then can
+        another request's prompt (the next turn of a conversation, or this request readmitted)
+        reach them, and keying them page by page as decoding fills them cost a hash per page
+        inside every step.
+
+        completes (the engine's launched steps; one pass with the counters): a flag per
+        scheduled row whose step token is its request's next one. Such a row computes
+        steps - 1 tokens more (a multi-step round's decode steps) and leaves `steps` sampled
+        tokens in flight (Request.num_pending, with its row as pending_row)."""
         page_size = self.pool.page_size
-        for item in output.scheduled:
+        extra = steps - 1
+        total = 0
+        for row, item in enumerate(output.scheduled):
             request = item.request
-            computed = request.num_computed_tokens + item.num_new_tokens
+            num_new = item.num_new_tokens
+            if completes is not None and completes[row]:
+                num_new += extra
+                item.num_new_tokens = num_new
+                request.num_pending += steps
+                request.pending_row = row
+            total += num_new
+            computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = computed
             if not request.prompt_cached:
                 num_prompt = len(request.prompt_ids)
@@ -240,3 +284,4 @@ class Scheduler:
                 if computed // page_size > request.num_cached_pages:
                     request.num_cached_pages = self.pool.cache_full_pages(
                         request.prompt_ids, request.pages, computed, request.num_cached_pages)
+        return total

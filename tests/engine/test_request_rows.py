@@ -13,12 +13,14 @@ def make_request(i: int, temperature: float = 0.0, logprobs=None) -> Request:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["grow", "release", "replace"]),
+@given(st.lists(st.tuples(st.integers(0, 5),
+                          st.sampled_from(["grow", "release", "replace", "shrink"]),
                           st.integers(1, 9)), min_size=1, max_size=60))
 def test_gathered_rows_equal_each_requests_pages(ops):
-    """Random page growth, releases (slots reused) and replaced page lists (preemption then
-    readmission): after every operation the gathered rows hold exactly each request's pages,
-    with stale entries of reused rows cut away by step_batch_from_arrays."""
+    """Random page growth, releases (slots reused), replaced page lists (preemption then
+    readmission) and lists cut short without a release: after every operation the gathered
+    rows hold exactly each request's pages and zeros after them (released rows are cleared:
+    step_batch_from_arrays relies on it)."""
     rows = RequestRows(capacity=2, width=3)  # small: both dimensions must grow
     requests = [make_request(i, temperature=0.5 * (i % 2)) for i in range(6)]
     next_page = 0
@@ -30,6 +32,9 @@ def test_gathered_rows_equal_each_requests_pages(ops):
         elif op == "release":
             r.pages = []
             rows.release(r)
+        elif op == "shrink":  # pages lost without a release: the row is written again (the
+            # request stays live, so that the rows see the shorter list before it grows back)
+            r.pages = r.pages[: max(len(r.pages) // 2, 1)]
         else:  # a new page list of another length, after a release (as Scheduler._release)
             rows.release(r)
             r.pages = list(range(next_page, next_page + count))
@@ -42,6 +47,7 @@ def test_gathered_rows_equal_each_requests_pages(ops):
         for q, slot in zip(live, slots):
             assert rows.num_pages[slot] == len(q.pages)
             assert rows.tables[slot, : len(q.pages)].tolist() == q.pages
+            assert not rows.tables[slot, len(q.pages):].any()
             assert rows.sampling[slot].tolist() == list(q.sampling_row)
         # The step batch built from the gathered rows equals the one built from page lists.
         firsts = [max(len(q.pages) * 4 - 3, 0) for q in live]
