@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
+import numpy as np
+
 from engine.request import FinishReason, Request
 
 
@@ -118,6 +120,9 @@ class InFlight:
     # in-flight input tokens from (row i: row i's newest token); a round's last step's.
     launch: tuple | concurrent.futures.Future
     steps: int = 1  # model steps (a multi-step round runs several)
+    # A round's rows whose tokens may end them by length or are their first (bool [S]): only
+    # these, and those with a stop id among their tokens, are appended token by token.
+    may_end: np.ndarray | None = None
 
     def outcome(self) -> tuple:
         """(results, next_inputs), waiting for the dispatch if a worker thread makes it (and

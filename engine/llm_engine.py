@@ -267,7 +267,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
     def _launch(self, output: SchedulerOutput) -> InFlight:
         """Builds the step batch, runs the step and the sampler; does not wait for them."""
         prev = self._in_flight
-        requests, completes, batch, sample_index, arrays = self._step_inputs(output)
+        requests, completes, batch, sample_index, arrays, _ = self._step_inputs(output)
 
         def dispatch():
             results = self.runner.execute_and_sample(
@@ -277,25 +277,33 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         return self._launched(output, requests, completes, self._dispatch(dispatch), 1)
 
     def _launched(self, output: SchedulerOutput, requests: list[Request], completes: list[bool],
-                  launch, steps: int) -> InFlight:
+                  launch, steps: int, slots: np.ndarray | None = None) -> InFlight:
         """The bookkeeping of a launched step or round of `steps` model steps: each complete
         row (its step token is its request's next one) computes steps - 1 tokens more than its
-        step's and leaves `steps` sampled tokens in flight; counters and cached pages advance."""
+        step's and leaves `steps` sampled tokens in flight; counters and cached pages advance.
+        A round (given its rows' slots) notes which rows its tokens may end by length or
+        bring their first token (InFlight.may_end), vectorized: once all the tokens in flight
+        before it are appended, a row holds its scheduled total plus `steps`."""
+        may_end = None
+        if slots is not None:
+            rows = self.scheduler.rows
+            totals = output.columns()[2]  # [S]
+            limits = np.minimum(rows.token_limits[slots], self._context_limit())
+            may_end = (totals + steps >= limits) | (totals == rows.prompt_lens[slots])
         self.stats.num_computed_tokens += self.scheduler.update_computed(output, completes, steps)
         self._round_steps = steps
-        return InFlight(requests, completes, launch, steps=steps)
+        return InFlight(requests, completes, launch, steps=steps, may_end=may_end)
 
     def _step_inputs(self, output: SchedulerOutput) -> tuple:
-        """(requests, completes, StepBatch, sample_index, SamplingArrays) of a scheduled step.
+        """(requests, completes, StepBatch, sample_index, SamplingArrays, slots) of a scheduled
+        step.
         completes[i]: request i's last token this step is its next one (its sample is a new
         token), not a prefill chunk short of the prompt's end."""
         requests = output.requests
         # Per row, as the scheduler recorded them (no Python pass over the rows): tokens
         # computed this step, first position, tokens in all and in flight, pages held.
-        counts = output.counts()  # [S]
-        firsts = np.array(output.firsts, np.int64)  # [S]
-        totals = np.array(output.totals, np.int64)  # [S]
-        knowns = totals - np.array(output.pendings, np.int64)  # [S] tokens the host has
+        counts, firsts, totals, pendings = output.columns()  # [S] each
+        knowns = totals - pendings  # [S] tokens the host has
         ends = firsts + counts
         completes = (ends >= totals).tolist()
         # A row whose last token is in flight reads it from prev's samples (a placeholder 0
@@ -317,7 +325,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = self._sample_index(num_tokens, placeholders, sources)
         return (requests, completes, batch, sample_index,
-                self._sampling_arrays(requests, slots))
+                self._sampling_arrays(requests, slots), slots)
 
     def _dispatch(self, dispatch):
         """dispatch()'s (results, next_inputs), or a Future of them made on the worker thread

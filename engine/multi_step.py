@@ -54,9 +54,8 @@ class MultiStepRounds:
                 or self._with_logprobs and any(
                     it.request.params.logprobs is not None for it in output.scheduled)):
             return False
-        firsts = np.array(output.firsts, np.int64)  # [S]
-        if (not (output.counts() == 1).all()
-                or not (firsts == np.array(output.totals, np.int64) - 1).all()
+        counts, firsts, totals, _ = output.columns()  # [S] each
+        if (not (counts == 1).all() or not (firsts == totals - 1).all()
                 or int(firsts.max()) + steps > self._context_limit()):
             return False
         return self._grow_rows(output, np.arange(len(firsts)), firsts + steps)
@@ -66,7 +65,8 @@ class MultiStepRounds:
         (BlockPool.grow_all: False at the first the pool cannot give, with the pages taken so
         far kept); the output's num_pages follow."""
         size = self.pool.page_size
-        short = ends > np.array(output.num_pages, np.int64)[rows] * size
+        held = np.fromiter(output.num_pages, np.int64, len(output.num_pages))  # [S]
+        short = ends > held[rows] * size
         rows, ends = rows[short].tolist(), ends[short].tolist()
         if not rows:
             return True
@@ -97,7 +97,8 @@ class MultiStepRounds:
             placeholders = [i for i, pending in enumerate(output.pendings) if pending]
             sources = [requests[i].pending_row for i in placeholders]
         slots = self.scheduler.rows.slots(requests, output.num_pages)
-        batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32), output.firsts)
+        batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
+                                 output.columns()[1])
         sample_index = self._sample_index(len(requests), placeholders, sources)
         arrays = self._sampling_arrays(requests, slots)
 
@@ -108,7 +109,7 @@ class MultiStepRounds:
             return (out,), last
 
         return self._launched(output, requests, [True] * len(requests),
-                              self._dispatch(dispatch), steps)
+                              self._dispatch(dispatch), steps, slots)
 
     def _mixed_round_ready(self, output: SchedulerOutput) -> bool:
         """Whether this step (with prefill chunks) can run as a mixed round
@@ -130,9 +131,9 @@ class MultiStepRounds:
                 it.request.params.logprobs is not None for it in output.scheduled):
             return False
         extra = self.engine_cfg.num_decode_steps - 1
-        ends = np.array(output.firsts, np.int64) + output.counts()  # [S]
-        # the rows whose step token is their next one go on
-        going_on = np.flatnonzero(ends >= np.array(output.totals, np.int64))
+        counts, firsts, totals, _ = output.columns()  # [S] each
+        ends = firsts + counts
+        going_on = np.flatnonzero(ends >= totals)  # rows whose step token is their next one
         ends = ends[going_on] + extra
         if len(ends) and int(ends.max()) > self._context_limit():
             return False
@@ -142,7 +143,7 @@ class MultiStepRounds:
         """Launches a mixed round (see `_mixed_round_ready`) as one program, without waiting."""
         steps = self.engine_cfg.num_decode_steps
         prev = self._in_flight
-        requests, completes, batch, sample_index, arrays = self._step_inputs(output)
+        requests, completes, batch, sample_index, arrays, slots = self._step_inputs(output)
 
         def dispatch():
             tokens, last = self.runner.execute_mixed_round(
@@ -151,14 +152,16 @@ class MultiStepRounds:
                 None if prev is None else prev.next_inputs, sample_index)
             return (tokens,), last
 
-        return self._launched(output, requests, completes, self._dispatch(dispatch), steps)
+        return self._launched(output, requests, completes, self._dispatch(dispatch), steps,
+                              slots)
 
     def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
         """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop
         condition (a request that stopped inside the round drops the rest); returns the
         deltas. A row none of whose tokens can end its request (no stop id of the round's
-        requests among them, max_tokens and the context not reached, no text to detokenize) is
-        appended whole; the others token by token (_append_tokens)."""
+        requests among them, max_tokens and the context not reached: InFlight.may_end), that
+        does not bring its first token and has no text to detokenize is appended whole; the
+        others token by token (_append_tokens)."""
         limit = self._context_limit()
         steps = flight.steps
         requests = flight.requests
@@ -168,17 +171,15 @@ class MultiStepRounds:
                     if stop_ids else np.zeros(len(requests), np.bool_))
         detokenizers = self._detokenizers
         deltas = []
-        for r, row, stop, complete in zip(requests, block.tolist(), may_stop.tolist(),
-                                          flight.completes):
+        for r, row, special, complete in zip(requests, block.tolist(),
+                                             (may_stop | flight.may_end).tolist(),
+                                             flight.completes):
             if not complete:
                 continue  # a mixed round's prefill chunk short of the prompt's end
             r.num_pending -= steps
             if r.finish_reason is not None:
                 continue  # ended or aborted while the round ran: its tokens are dropped
-            num_outputs = len(r.output_ids) + steps  # Request.length_room(limit) <= steps:
-            if (stop or num_outputs >= r.params.max_tokens  # (inlined, it runs for every row)
-                    or len(r.prompt_ids) + num_outputs >= limit or r.first_token_time is None
-                    or (detokenizers and r.request_id in detokenizers)):
+            if special or (detokenizers and r.request_id in detokenizers):
                 deltas.append(self._append_tokens(r, row, None, now, limit))
             else:
                 r.output_ids += row

@@ -29,6 +29,9 @@ class RequestRows:
         # [slots, 5] float64 (exact for every column: seeds are below 2**53)
         self.sampling = np.zeros((capacity, len(SAMPLING_COLUMNS)), np.float64)
         self.logprobs = np.zeros(capacity, np.bool_)  # [slots] the request wants logprobs
+        # [slots] prompt tokens, and prompt + max_tokens (where it ends by length)
+        self.prompt_lens = np.zeros(capacity, np.int64)
+        self.token_limits = np.zeros(capacity, np.int64)
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest first
 
     @property
@@ -50,10 +53,10 @@ class RequestRows:
                 if r.slot < 0:
                     self._assign(r)
             slots = [r.slot for r in requests]
-        slots = np.array(slots, np.int32)
+        slots = np.fromiter(slots, np.int32, len(slots))
         if num_pages is None:
             num_pages = [len(r.pages) for r in requests]
-        counts = np.array(num_pages, np.int32)  # [S]
+        counts = np.fromiter(num_pages, np.int32, len(num_pages))  # [S]
         changed = np.flatnonzero(counts != self.num_pages[slots]).tolist()
         if changed:
             rows, cols, pages = [], [], []
@@ -91,6 +94,8 @@ class RequestRows:
         self.num_pages[slot] = 0
         self.sampling[slot] = request.sampling_row
         self.logprobs[slot] = request.params.logprobs is not None
+        self.prompt_lens[slot] = len(request.prompt_ids)
+        self.token_limits[slot] = len(request.prompt_ids) + request.params.max_tokens
         return slot
 
     def _grow(self, rows: int = 0, columns: int = 0) -> None:
@@ -100,4 +105,6 @@ class RequestRows:
             self.num_pages = np.pad(self.num_pages, (0, rows))
             self.sampling = np.pad(self.sampling, ((0, rows), (0, 0)))
             self.logprobs = np.pad(self.logprobs, (0, rows))
+            self.prompt_lens = np.pad(self.prompt_lens, (0, rows))
+            self.token_limits = np.pad(self.token_limits, (0, rows))
 

@@ -61,6 +61,7 @@ class SchedulerOutput:
     totals: list[int] = dataclasses.field(default_factory=list)
     pendings: list[int] = dataclasses.field(default_factory=list)
     num_pages: list[int] = dataclasses.field(default_factory=list)
+    _columns: tuple | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -71,9 +72,15 @@ class SchedulerOutput:
         """The scheduled requests, in order."""
         return [it.request for it in self.scheduled]
 
-    def counts(self) -> np.ndarray:
-        """int64 [S]: each row's num_new_tokens."""
-        return np.array([it.num_new_tokens for it in self.scheduled], np.int64)
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """int64 [S] arrays of the rows' num_new_tokens, firsts, totals and pendings, converted
+        once (numpy converts a list of Python ints element by element) and kept."""
+        if self._columns is None:
+            n = len(self.scheduled)
+            self._columns = tuple(np.fromiter(values, np.int64, n) for values in (
+                [it.num_new_tokens for it in self.scheduled], self.firsts, self.totals,
+                self.pendings))
+        return self._columns
 
 
 class Scheduler:
@@ -264,16 +271,18 @@ class Scheduler:
         tokens in flight (Request.num_pending, with its row as pending_row)."""
         page_size = self.pool.page_size
         extra = steps - 1
-        total = 0
-        for row, item in enumerate(output.scheduled):
+        scheduled = output.scheduled
+        if completes is None:
+            completes = [False] * len(scheduled)
+        total = extra * sum(completes)
+        for row, (item, complete) in enumerate(zip(scheduled, completes)):
             request = item.request
             num_new = item.num_new_tokens
-            if completes is not None and completes[row]:
+            total += num_new
+            if complete:
                 num_new += extra
-                item.num_new_tokens = num_new
                 request.num_pending += steps
                 request.pending_row = row
-            total += num_new
             computed = request.num_computed_tokens + num_new
             request.num_computed_tokens = computed
             if not request.prompt_cached:
