@@ -174,7 +174,7 @@ class BlockPool:
         page_of_key, key_of_page = self._page_of_key, self._key_of_page
         # zip(*[span] * size): the span's consecutive pages, as tuples
         for page, tokens in zip(pages[num_cached_pages:full], zip(*[span] * size)):
-            key = page_hash(parent, tokens)
+            key = hash((parent, tokens))  # page_hash(parent, tokens), inlined (a tuple)
             if key not in page_of_key and page not in key_of_page:
                 page_of_key[key] = page
                 key_of_page[page] = key

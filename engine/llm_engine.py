@@ -422,6 +422,22 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             request.output_ids.append(new_tokens[0])
             reason = self._stop_reason(request, new_tokens[0], limit)
             text, appended = "", new_tokens
+        elif detokenizer is None:  # several tokens without text: cut at the first that ends it
+            # (what _stop_reason decides token by token: a stop id before the length)
+            stop_ids = request.stop_ids
+            at_stop = next((j for j, token in enumerate(new_tokens) if token in stop_ids), None)
+            num_outputs = len(request.output_ids)
+            at_length = max(min(request.params.max_tokens - num_outputs,  # length_room - 1
+                                limit - len(request.prompt_ids) - num_outputs) - 1, 0)
+            if at_stop is not None and at_stop <= at_length:
+                end, reason = at_stop, FinishReason.STOP
+            elif at_length < len(new_tokens):
+                end, reason = at_length, FinishReason.LENGTH
+            else:
+                end, reason = None, None
+            appended = new_tokens if end is None else new_tokens[: end + 1]
+            request.output_ids += appended
+            text = ""
         else:
             reason, text, appended = None, "", []
             for token in new_tokens:

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given, settings, strategies as st
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import FinishReason, SamplingParams
@@ -30,6 +30,11 @@ SINGLE_BASE = dataclasses.replace(MULTI_BASE, num_decode_steps=1)
 @pytest.fixture(scope="module")
 def make_engine():
     return engine_maker(unit_scale_model(CFG, 3))
+
+
+@pytest.fixture(scope="module")
+def append_engine(make_engine):
+    return make_engine(BASE)
 
 
 def multi_step_rounds(engine: LLMEngine) -> list[int]:
@@ -221,3 +226,33 @@ def test_random_streams_with_mixed_rounds_equal_single_steps(make_engine, overla
 
     run()
     assert sum(mixed) > 0
+
+
+@given(prompt_len=st.integers(1, 6), num_outputs=st.integers(0, 6),
+       max_tokens=st.integers(1, 14), stops=st.sets(st.integers(0, 5), max_size=2),
+       tokens=st.lists(st.integers(0, 5), min_size=2, max_size=8), limit=st.integers(2, 20))
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+def test_a_rounds_tokens_are_cut_where_token_by_token_appends_stop(
+        append_engine, prompt_len, num_outputs, max_tokens, stops, tokens, limit):
+    """_append_tokens cuts a round's tokens (no detokenizer) at once where appending them one
+    by one with _stop_reason stops: the first stop id, or the token that reaches max_tokens or
+    the context limit, a stop id winning a tie; then the same finish reason."""
+    from engine.request import Request
+    assume(prompt_len + num_outputs < limit and num_outputs < max_tokens)
+    engine = append_engine
+    request = Request(0, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
+                      seed=0, output_ids=[1] * num_outputs, group_id=0,
+                      stop_ids=frozenset(stops), first_token_time=0.0)
+    engine._groups[0] = [request]
+    want, reason = list(request.output_ids), None
+    for token in tokens:  # the reference: token by token
+        want.append(token)
+        reason = engine._stop_reason(Request(0, request.prompt_ids, request.params, seed=0,
+                                             output_ids=want, stop_ids=request.stop_ids),
+                                     token, limit)
+        if reason is not None:
+            break
+    delta = engine._append_tokens(request, list(tokens), None, 1.0, limit)
+    assert request.output_ids == want
+    assert delta.token_ids == want[num_outputs:]
+    assert (delta.finish_reason, request.finish_reason) == (reason, reason)
