@@ -555,4 +555,3 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                 progress(i + 1, len(shapes))
         self.runner.warmup_samplers()
         return len(self.runner.compiled_shapes) - before
-

@@ -51,14 +51,19 @@ class MultiStepRounds:
         steps = self.engine_cfg.num_decode_steps
         if (not output.scheduled or output.preempted or not self._rounds_possible()
                 or output.scheduled[-1].num_new_tokens != 1  # admissions come last
-                or self._with_logprobs and any(
-                    it.request.params.logprobs is not None for it in output.scheduled)):
+                or self._wants_logprobs(output)):
             return False
         counts, firsts, totals, _ = output.columns()  # [S] each
         if (not (counts == 1).all() or not (firsts == totals - 1).all()
                 or int(firsts.max()) + steps > self._context_limit()):
             return False
         return self._grow_rows(output, np.arange(len(firsts)), firsts + steps)
+
+    def _wants_logprobs(self, output: SchedulerOutput) -> bool:
+        """Whether a scheduled request wants logprobs (rounds return none): a pass over the
+        rows only while some unfinished request does."""
+        return bool(self._with_logprobs) and any(
+            it.request.params.logprobs is not None for it in output.scheduled)
 
     def _grow_rows(self, output: SchedulerOutput, rows: np.ndarray, ends: np.ndarray) -> bool:
         """Pages for the scheduled `rows` (indices) to hold `ends` tokens each
@@ -127,8 +132,7 @@ class MultiStepRounds:
         free = self.engine_cfg.max_num_seqs - len(self.scheduler.running)
         if self.scheduler.num_waiting and free >= max(1, self.engine_cfg.max_num_seqs // 16):
             return False  # refill the slots with single admission steps first
-        if self._with_logprobs and any(
-                it.request.params.logprobs is not None for it in output.scheduled):
+        if self._wants_logprobs(output):
             return False
         extra = self.engine_cfg.num_decode_steps - 1
         counts, firsts, totals, _ = output.columns()  # [S] each

@@ -107,4 +107,3 @@ class RequestRows:
             self.logprobs = np.pad(self.logprobs, (0, rows))
             self.prompt_lens = np.pad(self.prompt_lens, (0, rows))
             self.token_limits = np.pad(self.token_limits, (0, rows))
-
