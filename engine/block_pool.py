@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 from typing import Sequence
 
+import numpy as np
+
 
 class OutOfPagesError(RuntimeError):
     """Raised when the pool cannot satisfy an allocation."""
@@ -87,29 +89,21 @@ class BlockPool:
             pages.extend(self.allocate(missing))
         return True
 
-    def grow_all(self, needs) -> bool:
-        """`grow` for each (pages, num_tokens) of `needs`, in order: False at the first the pool
-        cannot satisfy (the pages given before it are kept). The pages all come from one
-        `allocate` when the pool has them (a multi-step round grows about half of its
+    def grow_all(self, page_lists: list[list[int]], num_tokens: Sequence[int]) -> bool:
+        """`grow` of each page list to hold its `num_tokens` tokens, in order: False at the first
+        the pool cannot satisfy (the pages given before it are kept). The pages all come from
+        one `allocate` when the pool has them (a multi-step round grows about half of its
         sequences by a page, and one call per sequence cost more than the pages)."""
-        wants = []
-        total = 0
-        for pages, num_tokens in needs:
-            missing = self.pages_needed(num_tokens) - len(pages)
-            if missing > 0:
-                wants.append((pages, missing))
-                total += missing
-        if total <= len(self._free):
-            taken = self.allocate(total)
-            start = 0
-            for pages, missing in wants:
-                pages += taken[start:start + missing]
-                start += missing
-            return True
-        for pages, missing in wants:
-            if missing > len(self._free):
-                return False
-            pages += self.allocate(missing)
+        held = np.fromiter(map(len, page_lists), np.int64, len(page_lists))  # [S]
+        missing = np.maximum(-(-np.asarray(num_tokens, np.int64) // self.page_size) - held, 0)
+        total = int(missing.sum())
+        if total > len(self._free):
+            return all(self.grow(pages, n) for pages, n in zip(page_lists, num_tokens))
+        taken = self.allocate(total)
+        start = 0
+        for pages, end in zip(page_lists, np.cumsum(missing).tolist()):
+            pages += taken[start:end]
+            start = end
         return True
 
     def free(self, pages: Sequence[int]) -> None:

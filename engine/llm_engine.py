@@ -83,6 +83,10 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         self._in_flight: InFlight | None = None  # the launched step not read yet
         self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
         self._with_logprobs: set[int] = set()  # unfinished requests that want logprobs
+        # Every stop id of every request added (only grows): rounds look for these in their
+        # tokens (multi_step.py), as a set and as an array.
+        self._any_stop_ids: frozenset[int] = frozenset()
+        self._any_stop_array = np.zeros(0, np.int64)
         self._admitted_last = False  # the last step admitted waiting requests (multi_step.py)
         self._wait_s = 0.0
 
@@ -119,6 +123,9 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         now = time.perf_counter()
         stop_ids = frozenset(params.stop_token_ids).union(
             () if params.ignore_eos else self.cfg.eos_token_ids)
+        if not stop_ids <= self._any_stop_ids:
+            self._any_stop_ids |= stop_ids
+            self._any_stop_array = np.fromiter(self._any_stop_ids, np.int64)
         samples = []
         for index in range(params.n):
             seed = (params.seed + index) % 2**32 if params.seed is not None \
@@ -253,7 +260,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         elif self._mixed_round_ready(output):
             launched = self._launch_mixed_round(output)
         else:
-            launched = self._launch(output) if output.scheduled else None
+            launched = self._launch(output) if output.entries else None
         if self._in_flight is not None:
             deltas += self._finish(self._in_flight)
         self._in_flight = launched
@@ -321,7 +328,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         placeholders = starts[1:][in_flight] - 1
         sources = [requests[i].pending_row for i in in_flight.tolist()]
         # [S] rows of the persistent tables
-        slots = self.scheduler.rows.slots(requests, output.num_pages)
+        slots = self.scheduler.rows.slots(requests, output.held())
         batch = self._step_batch(slots, tokens, counts, firsts)
         sample_index = self._sample_index(num_tokens, placeholders, sources)
         return (requests, completes, batch, sample_index,

@@ -49,8 +49,8 @@ class MultiStepRounds:
         logprobs, the context has room for all the steps, and the pool has pages for them
         (taken here). Vectorized over the scheduler's per-row records (SchedulerOutput)."""
         steps = self.engine_cfg.num_decode_steps
-        if (not output.scheduled or output.preempted or not self._rounds_possible()
-                or output.scheduled[-1].num_new_tokens != 1  # admissions come last
+        if (not output.entries or output.preempted or not self._rounds_possible()
+                or output.entries[-1][1] != 1  # admissions come last
                 or self._wants_logprobs(output)):
             return False
         counts, firsts, totals, _ = output.columns()  # [S] each
@@ -63,24 +63,24 @@ class MultiStepRounds:
         """Whether a scheduled request wants logprobs (rounds return none): a pass over the
         rows only while some unfinished request does."""
         return bool(self._with_logprobs) and any(
-            it.request.params.logprobs is not None for it in output.scheduled)
+            r.params.logprobs is not None for r in output.requests)
 
     def _grow_rows(self, output: SchedulerOutput, rows: np.ndarray, ends: np.ndarray) -> bool:
         """Pages for the scheduled `rows` (indices) to hold `ends` tokens each
         (BlockPool.grow_all: False at the first the pool cannot give, with the pages taken so
-        far kept); the output's num_pages follow."""
+        far kept); the output's pages held (SchedulerOutput.held) follow."""
         size = self.pool.page_size
-        held = np.fromiter(output.num_pages, np.int64, len(output.num_pages))  # [S]
+        held = output.held()  # [S]
         short = ends > held[rows] * size
-        rows, ends = rows[short].tolist(), ends[short].tolist()
-        if not rows:
+        rows, ends = rows[short], ends[short]
+        if not len(rows):
             return True
-        scheduled = output.scheduled
-        grown = self.pool.grow_all([(scheduled[i].request.pages, end)
-                                    for i, end in zip(rows, ends)])
-        num_pages = output.num_pages
-        for i in rows:
-            num_pages[i] = len(scheduled[i].request.pages)
+        requests = output.requests
+        grown = self.pool.grow_all([requests[i].pages for i in rows.tolist()], ends)
+        if grown:
+            held[rows] = -(-ends // size)
+        else:  # some rows got their pages, some not
+            held[rows] = [len(requests[i].pages) for i in rows.tolist()]
         return grown
 
     def _launch_round(self, output: SchedulerOutput) -> InFlight:
@@ -101,7 +101,7 @@ class MultiStepRounds:
                       for r, pending in zip(requests, output.pendings)]
             placeholders = [i for i, pending in enumerate(output.pendings) if pending]
             sources = [requests[i].pending_row for i in placeholders]
-        slots = self.scheduler.rows.slots(requests, output.num_pages)
+        slots = self.scheduler.rows.slots(requests, output.held())
         batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
                                  output.columns()[1])
         sample_index = self._sample_index(len(requests), placeholders, sources)
@@ -125,9 +125,9 @@ class MultiStepRounds:
         them (taken here). While requests wait and 1/16 of the slots or more are free, the step
         runs alone: a mixed round admits only once per round, too slowly to keep the slots full
         when prompts are long (measured on the H200: at most 187 of 256 running)."""
-        if (not self.engine_cfg.mixed_rounds or not output.scheduled or output.preempted
+        if (not self.engine_cfg.mixed_rounds or not output.entries or output.preempted
                 or not self._rounds_possible()
-                or 2 * len(output.scheduled) <= bucket(self.engine_cfg.max_num_seqs)):
+                or 2 * len(output.entries) <= bucket(self.engine_cfg.max_num_seqs)):
             return False
         free = self.engine_cfg.max_num_seqs - len(self.scheduler.running)
         if self.scheduler.num_waiting and free >= max(1, self.engine_cfg.max_num_seqs // 16):
@@ -170,9 +170,12 @@ class MultiStepRounds:
         steps = flight.steps
         requests = flight.requests
         block = tokens[:, : len(requests)].T  # [S, steps]
-        stop_ids = set().union(*[r.stop_ids for r in requests])
-        may_stop = (np.isin(block, np.fromiter(stop_ids, np.int64, len(stop_ids))).any(axis=1)
-                    if stop_ids else np.zeros(len(requests), np.bool_))
+        # Rows with a stop id of any request ever added among their tokens (a superset of
+        # the round's requests' stop ids: no pass over them; a row found here for nothing
+        # only takes the exact path).
+        stop_ids = self._any_stop_array
+        may_stop = (np.isin(block, stop_ids).any(axis=1) if len(stop_ids)
+                    else np.zeros(len(requests), np.bool_))
         detokenizers = self._detokenizers
         deltas = []
         for r, row, special, complete in zip(requests, block.tolist(),

@@ -117,12 +117,16 @@ class Request:
     # (set by the engine, which knows the EOS ids).
     stop_ids: frozenset = frozenset()
     sampling_row: tuple = dataclasses.field(init=False, repr=False)
+    # Tokens in all at which it ends by max_tokens (prompt + max_tokens; the prompt never
+    # changes).
+    token_limit: int = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         # The per-row sampler inputs that never change, as one tuple (SamplingArrays reads it
         # once per step instead of five attributes).
         p = self.params
         self.sampling_row = (p.temperature, p.top_k, p.top_p, p.min_p, self.seed)
+        self.token_limit = len(self.prompt_ids) + p.max_tokens
 
     @property
     def token_ids(self) -> list[int]:

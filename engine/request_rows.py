@@ -42,11 +42,11 @@ class RequestRows:
     def num_used(self) -> int:
         return self.capacity - len(self._free)
 
-    def slots(self, requests, num_pages: list[int] | None = None) -> np.ndarray:
+    def slots(self, requests, num_pages: np.ndarray | None = None) -> np.ndarray:
         """int32 [S]: each request's slot, its row brought up to date with its pages (the
-        pages gained since its last write, all of a row at once in one scatter). num_pages:
-        len(r.pages) of each request, when the caller has them (the scheduler records them),
-        so that the rows left as they were cost no Python."""
+        pages gained since its last write, all rows at once in one scatter). num_pages [S]:
+        len(r.pages) of each request, when the caller has them (the scheduler records them,
+        SchedulerOutput.held), so that the rows left as they were cost no Python."""
         slots = [r.slot for r in requests]
         if -1 in slots:  # requests scheduled for the first time
             for r in requests:
@@ -55,27 +55,30 @@ class RequestRows:
             slots = [r.slot for r in requests]
         slots = np.fromiter(slots, np.int32, len(slots))
         if num_pages is None:
-            num_pages = [len(r.pages) for r in requests]
-        counts = np.fromiter(num_pages, np.int32, len(num_pages))  # [S]
-        changed = np.flatnonzero(counts != self.num_pages[slots]).tolist()
-        if changed:
-            rows, cols, pages = [], [], []
-            for i in changed:
-                r = requests[i]
-                slot, n = r.slot, len(r.pages)
-                start = written = int(self.num_pages[slot])
-                if n < written:  # it lost pages: clear the row, then write them all again
-                    self.tables[slot, :written] = 0
-                    start = 0
-                rows += [slot] * (n - start)
-                cols += range(start, n)
-                pages += r.pages[start:n]
-            widest = int(counts.max())
-            if widest > self.tables.shape[1]:
-                self._grow(columns=max(widest, 2 * self.tables.shape[1])
-                           - self.tables.shape[1])
-            self.tables[rows, cols] = pages
-            self.num_pages[slots[changed]] = counts[changed]
+            counts = np.fromiter([len(r.pages) for r in requests], np.int32, len(requests))
+        else:
+            counts = num_pages.astype(np.int32)  # [S]
+        written = self.num_pages[slots]  # [S]
+        changed = np.flatnonzero(counts != written)  # [C]
+        if not len(changed):
+            return slots
+        widest = int(counts.max())
+        if widest > self.tables.shape[1]:
+            self._grow(columns=max(widest, 2 * self.tables.shape[1]) - self.tables.shape[1])
+        ends, starts, rows = counts[changed], written[changed], slots[changed]  # [C] each
+        lost = ends < starts  # rows that lost pages: cleared, then written again whole
+        for slot, start in zip(rows[lost].tolist(), starts[lost].tolist()):
+            self.tables[slot, :start] = 0
+        starts[lost] = 0
+        # The new pages of every changed row, one scatter: [sum(ends - starts)] each.
+        new = ends - starts
+        at = np.repeat(np.cumsum(new) - new - starts, new)
+        cols = np.arange(len(at)) - at
+        pages = []
+        for i, start, end in zip(changed.tolist(), starts.tolist(), ends.tolist()):
+            pages += requests[i].pages[start:end]
+        self.tables[np.repeat(rows, new), cols] = pages
+        self.num_pages[rows] = ends
         return slots
 
     def release(self, request) -> None:

@@ -39,48 +39,71 @@ class SchedulerConfig:
                              f"({self.max_model_len}), or a long prompt could never run")
 
 
-@dataclasses.dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on;
-    # for a speculating request: its last token plus request.lookahead proposed tokens
-
-
 @dataclasses.dataclass
 class SchedulerOutput:
-    """A step's schedule. Besides the scheduled items, per row and as scheduled (so that the
-    engine builds the step without another Python pass over its requests): `firsts`, the
-    request's computed tokens (the step's first position); `totals`, its tokens, those in
-    flight included; `pendings`, those in flight (Request.num_pending); `num_pages`, the pages
-    it holds. Speculative rounds change items after scheduling and do not read these."""
+    """A step's schedule: one entry per scheduled row, in order, recorded as the scheduler
+    walks its requests (so that the engine builds the step without another Python pass over
+    them): (request, tokens computed this step, the step's first position (the request's
+    computed tokens), its tokens in all (those in flight included), those in flight
+    (Request.num_pending), the pages it holds).
 
-    scheduled: list[ScheduledRequest]
+    The entries' columns are lists, made once on first use (`requests`, `counts`, ...), and
+    numpy arrays (`columns`, `held`): what changes after scheduling changes them (a speculative
+    round's accepted tokens `counts`, a round's new pages `held`). For a speculating request a
+    row's count is its last token plus request.lookahead proposed tokens."""
+
+    entries: list[tuple[Request, int, int, int, int, int]]
     preempted: list[Request]
-    num_admitted: int = 0  # waiting requests admitted this step (the last ones of `scheduled`)
-    firsts: list[int] = dataclasses.field(default_factory=list)
-    totals: list[int] = dataclasses.field(default_factory=list)
-    pendings: list[int] = dataclasses.field(default_factory=list)
-    num_pages: list[int] = dataclasses.field(default_factory=list)
+    num_admitted: int = 0  # waiting requests admitted this step (the last entries)
+    _lists: tuple | None = dataclasses.field(default=None, repr=False)
     _columns: tuple | None = dataclasses.field(default=None, repr=False)
+    _held: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def _column(self, index: int) -> list:
+        if self._lists is None:
+            self._lists = tuple(map(list, zip(*self.entries))) or ([],) * 6
+        return self._lists[index]
 
     @property
     def requests(self) -> list[Request]:
         """The scheduled requests, in order."""
-        return [it.request for it in self.scheduled]
+        return self._column(0)
+
+    @property
+    def counts(self) -> list[int]:
+        """Tokens each row computes this step."""
+        return self._column(1)
+
+    @property
+    def firsts(self) -> list[int]:
+        return self._column(2)
+
+    @property
+    def totals(self) -> list[int]:
+        return self._column(3)
+
+    @property
+    def pendings(self) -> list[int]:
+        return self._column(4)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.counts)
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """int64 [S] arrays of the rows' num_new_tokens, firsts, totals and pendings, converted
-        once (numpy converts a list of Python ints element by element) and kept."""
+        """int64 [S] arrays of the rows' counts, firsts, totals and pendings, converted once
+        (numpy converts a list of Python ints element by element) and kept."""
         if self._columns is None:
-            n = len(self.scheduled)
-            self._columns = tuple(np.fromiter(values, np.int64, n) for values in (
-                [it.num_new_tokens for it in self.scheduled], self.firsts, self.totals,
-                self.pendings))
+            n = len(self.entries)
+            self._columns = tuple(np.fromiter(self._column(i), np.int64, n) for i in range(1, 5))
         return self._columns
+
+    def held(self) -> np.ndarray:
+        """int64 [S]: the pages each row's request holds (kept; a round that gives rows pages
+        updates it)."""
+        if self._held is None:
+            self._held = np.fromiter(self._column(5), np.int64, len(self.entries))
+        return self._held
 
 
 class Scheduler:
@@ -155,8 +178,7 @@ class Scheduler:
         """
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [])
-        scheduled, preempted = out.scheduled, out.preempted
-        firsts, totals, pendings, held = out.firsts, out.totals, out.pendings, out.num_pages
+        entries, preempted = out.entries, out.preempted
         running = self.running
         page_size = self.pool.page_size
         # 1. Running requests, oldest first; preempt the youngest when pages run out (popped
@@ -165,12 +187,11 @@ class Scheduler:
             if budget <= 0:
                 break
             pending = request.num_pending
-            num_outputs = len(request.output_ids) + pending
-            num_tokens = len(request.prompt_ids) + num_outputs
+            num_tokens = len(request.prompt_ids) + len(request.output_ids) + pending
             # Request.length_room(hold_limit) <= pending, inlined: this loop runs for every
             # request at every step.
             if pending and hold_limit is not None and (
-                    num_outputs >= request.params.max_tokens or num_tokens >= hold_limit):
+                    num_tokens >= request.token_limit or num_tokens >= hold_limit):
                 continue  # its in-flight tokens end it: nothing more to compute
             # Tokens sampled on the device but not yet read (asynchronous scheduling) are
             # computed like known ones: the step reads their ids on the device.
@@ -187,11 +208,7 @@ class Scheduler:
                 if not self._grow_or_preempt(request, computed + num_new, preempted):
                     break  # the request itself was preempted: everything younger is gone too
                 num_pages = len(request.pages)
-            scheduled.append(ScheduledRequest(request, num_new))
-            firsts.append(computed)
-            totals.append(num_tokens)
-            pendings.append(pending)
-            held.append(num_pages)
+            entries.append((request, num_new, computed, num_tokens, pending, num_pages))
             budget -= num_new
         # 2. Waiting requests, by priority then arrival, while budgets and pages allow.
         admit = admit or not self.running
@@ -207,7 +224,7 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             self.running.append(request)
-            budget -= scheduled[-1].num_new_tokens
+            budget -= entries[-1][1]
             out.num_admitted += 1
         return out
 
@@ -241,11 +258,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         request.num_cached_pages = len(cached)
         request.num_prefix_hit_tokens += num_computed
-        out.scheduled.append(ScheduledRequest(request, num_new))
-        out.firsts.append(num_computed)
-        out.totals.append(request.num_tokens)
-        out.pendings.append(0)
-        out.num_pages.append(len(pages))
+        out.entries.append((request, num_new, num_computed, request.num_tokens, 0, len(pages)))
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -269,28 +282,38 @@ class Scheduler:
         scheduled row whose step token is its request's next one. Such a row computes
         steps - 1 tokens more (a multi-step round's decode steps) and leaves `steps` sampled
         tokens in flight (Request.num_pending, with its row as pending_row)."""
-        page_size = self.pool.page_size
         extra = steps - 1
-        scheduled = output.scheduled
+        counts = output.counts
         if completes is None:
-            completes = [False] * len(scheduled)
-        total = extra * sum(completes)
-        for row, (item, complete) in enumerate(zip(scheduled, completes)):
-            request = item.request
-            num_new = item.num_new_tokens
-            total += num_new
+            completes = [False] * len(counts)
+        total = extra * sum(completes) + sum(counts)
+        if extra and all(completes):  # a multi-step round of decoding rows: the short loop
+            for row, (request, num_new) in enumerate(zip(output.requests, counts)):
+                request.num_pending += steps
+                request.pending_row = row
+                request.num_computed_tokens += num_new + extra
+                if not request.prompt_cached:
+                    self._cache_prompt(request)
+            return total
+        for row, (request, num_new, complete) in enumerate(zip(output.requests, counts,
+                                                               completes)):
             if complete:
                 num_new += extra
                 request.num_pending += steps
                 request.pending_row = row
-            computed = request.num_computed_tokens + num_new
-            request.num_computed_tokens = computed
+            request.num_computed_tokens += num_new
             if not request.prompt_cached:
-                num_prompt = len(request.prompt_ids)
-                if computed >= num_prompt:
-                    request.prompt_cached = True
-                    computed = num_prompt
-                if computed // page_size > request.num_cached_pages:
-                    request.num_cached_pages = self.pool.cache_full_pages(
-                        request.prompt_ids, request.pages, computed, request.num_cached_pages)
+                self._cache_prompt(request)
         return total
+
+    def _cache_prompt(self, request: Request) -> None:
+        """Keys the newly full pages of a request's computed prompt tokens in the prefix cache
+        (Request.prompt_cached once they are all computed)."""
+        computed = request.num_computed_tokens
+        num_prompt = len(request.prompt_ids)
+        if computed >= num_prompt:
+            request.prompt_cached = True
+            computed = num_prompt
+        if computed // self.pool.page_size > request.num_cached_pages:
+            request.num_cached_pages = self.pool.cache_full_pages(
+                request.prompt_ids, request.pages, computed, request.num_cached_pages)

@@ -81,10 +81,10 @@ class ShardedBlockPool:
         pages.extend(p + offset for p in local[len(pages):])
         return True
 
-    def grow_all(self, needs) -> bool:
-        """`grow` for each (pages, num_tokens) of `needs`, in order; False at the first that
+    def grow_all(self, page_lists: list[list[int]], num_tokens) -> bool:
+        """`grow` of each page list to its `num_tokens`, in order; False at the first that
         fails (BlockPool.grow_all)."""
-        return all(self.grow(pages, num_tokens) for pages, num_tokens in needs)
+        return all(self.grow(pages, n) for pages, n in zip(page_lists, num_tokens))
 
     def allocate(self, count: int) -> list[int]:
         """`count` free pages of the least used shard."""

@@ -28,11 +28,11 @@ class SpeculativeRounds:
         acceptance; returns (sequences run, deltas)."""
         self._plan_speculation()
         output = self.scheduler.schedule()
-        if not output.scheduled:
+        if not output.entries:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could schedule nothing although requests wait")
             return 0, []
-        requests = [it.request for it in output.scheduled]
+        requests = output.requests
         for r in requests:  # the scheduler may have cut the lookahead to the token budget, or
             r.spec_tokens = r.spec_tokens[: r.lookahead]  # to 0 (a preempted, readmitted request)
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
@@ -52,15 +52,14 @@ class SpeculativeRounds:
         now = time.perf_counter()
         self._wait_s += now - wait_start
         new_tokens = []
-        for i, it in enumerate(output.scheduled):
-            r = it.request
-            complete = r.num_computed_tokens + it.num_new_tokens >= r.num_tokens + len(r.spec_tokens)
+        for i, (r, count) in enumerate(zip(requests, output.counts)):
+            complete = r.num_computed_tokens + count >= r.num_tokens + len(r.spec_tokens)
             if not complete:
                 new_tokens.append([])  # a prefill chunk short of the prompt's end
             elif r.spec_tokens:
                 a = int(accepted[i])
                 new_tokens.append(spec_tokens[i, : a + 1].tolist())
-                self._after_verification(r, it, a)
+                self._after_verification(r, output, i, a)
             else:
                 new_tokens.append([int(tokens[i])])
         self.scheduler.update_computed(output)
@@ -77,9 +76,9 @@ class SpeculativeRounds:
     def _build_batch(self, output: SchedulerOutput) -> StepBatch:
         """The step batch of a speculative round: each row's known tokens and its proposals."""
         rows = []
-        for it in output.scheduled:
-            r, first = it.request, it.request.num_computed_tokens
-            tokens = r.tokens_between(first, first + it.num_new_tokens - len(r.spec_tokens))
+        for r, count in zip(output.requests, output.counts):
+            first = r.num_computed_tokens
+            tokens = r.tokens_between(first, first + count - len(r.spec_tokens))
             rows.append((tokens + r.spec_tokens, first, r.pages))
         return make_step_batch(rows, self.pool.page_size)
 
@@ -110,14 +109,13 @@ class SpeculativeRounds:
 
     def _propose(self, output: SchedulerOutput, spec_rows: list[int]):
         """Fills the speculating requests' proposals (draft model); returns q [S, K, V] or None."""
-        items = [output.scheduled[i] for i in spec_rows]
         if self.draft is None:
             return None
-        requests = [it.request for it in items]
+        requests = [output.requests[i] for i in spec_rows]
         proposals, q = self.draft.propose(requests, max(r.lookahead for r in requests))
         for r, proposal in zip(requests, proposals):
             r.spec_tokens = proposal
-        rows = bucket(len(output.scheduled))
+        rows = bucket(len(output.entries))
         k = self.spec_config.num_speculative_tokens
         full = jnp.zeros((rows, k, q.shape[-1]), q.dtype)
         return full.at[jnp.asarray(spec_rows), : q.shape[1]].set(q)
@@ -144,12 +142,15 @@ class SpeculativeRounds:
             all_greedy=arrays.mode() == "greedy")
         return np.asarray(accepted), np.asarray(tokens)
 
-    def _after_verification(self, r: Request, item, accepted: int) -> None:
-        """Moves the counters past the accepted tokens only: the rejected ones' K/V is garbage
-        that later tokens overwrite (the rollback), and adapts the request's k."""
-        item.num_new_tokens = item.num_new_tokens - len(r.spec_tokens) + accepted
+    def _after_verification(self, r: Request, output: SchedulerOutput, row: int,
+                            accepted: int) -> None:
+        """Moves the counters past the accepted tokens only (the count of the request's `row`
+        in `output`): the rejected ones' K/V is garbage that later tokens overwrite (the
+        rollback), and adapts the request's k."""
+        counts = output.counts
+        counts[row] = counts[row] - len(r.spec_tokens) + accepted
         self.spec_stats.record(len(r.spec_tokens), accepted)
         r.spec_ema_accepted = 0.7 * r.spec_ema_accepted + 0.3 * accepted
         r.num_draft_computed = min(r.num_draft_computed,
-                                   r.num_computed_tokens + item.num_new_tokens)
+                                   r.num_computed_tokens + counts[row])
         r.spec_tokens, r.lookahead = [], 0

@@ -341,7 +341,7 @@ def test_grow_all_equals_growing_one_by_one(num_pages, held, wants):
         if not one.grow(seqs_one[i], num_tokens):
             expected = False
             break
-    assert bulk.grow_all([(seqs_bulk[i], n) for i, n in needs]) == expected
+    assert bulk.grow_all([seqs_bulk[i] for i, _ in needs], [n for _, n in needs]) == expected
     assert seqs_bulk == seqs_one and snapshot(bulk) == snapshot(one)
     bulk.check_invariants()
 
@@ -398,13 +398,13 @@ def test_scheduler_preempts_the_youngest_and_never_schedules_a_preempted_request
     for r in reqs:
         sched.add(r)
     first = sched.schedule()
-    assert [it.request for it in first.scheduled] == reqs[:2]
+    assert first.requests == reqs[:2]
     sched.update_computed(first)
     reqs[0].output_ids += [1, 2, 3, 4] if older_grows else [1, 2]  # 9 tokens need 3 pages
     reqs[1].output_ids += [1, 2, 3, 4]
     second = sched.schedule()
     assert second.preempted == [reqs[1]]
-    assert [it.request for it in second.scheduled] == [reqs[0]]
+    assert second.requests == [reqs[0]]
     assert sched.running == [reqs[0]] and not reqs[1].pages and reqs[1].num_computed_tokens == 0
     assert len(reqs[0].pages) == (3 if older_grows else 2)
     assert pool.num_free == (1 if older_grows else 2)
@@ -425,23 +425,23 @@ def test_scheduler_admission_flags():
     for r in reqs:
         sched.add(r)
     held = sched.schedule(admit=False)  # nothing runs: it admits anyway
-    assert [(it.request, it.num_new_tokens) for it in held.scheduled] == [(reqs[0], 24)]
+    assert list(zip(held.requests, held.counts)) == [(reqs[0], 24)]
     assert held.num_admitted == 1  # the first admission is chunked (30 > 24)
     sched.update_computed(held)
     none = sched.schedule(admit=False)  # reqs[0] runs: no admission, its last chunk only
-    assert [(it.request, it.num_new_tokens) for it in none.scheduled] == [(reqs[0], 6)]
+    assert list(zip(none.requests, none.counts)) == [(reqs[0], 6)]
     assert none.num_admitted == 0 and sched.num_waiting == 3
     sched.update_computed(none)
     reqs[0].output_ids.append(5)
     whole = sched.schedule(whole_prompts=True)  # 1 decode + 10 + 10 fit; 23 > 3 left waits
-    assert [(it.request, it.num_new_tokens) for it in whole.scheduled] == [
+    assert list(zip(whole.requests, whole.counts)) == [
         (reqs[0], 1), (reqs[1], 10), (reqs[2], 10)]
     assert whole.num_admitted == 2 and sched.num_waiting == 1 and not reqs[3].pages
     sched.update_computed(whole)
     for r in reqs[:3]:
         r.output_ids.append(6)
     chunked = sched.schedule(whole_prompts=True)  # 3 decodes, then 21 of 23 as a first admission
-    assert [(it.request, it.num_new_tokens) for it in chunked.scheduled] == [
+    assert list(zip(chunked.requests, chunked.counts)) == [
         (reqs[0], 1), (reqs[1], 1), (reqs[2], 1), (reqs[3], 21)]
     sched.pool.check_invariants()
 

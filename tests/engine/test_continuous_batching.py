@@ -78,8 +78,8 @@ def recording_schedule(engine):
 
     def record(*args, **kwargs):
         out = schedule(*args, **kwargs)
-        log.append([(it.request, it.request.num_computed_tokens, it.num_new_tokens)
-                    for it in out.scheduled])
+        log.append([(r, r.num_computed_tokens, count)
+                    for r, count in zip(out.requests, out.counts)])
         return out
 
     engine.scheduler.schedule = record

@@ -216,7 +216,7 @@ def test_random_streams_with_mixed_rounds_equal_single_steps(make_engine, overla
             launches, inner = [], engine._launch_mixed_round
 
             def launch(output):
-                launches.append(len(output.scheduled))
+                launches.append(len(output.entries))
                 return inner(output)
             engine._launch_mixed_round = launch
             return launches

@@ -469,9 +469,9 @@ def record_verifications(engine):
     """Wraps the engine's post-verification update to log (request id, drafted, accepted)."""
     log, after = [], engine._after_verification
 
-    def logged(request, item, accepted):
+    def logged(request, output, row, accepted):
         log.append((request.request_id, len(request.spec_tokens), accepted))
-        after(request, item, accepted)
+        after(request, output, row, accepted)
 
     engine._after_verification = logged
     return log
