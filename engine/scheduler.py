@@ -75,15 +75,9 @@ class SchedulerOutput:
         return self._column(1)
 
     @property
-    def firsts(self) -> list[int]:
-        return self._column(2)
-
-    @property
-    def totals(self) -> list[int]:
-        return self._column(3)
-
-    @property
     def pendings(self) -> list[int]:
+        """Tokens in flight of each row (as a list; `columns` has the first positions and
+        totals as arrays)."""
         return self._column(4)
 
     @property
