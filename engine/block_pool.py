@@ -12,6 +12,7 @@ evicted first are the least recently used.
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -68,14 +69,12 @@ class BlockPool:
             raise OutOfPagesError(
                 f"KV cache out of pages: need {count}, {len(self._free)} of {self.num_pages} free")
         free, key_of_page, refs = self._free, self._key_of_page, self.ref_counts
-        pages = []
-        for _ in range(count):
-            page, _ = free.popitem(last=False)
-            key = key_of_page.pop(page, None)
-            if key is not None:
-                del self._page_of_key[key]
+        pages = list(itertools.islice(free, count))  # the least recently freed
+        for page in pages:
+            del free[page]
             refs[page] = 1
-            pages.append(page)
+        for page in key_of_page.keys() & pages:  # their prefix-cache keys go
+            del self._page_of_key[key_of_page.pop(page)]
         return pages
 
     def grow(self, pages: list[int], num_tokens: int) -> bool:

@@ -120,8 +120,8 @@ class InFlight:
     # in-flight input tokens from (row i: row i's newest token); a round's last step's.
     launch: tuple | concurrent.futures.Future
     steps: int = 1  # model steps (a multi-step round runs several)
-    # A round's rows whose tokens may end them by length or are their first (bool [S]): only
-    # these, and those with a stop id among their tokens, are appended token by token.
+    # Rows whose tokens may end them by length or are their first (bool [S]): only these, and
+    # those with a stop id among their tokens, are appended token by token.
     may_end: np.ndarray | None = None
 
     def outcome(self) -> tuple:

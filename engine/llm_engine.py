@@ -218,7 +218,6 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         host = wall - self._wait_s
         self.stats.num_steps += 1
         self.stats.num_model_steps += self._round_steps
-        self.stats.num_generated_tokens += sum([len(d.token_ids) for d in deltas])
         self.stats.step_time_s += wall
         self.stats.host_time_s += host
         # The device idles during host work unless it was still busy when the host came to
@@ -274,29 +273,27 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
     def _launch(self, output: SchedulerOutput) -> InFlight:
         """Builds the step batch, runs the step and the sampler; does not wait for them."""
         prev = self._in_flight
-        requests, completes, batch, sample_index, arrays, _ = self._step_inputs(output)
+        requests, completes, batch, sample_index, arrays, slots = self._step_inputs(output)
 
         def dispatch():
             results = self.runner.execute_and_sample(
                 batch, arrays, None if prev is None else prev.next_inputs, sample_index)
             return results, results[0]
 
-        return self._launched(output, requests, completes, self._dispatch(dispatch), 1)
+        return self._launched(output, requests, completes, self._dispatch(dispatch), 1, slots)
 
     def _launched(self, output: SchedulerOutput, requests: list[Request], completes: list[bool],
-                  launch, steps: int, slots: np.ndarray | None = None) -> InFlight:
+                  launch, steps: int, slots: np.ndarray) -> InFlight:
         """The bookkeeping of a launched step or round of `steps` model steps: each complete
         row (its step token is its request's next one) computes steps - 1 tokens more than its
         step's and leaves `steps` sampled tokens in flight; counters and cached pages advance.
-        A round (given its rows' slots) notes which rows its tokens may end by length or
-        bring their first token (InFlight.may_end), vectorized: once all the tokens in flight
-        before it are appended, a row holds its scheduled total plus `steps`."""
-        may_end = None
-        if slots is not None:
-            rows = self.scheduler.rows
-            totals = output.columns()[2]  # [S]
-            limits = np.minimum(rows.token_limits[slots], self._context_limit())
-            may_end = (totals + steps >= limits) | (totals == rows.prompt_lens[slots])
+        It notes which rows (at `slots` of the persistent rows) its tokens may end by length
+        or bring their first token (InFlight.may_end), vectorized: once all the tokens in
+        flight before it are appended, a row holds its scheduled total plus `steps`."""
+        rows = self.scheduler.rows
+        totals = output.columns()[2]  # [S]
+        limits = np.minimum(rows.token_limits[slots], self._context_limit())
+        may_end = (totals + steps >= limits) | (totals == rows.prompt_lens[slots])
         self.stats.num_computed_tokens += self.scheduler.update_computed(output, completes, steps)
         self._round_steps = steps
         return InFlight(requests, completes, launch, steps=steps, may_end=may_end)
@@ -394,26 +391,29 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         deltas = []
         limit = self._context_limit()
         detokenizers = self._detokenizers
-        for i, (request, complete, token) in enumerate(zip(flight.requests, flight.completes,
-                                                          tokens.tolist())):
+        requests = flight.requests
+        # Rows whose token may end them: a stop id (of any request: a superset), or the
+        # length (InFlight.may_end); the others cannot stop here.
+        special = flight.may_end | np.isin(tokens[: len(requests)], self._any_stop_array)
+        for i, (request, complete, token, may_stop) in enumerate(zip(
+                requests, flight.completes, tokens.tolist(), special.tolist())):
             if not complete:
                 continue  # a prefill chunk short of the prompt's end
             request.num_pending -= 1
             if request.finish_reason is not None:
                 continue  # ended or aborted while this step ran: the token is dropped
-            if (chosen is None and request.first_token_time is not None
+            if (not may_stop and chosen is None and request.first_token_time is not None
                     and request.request_id not in detokenizers):
-                # The common case inlined (a decode token: no logprobs, no text, not the
-                # first): append it; one that stops the request goes the general way.
+                # The common case inlined (a decode token that does not stop the request,
+                # no logprobs, no text, not the first): append it.
                 request.output_ids.append(token)
-                if self._stop_reason(request, token, limit) is None:
-                    deltas.append(StreamDelta(request.group_id, request.sample_index, "",
-                                              [token], None, None))
-                    continue
-                request.output_ids.pop()
+                deltas.append(StreamDelta(request.group_id, request.sample_index, "",
+                                          [token], None, None))
+                continue
             logprob = (None if chosen is None else
                        logprob_entry(request, i, chosen, top_ids, top_logprobs))
             deltas.append(self._append_tokens(request, [token], logprob, now, limit))
+        self.stats.num_generated_tokens += len(deltas)  # one token each
         return deltas
 
     def _append_tokens(self, request: Request, new_tokens: list[int], logprob,

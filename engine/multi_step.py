@@ -178,6 +178,7 @@ class MultiStepRounds:
                     else np.zeros(len(requests), np.bool_))
         detokenizers = self._detokenizers
         deltas = []
+        slow_rows = slow_tokens = 0  # rows appended token by token, and their tokens
         for r, row, special, complete in zip(requests, block.tolist(),
                                              (may_stop | flight.may_end).tolist(),
                                              flight.completes):
@@ -188,7 +189,10 @@ class MultiStepRounds:
                 continue  # ended or aborted while the round ran: its tokens are dropped
             if special or (detokenizers and r.request_id in detokenizers):
                 deltas.append(self._append_tokens(r, row, None, now, limit))
+                slow_rows += 1
+                slow_tokens += len(deltas[-1].token_ids)
             else:
                 r.output_ids += row
                 deltas.append(StreamDelta(r.group_id, r.sample_index, "", row, None, None))
+        self.stats.num_generated_tokens += steps * (len(deltas) - slow_rows) + slow_tokens
         return deltas

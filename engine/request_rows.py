@@ -47,13 +47,9 @@ class RequestRows:
         pages gained since its last write, all rows at once in one scatter). num_pages [S]:
         len(r.pages) of each request, when the caller has them (the scheduler records them,
         SchedulerOutput.held), so that the rows left as they were cost no Python."""
-        slots = [r.slot for r in requests]
-        if -1 in slots:  # requests scheduled for the first time
-            for r in requests:
-                if r.slot < 0:
-                    self._assign(r)
-            slots = [r.slot for r in requests]
-        slots = np.fromiter(slots, np.int32, len(slots))
+        slots = np.fromiter([r.slot for r in requests], np.int32, len(requests))  # [S]
+        for i in np.flatnonzero(slots < 0).tolist():  # requests scheduled for the first time
+            slots[i] = self._assign(requests[i])
         if num_pages is None:
             counts = np.fromiter([len(r.pages) for r in requests], np.int32, len(requests))
         else:

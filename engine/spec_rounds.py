@@ -71,6 +71,7 @@ class SpeculativeRounds:
                 continue
             logprob = logprob_entry(request, i, chosen, top_ids, top_logprobs)
             deltas.append(self._append_tokens(request, new_tokens[i], logprob, now, limit))
+        self.stats.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         return len(requests), deltas
 
     def _build_batch(self, output: SchedulerOutput) -> StepBatch:

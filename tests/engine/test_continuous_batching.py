@@ -161,10 +161,13 @@ def run_stream(engine, stream):
 
 
 def stream_outcomes(engine, stream) -> dict:
-    """Runs a stream (run_stream), checks that no page leaks and that each request's streamed
-    tokens are its output; returns {stream index: (output ids, finish reason)}."""
+    """Runs a stream (run_stream), checks that no page leaks, that each request's streamed
+    tokens are its output and that the engine counted them (EngineStats.num_generated_tokens);
+    returns {stream index: (output ids, finish reason)}."""
     ids, deltas, _ = run_stream(engine, stream)
     check_all_free(engine)
+    assert engine.stats.num_generated_tokens == sum(
+        len(d.token_ids) for per_request in deltas.values() for d in per_request)
     outcomes = {}
     for i, rid in ids.items():
         out = engine.output_of(rid)

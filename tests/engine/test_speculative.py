@@ -153,6 +153,8 @@ def test_greedy_speculation_equals_plain_greedy(make_engine, plain_outputs, meth
     for got, want in zip(outputs, plain):
         assert got.output_ids == want.output_ids
         assert got.finish_reason == want.finish_reason
+    assert engine.stats.num_generated_tokens == sum(
+        len(sample.token_ids) for o in outputs for sample in o.outputs)
     for (got_lp, got_top), (want_lp, want_top) in zip(outputs[3].outputs[0].logprobs,
                                                        plain[3].outputs[0].logprobs):
         assert got_lp == pytest.approx(want_lp, abs=1e-4) and set(got_top) == set(want_top)
