@@ -83,8 +83,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         self._in_flight: InFlight | None = None  # the launched step not read yet
         self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
         self._with_logprobs: set[int] = set()  # unfinished requests that want logprobs
-        # Every stop id of every request added (only grows): rounds look for these in their
-        # tokens (multi_step.py), as a set and as an array.
+        # Every stop id of every request added (only grows): appends look for these in the
+        # tokens (_rows_that_may_stop), as a set and as an array.
         self._any_stop_ids: frozenset[int] = frozenset()
         self._any_stop_array = np.zeros(0, np.int64)
         self._admitted_last = False  # the last step admitted waiting requests (multi_step.py)
@@ -392,11 +392,9 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         limit = self._context_limit()
         detokenizers = self._detokenizers
         requests = flight.requests
-        # Rows whose token may end them: a stop id (of any request: a superset), or the
-        # length (InFlight.may_end); the others cannot stop here.
-        special = flight.may_end | np.isin(tokens[: len(requests)], self._any_stop_array)
+        may_stop_rows = self._rows_that_may_stop(flight, tokens[: len(requests), None])
         for i, (request, complete, token, may_stop) in enumerate(zip(
-                requests, flight.completes, tokens.tolist(), special.tolist())):
+                requests, flight.completes, tokens.tolist(), may_stop_rows)):
             if not complete:
                 continue  # a prefill chunk short of the prompt's end
             request.num_pending -= 1
@@ -415,6 +413,13 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             deltas.append(self._append_tokens(request, [token], logprob, now, limit))
         self.stats.num_generated_tokens += len(deltas)  # one token each
         return deltas
+
+    def _rows_that_may_stop(self, flight: InFlight, block: np.ndarray) -> list[bool]:
+        """Per row of a launched step or round (block: its tokens [S, k]), whether they may
+        end its request: a stop id of any request (a superset of the row's own) among them, or
+        the length or its first token (InFlight.may_end). The other rows are appended whole,
+        with no stop check."""
+        return (flight.may_end | np.isin(block, self._any_stop_array).any(axis=1)).tolist()
 
     def _append_tokens(self, request: Request, new_tokens: list[int], logprob,
                        now: float, limit: int) -> StreamDelta:

@@ -92,14 +92,15 @@ class MultiStepRounds:
         requests = output.requests
         # Each row's input token: in flight (read on the device from the step before: a
         # placeholder 0 here), or the request's last known one.
-        if all(output.pendings):  # asynchronous scheduling: every row
+        pendings = output.columns()[3]  # [S]
+        if pendings.all():  # asynchronous scheduling: every row
             tokens = np.zeros(len(requests), np.int32)
             placeholders = np.arange(len(requests))
             sources = [r.pending_row for r in requests]
         else:
             tokens = [0 if pending else r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
-                      for r, pending in zip(requests, output.pendings)]
-            placeholders = [i for i, pending in enumerate(output.pendings) if pending]
+                      for r, pending in zip(requests, pendings.tolist())]
+            placeholders = np.flatnonzero(pendings).tolist()
             sources = [requests[i].pending_row for i in placeholders]
         slots = self.scheduler.rows.slots(requests, output.held())
         batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
@@ -170,17 +171,11 @@ class MultiStepRounds:
         steps = flight.steps
         requests = flight.requests
         block = tokens[:, : len(requests)].T  # [S, steps]
-        # Rows with a stop id of any request ever added among their tokens (a superset of
-        # the round's requests' stop ids: no pass over them; a row found here for nothing
-        # only takes the exact path).
-        stop_ids = self._any_stop_array
-        may_stop = (np.isin(block, stop_ids).any(axis=1) if len(stop_ids)
-                    else np.zeros(len(requests), np.bool_))
         detokenizers = self._detokenizers
         deltas = []
         slow_rows = slow_tokens = 0  # rows appended token by token, and their tokens
         for r, row, special, complete in zip(requests, block.tolist(),
-                                             (may_stop | flight.may_end).tolist(),
+                                             self._rows_that_may_stop(flight, block),
                                              flight.completes):
             if not complete:
                 continue  # a mixed round's prefill chunk short of the prompt's end

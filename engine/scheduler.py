@@ -75,12 +75,6 @@ class SchedulerOutput:
         return self._column(1)
 
     @property
-    def pendings(self) -> list[int]:
-        """Tokens in flight of each row (as a list; `columns` has the first positions and
-        totals as arrays)."""
-        return self._column(4)
-
-    @property
     def num_tokens(self) -> int:
         return sum(self.counts)
 
@@ -281,14 +275,6 @@ class Scheduler:
         if completes is None:
             completes = [False] * len(counts)
         total = extra * sum(completes) + sum(counts)
-        if extra and all(completes):  # a multi-step round of decoding rows: the short loop
-            for row, (request, num_new) in enumerate(zip(output.requests, counts)):
-                request.num_pending += steps
-                request.pending_row = row
-                request.num_computed_tokens += num_new + extra
-                if not request.prompt_cached:
-                    self._cache_prompt(request)
-            return total
         for row, (request, num_new, complete) in enumerate(zip(output.requests, counts,
                                                                completes)):
             if complete:
