@@ -136,18 +136,24 @@ def _with_splits(cfg: MatmulConfig, bits: int, m: int, k: int, n: int, *, per_sm
 def _gemv_config(bits: int, m: int, k: int, n: int) -> MatmulConfig:
     """The fma path's tiles for one or two activation rows (decode at batch 1 or 2).
 
-    The kernel is bound by its instructions (Nsight Compute on an H200, 4096x28672 int4:
-    issue slots 54-66% busy, DRAM 32-38%), so it wants many resident warps: int4 runs
-    [16 words, 256 / M columns] tiles with 4 warps split over K until there are about 16
-    programs per SM (at most 64 splits), except where the columns alone give two programs
-    per SM (the lm head), which keeps the wider 8-warp tiles without splits; int8 runs 8-warp
-    [32, 256 / M] tiles at about 8 programs per SM (at most 16 splits). From the occupancy
-    sweep of docs/PERFORMANCE.md (tenth session).
+    The kernel is bound by its instructions and their latency (Nsight Compute on an H200,
+    4096x28672 int4: issue slots 49-66% busy, DRAM 32-50%), so it wants many resident warps,
+    and each thread wants many columns of few packed rows: a thread reads the activations of
+    every packed row it holds (8 per row), whatever its number of columns. int4 at one row runs
+    one-warp programs of [4 words, 256 columns] (8 columns a thread) split over K until there
+    are about 16 programs per SM (at most 128 splits); two rows run [16 words, 128 columns]
+    tiles with 4 warps at about 16 per SM (at most 64 splits), or 8-warp [32, 128] tiles without
+    splits where the columns alone give two programs per SM (the lm head); int8 runs 8-warp
+    [32, 256 / M] tiles at about 8 programs per SM (at most 16 splits). From the sweeps of
+    docs/PERFORMANCE.md (tenth and fourteenth sessions).
     """
     block_m, block_n = _next_pow2(m), 256 // m
     if bits == 8:
         cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=8)
         return _with_splits(cfg, bits, m, k, n, per_sm=8, min_tiles=2, max_splits=16)
+    if m == 1:
+        cfg = MatmulConfig(block_m=1, block_n=256, block_k=32, num_warps=1)
+        return _with_splits(cfg, bits, m, k, n, per_sm=16, min_tiles=1, max_splits=128)
     if -(-n // block_n) >= 2 * NUM_SMS:
         cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=256, num_warps=8)
         return _with_splits(cfg, bits, m, k, n, per_sm=2, min_tiles=2, max_splits=16)

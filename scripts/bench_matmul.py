@@ -20,11 +20,17 @@ Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fu
 Timing: each jitted program runs `--calls` products on distinct inputs (a weight set per
 product, separate arrays); it is queued `--queue` times and synchronized once; time per
 product = wall time / (queue x calls), median of `--runs` (the method of bench_attention.py).
+With `--device_times` the same program is also traced once by jax's profiler (`queue` calls):
+"dev us" is the device's busy time per product (the union of its kernels' intervals: the
+kernel itself plus the small XLA kernels around it, such as a split-K sum, without the launch
+gaps between kernels that a CUDA graph hides in a model step), and "dev x" the bf16 peer's
+device time over it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +39,7 @@ from absl import app, flags
 
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
-from scripts import timing
+from scripts import decode_profile, timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "bench"], "calib, bench, sweep")
@@ -50,11 +56,30 @@ flags.DEFINE_integer("mgpu_max_m", 1 << 30, "time jax's hopper_mixed_type_matmul
 flags.DEFINE_enum("variants", "all", ["all", "dispatch"], "all: kernel and XLA dequant at every "
                   "M; dispatch: only what matmul_config picks")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
+flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
+                  "busy time per product (see the module docstring).")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
 
 def time_per_call(fn, args, calls: int) -> float:
     """Seconds per product: `fn(*args)` runs `calls` of them (see the module docstring)."""
     return timing.time_per_call(fn, args, calls, FLAGS.runs, FLAGS.queue)
+
+
+def device_per_call(fn, args, calls: int) -> dict:
+    """{'dev_us': device busy microseconds per product, 'kernels': the top kernels' us per
+    product} from one profiler trace of `queue` queued calls of jit(fn)(*args); {} without
+    --device_times; {'dev_error': ...} where the profiler gives no device events."""
+    if not FLAGS.device_times:
+        return {}
+    f = jax.jit(fn)
+    with tempfile.TemporaryDirectory() as log_dir:
+        prof = decode_profile.profile_calls(lambda: f(*args), FLAGS.queue,
+                                            FLAGS.queue * calls, log_dir)
+    if "error" in prof:
+        return {"dev_error": prof["error"]}
+    return {"dev_us": prof["busy_s_per_step"] * 1e6,
+            "kernels": {r["name"][:48]: round(r["s_per_step"] * 1e6, 2)
+                        for r in prof["by_name"][:4]}}
 
 
 def calibrate() -> dict:
@@ -117,11 +142,13 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
         xs = tuple(jax.random.normal(jax.random.key(1000 * m + c), (m, k), jnp.bfloat16)
                    for c in range(calls))
         base = dict(K=k, N=n, M=m)
-        t_bf16 = time_per_call(lambda xs, w: tuple(
-            jnp.dot(xs[c], w[c % bf16_sets], preferred_element_type=jnp.float32).astype(
-                jnp.bfloat16) for c in range(calls)), (xs, wb), calls)
+        def bf16_prog(xs, w):
+            return tuple(jnp.dot(xs[c], w[c % bf16_sets], preferred_element_type=jnp.float32)
+                         .astype(jnp.bfloat16) for c in range(calls))
+        t_bf16 = time_per_call(bf16_prog, (xs, wb), calls)
+        dev_bf16 = device_per_call(bf16_prog, (xs, wb), calls)
         rows.append({**base, "impl": "xla_bf16", "us": t_bf16 * 1e6,
-                     "TBps": 2 * k * n / t_bf16 / 1e12, "speedup": 1.0})
+                     "TBps": 2 * k * n / t_bf16 / 1e12, "speedup": 1.0, **dev_bf16})
         report(rows[-1], calib)
         for bits in map(int, FLAGS.bits):
             group = FLAGS.group_size if bits == 4 else k
@@ -159,7 +186,10 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
                     row.update(us=t * 1e6, TBps=(packed_bytes + scale_bytes) / t / 1e12)
                     if t_bf16:
                         row["speedup"] = t_bf16 / t
-                    by_name[name] = min(t, by_name.get(name, t))
+                    row.update(device_per_call(prog, (xs, w, s), calls))
+                    if "dev_us" in row and "dev_us" in dev_bf16:
+                        row["dev_speedup"] = dev_bf16["dev_us"] / row["dev_us"]
+                    by_name[name] = row
                 except Exception as e:  # a config the compiler rejects is reported, not fatal
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
@@ -173,10 +203,7 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
             if sweep is None and by_name:  # what the default dispatch runs
                 pick = f"int{bits}_kernel" if heur is not None else f"int{bits}_xla"
                 if pick in by_name:
-                    t = by_name[pick]
-                    rows.append({**base, "impl": f"int{bits}", "bits": bits, "via": pick,
-                                 "us": t * 1e6, "TBps": (packed_bytes + scale_bytes) / t / 1e12,
-                                 "speedup": t_bf16 / t})
+                    rows.append({**by_name[pick], "impl": f"int{bits}", "via": pick})
                     report(rows[-1], calib)
             if sweep is None and bits == 8 and m <= FLAGS.mgpu_max_m:
                 rows.append(bench_mgpu(k, n, m, xs, t_bf16, calib))
@@ -210,9 +237,11 @@ def report(row: dict, calib: dict) -> None:
         return
     frac = row["TBps"] / calib["copy_TBps"] if calib else float("nan")
     row["frac_copy"] = frac
+    dev = (f" | dev {row['dev_us']:7.1f} us x{row.get('dev_speedup', 1.0):5.2f}"
+           if "dev_us" in row else "")
     print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<5} {row['impl']:<16} {row['us']:9.1f} us "
           f"{row['TBps']:5.2f} TB/s ({frac:4.0%} of copy) x{row.get('speedup', float('nan')):5.2f}"
-          f"  {row.get('config', '') or row.get('via', '')}")
+          f"{dev}  {row.get('config', '') or row.get('via', '')}")
 
 
 def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:

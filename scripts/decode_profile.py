@@ -41,20 +41,28 @@ def kernel_kind(name: str) -> str:
 def profile_steps(runner, batch, steps: int, log_dir: str) -> dict:
     """Traces `steps` queued steps of `batch`; returns summarize_trace's dict (with the trace's
     path), or {'error': ...} when the profiler or its trace is not available."""
+    return profile_calls(lambda: runner.execute_padded(batch), steps, steps, log_dir)
+
+
+def profile_calls(run, calls: int, units: int, log_dir: str) -> dict:
+    """Traces `calls` queued calls of run() (which returns device arrays; one untimed call
+    first) and returns summarize_trace's dict per unit of work (`units` in all: steps, or
+    products of a benchmark program) with the trace's path and the traced wall time, or
+    {'error': ...} when the profiler or its trace is not available."""
     try:
-        jax.block_until_ready(runner.execute_padded(batch))
+        jax.block_until_ready(run())
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
             start = time.perf_counter()
-            for _ in range(steps):
-                out = runner.execute_padded(batch)
+            for _ in range(calls):
+                out = run()
             jax.block_until_ready(out)
             wall = time.perf_counter() - start
         paths = sorted(glob.glob(os.path.join(log_dir, "**", "*perfetto_trace.json.gz"),
                                  recursive=True), key=os.path.getmtime)
         if not paths:
             return {"error": f"no perfetto trace under {log_dir}"}
-        summary = summarize_trace(load_trace(paths[-1]), steps)
-        return summary | {"trace_path": paths[-1], "traced_wall_s_per_step": wall / steps}
+        summary = summarize_trace(load_trace(paths[-1]), units)
+        return summary | {"trace_path": paths[-1], "traced_wall_s_per_step": wall / units}
     except Exception as e:  # noqa: BLE001 - the benchmark reports it and goes on
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
