@@ -68,8 +68,8 @@ class DecodeConfig:
     ptx_softmax: bool = False
 
 
-def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int, head_dim: int,
-                  kv_itemsize: int) -> DecodeConfig:
+def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int,
+                  head_dim: int) -> DecodeConfig:
     """The tuning heuristic (see the module docstring; measurements in docs/PERFORMANCE.md)."""
     block_k = 128 if head_dim <= 128 else 64
     programs = batch * num_kv_heads
@@ -275,7 +275,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                          soft_cap=soft_cap, sliding_window=sliding_window)
     if config is None:
         config = decode_config(batch, k_pages.shape[0], block_tables.shape[1] * k_pages.shape[2],
-                               head_dim, jnp.dtype(k_pages.dtype).itemsize)
+                               head_dim)
     return _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, k_scales,
                                    v_scales, config=config, sm_scale=sm_scale,
                                    soft_cap=soft_cap, sliding_window=sliding_window,

@@ -159,7 +159,7 @@ def bench_decode(batch: int, context: int, calib: dict, config=None, peers=True)
         block_k, splits, warps, stages, *merge = map(int, FLAGS.decode_config)
         config = DecodeConfig(block_k, splits, warps, stages, merge_in_kernel=any(merge))
     cfg = config or decode_config(batch, FLAGS.num_kv_heads, pages_per_seq * FLAGS.page_size,
-                                  FLAGS.head_dim, itemsize)
+                                  FLAGS.head_dim)
 
     def ours(qs, k, v, ks, vs, tables):
         return tuple(paged_attention(qs[c], k, v, tables[c], lengths, k_scales=ks, v_scales=vs,
@@ -303,8 +303,7 @@ def softmax_sweep(calib: dict) -> list[dict]:
     run one after the other, so they share the machine's state."""
     rows = []
     for batch, context in ((1, 512), (1, 4096), (8, 4096), (8, 8192), (32, 4096)):
-        itemsize = jnp.dtype(FLAGS.kv_dtype or FLAGS.dtype).itemsize
-        cfg = decode_config(batch, FLAGS.num_kv_heads, context, FLAGS.head_dim, itemsize)
+        cfg = decode_config(batch, FLAGS.num_kv_heads, context, FLAGS.head_dim)
         for ptx in (False, True):  # the decode kernel's heuristic tiles
             rows += bench_decode(batch, context, calib, peers=False,
                                  config=dataclasses.replace(cfg, ptx_softmax=ptx))

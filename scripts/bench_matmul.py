@@ -66,20 +66,11 @@ def time_per_call(fn, args, calls: int) -> float:
 
 
 def device_per_call(fn, args, calls: int) -> dict:
-    """{'dev_us': device busy microseconds per product, 'kernels': the top kernels' us per
-    product} from one profiler trace of `queue` queued calls of jit(fn)(*args); {} without
-    --device_times; {'dev_error': ...} where the profiler gives no device events."""
+    """decode_profile.device_time_per_call of the program with --device_times, else {}."""
     if not FLAGS.device_times:
         return {}
-    f = jax.jit(fn)
     with tempfile.TemporaryDirectory() as log_dir:
-        prof = decode_profile.profile_calls(lambda: f(*args), FLAGS.queue,
-                                            FLAGS.queue * calls, log_dir)
-    if "error" in prof:
-        return {"dev_error": prof["error"]}
-    return {"dev_us": prof["busy_s_per_step"] * 1e6,
-            "kernels": {r["name"][:48]: round(r["s_per_step"] * 1e6, 2)
-                        for r in prof["by_name"][:4]}}
+        return decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue, log_dir)
 
 
 def calibrate() -> dict:

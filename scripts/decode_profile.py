@@ -67,6 +67,20 @@ def profile_calls(run, calls: int, units: int, log_dir: str) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def device_time_per_call(fn, args, calls: int, queue: int, log_dir: str) -> dict:
+    """{'dev_us': device busy microseconds per call, 'kernels': the top kernels' microseconds
+    per call} from one trace of `queue` queued runs of jit(fn)(*args), each of which does
+    `calls` calls of the work (a benchmark program); {'dev_error': ...} where the profiler
+    gives no device events (on a CPU, say)."""
+    f = jax.jit(fn)
+    prof = profile_calls(lambda: f(*args), queue, queue * calls, log_dir)
+    if "error" in prof:
+        return {"dev_error": prof["error"]}
+    return {"dev_us": prof["busy_s_per_step"] * 1e6,
+            "kernels": {r["name"][:48]: round(r["s_per_step"] * 1e6, 2)
+                        for r in prof["by_name"][:4]}}
+
+
 def load_trace(path: str) -> dict:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:

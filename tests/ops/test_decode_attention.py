@@ -165,7 +165,7 @@ def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size,
 
 def test_heuristic_merges_in_kernel_only_for_a_few_programs():
     """One llama sequence (8 kv heads) merges its splits in the kernel; a batch of 8 does not."""
-    one, eight = decode_config(1, 8, 4096, 128, 2), decode_config(8, 8, 4096, 128, 2)
+    one, eight = decode_config(1, 8, 4096, 128), decode_config(8, 8, 4096, 128)
     assert one.num_splits > 1 and one.merge_in_kernel
     assert eight.num_splits > 1 and not eight.merge_in_kernel
     # 600 tokens: 2 splits of the heuristic, merged in the kernel
