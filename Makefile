@@ -2,6 +2,8 @@
 VENV ?= .venv
 PROMPT ?= What is the capital of France?
 ARGS ?=
+# pytest-xdist workers of `make test`
+TEST_WORKERS ?= 2
 PYTHON_BIN := $(VENV)/bin/python
 
 .PHONY: setup generate test clean
@@ -21,7 +23,7 @@ generate: setup
 	$(PYTHON_BIN) -m scripts.generate --prompt="$(PROMPT)" $(ARGS)
 
 test: setup
-	$(PYTHON_BIN) -m pytest tests $(ARGS)
+	$(PYTHON_BIN) -m pytest tests -n $(TEST_WORKERS) $(ARGS)
 
 clean:
 	rm -rf $(VENV)
