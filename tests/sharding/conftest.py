@@ -75,9 +75,11 @@ def scenario(tmp_path_factory):
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs))
     futures = {}
     for name, job in jobs.items():
-        lock = _claim(shared, name) if shared is not None else None
-        if shared is not None and lock is None:
-            continue  # another worker runs it
+        lock = None
+        if shared is not None:
+            lock = _claim(shared, name)
+            if lock is None:
+                continue  # another worker runs it
         futures[name] = pool.submit(job)
         if lock is not None:
             futures[name].add_done_callback(functools.partial(_publish, shared, name, lock))
