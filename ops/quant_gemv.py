@@ -67,24 +67,31 @@ def mantissa_codes(word, bits: int, interpret: bool) -> list:
     funnel shift); the mask-and-OR is one PTX lop3 per code when compiled."""
     u = jax.lax.bitcast_convert_type(word, jnp.uint32)
     if bits == 4:
-        rotated = {r: (u << r) | jax.lax.shift_right_logical(u, jnp.uint32(32 - r)) if r else u
-                   for r in set(NIBBLE_ROTATIONS)}
+        rotated = {r: _rotl(u, r) for r in set(NIBBLE_ROTATIONS)}
         sources = [rotated[r] for r in NIBBLE_ROTATIONS]
     else:
         sources = [u << BYTE_POSITION]
-    out = []
-    for src, p in zip(sources, code_positions(bits)):
-        mask = (0xF if bits == 4 else 0xFF) << p
-        if interpret:
-            bits_ = (src & jnp.uint32(mask)) | jnp.uint32(ONE_BITS)
-        else:  # (src & mask) | 1.0 in one LOP3 (0xEA: (a & b) | c); Triton's asm op takes
-            # signless integers: int32, not uint32
-            [bits_] = plgpu.elementwise_inline_asm(
-                f"lop3.b32 $0, $1, {mask:#010x}, {ONE_BITS:#010x}, 0xEA;",
-                args=[jax.lax.bitcast_convert_type(src, jnp.int32)], constraints="=r,r", pack=1,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(src.shape, jnp.int32)])
-        out.append(jax.lax.bitcast_convert_type(bits_, jnp.float32))
-    return out
+    width = 0xF if bits == 4 else 0xFF
+    return [_under_one(src, width << p, interpret)
+            for src, p in zip(sources, code_positions(bits))]
+
+
+def _rotl(u, r: int):
+    """uint32 left rotation by r bits (LLVM emits one funnel shift)."""
+    return (u << r) | jax.lax.shift_right_logical(u, jnp.uint32(32 - r)) if r else u
+
+
+def _under_one(src, mask: int, interpret: bool):
+    """float32 with bits (src & mask) | 1.0 (src uint32): one PTX LOP3 when compiled."""
+    if interpret:
+        bits_ = (src & jnp.uint32(mask)) | jnp.uint32(ONE_BITS)
+    else:  # (src & mask) | 1.0 in one LOP3 (0xEA: (a & b) | c); Triton's asm op takes
+        # signless integers: int32, not uint32
+        [bits_] = plgpu.elementwise_inline_asm(
+            f"lop3.b32 $0, $1, {mask:#010x}, {ONE_BITS:#010x}, 0xEA;",
+            args=[jax.lax.bitcast_convert_type(src, jnp.int32)], constraints="=r,r", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(src.shape, jnp.int32)])
+    return jax.lax.bitcast_convert_type(bits_, jnp.float32)
 
 
 def gemv_kernel(xs_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,

@@ -69,13 +69,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.quant_mma import _mma_kernel
+from ops import quant_gemv8
 from ops.quant_gemv import gemv_kernel, prescale
 from ops.quant_tiles import _dequant_tile, _load, _program_tiles, _tile_rows_and_scales
 
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
-PATHS = ("auto", "mma", "mma_t", "mma_wide")
+PATHS = ("auto", "fma", "mma", "mma_t", "mma_wide")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulC
     if m > 128:
         return None  # compute-bound: XLA's dequantize + bf16 dot (see docs/PERFORMANCE.md)
     if m <= 2:
-        return _gemv_config(bits, m, k, n)
+        return _gemv_config(bits, m, k, n, group_size)
     if m <= 16:  # the "mma" path: fastest of the sweep at M = 16 on 3 of the 4 Llama shapes
         cfg = (MatmulConfig(block_m=16, block_n=256, block_k=256, path="mma") if bits == 4
                else MatmulConfig(block_m=16, block_n=128, block_k=64, path="mma"))
@@ -133,7 +134,7 @@ def _with_splits(cfg: MatmulConfig, bits: int, m: int, k: int, n: int, *, per_sm
     return dataclasses.replace(cfg, num_splits=splits)
 
 
-def _gemv_config(bits: int, m: int, k: int, n: int) -> MatmulConfig:
+def _gemv_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulConfig:
     """The fma path's tiles for one or two activation rows (decode at batch 1 or 2).
 
     The kernel is bound by its instructions and their latency (Nsight Compute on an H200,
@@ -148,6 +149,14 @@ def _gemv_config(bits: int, m: int, k: int, n: int) -> MatmulConfig:
     docs/PERFORMANCE.md (tenth and fourteenth sessions).
     """
     block_m, block_n = _next_pow2(m), 256 // m
+    if quant_gemv8.supports(bits, n, -(-k // group_size)):  # per-channel INT8: word kernel
+        if m == 1 and k * n >= 32 * 2 ** 20:
+            cfg = MatmulConfig(block_m=1, block_n=256, block_k=32, num_warps=4)
+        elif m == 1 or -(-n // 256) >= 2 * NUM_SMS:
+            cfg = MatmulConfig(block_m=block_m, block_n=512, block_k=16, num_warps=4)
+        else:
+            cfg = MatmulConfig(block_m=block_m, block_n=256, block_k=16, num_warps=2)
+        return _with_splits(cfg, bits, m, k, n, per_sm=16, min_tiles=1, max_splits=64)
     if bits == 8:
         cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=8)
         return _with_splits(cfg, bits, m, k, n, per_sm=8, min_tiles=2, max_splits=16)
@@ -215,7 +224,13 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     splits = config.num_splits
     grid = (pl.cdiv(m, config.block_m), pl.cdiv(n, config.block_n), splits)  # (rows, cols, K split)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
-    gemv = config.path == "auto" and config.block_m < 16
+    gemv = config.path in ("auto", "fma") and config.block_m < 16
+    if (gemv and config.path == "auto"
+            and quant_gemv8.supports(bits, n, num_groups, config.block_k)):
+        return quant_gemv8.gemv8_call(
+            x, w, scales, offsets, block_m=config.block_m, block_n=config.block_n,
+            block_k=config.block_k, num_splits=splits, num_warps=config.num_warps,
+            num_stages=config.num_stages, interpret=interpret)
     in_specs = [full((m, k)), full((rows, n)), full((num_groups, n))]
     args = [prescale(x, bits) if gemv else x, w, scales]
     if asymmetric:
@@ -291,10 +306,11 @@ def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
     if config is not None:
         per_word = 8 if bits == 4 else 1
         sizes = (config.block_m, config.block_n, config.block_k // per_word)
-        dot = config.block_m >= 16 or config.path != "auto"
+        dot = config.block_m >= 16 or config.path not in ("auto", "fma")
         if (not all(map(_pow2, sizes)) or config.block_k % per_word or config.num_splits < 1
                 or (dot and sizes[2] < 16) or config.block_n < 16 or config.path not in PATHS
-                or (config.path != "auto" and config.block_m < 16)):
+                or (config.path not in ("auto", "fma") and config.block_m < 16)
+                or (config.path == "fma" and config.block_m >= 16)):
             raise ValueError(f"{name}: config {config} needs power-of-two blocks, block_n >= "
                              f"16, block_k a multiple of {per_word}, path in {PATHS} and, for "
                              f"block_m >= 16 or the mma paths, block_k >= {16 * per_word} (the "

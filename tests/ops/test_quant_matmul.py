@@ -75,6 +75,8 @@ CASES = [
     (4, 2, 256, 128, 64, False, "float32", False),
     (8, 1, 512, 384, 512, False, "bfloat16", False),  # per channel (the INT8 preset)
     (8, 1, 300, 96, 300, True, "float16", False),  # K not a multiple of 8 or 16
+    (8, 2, 520, 256, 520, False, "float32", False),  # the word kernel, two rows
+    (8, 1, 256, 98, 256, False, "bfloat16", False),  # N % 4 != 0: the byte kernel
     (8, 3, 256, 256, 128, True, "bfloat16", True),
     (8, 16, 384, 128, 32, False, "float16", False),
     (8, 16, 256, 256, 64, True, "bfloat16", False),
@@ -102,6 +104,36 @@ def test_explicit_configs(bits, config):
     # K = 448: 14 groups of 32, a partial last tile for every block_k above.
     run_case(bits=bits, m=5, k=448, n=96, group_size=32, asymmetric=True, config=config,
              seed=config.block_m * 7 + config.num_splits)
+
+
+@pytest.mark.parametrize("m,config", [
+    (1, MatmulConfig(block_m=1, block_n=64, block_k=16, num_splits=3)),  # K % 16 != 0
+    (2, MatmulConfig(block_m=2, block_n=32, block_k=32, num_splits=2)),
+    (3, MatmulConfig(block_m=2, block_n=16, block_k=4, num_splits=1)),  # one row per chain
+    (2, MatmulConfig(block_m=2, block_n=64, block_k=16, num_splits=2, path="fma")),  # bytes
+])
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_int8_word_kernel_configs(m, config, asymmetric):
+    """ops/quant_gemv8.py: per-channel INT8, four codes per word (path "auto" below 16 rows),
+    K = 452 (a partial last tile of every block_k), N = 100 (a partial column block)."""
+    run_case(bits=8, m=m, k=452, n=100, group_size=452, asymmetric=asymmetric, config=config,
+             dtype="float32", seed=config.block_k + m + asymmetric)
+
+
+@pytest.mark.parametrize("path", ["auto", "fma"])
+def test_int8_one_row_precision_with_biased_activations(path):
+    """The one-row kernels cancel large excess terms in float32 (ops/quant_gemv.py,
+    ops/quant_gemv8.py); with activations of mean 1 over K = 14336 in one split, both must
+    still match a float64 product to 2e-4."""
+    rng = np.random.default_rng(11)
+    k, n = 14336, 64
+    w = make_weight(rng, 8, k, n, k, False, False, "float32")
+    x = jnp.asarray(rng.standard_normal((1, k)) + 1.0, jnp.float32)
+    config = MatmulConfig(block_m=1, block_n=64, block_k=32, num_splits=1, path=path)
+    out = np.asarray(int8_matmul(x, w.packed, w.scales, group_size=k, impl=IMPL, config=config),
+                     np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(dequantize(w, jnp.float32), np.float64)
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 2e-4
 
 
 # The tensor-core decode paths (MatmulConfig.path): (bits, m, k, n, group_size, asymmetric, dtype,
@@ -181,6 +213,19 @@ def test_mantissa_codes_and_prescale_are_exact(bits):
     np.testing.assert_array_equal(np.asarray(prescale(jnp.asarray(x), bits)), x * factors)
 
 
+def test_word_codes_are_exact():
+    """ops/quant_gemv8.py: byte j of a word becomes 1 + c_j 2^(p-23) exactly (numpy; the PTX
+    prmt of the GPU build places the same bits)."""
+    from ops.quant_gemv8 import CODE_POSITION, word_codes
+    rng = np.random.default_rng(8)
+    words = rng.integers(0, 2 ** 32, (4, 7), dtype=np.uint64).astype(np.uint32)
+    got = word_codes(jnp.asarray(words.view(np.int32)), interpret=True)
+    for j, v in enumerate(got):
+        c = (words >> np.uint32(8 * j)) & np.uint32(0xFF)
+        np.testing.assert_array_equal(np.asarray(v),
+                                      1.0 + c.astype(np.float64) * 2.0 ** (CODE_POSITION - 23))
+
+
 def test_validation():
     rng = np.random.default_rng(5)
     w = make_weight(rng, 4, 256, 64, 64, False, False, "bfloat16")
@@ -234,6 +279,7 @@ def test_gpu_llama_shapes(bits, k, n):
 @pytest.mark.parametrize("bits,block_m,asymmetric,path,dtype,group", [
     (4, 1, False, None, "bfloat16", 128), (4, 2, True, None, "bfloat16", 128),
     (4, 1, True, None, "float16", 32),  # groups finer than the fma path's tile
+    (8, 1, False, None, "bfloat16", 4096), (8, 2, True, None, "float16", 4096),  # int8 words
     (4, 16, True, None, "bfloat16", 128), (8, 1, True, None, "bfloat16", 128),
     (8, 16, False, None, "bfloat16", 128),
     (4, 1, False, "mma", "bfloat16", 128), (4, 16, True, "mma_t", "bfloat16", 128),
