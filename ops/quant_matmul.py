@@ -19,6 +19,8 @@ accumulates in float32:
     The 8 rows of a word always share a group (group_size is a multiple of 8).
   * block_m < 16 ("fma" path, decode with one or two rows): ops/quant_gemv.py, float32
     fused multiply-adds over "mantissa codes" and pre-scaled activations (its docstring).
+    Per-channel INT8 with N a multiple of 4 runs ops/quant_gemv8.py instead, which reads four
+    codes per 32-bit word (path "fma" forces ops/quant_gemv.py's kernel).
   * block_m >= 16 ("dot" path): the scaled tile, cast to the activation dtype, feeds tl.dot
     (tensor cores), 8 dots of K = R per int4 tile.
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
@@ -144,9 +146,13 @@ def _gemv_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulCo
     one-warp programs of [4 words, 256 columns] (8 columns a thread) split over K until there
     are about 16 programs per SM (at most 128 splits); two rows run [16 words, 128 columns]
     tiles with 4 warps at about 16 per SM (at most 64 splits), or 8-warp [32, 128] tiles without
-    splits where the columns alone give two programs per SM (the lm head); int8 runs 8-warp
-    [32, 256 / M] tiles at about 8 programs per SM (at most 16 splits). From the sweeps of
-    docs/PERFORMANCE.md (tenth and fourteenth sessions).
+    splits where the columns alone give two programs per SM (the lm head). Per-channel int8
+    (ops/quant_gemv8.py) runs, at about 16 programs per SM (at most 64 splits): one row,
+    [32 rows, 256 columns] 4-warp tiles on products of at least 32M weights, else [16, 512];
+    two rows [16, 256] with 2 warps, or [16, 512] with 4 where the columns alone give two
+    programs per SM. Group-wise int8 runs 8-warp [32, 256 / M] tiles at about 8 programs per
+    SM (at most 16 splits). From the sweeps of docs/PERFORMANCE.md (tenth, fourteenth and
+    fifteenth sessions).
     """
     block_m, block_n = _next_pow2(m), 256 // m
     if quant_gemv8.supports(bits, n, -(-k // group_size)):  # per-channel INT8: word kernel

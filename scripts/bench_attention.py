@@ -20,7 +20,11 @@ Timing: each jitted program runs `--calls` calls on distinct input sets (distinc
 block tables over page groups that together exceed the L2 cache); the program is queued
 `--queue` times and synchronized once; time per call = wall time / (queue x calls), median of
 `--runs`. The ~30 us dispatch of a jitted call is thus spread over many calls, as it is in a
-decode step that runs attention once per layer.
+decode step that runs attention once per layer. With `--device_times` each program is also
+traced once by jax's profiler (`--queue` runs): "dev us" is the device's busy time per call
+(the union of its kernels' intervals: the attention kernel and the small XLA kernels of the
+call, such as the split merge, without the launch gaps between kernels), and the TB/s or
+TFLOP/s and fraction of the ceiling from it (issue 4 allows either measure).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from absl import app, flags
 
 from ops.decode_attention import DecodeConfig, decode_config, paged_attention
 from ops.ragged_attention import RaggedConfig, ragged_config, ragged_paged_attention
-from scripts import timing
+from scripts import decode_profile, timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "decode", "prefill"],
@@ -61,6 +65,8 @@ flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_list("ragged_config", [], "override: block_m,block_k,num_warps,num_stages")
 flags.DEFINE_list("decode_config", [], "override: block_k,num_splits,num_warps,num_stages"
                   "[,merge_in_kernel (0 or 1)]")
+flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
+                  "busy time per call (see the module docstring).")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
 
 L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
@@ -69,6 +75,23 @@ L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
 def time_per_call(fn, args, calls: int) -> float:
     """Seconds per attention call: `fn(*args)` runs `calls` of them (see the module docstring)."""
     return timing.time_per_call(fn, args, calls, FLAGS.runs, FLAGS.queue)
+
+
+def measure(row: dict, fn, args, calls: int, work: float, unit: str, ceiling: str,
+            calib: dict) -> None:
+    """Times fn(*args) (`calls` calls) into row: us and work / time as `unit` (TBps for bytes,
+    TFLOPs for FLOPs) with its fraction of calib[ceiling]; with --device_times the same from
+    the device's busy time (dev_us, dev_<unit>, dev_frac), or dev_error."""
+    frac = "frac_copy" if unit == "TBps" else "frac_matmul"
+    t = time_per_call(fn, args, calls)
+    row.update({"us": t * 1e6, unit: work / t / 1e12})
+    row[frac] = row[unit] / calib[ceiling] if calib else None
+    if FLAGS.device_times:
+        dev = decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue)
+        row.update(dev)
+        if "dev_us" in dev:
+            row["dev_" + unit] = work / (dev["dev_us"] * 1e-6) / 1e12
+            row["dev_frac"] = row["dev_" + unit] / calib[ceiling] if calib else None
 
 
 def calibrate() -> dict:
@@ -177,9 +200,8 @@ def bench_decode(batch: int, context: int, calib: dict, config=None, peers=True)
         row = {"kind": "decode", "impl": name, "batch": batch, "context": context,
                "kv_dtype": str(k.dtype), "config": str(cfg) if name == "pallasite" else ""}
         try:
-            t = time_per_call(fn, (qs, k, v, ks, vs, tables), calls)
-            row.update(us=t * 1e6, TBps=kv_bytes / t / 1e12)
-            row["frac_copy"] = row["TBps"] / calib["copy_TBps"] if calib else None
+            measure(row, fn, (qs, k, v, ks, vs, tables), calls, kv_bytes, "TBps", "copy_TBps",
+                    calib)
         except Exception as e:  # a peer that cannot run this shape is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -254,9 +276,7 @@ def bench_prefill(chunk: int, calib: dict, config=None, peers=True, mixed=False)
         row = {"kind": "prefill_mixed" if mixed else "prefill", "impl": name, "chunk": chunk,
                "tokens": num_tokens, "config": str(cfg) if name == "pallasite" else ""}
         try:
-            t = time_per_call(fn, fn_args, calls)
-            row.update(us=t * 1e6, TFLOPs=flops / t / 1e12)
-            row["frac_matmul"] = row["TFLOPs"] / calib["matmul_TFLOPs"] if calib else None
+            measure(row, fn, fn_args, calls, flops, "TFLOPs", "matmul_TFLOPs", calib)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -345,8 +365,13 @@ def print_table(rows: list[dict]) -> None:
         fc = f"{100 * r['frac_copy']:5.0f}%" if r.get("frac_copy") else " " * 6
         tf = f"{r['TFLOPs']:8.0f}" if "TFLOPs" in r else " " * 8
         fm = f"{100 * r['frac_matmul']:4.0f}%" if r.get("frac_matmul") else " " * 5
+        dev = ""
+        if "dev_us" in r:
+            rate = r.get("dev_TBps") or r.get("dev_TFLOPs")
+            frac = f" {100 * r['dev_frac']:4.0f}%" if r.get("dev_frac") else ""
+            dev = f" | dev {r['dev_us']:8.1f} us {rate:7.2f}{frac}"
         print(f"{r['kind']:14s} {r['impl']:17s} {shape:>14s} {r['us']:9.1f} {tb} {fc} {tf} {fm}"
-              f"  {r['config']}")
+              f"{dev}  {r['config']}")
 
 
 def write_json(calib: dict, rows: list[dict]) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +68,7 @@ def device_per_call(fn, args, calls: int) -> dict:
     """decode_profile.device_time_per_call of the program with --device_times, else {}."""
     if not FLAGS.device_times:
         return {}
-    with tempfile.TemporaryDirectory() as log_dir:
-        return decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue, log_dir)
+    return decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue)
 
 
 def calibrate() -> dict:

@@ -17,6 +17,7 @@ import glob
 import gzip
 import json
 import os
+import tempfile
 import time
 
 import jax
@@ -67,11 +68,14 @@ def profile_calls(run, calls: int, units: int, log_dir: str) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
-def device_time_per_call(fn, args, calls: int, queue: int, log_dir: str) -> dict:
+def device_time_per_call(fn, args, calls: int, queue: int, log_dir: str | None = None) -> dict:
     """{'dev_us': device busy microseconds per call, 'kernels': the top kernels' microseconds
     per call} from one trace of `queue` queued runs of jit(fn)(*args), each of which does
     `calls` calls of the work (a benchmark program); {'dev_error': ...} where the profiler
-    gives no device events (on a CPU, say)."""
+    gives no device events (on a CPU, say). log_dir None: a temporary directory."""
+    if log_dir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return device_time_per_call(fn, args, calls, queue, tmp)
     f = jax.jit(fn)
     prof = profile_calls(lambda: f(*args), queue, queue * calls, log_dir)
     if "error" in prof:

@@ -1,5 +1,6 @@
 """scripts/bench_attention.py on the CPU: the decode rows with the Pallas kernel interpreted
-(tiny shapes), an explicit --decode_config that merges the splits in the kernel, and the JSON."""
+(tiny shapes), an explicit --decode_config that merges the splits in the kernel, the JSON, and
+--device_times (the CPU's profile has no device events: an error entry per row, no crash)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ def test_bench_attention_decode_rows_with_the_merge_in_kernel(tmp_path):
     out = tmp_path / "attention.json"
     args = ["--modes=decode", "--batches=2", "--contexts=64", "--num_heads=4",
             "--num_kv_heads=2", "--head_dim=16", "--page_size=8", "--calls=1", "--queue=1",
-            "--runs=1", "--impl=pallas_interpret", "--decode_config=16,2,4,3,1",
+            "--runs=1", "--impl=pallas_interpret", "--decode_config=16,2,4,3,1", "--device_times",
             f"--json_out={out}"]
     proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", *args],
                           capture_output=True, text=True, timeout=300,
@@ -23,3 +24,4 @@ def test_bench_attention_decode_rows_with_the_merge_in_kernel(tmp_path):
     assert "num_splits=2" in ours["config"] and "merge_in_kernel=True" in ours["config"]
     assert rows["xla"]["us"] > 0  # the jnp peer on the same arrays
     assert "B2 ctx64" in proc.stdout
+    assert all("no device events" in rows[name]["dev_error"] for name in ("pallasite", "xla"))
