@@ -13,12 +13,16 @@ online softmax. With more than one split (flash-decoding) each program writes it
 partial output and log-sum-exp, and `merge_splits` combines them in jnp, or the last program
 of the sequence and kv head to finish combines them (`merge_in_kernel`).
 
-Tuning (`decode_config`, from a sweep on an H200 at 32 q / 8 kv heads, head_dim 128, page 16):
-block_k = 128 tokens per step (a 64 KiB K+V tile in bf16; 64 for head_dim 256), 4 warps,
-3 pipeline stages (64-token tiles, 8 warps, 2 or 4-5 stages and 256-token tiles measured equal
-or slower). Key splits: about two programs per SM over sequences x kv heads (132 SMs on an
-H100/H200), but at least 2 tiles per split for the longest sequence the block table allows:
-B=8 at 4k context -> 4 splits (2: +25%, 9: +10% time), B=32 -> 1, B=1 at 32k -> 32. The split
+Tuning (`decode_config`, from sweeps on an H200 at 32 q / 8 kv heads, head_dim 128, page 16):
+4 warps, 3 pipeline stages. Where the calls are bound by bandwidth and need key splits to fill
+the card (more than 8 (sequence, kv head) streams, e.g. B = 4 to 32 at 8 kv heads): 64-token
+tiles with splits for about four programs per SM (132 SMs on an H100/H200), e.g. B = 8 at 4k
+context -> 8 splits: in device time 3-8% faster than 128-token tiles at two per SM at B = 4,
+8 and 16 (B = 8 / 4k: 40.0 against 42.0 us, three rounds each), equal at B = 32 (fifteenth
+session). Elsewhere block_k = 128 (a 64 KiB K+V tile in bf16; 64 for head_dim 256) with about
+two programs per SM: B >= 64 at 8 kv heads -> 1 split, B = 1 at 32k -> 32 (64-token tiles at
+four per SM were 1.6x slower at B = 1, where the splits merge in the kernel). Splits keep at
+least 2 tiles each for the longest sequence the block table allows. The split
 boundaries follow each sequence's actual length, so short sequences in a wide table still
 spread over all splits. Up to 8 (sequence, kv head) streams (B = 1 at 8 kv heads) the splits
 are merged inside the kernel (`merge_in_kernel`: the last split to finish combines the others;
@@ -71,8 +75,12 @@ class DecodeConfig:
 def decode_config(batch: int, num_kv_heads: int, max_kv_tokens: int,
                   head_dim: int) -> DecodeConfig:
     """The tuning heuristic (see the module docstring; measurements in docs/PERFORMANCE.md)."""
-    block_k = 128 if head_dim <= 128 else 64
     programs = batch * num_kv_heads
+    if head_dim <= 128 and programs > MERGE_IN_KERNEL_PROGRAMS:  # 64-token tiles, 4 per SM
+        splits = min(round(4 * NUM_SMS / programs), max_kv_tokens // (2 * 64), 64)
+        if splits > 1:
+            return DecodeConfig(block_k=64, num_splits=splits)
+    block_k = 128 if head_dim <= 128 else 64
     want = max(1, round(2 * NUM_SMS / programs))  # about two programs per SM
     most = max(1, max_kv_tokens // (2 * block_k))  # >= 2 tiles per split at the widest
     # Splits merged in the kernel where the call is latency-bound: a few programs (one llama

@@ -31,8 +31,9 @@ softmax, 361-373 / 316-330 and 407 / 362; (128, 128, 8, 3) 319 / 260; (256, 64, 
 decode kernel with PTX measured no faster (two runs, B = 1-32).
 Rescaling the accumulator only when the running max grows by more than 2^8 (branching on it)
 was slower in 11 of 12 pairs and was dropped. head_dim 256 keeps block_k 32 and 5 stages.
-Below that the program is bandwidth-bound like decode: block_k 128 and key splits as in
-decode_config when block_m <= 32. `RaggedConfig.prefetch_slots` reads the next tile's
+Below that the program is bandwidth-bound like decode: block_k 128 and, when block_m <= 32,
+key splits for about two programs per SM (decode_config's rule for 128-token tiles; its
+64-token tiles at four per SM were measured in the decode kernel only). `RaggedConfig.prefetch_slots` reads the next tile's
 block-table entries a loop step ahead (see ops/decode_attention.py); on the H200 it gave a
 4k-token prefill 338 against 328 TFLOP/s at 5 stages in one sweep, so it stays off until more
 runs confirm it.
@@ -87,7 +88,7 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
         return RaggedConfig(block_m=block_m, block_k=32, num_warps=4, num_stages=5)
     block_k = 128 if head_dim <= 128 else 64
     splits = 1
-    if block_m <= 32:  # as decode_config
+    if block_m <= 32:  # as decode_config's 128-token tiles
         want = max(1, round(2 * NUM_SMS / (num_seqs * num_kv_heads)))
         most = max(1, max_kv_tokens // (2 * block_k))
         splits = min(want, most, 64)

@@ -168,5 +168,9 @@ def test_heuristic_merges_in_kernel_only_for_a_few_programs():
     one, eight = decode_config(1, 8, 4096, 128), decode_config(8, 8, 4096, 128)
     assert one.num_splits > 1 and one.merge_in_kernel
     assert eight.num_splits > 1 and not eight.merge_in_kernel
+    # Bandwidth-bound splits: 64-token tiles at about four programs per SM; none at B = 128.
+    assert (eight.block_k, eight.num_splits) == (64, 8)
+    wide = decode_config(128, 8, 4096, 128)
+    assert (wide.block_k, wide.num_splits) == (128, 1)
     # 600 tokens: 2 splits of the heuristic, merged in the kernel
     run_case(page_size=16, head_dim=64, num_heads=8, num_kv_heads=8, lengths=(600,))
