@@ -24,7 +24,8 @@ decode step that runs attention once per layer. With `--device_times` each progr
 traced once by jax's profiler (`--queue` runs): "dev us" is the device's busy time per call
 (the union of its kernels' intervals: the attention kernel and the small XLA kernels of the
 call, such as the split merge, without the launch gaps between kernels), and the TB/s or
-TFLOP/s and fraction of the ceiling from it (issue 4 allows either measure).
+TFLOP/s from it, as a fraction of the ceiling measured the same way (calib's copy and matmul
+programs traced too; issue 4 allows either measure).
 """
 from __future__ import annotations
 
@@ -91,26 +92,33 @@ def measure(row: dict, fn, args, calls: int, work: float, unit: str, ceiling: st
         row.update(dev)
         if "dev_us" in dev:
             row["dev_" + unit] = work / (dev["dev_us"] * 1e-6) / 1e12
-            row["dev_frac"] = row["dev_" + unit] / calib[ceiling] if calib else None
+            top = calib.get("dev_" + ceiling) or calib.get(ceiling)  # device time against device
+            row["dev_frac"] = row["dev_" + unit] / top if top else None
 
 
 def calibrate() -> dict:
-    """The card's ceilings: copy (read + write) and read-only bandwidth, bf16 matmul rate."""
+    """The card's ceilings: copy (read + write) and read-only bandwidth, bf16 matmul rate; with
+    --device_times also the copy and matmul rates from device time (dev_copy_TBps,
+    dev_matmul_TFLOPs), which the rows' device-time fractions are taken against."""
     key = jax.random.key(0)
     x = jax.random.bits(key, (1 << 30,), jnp.uint32)  # 4 GiB
-    t = time_per_call(lambda x: x ^ jnp.uint32(1), (x,), 1)  # one pass: read + write
-    copy_tbs = 2 * x.nbytes / t / 1e12
-    t = time_per_call(lambda x: jnp.max(x), (x,), 1)  # read only
-    read_tbs = x.nbytes / t / 1e12
-    del x
     n = 8192
     a = jax.random.normal(key, (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    t = time_per_call(lambda a, b: a @ b, (a, b), 1)
-    mm_tflops = 2 * n ** 3 / t / 1e12
-    print(f"calib: copy {copy_tbs:.2f} TB/s (read + write), read {read_tbs:.2f} TB/s, "
-          f"bf16 matmul {mm_tflops:.0f} TFLOP/s")
-    return {"copy_TBps": copy_tbs, "read_TBps": read_tbs, "matmul_TFLOPs": mm_tflops}
+    calib = {}
+    for name, fn, args, work in (("copy_TBps", lambda x: x ^ jnp.uint32(1), (x,), 2 * x.nbytes),
+                                 ("read_TBps", jnp.max, (x,), x.nbytes),
+                                 ("matmul_TFLOPs", lambda a, b: a @ b, (a, b), 2 * n ** 3)):
+        calib[name] = work / time_per_call(fn, args, 1) / 1e12
+        if FLAGS.device_times and name != "read_TBps":
+            dev = decode_profile.device_time_per_call(fn, args, 1, FLAGS.queue)
+            if "dev_us" in dev:
+                calib["dev_" + name] = work / (dev["dev_us"] * 1e-6) / 1e12
+    print(f"calib: copy {calib['copy_TBps']:.2f} TB/s (read + write), read "
+          f"{calib['read_TBps']:.2f} TB/s, bf16 matmul {calib['matmul_TFLOPs']:.0f} TFLOP/s"
+          + (f"; device time: copy {calib['dev_copy_TBps']:.2f} TB/s, matmul "
+             f"{calib['dev_matmul_TFLOPs']:.0f} TFLOP/s" if "dev_copy_TBps" in calib else ""))
+    return calib
 
 
 def make_cache(num_seqs: int, pages_per_seq: int, calls: int, quantized: bool):
