@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops.ptx import fma
 from ops.quant_gemv import ONE_BITS
-from ops.quant_tiles import _load, _program_tiles
+from ops.quant_tiles import _load, _program_tiles, split_output, sum_splits
 
 CODE_POSITION = 8  # p: a byte code's mantissa position (one PRMT puts it there)
 X_SCALE = 2.0 ** (23 - CODE_POSITION)  # the kernel's activations: x 2^(23 - p)
@@ -147,12 +147,7 @@ def gemv8_call(x, codes, scales, offsets, *, block_m: int, block_n: int, block_k
     asymmetric = offsets is not None
     args = [x.astype(jnp.float32) * X_SCALE, words, scales] + ([offsets] if asymmetric else [])
     in_specs = [full(a.shape) for a in args]
-    if num_splits > 1:
-        out_shape = jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32)
-        out_spec = pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0))
-    else:
-        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-        out_spec = full((m, n))
+    out_shape, out_spec = split_output(m, n, num_splits, x.dtype)
     kernel = functools.partial(
         _gemv8_kernel, m=m, n_words=n_words, rows=k, block_m=block_m, block_w=block_w,
         step=block_k, num_splits=num_splits, asymmetric=asymmetric, interpret=interpret)
@@ -161,4 +156,4 @@ def gemv8_call(x, codes, scales, offsets, *, block_m: int, block_n: int, block_k
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="int8_gemv_words",
     )(*args)
-    return out.sum(axis=0).astype(x.dtype) if num_splits > 1 else out
+    return sum_splits(out, num_splits, x.dtype)

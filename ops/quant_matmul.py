@@ -73,7 +73,8 @@ from jax.experimental.pallas import triton as plgpu
 from ops.quant_mma import _mma_kernel
 from ops import quant_gemv8
 from ops.quant_gemv import gemv_kernel, prescale
-from ops.quant_tiles import _dequant_tile, _load, _program_tiles, _tile_rows_and_scales
+from ops.quant_tiles import (_dequant_tile, _load, _program_tiles, _tile_rows_and_scales,
+                              split_output, sum_splits)
 
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -245,12 +246,7 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     if gemv:  # ops/quant_gemv.py: pre-scaled float32 activations, then x itself
         in_specs.append(full((m, k)))
         args.append(x)
-    if splits > 1:
-        out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
-        out_spec = pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0))
-    else:
-        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-        out_spec = full((m, n))
+    out_shape, out_spec = split_output(m, n, splits, x.dtype)
     if gemv:
         body = functools.partial(gemv_kernel, interpret=interpret)
     elif config.path == "auto":
@@ -268,9 +264,7 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
                                              num_stages=config.num_stages),
         interpret=interpret, name=f"int{bits}_matmul",
     )(*args)
-    if splits > 1:
-        return out.sum(axis=0).astype(x.dtype)
-    return out
+    return sum_splits(out, splits, x.dtype)
 
 
 def resolve_impl(name: str, impl: str | None) -> str:

@@ -79,3 +79,17 @@ def _tile_rows_and_scales(t, step: int, rows: int, group_rows: int, num_groups: 
     s = _load(s_ref, g, cols, None, col_ok, jnp.float32)
     o = _load(o_ref, g, cols, None, col_ok, jnp.float32) if o_ref is not None else None
     return r, r_ok, s, o
+
+
+def split_output(m: int, n: int, num_splits: int, dtype):
+    """(out_shape, out_spec) of a kernel on grid (row block, column block, K split): [M, N] in
+    dtype with one split, else float32 partials [splits, M, N] that `sum_splits` adds up."""
+    if num_splits > 1:
+        return (jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32),
+                pl.BlockSpec((None, m, n), lambda i, j, s: (s, 0, 0)))
+    return jax.ShapeDtypeStruct((m, n), dtype), pl.BlockSpec((m, n), lambda i, j, s: (0, 0))
+
+
+def sum_splits(out, num_splits: int, dtype):
+    """The kernel's output of `split_output`: partials summed in float32, then cast to dtype."""
+    return out.sum(axis=0).astype(dtype) if num_splits > 1 else out
