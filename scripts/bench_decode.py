@@ -58,6 +58,8 @@ flags.DEFINE_enum("matmul_precision", "default", ["default", "high", "highest"],
                   "products use TF32; 'highest' keeps them float32 (for float32 greedy checks).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
+flags.DEFINE_bool("quant_lm_head", False, "With --quant: the untied output head quantized too "
+                  "(quant.model.QuantConfig.lm_head).")
 VARIANTS = ("base", "fused", "folded", "merged", "mesh")
 flags.DEFINE_list("variants", ["base"], "base, fused, folded, merged, mesh (see the module "
                   "docstring).")
@@ -151,7 +153,8 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     from scripts import decode_steps as ds
     cfg, model = ds.build_model(get_preset(name), dtype, FLAGS.seed, FLAGS.quant,
                                 fused=variant in ("fused", "folded", "merged"),
-                                mesh=mesh if variant == "mesh" else None)
+                                mesh=mesh if variant == "mesh" else None,
+                                quant_lm_head=FLAGS.quant_lm_head)
     if variant in ("folded", "merged"):
         cfg = cfg.replace(fold_norm_scale=True)
     batches = [int(b) for b in FLAGS.batch] + [FLAGS.greedy_batch]
@@ -173,6 +176,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
 
     dtype = jnp.dtype(FLAGS.dtype)
     common = {"model": name, "variant": variant, "quant": FLAGS.quant, "dtype": FLAGS.dtype,
+              "quant_lm_head": FLAGS.quant_lm_head,
               "label": FLAGS.label}
     start = time.perf_counter()
     cfg, model, runner = variant_setup(name, variant, dtype, mesh)

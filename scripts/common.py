@@ -61,11 +61,15 @@ def define_engine_flags() -> None:
 
 
 def define_quant_flags() -> None:
-    """--group_size, --symmetric, --act_order, --calib_text, --calib_tokens, --calib_seq_len."""
+    """--group_size, --symmetric, --act_order, --quantize_lm_head, --calib_text, --calib_tokens,
+    --calib_seq_len."""
     flags.DEFINE_integer("group_size", 128,
                          "INT4 group size along the input dim (<= 0: per output channel).")
     flags.DEFINE_bool("symmetric", False, "INT4: symmetric grid (no offsets); default asymmetric.")
     flags.DEFINE_bool("act_order", False, "GPTQ: quantize input channels by decreasing activity.")
+    flags.DEFINE_bool("quantize_lm_head", False,
+                      "Also quantize an untied output head (RTN with the method's bits and "
+                      "group size; an error for a model whose head is its embedding).")
     flags.DEFINE_string("calib_text", None,
                         "UTF-8 calibration text for GPTQ / AWQ (default: the built-in text of "
                         "quant/calibration.py, held apart from eval_ppl's default text).")
@@ -81,7 +85,7 @@ def quantize_from_flags(loaded, method: str) -> dict:
     from quant.model import QuantConfig, quantize_loaded
     f = flags.FLAGS
     qcfg = QuantConfig(method, group_size=f.group_size, symmetric=f.symmetric,
-                       act_order=f.act_order)
+                       act_order=f.act_order, lm_head=f.quantize_lm_head)
     return quantize_loaded(loaded, qcfg, f.calib_text, f.calib_tokens, f.calib_seq_len)
 
 

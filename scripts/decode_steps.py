@@ -32,17 +32,18 @@ QUANT_METHODS = {"none": None, "int8": "int8", "int4": "int4_rtn"}
 # ---- model and cache ------------------------------------------------------------------------
 
 def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: bool = False,
-                mesh=None):
+                mesh=None, quant_lm_head: bool = False):
     """(cfg, model): random weights of cfg's shapes made on the device (on the mesh's shards with
-    a mesh), RTN-quantized on the device with `quant` ('int8', 'int4': group 128), then fused
-    (models.llama.fuse_projections) when `fused`."""
+    a mesh), RTN-quantized on the device with `quant` ('int8', 'int4': group 128; the untied
+    output head too with `quant_lm_head`), then fused (models.llama.fuse_projections) when
+    `fused`."""
     from models.llama import fuse_projections
 
     model = random_weights(cfg, seed, dtype, mesh)
     if QUANT_METHODS[quant] is not None:
         from quant.model import QuantConfig, quantize_model
-        quantize_model(cfg, model, QuantConfig(QUANT_METHODS[quant], group_size=128),
-                       progress=False)
+        quantize_model(cfg, model, QuantConfig(QUANT_METHODS[quant], group_size=128,
+                                               lm_head=quant_lm_head), progress=False)
     if fused:
         if mesh is not None:
             raise ValueError("fused projections are for one device (no --tp)")

@@ -116,3 +116,41 @@ def test_quantized_size_and_settings():
     assert QuantConfig.from_dict(QuantConfig("int4_gptq", act_order=True).to_dict()).act_order
     with pytest.raises(ValueError, match="calibration"):
         quantize_model(cfg, random_model(cfg), QuantConfig("int4_gptq"))
+
+
+@pytest.mark.parametrize("qcfg", [
+    QuantConfig("int8", lm_head=True),
+    QuantConfig("int4_gptq", group_size=32, symmetric=True, act_order=True, lm_head=True),
+], ids=lambda q: q.method)
+def test_quantized_lm_head(qcfg, tmp_path):
+    """QuantConfig.lm_head: the untied head is RTN-quantized too (never act-order), the model
+    computes exactly its dequantized float model, and a checkpoint restores it with identical
+    logits."""
+    cfg = TINY_LLAMA31
+    reference = logits_of(random_model(cfg, seed=2), IDS)
+    model = quantize_model(cfg, random_model(cfg, seed=2), qcfg, CALIB, progress=False)
+    head = model.lm_head.kernel.get_value()
+    assert isinstance(head, QuantizedWeight) and head.bits == qcfg.bits and head.perm is None
+    assert "+lm_head" in qcfg.describe()
+    dequantized = random_model(cfg, seed=2)
+    for layer, qlayer in zip(dequantized.layers, model.layers):
+        for m, qm in zip(linear_modules(layer).values(), linear_modules(qlayer).values()):
+            m.kernel.set_value(dequantize(qm.kernel.get_value()))
+    dequantized.lm_head.kernel.set_value(dequantize(head))
+    logits = logits_of(model, IDS)
+    np.testing.assert_allclose(logits, logits_of(dequantized, IDS), rtol=1e-4, atol=1e-4)
+    tolerance = 0.05 if qcfg.bits == 8 else 0.5
+    assert np.abs(logits - reference).max() < tolerance * np.abs(reference).max()
+
+    path = str(tmp_path / "ckpt")
+    save_checkpoint(path, cfg, model, quantization=qcfg.to_dict())
+    _, restored, _ = load_checkpoint(path)
+    assert isinstance(restored.lm_head.kernel.get_value(), QuantizedWeight)
+    np.testing.assert_array_equal(logits_of(restored, IDS), logits)
+
+
+def test_quantized_lm_head_needs_an_untied_head():
+    """A tied head is the embedding: asking to quantize it is an error before any work."""
+    with pytest.raises(ValueError, match="untied output head"):
+        quantize_model(TINY_LLAMA, random_model(TINY_LLAMA), QuantConfig("int8", lm_head=True))
+    assert QuantConfig.from_dict(QuantConfig("int8", lm_head=True).to_dict()).lm_head

@@ -51,3 +51,12 @@ def test_quantize_reports_short_calibration_text(tmp_path):
                         f"--output={tmp_path / 'out'}")
     assert_one_clear_error(result, "calibration text", "--calib_tokens")
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_lm_head_of_a_tied_model_is_one_clear_error(tmp_path):
+    """--quantize_lm_head on a model whose head is its embedding: a one-line error, nothing
+    written."""
+    result = run_script("quantize", f"--model={TINY_DIR}", "--method=int8", "--quantize_lm_head",
+                        f"--output={tmp_path / 'out'}")
+    assert_one_clear_error(result, "untied output head")
+    assert not (tmp_path / "out").exists()

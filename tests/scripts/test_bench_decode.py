@@ -202,3 +202,15 @@ def test_bench_decode_rejects_an_unknown_variant():
     from tests.scripts.test_scripts import assert_one_clear_error, run_script
     assert_one_clear_error(run_script("bench_decode", "--variants=base,fused,bogus",
                                       "--hf=false"), "--variants", "bogus")
+
+
+def test_quantized_head_bytes_per_step():
+    """--quant_lm_head: the untied head is INT8 codes plus per-channel scales, and the bytes a
+    step reads count it so (the head's bf16 bytes become one byte per weight and a scale row)."""
+    cfg = get_preset("tiny-llama31")
+    _, plain = ds.build_model(cfg, jnp.bfloat16, seed=0, quant="int8")
+    _, quant = ds.build_model(cfg, jnp.bfloat16, seed=0, quant="int8", quant_lm_head=True)
+    assert type(quant.lm_head.kernel.get_value()).__name__ == "QuantizedWeight"
+    h, v = cfg.hidden_size, cfg.vocab_size
+    saved = ds.weight_bytes_per_step(cfg, plain, 1) - ds.weight_bytes_per_step(cfg, quant, 1)
+    assert saved == 2 * h * v - (h * v + 2 * v)
