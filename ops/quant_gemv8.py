@@ -2,25 +2,26 @@
 dequantize(codes uint8 [K, N]), four codes per 32-bit load.
 
 ops/quant_gemv.py's kernel reads int8 codes one byte per element: per weight a byte load and
-widening, a shift, a LOP3, a multiply and a fused multiply-add, for half the weights per byte
-of int4. This kernel reads the same uint8 [K, N] array as int32 words [K, N/4] (a bitcast, no
+widening, a shift, a LOP3, a multiply and a fused multiply-add, with one weight per byte
+where int4 has two. This kernel reads the same uint8 [K, N] array as int32 words [K, N/4] (a bitcast, no
 copy): word c of row k holds the codes of columns 4c..4c+3, byte j for column 4c + j. Per word:
 
-* Two funnel shifts. Rotating the word left by 7 puts byte 0 at mantissa bits 7..14 and byte 1
-  at 15..22; rotating it by 23 does the same for bytes 2 and 3. One LOP3 per code then masks
-  it and ORs in the exponent of 1.0, which gives the float v = 1 + c 2^(p-23) exactly (p = 7
-  or 15, `WORD_POSITIONS`), with no integer-to-float conversion (as in ops/quant_gemv.py).
-* One fused multiply-add per code into the accumulator of its column lane j, [R, BW] each:
-  x_p v = x c + x 2^(23-p), with x_p = x 2^(23-p) (the kernel reads x 2^8 in float32 and
-  doubles the exponent by 8 for the p = 7 lanes, one multiply per row and tile).
-* Per-channel scales need nothing per tile: after the loop the lane sums become
-  s (sum - (2^(23-p) + zero) sum(x)) (+ offset sum(x) when asymmetric), with sum(x) summed
-  once per tile and row.
+* One PRMT per code. The byte permute builds the bytes (0, c, 0x80, 0x3F) from the word and
+  the bits of 1.0: the float v = 1 + c 2^-15 exactly (the code at mantissa bit p = 8,
+  `CODE_POSITION`), with no shift and no integer-to-float conversion.
+* One fused multiply-add per code into the accumulator of its column lane j, [R', BW] each:
+  x' v = x c + x 2^15, with x' = x 2^15 (`X_SCALE`, computed outside, exact).
+* No large cancellation. A tile is CHAIN = 4 sub-tiles of R' K rows; per lane one chain of
+  fused multiply-adds starts from minus the sub-tiles' excess and zero-point terms,
+  -(1 + 128 2^-15) (x'_1 + .. + x'_4) per row (symmetric; no zero point when asymmetric),
+  and runs through the four sub-tiles' codes, so it ends at x (c - 128) summed over them,
+  which one add puts into the accumulator. A first version that cancelled the excess once per
+  split lost 1.4e-2 of the output with activations of mean 1 over K = 14336; this one stays
+  within 6e-5 there (tests/ops/test_quant_matmul.py).
+* Per-channel scales (and offsets, times the split's sum of x) apply once, after the loop.
 
-So a word of four weights costs 2 SHF, 4 LOP3 and 4 FFMA, a quarter of a 16-byte load, and a
-row's share of the x loads. Precision: the p = 7 lanes carry an excess of x 2^16 against
-codes below 2^8 (the int4 kernel's p = 12 carries 2^11 against 2^4: the same ratio), summed
-and cancelled in float32.
+So a word of four weights costs 4 PRMT and 4 FFMA, a quarter of a 16-byte load, one add per
+four codes (the chain's end), and a share of the activation loads.
 
 Used by `int8_matmul` (ops/quant_matmul.py) for one or two rows when the scales are per
 channel and N is a multiple of 4; group-wise INT8 keeps ops/quant_gemv.py's kernel. Its
