@@ -48,10 +48,10 @@ CHAIN = 4  # sub-tiles (K rows apart) whose codes one accumulator chain sums per
 def word_codes(word, interpret: bool) -> list:
     """The floats 1 + c_j 2^(p - 23) [R, BW] of the four byte codes c_j of int32 words
     [R, BW] (byte j = bits 8j..8j+7; p = CODE_POSITION = 8), exactly."""
-    u = jax.lax.bitcast_convert_type(word, jnp.uint32)
     out = []
     for j in range(4):
         if interpret:
+            u = jax.lax.bitcast_convert_type(word, jnp.uint32)
             code = jax.lax.shift_right_logical(u, jnp.uint32(8 * j)) & jnp.uint32(0xFF)
             bits_ = jax.lax.bitcast_convert_type((code << CODE_POSITION) | jnp.uint32(ONE_BITS),
                                                  jnp.int32)
@@ -90,7 +90,8 @@ def _gemv8_kernel(xs_ref, w_ref, s_ref, *refs, m: int, n_words: int, rows: int, 
     def full(a):  # -> [R', BW]
         return jnp.broadcast_to(a, (sub, block_w))
 
-    def body(t, carry):  # carry: block_m x (4 lane accumulators [R', BW], sum of x 2^(23-p))
+    def body(t, carry):  # carry: block_m x (4 lane accumulators [R', BW], sum of x 2^(23-p)
+        # over the split's rows when asymmetric, else None)
         tiles = []  # CHAIN sub-tiles: (rows [R'], their mask, codes per byte j [R', BW])
         for c in range(CHAIN):
             r = t * step + c * sub + jnp.arange(sub, dtype=jnp.int32)  # [R'] K rows
@@ -110,11 +111,13 @@ def _gemv8_kernel(xs_ref, w_ref, s_ref, *refs, m: int, n_words: int, rows: int, 
                 for xp, (_, _, codes) in zip(xps, tiles):
                     part = fma(full(xp[:, None]), codes[j], part, interpret)  # x (c - zero)
                 new_accs.append(acc + part)
-            out.append((tuple(new_accs), xsum + sum(jnp.sum(xp) for xp in xps)))
+            if asymmetric:  # the offsets' term needs the sum of x
+                xsum = xsum + sum(jnp.sum(xp) for xp in xps)
+            out.append((tuple(new_accs), xsum))
         return tuple(out)
 
     init = tuple((tuple(jnp.zeros((sub, block_w), jnp.float32) for _ in range(4)),
-                  jnp.zeros((), jnp.float32)) for _ in range(block_m))
+                  jnp.zeros((), jnp.float32) if asymmetric else None) for _ in range(block_m))
     carry = jax.lax.fori_loop(first, last, body, init)
     first_row = jnp.zeros((1,), jnp.int32)
     for i, (accs, xsum) in enumerate(carry):

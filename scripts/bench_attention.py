@@ -93,7 +93,7 @@ def measure(row: dict, fn, args, calls: int, work: float, unit: str, ceiling: st
         row.update(dev)
         if "dev_us" in dev:
             row["dev_" + unit] = work / (dev["dev_us"] * 1e-6) / 1e12
-            top = calib.get("dev_" + ceiling) or calib.get(ceiling)  # device time against device
+            top = calib.get("dev_" + ceiling)  # device time against device time only
             row["dev_frac"] = row["dev_" + unit] / top if top else None
 
 
