@@ -47,6 +47,11 @@ class ModelConfig:
     # the row scale into what follows it, so the norm's own multiply kernel goes. Equal in exact
     # arithmetic; in bf16 it rounds at other points than HF's RMSNorm.
     fold_norm_scale: bool = False
+    # The layers' four products (fused q/k/v and gate/up) stored [out, in]
+    # (models.llama.transpose_for_gemv, after loading, on one device): steps of at most
+    # ops.gemv.MAX_ROWS tokens run each product as one kernel with its RMSNorm, SiLU x up and
+    # residual add inside (ops/gemv.py); larger steps multiply by the transposes in XLA.
+    gemv_layers: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
 

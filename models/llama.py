@@ -15,7 +15,8 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache
-from ops.matmul import linear
+from ops import gemv as gemv_ops
+from ops.matmul import TransposedWeight, linear
 from ops.paged_attention import step_attention
 from ops.rms_norm import rms_norm, rms_scale
 from ops.rope_kv import rope_and_write_kv
@@ -128,6 +129,13 @@ class Attention(nnx.Module):
                inv_freq: np.ndarray):
         """Attention of projected tokens (project_qkv's output) over the cache, with this step's
         K/V written; returns (o_proj's output [N, hidden], k_pages, v_pages)."""
+        heads, k_pages, v_pages = self.attention_heads(qkv, k_pages, v_pages, meta, cfg,
+                                                       inv_freq)
+        return self.o_proj(heads), k_pages, v_pages
+
+    def attention_heads(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
+                        inv_freq: np.ndarray):
+        """`attend` before o_proj: (the heads' outputs [N, H * D], k_pages, v_pages)."""
         num_tokens = meta.positions.shape[0]
         # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
         q, k_pages, v_pages = rope_and_write_kv(
@@ -136,8 +144,7 @@ class Attention(nnx.Module):
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs)  # [N, H, D]
-        return (self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)), k_pages,
-                v_pages)
+        return out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -193,6 +200,8 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray):
         """Pre-norm attention then MLP, each with a residual; returns (x, k_pages, v_pages)."""
+        if cfg.gemv_layers and x.shape[0] <= gemv_ops.MAX_ROWS:
+            return self.gemv_call(x, k_pages, v_pages, meta, cfg, inv_freq)
         fold = cfg.fold_norm_scale
         # (a q/k/v bias would be scaled with the product: no fold there)
         qkv = normed_product(self.input_layernorm, x, self.self_attn.project_qkv,
@@ -202,6 +211,26 @@ class DecoderLayer(nnx.Module):
         x = x + attn_out
         x = x + self.mlp.down(normed_product(self.post_attention_layernorm, x,
                                              self.mlp.project_gate_up, fold))
+        return x, k_pages, v_pages
+
+    def gemv_call(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
+                  inv_freq: np.ndarray):
+        """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of a few tokens:
+        four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up and residuals inside them,
+        around RoPE + KV write and attention."""
+        attn, mlp = self.self_attn, self.mlp
+        w_t = lambda layer: layer.kernel.get_value().w_t  # noqa: E731  [out, in]
+        qkv = gemv_ops.fused_gemv(
+            x, w_t(attn.qkv_proj), norm_weight=self.input_layernorm.weight[...],
+            eps=cfg.rms_norm_eps, bias=None if attn.qkv_proj.bias is None
+            else attn.qkv_proj.bias[...])
+        heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
+                                                       inv_freq)
+        x = gemv_ops.fused_gemv(heads, w_t(attn.o_proj), residual=x)
+        act = gemv_ops.fused_gemv(x, w_t(mlp.gate_up_proj),
+                                  norm_weight=self.post_attention_layernorm.weight[...],
+                                  eps=cfg.rms_norm_eps, gated=True)  # SiLU(gate) x up
+        x = gemv_ops.fused_gemv(act, w_t(mlp.down_proj), residual=x)
         return x, k_pages, v_pages
 
 
@@ -299,3 +328,34 @@ def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
         layer.self_attn.qkv_proj = _fused_linear(layer.self_attn, _QKV)
         layer.mlp.gate_up_proj = _fused_linear(layer.mlp, _GATE_UP)
     return cfg.replace(fused_projections=True), model
+
+
+def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM
+                       ) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Stores each layer's q/k/v, o, gate/up and down kernels transposed, [out, in]
+    (ops.matmul.TransposedWeight), in place, for ops/gemv.py's fused decode kernel.
+
+    Returns (cfg with gemv_layers=True, the same model object). Needs fused projections
+    (fuse_projections first) and float kernels (not quantized); one device, like fusion. The
+    model computes the same function; layer by layer, so peak memory grows by one layer's
+    kernels. The output head keeps its layout (XLA's product reads it at the copy rate).
+    """
+    if cfg.gemv_layers:
+        raise ValueError("transpose_for_gemv: the model is already transposed")
+    if not cfg.fused_projections:
+        raise ValueError("transpose_for_gemv: fuse the projections first (fuse_projections)")
+    for layer in model.layers:  # every layer checked first: an error leaves the model as it was
+        for lin in _gemv_linears(layer):
+            kernel = lin.kernel.get_value()
+            if not isinstance(kernel, jax.Array | np.ndarray):
+                raise ValueError(f"transpose_for_gemv: {type(kernel).__name__} kernels are not "
+                                 "float arrays (quantized weights keep their own kernels)")
+    for layer in model.layers:
+        for lin in _gemv_linears(layer):
+            lin.kernel = nnx.Param(TransposedWeight(jnp.asarray(lin.kernel.get_value()).T))
+    return cfg.replace(gemv_layers=True), model
+
+
+def _gemv_linears(layer: DecoderLayer) -> tuple[Linear, ...]:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)

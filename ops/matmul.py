@@ -4,9 +4,14 @@
 from quant/, which registers its product here) and returns x @ W in x's dtype. Keeping every
 linear layer behind this function is what lets quantized weights and GPU kernels plug in without
 touching the model.
+
+`TransposedWeight` holds a float weight stored [out, in] (models.llama.transpose_for_gemv):
+`linear` multiplies by its transpose, and the model's layers hand it to ops/gemv.py's kernel
+for decode batches of one or two tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -14,6 +19,19 @@ import jax.numpy as jnp
 
 # Quantized weight type -> function (x, weight) -> x @ dequantize(weight).
 _QUANTIZED_MATMULS: dict[type, Callable] = {}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransposedWeight:
+    """A float weight [in, out] stored as its transpose w_t [out, in]."""
+
+    w_t: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's logical shape [in, out]."""
+        return self.w_t.shape[1], self.w_t.shape[0]
 
 
 def register_quantized_matmul(weight_type: type, fn: Callable) -> None:
@@ -26,6 +44,11 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     fn = _QUANTIZED_MATMULS.get(type(weight))
     if fn is not None:
         y = fn(x, weight)
+    elif isinstance(weight, TransposedWeight):
+        if x.shape[-1] != weight.shape[0]:
+            raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
+        y = jax.lax.dot_general(x, weight.w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
     else:
         if weight.ndim != 2 or x.shape[-1] != weight.shape[0]:
             raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")

@@ -8,8 +8,9 @@ For each model (random weights of the preset's real shapes, made on the device; 
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused after
 loading, models.llama.fuse_projections; `folded`: fused, and each RMSNorm folded into the
 product after it, ModelConfig.fold_norm_scale; `merged`: folded, with the attention kernel's key
-splits merged inside it, PALLASITE_SPLIT_MERGE=kernel; `mesh`: the sharded runner over a --tp
-mesh), one
+splits merged inside it, PALLASITE_SPLIT_MERGE=kernel; `gemv`: fused, and the layers' weights
+transposed for ops/gemv.py's kernel with the norms, SiLU x up and residuals inside the products,
+models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp mesh), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C: every sequence attends to C tokens): the runner's jitted step as
   the engine issues it (execute_padded: host padding + dispatch) queued --steps times with one
@@ -60,8 +61,11 @@ flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128) through ops.matmul.linear.")
 flags.DEFINE_bool("quant_lm_head", False, "With --quant: the untied output head quantized too "
                   "(quant.model.QuantConfig.lm_head).")
-VARIANTS = ("base", "fused", "folded", "merged", "mesh")
-flags.DEFINE_list("variants", ["base"], "base, fused, folded, merged, mesh (see the module "
+VARIANTS = ("base", "fused", "folded", "merged", "gemv", "mesh")
+# Environment a variant runs under while it is built, traced and timed (its runner is its own,
+# so its programs are traced under it).
+VARIANT_ENV = {"merged": {"PALLASITE_SPLIT_MERGE": "kernel"}}
+flags.DEFINE_list("variants", ["base"], "base, fused, folded, merged, gemv, mesh (see the module "
                   "docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
@@ -152,9 +156,9 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     """(cfg, runner) of one model variant, with a random cache sized for every row."""
     from scripts import decode_steps as ds
     cfg, model = ds.build_model(get_preset(name), dtype, FLAGS.seed, FLAGS.quant,
-                                fused=variant in ("fused", "folded", "merged"),
+                                fused=variant in ("fused", "folded", "merged", "gemv"),
                                 mesh=mesh if variant == "mesh" else None,
-                                quant_lm_head=FLAGS.quant_lm_head)
+                                quant_lm_head=FLAGS.quant_lm_head, gemv=variant == "gemv")
     if variant in ("folded", "merged"):
         cfg = cfg.replace(fold_norm_scale=True)
     batches = [int(b) for b in FLAGS.batch] + [FLAGS.greedy_batch]
@@ -439,9 +443,7 @@ def main(argv):
     for name in FLAGS.model:
         for variant in variants:
             try:
-                # `merged`: the setting on while the variant is built, traced and timed (its
-                # runner is its own, so its programs are traced under it).
-                env = {"PALLASITE_SPLIT_MERGE": "kernel"} if variant == "merged" else {}
+                env = VARIANT_ENV.get(variant, {})
                 with jax.default_matmul_precision(precision), mock.patch.dict(os.environ, env):
                     measure_model(name, variant, results, results["calibration"], mesh)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory building the model

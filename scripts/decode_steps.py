@@ -32,12 +32,12 @@ QUANT_METHODS = {"none": None, "int8": "int8", "int4": "int4_rtn"}
 # ---- model and cache ------------------------------------------------------------------------
 
 def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: bool = False,
-                mesh=None, quant_lm_head: bool = False):
+                mesh=None, quant_lm_head: bool = False, gemv: bool = False):
     """(cfg, model): random weights of cfg's shapes made on the device (on the mesh's shards with
     a mesh), RTN-quantized on the device with `quant` ('int8', 'int4': group 128; the untied
     output head too with `quant_lm_head`), then fused (models.llama.fuse_projections) when
-    `fused`."""
-    from models.llama import fuse_projections
+    `fused`, and transposed for ops/gemv.py (models.llama.transpose_for_gemv) when `gemv`."""
+    from models.llama import fuse_projections, transpose_for_gemv
 
     model = random_weights(cfg, seed, dtype, mesh)
     if QUANT_METHODS[quant] is not None:
@@ -48,6 +48,8 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
         if mesh is not None:
             raise ValueError("fused projections are for one device (no --tp)")
         cfg, model = fuse_projections(cfg, model)
+    if gemv:
+        cfg, model = transpose_for_gemv(cfg, model)
     return cfg, model
 
 

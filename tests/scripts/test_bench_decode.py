@@ -214,3 +214,23 @@ def test_quantized_head_bytes_per_step():
     h, v = cfg.hidden_size, cfg.vocab_size
     saved = ds.weight_bytes_per_step(cfg, plain, 1) - ds.weight_bytes_per_step(cfg, quant, 1)
     assert saved == 2 * h * v - (h * v + 2 * v)
+
+
+def test_bench_decode_gemv_variant(tmp_path):
+    """The `gemv` variant (transposed layers, one-row steps through ops/gemv.py's fused
+    product): the same greedy tokens as `fused` at one row, and the same bytes per step."""
+    out = tmp_path / "gemv.json"
+    args = ["--model=tiny-llama31", "--batch=1", "--context=24", "--prefill=",
+            "--variants=fused,gemv", "--dtype=float32", "--steps=2", "--runs=1",
+            "--loop_steps=0", "--greedy_steps=4", "--greedy_batch=1", "--greedy_context=32",
+            "--page_size=8", "--nocalibrate", "--nohf", f"--json_out={out}",
+            "--matmul_precision=highest"]
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_decode", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    fused, gemv = res["decode"]
+    assert (fused["variant"], gemv["variant"]) == ("fused", "gemv")
+    assert gemv["weight_bytes"] == fused["weight_bytes"] > 0 and gemv["tokens_per_s"] > 0
+    assert res["greedy_check"]["tiny-llama31"]["results"]["gemv"]["equal"] is True

@@ -58,6 +58,31 @@ def test_folded_norm_scale_gives_the_same_greedy_tokens(unfused):
     assert [o["token_ids"] for o in folded] == [o["token_ids"] for o in plain]
 
 
+def test_gemv_layers_give_the_same_greedy_tokens():
+    """generate --gemv_layers (models.llama.transpose_for_gemv) reaches the model: the same
+    greedy tokens for one prompt (one-row decode steps: on the CPU ops/gemv.py's float32
+    reference of the fused product)."""
+    def one(*flags):
+        result = run_script("generate", f"--model={TINY_DIR}", "--prompt=the sea", "--json",
+                            "--max_tokens=10", "--nowarmup", "--fuse_projections=true", *flags)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)["token_ids"], result.stderr
+    (plain, plain_err), (gemv, err) = one(), one("--gemv_layers")
+    line = "model: layers transposed for the batch-1 gemv kernel"
+    assert line in err and line not in plain_err
+    assert gemv == plain and len(plain) == 10
+
+
+@pytest.mark.parametrize("flags,named", [
+    (("--fuse_projections=false",), "--gemv_layers needs fused projections on one device"),
+    ((), "--gemv_layers needs fused projections (auto fusion is off on the CPU"),
+])
+def test_gemv_layers_without_fusion_is_one_clear_error(flags, named):
+    result = run_script("generate", f"--model={TINY_DIR}", "--prompt=hi", "--nowarmup",
+                        "--gemv_layers", *flags)
+    assert_one_clear_error(result, named)
+
+
 def test_fused_target_and_draft_give_the_same_greedy_tokens(unfused):
     plain, _ = unfused
     spec, err = generate_json("--fuse_projections", "--speculative=draft",

@@ -1,0 +1,141 @@
+"""ops.gemv (bf16 x @ w_t^T for a few rows, with RMSNorm, SiLU x up, bias and residual folded
+in) against a float64 numpy computation of the same function on the same bf16 inputs.
+
+On the CPU the Pallas kernel runs interpreted on small shapes (N not a multiple of the column
+block, K not a multiple of the K block); on a GPU the same cases run compiled and the
+Llama-3.1-8B layer shapes are added. A CPU test lowers every variant to Triton IR for an H200.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops.gemv import GemvConfig, fused_gemv, gemv, gemv_reference
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPL = "pallas" if ON_GPU else "pallas_interpret"
+EPS = 1e-5
+# (M, K, N of w_t, variant, config): variants name what is folded in
+CASES = [
+    (1, 256, 64, "plain", GemvConfig(8, 64, 4, 1)),
+    (2, 200, 70, "norm_residual", GemvConfig(8, 64, 4, 1)),
+    (1, 256, 96, "gated", GemvConfig(16, 128, 4, 1)),
+    (3, 130, 40, "gated_residual", GemvConfig(8, 32, 4, 1)),
+    (1, 192, 48, "norm_bias", GemvConfig(4, 128, 2, 2)),
+    (2, 96, 36, "plain", None),  # gemv_config's tiles, masked on both axes
+]
+LLAMA_CASES = [(1, 4096, 6144, "norm"), (1, 4096, 4096, "residual"), (1, 4096, 28672, "gated"),
+               (1, 14336, 4096, "residual"), (2, 4096, 28672, "gated"), (2, 14336, 4096, "residual")]
+
+
+def operands(seed: int, m: int, k: int, n: int, variant: str):
+    """Fresh random bf16 operands (never zeros) and fused_gemv's keyword arguments."""
+    rng = np.random.default_rng(seed)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    x = bf(rng.standard_normal((m, k)) + 0.3)
+    w_t = bf(rng.standard_normal((n, k)) / np.sqrt(k))
+    gated = "gated" in variant
+    n_out = n // 2 if gated else n
+    kw = dict(gated=gated, eps=EPS)
+    if "norm" in variant or gated:
+        kw["norm_weight"] = bf(1.0 + 0.2 * rng.standard_normal(k))
+    if "bias" in variant:
+        kw["bias"] = bf(0.5 * rng.standard_normal(n))
+    if "residual" in variant:
+        kw["residual"] = bf(rng.standard_normal((m, n_out)))
+    return x, w_t, kw
+
+
+def float64_want(x, w_t, norm_weight=None, eps=EPS, gated=False, bias=None, residual=None):
+    """The function in float64 numpy from the bf16 operands (independent of jax's dot)."""
+    f = lambda a: None if a is None else np.asarray(a.astype(jnp.float32), np.float64)  # noqa
+    h = f(x)
+    if norm_weight is not None:
+        h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * f(norm_weight)
+    y = h @ f(w_t).T
+    if bias is not None:
+        y = y + f(bias)
+    if gated:
+        g, u = np.split(y, 2, axis=-1)
+        y = g / (1.0 + np.exp(-g)) * u
+    return y if residual is None else y + f(residual)
+
+
+def check(out, want, dtype_ulp: float = 2.0 ** -8):
+    """bf16 outputs: within about one rounding of the float64 value (plus float32 sums)."""
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert out.shape == want.shape and np.all(np.isfinite(out))
+    scale = np.max(np.abs(want))
+    np.testing.assert_array_less(np.abs(out - want), dtype_ulp * np.abs(want) + 1e-4 * scale)
+
+
+@pytest.mark.parametrize("m,k,n,variant,config", CASES)
+def test_kernel_against_float64(m, k, n, variant, config):
+    x, w_t, kw = operands(m * 1000 + k + n, m, k, n, variant)
+    out = gemv(x, w_t, config=config, interpret=not ON_GPU, **kw)
+    assert out.dtype == jnp.bfloat16
+    check(out, float64_want(x, w_t, **kw))
+    check(gemv_reference(x, w_t, **kw), float64_want(x, w_t, **kw))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Llama-3.1-8B shapes run compiled on a GPU")
+@pytest.mark.parametrize("m,k,n,variant", LLAMA_CASES)
+def test_llama_shapes_on_gpu(m, k, n, variant):
+    x, w_t, kw = operands(k + n + m, m, k, n, variant)
+    check(fused_gemv(x, w_t, impl="pallas", **kw), float64_want(x, w_t, **kw))
+
+
+def test_fused_gemv_dispatch(monkeypatch):
+    x, w_t, kw = operands(3, 1, 64, 32, "norm_residual")
+    ref = gemv_reference(x, w_t, **kw)
+    if not ON_GPU:  # the CPU runs the reference unless told otherwise
+        np.testing.assert_array_equal(fused_gemv(x, w_t, **kw), ref)
+    monkeypatch.setenv("PALLASITE_GEMV", "pallas_interpret")
+    check(fused_gemv(x, w_t, **kw), float64_want(x, w_t, **kw))
+    with pytest.raises(ValueError, match="impl 'triton'"):
+        fused_gemv(x, w_t, impl="triton", **kw)
+    # float32 operands, or more rows than MAX_ROWS, take the reference by default
+    monkeypatch.delenv("PALLASITE_GEMV")
+    x3 = jnp.concatenate([x, x, x]).astype(jnp.float32)
+    np.testing.assert_allclose(fused_gemv(x3, w_t.astype(jnp.float32)),
+                               gemv_reference(x3, w_t.astype(jnp.float32)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(w_t=(32, 48)), r"x \(1, 64\) does not fit w_t \(32, 48\)"),
+    (dict(norm_weight=(48,)), r"norm_weight \(48,\) is not \[K\]"),
+    (dict(bias=(31,)), r"bias \(31,\) is not \[N\]"),
+    (dict(residual=(1, 16)), r"residual \(1, 16\) is not the output's \(1, 32\)"),
+    (dict(gated=True, w_t=(33, 64)), "gated w_t .* needs an even N"),
+])
+def test_shape_errors_name_the_operand(bad, match):
+    x, w_t, kw = operands(4, 1, 64, 32, "norm_bias_residual")
+    for name, shape in bad.items():
+        if name == "gated":
+            kw["gated"] = shape
+        elif name == "w_t":
+            w_t = jnp.ones(shape, jnp.bfloat16)
+        else:
+            kw[name] = jnp.ones(shape, jnp.bfloat16)
+    if kw.get("gated"):
+        kw.pop("residual")
+    for fn in (gemv_reference, lambda *a, **k: gemv(*a, interpret=True, **k)):
+        with pytest.raises(ValueError, match=match):
+            fn(x, w_t, **kw)
+
+
+def test_kernel_refuses_other_dtypes():
+    x, w_t, _ = operands(6, 1, 64, 32, "plain")
+    with pytest.raises(ValueError, match=r"bf16 x \(1, 64\) float32"):
+        gemv(x.astype(jnp.float32), w_t, interpret=True)
+
+
+@pytest.mark.parametrize("variant", ["plain", "norm_bias", "gated", "residual", "gated_m2"])
+def test_lowers_to_triton_for_h200(h200_lowering, variant):
+    m = 2 if variant.endswith("m2") else 1
+    x, w_t, kw = operands(5, m, 4096, 6144, variant)
+    text = jax.jit(lambda x, w_t: gemv(x, w_t, **kw)).trace(x, w_t).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "gemv_nk" in text and h200_lowering
