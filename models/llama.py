@@ -215,9 +215,9 @@ class DecoderLayer(nnx.Module):
 
     def gemv_call(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                   inv_freq: np.ndarray):
-        """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of a few tokens:
-        four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up and residuals inside them,
-        around RoPE + KV write and attention."""
+        """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of at most
+        ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
+        and residuals inside them, around RoPE + KV write and attention."""
         attn, mlp = self.self_attn, self.mlp
         w_t = lambda layer: layer.kernel.get_value().w_t  # noqa: E731  [out, in]
         qkv = gemv_ops.fused_gemv(

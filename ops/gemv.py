@@ -119,7 +119,7 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k_words: int, block_n:
         # [BN, BW] per row set, x^2 sums [BW]))
         tile, rows_ = carry
         if prefetch:  # issue the next tile's loads before this tile's math
-            tile, nxt = tile, load_tile(t + 1)
+            nxt = load_tile(t + 1)
         else:
             tile, nxt = load_tile(t), None
         words, norm, xs = tile
