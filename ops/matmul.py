@@ -7,7 +7,7 @@ touching the model.
 
 `TransposedWeight` holds a float weight stored [out, in] (models.llama.transpose_for_gemv):
 `linear` multiplies by its transpose, and the model's layers hand it to ops/gemv.py's kernel
-for decode batches of one or two tokens.
+for one-token decode steps.
 """
 from __future__ import annotations
 

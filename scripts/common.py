@@ -212,7 +212,7 @@ def define_fusion_flags() -> None:
                       "Store each layer's fused weights transposed so that batch-1 decode steps "
                       "run each product as one Pallas kernel with its RMSNorm, SiLU x up and "
                       "residual add inside (ops/gemv.py; models.llama.transpose_for_gemv): "
-                      "llama3.1-8b bf16 batch-1 decode 7-9% faster on the H200, larger batches "
+                      "llama3.1-8b bf16 batch-1 decode about 7% faster on the H200, larger batches "
                       "up to 3% slower. Needs fused projections, unquantized weights and one "
                       "device; the kernel runs for bf16 weights on a GPU.")
     flags.DEFINE_bool("fold_norm_scale", False,
