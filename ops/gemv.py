@@ -116,7 +116,7 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k_words: int, block_n:
         return words, norm, tuple(_load_row(x_ref, i, kw, kw_ok) for i in range(m))
 
     def body(t, carry):  # carry: (the prefetched tile or None, per x row (accumulators
-        # [BN, BW] per row set, x^2 sums [BW]))
+        # [BN, BW] per row set, x^2 sums [BW] with a norm, else None))
         tile, rows_ = carry
         if prefetch:  # issue the next tile's loads before this tile's math
             nxt = load_tile(t + 1)
@@ -141,7 +141,7 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k_words: int, block_n:
         return nxt, tuple(out)
 
     init = tuple((tuple(jnp.zeros((block_n, block_w), jnp.float32) for _ in row_sets),
-                  jnp.zeros((block_w,), jnp.float32)) for _ in range(m))
+                  jnp.zeros((block_w,), jnp.float32) if has_norm else None) for _ in range(m))
     _, carry = jax.lax.fori_loop(0, steps, body, (load_tile(0) if prefetch else None, init))
     for i, (accs, sq) in enumerate(carry):
         ys = [jnp.sum(acc, axis=1) for acc in accs]  # [BN] each

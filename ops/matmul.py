@@ -44,15 +44,15 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     fn = _QUANTIZED_MATMULS.get(type(weight))
     if fn is not None:
         y = fn(x, weight)
-    elif isinstance(weight, TransposedWeight):
-        if x.shape[-1] != weight.shape[0]:
-            raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
-        y = jax.lax.dot_general(x, weight.w_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
     else:
-        if weight.ndim != 2 or x.shape[-1] != weight.shape[0]:
+        if len(weight.shape) != 2 or x.shape[-1] != weight.shape[0]:
             raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
-        y = jnp.dot(x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+        if isinstance(weight, TransposedWeight):  # x @ w_t^T, no transposed copy
+            y = jax.lax.dot_general(x, weight.w_t.astype(x.dtype),
+                                    (((x.ndim - 1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+        else:
+            y = jnp.dot(x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)

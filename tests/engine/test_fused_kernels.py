@@ -23,9 +23,10 @@ ENGINE_CFG = EngineConfig(max_model_len=64, max_num_seqs=3, max_num_batched_toke
                           page_size=4)
 
 
-def generate(model, cfg, prompts):
+def generate(model, cfg, prompts, params=None):
+    """Greedy generations with log-probabilities: 8 tokens each, or per-prompt `params`."""
     engine = LLMEngine(cfg, model, None, ENGINE_CFG)
-    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    params = params or SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     return engine.generate(prompts, params)
 
 

@@ -20,15 +20,8 @@ from engine.request import SamplingParams
 from models.llama import fuse_projections, transpose_for_gemv
 from models.weights import model_from_pure_dict
 from quant.model import QuantConfig, quantize_model
-from tests.engine.test_fused_kernels import ENGINE_CFG, assert_same_generations, model_and_prompts
+from tests.engine.test_fused_kernels import assert_same_generations, generate, model_and_prompts
 from tests.engine.weights import unit_scale_pure_dict
-
-
-def generate(model, cfg, prompts, params=None):
-    """Greedy generations with log-probabilities: 8 tokens each, or per-prompt `params`."""
-    from engine.llm_engine import LLMEngine
-    params = params or SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
-    return LLMEngine(cfg, model, None, ENGINE_CFG).generate(prompts, params)
 
 
 def count_gemv_calls(monkeypatch) -> dict:
