@@ -161,9 +161,12 @@ def variant_setup(name: str, variant: str, dtype, mesh):
                                 quant_lm_head=FLAGS.quant_lm_head, gemv=variant == "gemv")
     if variant in ("folded", "merged"):
         cfg = cfg.replace(fold_norm_scale=True)
-    batches = [int(b) for b in FLAGS.batch] + [FLAGS.greedy_batch]
+    batches = [int(b) for b in FLAGS.batch]
     contexts = [int(c) + FLAGS.multi_step for c in FLAGS.context] + [
-        int(c) for c in FLAGS.prefill] + [FLAGS.greedy_context + FLAGS.multi_step]
+        int(c) for c in FLAGS.prefill]
+    if FLAGS.greedy_steps:
+        batches.append(FLAGS.greedy_batch)
+        contexts.append(FLAGS.greedy_context + FLAGS.multi_step)
     runner = ds.make_runner(cfg, model, max(batches), max(contexts), FLAGS.page_size,
                             mesh if variant == "mesh" else None)
     ds.fill_cache_random(runner, FLAGS.seed + 1)

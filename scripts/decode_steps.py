@@ -103,13 +103,32 @@ def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_
                               max_width=width, mesh=mesh)
 
 
+FILL_CHUNK_ELEMENTS = 1 << 26  # values drawn per loop step of fill_cache_random
+
+
+def _random_pages(pages: jax.Array, key: jax.Array) -> jax.Array:
+    """normal(0, 1) values of pages' shape and dtype, drawn chunk by chunk of pages into the
+    (donated) buffer, so the temporaries stay at one chunk's size however large the cache."""
+    num_pages = pages.shape[0]
+    page_elements = int(np.prod(pages.shape[1:]))
+    chunk = max(1, min(num_pages, FILL_CHUNK_ELEMENTS // page_elements))
+
+    def fill_chunk(i, acc):
+        start = jnp.minimum(i * chunk, num_pages - chunk)  # the last chunk may overlap
+        values = jax.random.normal(jax.random.fold_in(key, i), (chunk,) + pages.shape[1:],
+                                   pages.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(acc, values, start, axis=0)
+
+    return jax.lax.fori_loop(0, -(-num_pages // chunk), fill_chunk, pages)
+
+
 def fill_cache_random(runner: ModelRunner, seed: int) -> None:
     """Overwrites every K and V page of the runner's cache with normal(0, 1) values, in place
-    (one small jitted program, donated page by page: no second copy of the cache)."""
+    (one small jitted program, donated page array by page array, drawing a bounded chunk of
+    pages at a time: no second copy of the cache, even at 70 GB)."""
     cache = runner.cache
     first = cache.k_pages[0]
-    fill = jax.jit(lambda a, key: jax.random.normal(key, a.shape, a.dtype),
-                   donate_argnums=0, out_shardings=first.sharding)
+    fill = jax.jit(_random_pages, donate_argnums=0, out_shardings=first.sharding)
     keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k_pages))
     k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k_pages))
     v = tuple(fill(a, keys[len(k) + i]) for i, a in enumerate(cache.v_pages))

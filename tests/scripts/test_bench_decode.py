@@ -115,6 +115,19 @@ def test_bytes_per_step_count_the_weights_read_and_the_kv(name):
     assert kv == 300 * kv_bytes_per_token(cfg, jnp.bfloat16)
 
 
+def test_random_pages_fill_every_page_in_chunks(monkeypatch):
+    """_random_pages draws in chunks of pages (the last one overlapping): every page of a zero
+    buffer ends up holding normal(0, 1) values, and no two chunks repeat each other."""
+    monkeypatch.setattr(ds, "FILL_CHUNK_ELEMENTS", 3 * 4 * 2 * 8)  # 3 pages per chunk
+    pages = jnp.zeros((10, 4, 2, 8), jnp.float32)  # [pages, page_size, kv heads, head_dim]
+    out = np.asarray(ds._random_pages(pages, jax.random.key(int(np.random.randint(1 << 30)))))
+    assert out.shape == pages.shape and out.dtype == np.float32
+    flat = out.reshape(10, -1)
+    assert np.all(np.abs(flat).max(axis=1) > 0)  # no page left as it was
+    assert len({row.tobytes() for row in flat}) == 10
+    assert abs(flat.mean()) < 0.15 and 0.85 < flat.std() < 1.15  # 640 draws of normal(0, 1)
+
+
 def test_prefill_flops_match_the_parameter_count():
     cfg = get_preset("tiny-llama31")
     h, t = cfg.hidden_size, 64
