@@ -219,18 +219,19 @@ class DecoderLayer(nnx.Module):
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
         and residuals inside them, around RoPE + KV write and attention."""
         attn, mlp = self.self_attn, self.mlp
-        w_t = lambda layer: layer.kernel.get_value().w_t  # noqa: E731  [out, in]
-        qkv = gemv_ops.fused_gemv(
-            x, w_t(attn.qkv_proj), norm_weight=self.input_layernorm.weight[...],
-            eps=cfg.rms_norm_eps, bias=None if attn.qkv_proj.bias is None
-            else attn.qkv_proj.bias[...])
+        def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ INT8 scales)
+            w = layer.kernel.get_value()
+            return gemv_ops.fused_gemv(x, w.w_t, scales=w.scales, offsets=w.offsets, **kw)
+
+        qkv = product(x, attn.qkv_proj, norm_weight=self.input_layernorm.weight[...],
+                      eps=cfg.rms_norm_eps,
+                      bias=None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[...])
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
                                                        inv_freq)
-        x = gemv_ops.fused_gemv(heads, w_t(attn.o_proj), residual=x)
-        act = gemv_ops.fused_gemv(x, w_t(mlp.gate_up_proj),
-                                  norm_weight=self.post_attention_layernorm.weight[...],
-                                  eps=cfg.rms_norm_eps, gated=True)  # SiLU(gate) x up
-        x = gemv_ops.fused_gemv(act, w_t(mlp.down_proj), residual=x)
+        x = product(heads, attn.o_proj, residual=x)
+        act = product(x, mlp.gate_up_proj, norm_weight=self.post_attention_layernorm.weight[...],
+                      eps=cfg.rms_norm_eps, gated=True)  # SiLU(gate) x up
+        x = product(act, mlp.down_proj, residual=x)
         return x, k_pages, v_pages
 
 
@@ -336,7 +337,9 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM
     (ops.matmul.TransposedWeight), in place, for ops/gemv.py's fused decode kernel.
 
     Returns (cfg with gemv_layers=True, the same model object). Needs fused projections
-    (fuse_projections first) and float kernels (not quantized); one device, like fusion. The
+    (fuse_projections first) and float or INT8 per-channel kernels (QuantizedWeight.transposed:
+    codes [out, in] with their scales; INT4 and group-wise scales are refused); one device,
+    like fusion. The
     model computes the same function; layer by layer, so peak memory grows by one layer's
     kernels. The output head keeps its layout (XLA's product reads it at the copy rate).
     """
@@ -347,12 +350,20 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM
     for layer in model.layers:  # every layer checked first: an error leaves the model as it was
         for lin in _gemv_linears(layer):
             kernel = lin.kernel.get_value()
-            if not isinstance(kernel, jax.Array | np.ndarray):
-                raise ValueError(f"transpose_for_gemv: {type(kernel).__name__} kernels are not "
-                                 "float arrays (quantized weights keep their own kernels)")
+            if isinstance(kernel, jax.Array | np.ndarray):
+                continue
+            if not hasattr(kernel, "transposed"):
+                raise ValueError(f"transpose_for_gemv: {type(kernel).__name__} kernels cannot be "
+                                 "stored transposed")
+            try:
+                jax.eval_shape(kernel.transposed)
+            except ValueError as e:
+                raise ValueError(f"transpose_for_gemv: {e}") from None
     for layer in model.layers:
         for lin in _gemv_linears(layer):
-            lin.kernel = nnx.Param(TransposedWeight(jnp.asarray(lin.kernel.get_value()).T))
+            kernel = lin.kernel.get_value()
+            lin.kernel = nnx.Param(TransposedWeight(jnp.asarray(kernel).T) if isinstance(
+                kernel, jax.Array | np.ndarray) else kernel.transposed())
     return cfg.replace(gemv_layers=True), model
 
 

@@ -1,5 +1,6 @@
-"""A bf16 product for decode at batch 1 with its neighbours folded in: x [M, K] @ W^T for a
-weight stored transposed, w_t [N, K] (the kernel takes any M; the model uses it for one row).
+"""A product for decode at batch 1 with its neighbours folded in: x [M, K] @ W^T for a weight
+stored transposed, w_t [N, K], bf16 or INT8 codes with per-channel scales (the kernel takes any
+M; the model uses it for one row).
 
 At batch 1 a Llama layer is four weight reads (q/k/v, o, gate/up, down) and around them about
 eight small XLA kernels (the RMSNorms' reductions and multiplies, the split-K sums, SiLU x up,
@@ -21,9 +22,19 @@ Loads: w_t and x are read as int32 words (two bf16 values, K positions 2i and 2i
 or a mask makes each a float32 exactly, and one fused multiply-add per weight adds it into a
 [BN, BK/2] accumulator that is summed over K once, at the end.
 
+INT8 (`scales` [N], and `offsets` [N] when asymmetric: the value of code c in row n is
+scales[n] (c - 128), or scales[n] c + offsets[n]; quant/qtensor.py's per-channel weights, stored
+transposed by QuantizedWeight.transposed). w_t is uint8 [N, K], read as int32 words of four codes
+(K positions 4w..4w+3), and each code becomes the float 1 + c 2^-15 with one PRMT, as in
+ops/quant_gemv8.py. Per word, one chain of four fused multiply-adds starts from minus the excess
+(1 + 128 2^-15 symmetric, 1 asymmetric) times the four activations x' = x 2^15 and ends at
+x (c - 128) summed over them, which one add puts into the accumulator: the large terms cancel
+within the chain, not over K. The per-channel scale (and offset times the sum of x) applies
+once, at the end, before the norm's scale, the bias, SiLU x up and the residual.
+
 `gemv_reference` computes the same function in jnp (the tests compare both); `fused_gemv`
-dispatches: the kernel on a GPU for bf16 operands and at most MAX_ROWS rows, the reference
-elsewhere. The model's layers use it when their weights are stored transposed
+dispatches: the kernel on a GPU for bf16 activations (bf16 weights or INT8 codes) and at most
+MAX_ROWS rows, the reference elsewhere. The model's layers use it when their weights are stored transposed
 (models/llama.py, `transpose_for_gemv`). Measured on the H200: docs/PERFORMANCE.md, "Sixteenth
 session".
 """
@@ -38,7 +49,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops.matmul import INT8_ZERO, dequantize_rows
 from ops.ptx import fma
+from ops.quant_gemv8 import X_SCALE, word_codes
 from ops.quant_tiles import _load
 
 HIGH_HALF = -65536  # int32 0xFFFF0000: the bf16 in a word's upper half, as float32 bits
@@ -58,22 +71,32 @@ class GemvConfig:
     prefetch: bool = False  # each loop step loads the next K tile before its own math
 
 
-def gemv_config(gated: bool, norm: bool) -> GemvConfig:
+def gemv_config(gated: bool, norm: bool, codes: bool = False) -> GemvConfig:
     """Tiles for one row on an H200, from device-time sweeps of 54 and 27 tiles on the four
     Llama-3.1-8B layer products (docs/PERFORMANCE.md, sixteenth session): gated (gate/up)
     [4 columns of each half, 256 K] without prefetch; normed (q/k/v) [8, 512]; plain products
     (o, down) [4, 1024] with prefetch; 4 warps each. (num_stages changed nothing: Triton does
-    not pipeline this loop, hence the explicit prefetch.)"""
+    not pipeline this loop, hence the explicit prefetch.) INT8 codes (`codes`): the same bytes
+    per tile, so twice the K positions (not swept yet)."""
     if gated:
-        return GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3)
-    if norm:
-        return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
-    return GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, prefetch=True)
+        cfg = GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3)
+    elif norm:
+        cfg = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+    else:
+        cfg = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, prefetch=True)
+    return dataclasses.replace(cfg, block_k=2 * cfg.block_k) if codes else cfg
 
 
 def _words(a):
     """bf16 [..., K] (K even) -> int32 [..., K/2]: the same bytes, two values per word."""
     return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), jnp.int32)
+
+
+def _code_words(codes):
+    """uint8 [..., K] (K a multiple of 4) -> int32 [..., K/4]: the same bytes, code 4w + j in
+    byte j (bits 8j..8j+7) of word w."""
+    return jax.lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4),
+                                        jnp.int32)
 
 
 def _halves(word):
@@ -90,14 +113,18 @@ def _load_row(ref, i: int, cols, ok):
     return plgpu.load(ref.at[i, cols], mask=ok, other=0)
 
 
-def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k_words: int, block_n: int,
-                 block_w: int, has_norm: bool, eps: float, gated: bool, has_bias: bool,
-                 has_residual: bool, prefetch: bool, interpret: bool):
-    # x_ref: [M, K/2] int32 (bf16 pairs); w_ref: [N, K/2] int32 (N = 2 n_out when gated);
-    # refs: (nw_ref [1, K/2] int32 norm weight pairs), (b_ref [1, N] bias), (res_ref
-    # [M, n_out]), out_ref [M, n_out]
+def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, block_n: int,
+                 block_w: int, has_norm: bool, eps: float, gated: bool, codes: bool,
+                 asymmetric: bool, has_bias: bool, has_residual: bool, prefetch: bool,
+                 interpret: bool):
+    # x_ref: [M, K/2] int32 (bf16 pairs); w_ref: [N, K/2] int32 (bf16 pairs) or, with `codes`,
+    # [N, K/4] int32 (four uint8 codes, K positions 4w..4w+3); N = 2 n_out when gated.
+    # refs: (nw_ref [1, K/2] int32 norm weight pairs), (s_ref [1, N] scales, (o_ref [1, N]
+    # offsets)), (b_ref [1, N] bias), (res_ref [M, n_out]), out_ref [M, n_out]
     refs = list(refs)
     nw_ref = refs.pop(0) if has_norm else None
+    s_ref = refs.pop(0) if codes else None
+    o_ref = refs.pop(0) if asymmetric else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if has_residual else None
     out_ref = refs[0]
@@ -106,47 +133,77 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k_words: int, block_n:
     col_ok = cols < n_out if n_out % block_n else None
     row_sets = [cols, cols + n_out] if gated else [cols]  # w_t rows of each accumulator
     steps = pl.cdiv(k_words, block_w)
+    # a symmetric code's chain subtracts the 1.0 of its mantissa float and the zero point
+    excess = 1.0 + (0.0 if asymmetric else INT8_ZERO / X_SCALE)
 
     def load_tile(t):  # K tile t: (weight words [BN, BW] per row set, norm weight words
-        # [BW] or None, x words [BW] per x row); past the last tile every read is masked
+        # per x word, x words [BW] per x row and x word); past the last tile all is masked
         kw = t * block_w + jnp.arange(block_w, dtype=jnp.int32)  # [BW] word columns
         kw_ok = kw < k_words if (k_words % block_w or prefetch) else None
         words = tuple(_load(w_ref, r, kw, col_ok, kw_ok) for r in row_sets)
-        norm = _load_row(nw_ref, 0, kw, kw_ok) if has_norm else None
-        return words, norm, tuple(_load_row(x_ref, i, kw, kw_ok) for i in range(m))
+        x_cols = (2 * kw, 2 * kw + 1) if codes else (kw,)  # x words of a weight word
+        norm = tuple(_load_row(nw_ref, 0, c, kw_ok) for c in x_cols) if has_norm else None
+        xs = tuple(tuple(_load_row(x_ref, i, c, kw_ok) for c in x_cols) for i in range(m))
+        return words, norm, xs
 
     def body(t, carry):  # carry: (the prefetched tile or None, per x row (accumulators
-        # [BN, BW] per row set, x^2 sums [BW] with a norm, else None))
+        # [BN, BW] per row set, x^2 sums [BW] or None, x sums [BW] (asymmetric) or None))
         tile, rows_ = carry
         if prefetch:  # issue the next tile's loads before this tile's math
             nxt = load_tile(t + 1)
         else:
             tile, nxt = load_tile(t), None
         words, norm, xs = tile
-        halves = [_halves(w) for w in words]  # [BN, BW]
+        if codes:  # per row set: the floats 1 + c 2^-15 of K positions 4w + j, [BN, BW]
+            weights = [word_codes(w, interpret) for w in words]
+        else:  # the bf16 values of K positions 2w + j
+            weights = [list(_halves(w)) for w in words]
         if has_norm:
-            n_lo, n_hi = _halves(norm)  # [BW]
+            nws = [v for w in norm for v in _halves(w)]  # [BW] per position j
         out = []
-        for (accs, sq), x_words in zip(rows_, xs):
-            x_lo, x_hi = _halves(x_words)  # [BW]
+        for (accs, sq, xsum), x_words in zip(rows_, xs):
+            xv = [v for w in x_words for v in _halves(w)]  # [BW] per position j
             if has_norm:
-                sq = fma(x_lo, x_lo, fma(x_hi, x_hi, sq, interpret), interpret)
-                x_lo, x_hi = x_lo * n_lo, x_hi * n_hi
+                for v in xv:
+                    sq = fma(v, v, sq, interpret)
+                xv = [v * nv for v, nv in zip(xv, nws)]
             new = []
-            for acc, (w_lo, w_hi) in zip(accs, halves):
-                acc = fma(w_lo, jnp.broadcast_to(x_lo[None, :], w_lo.shape), acc, interpret)
-                new.append(fma(w_hi, jnp.broadcast_to(x_hi[None, :], w_hi.shape), acc,
-                               interpret))
-            out.append((tuple(new), sq))
+            if codes:  # one chain per word: from -excess (x'_0 + .. + x'_3) through the four
+                # codes' x' (1 + c 2^-15), ending at x (c - 128) summed over them (x' = x 2^15)
+                xv = [v * X_SCALE for v in xv]
+                total = xv[0] + xv[1] + xv[2] + xv[3]  # [BW]
+                if asymmetric:
+                    xsum = xsum + total
+                for acc, vs in zip(accs, weights):
+                    chain = jnp.broadcast_to((-excess * total)[None, :], acc.shape)
+                    for v, xj in zip(vs, xv):
+                        chain = fma(v, jnp.broadcast_to(xj[None, :], v.shape), chain, interpret)
+                    new.append(acc + chain)
+            else:
+                for acc, (w_lo, w_hi) in zip(accs, weights):
+                    acc = fma(w_lo, jnp.broadcast_to(xv[0][None, :], w_lo.shape), acc,
+                              interpret)
+                    new.append(fma(w_hi, jnp.broadcast_to(xv[1][None, :], w_hi.shape), acc,
+                                   interpret))
+            out.append((tuple(new), sq, xsum))
         return nxt, tuple(out)
 
+    vector = lambda: jnp.zeros((block_w,), jnp.float32)  # noqa: E731
     init = tuple((tuple(jnp.zeros((block_n, block_w), jnp.float32) for _ in row_sets),
-                  jnp.zeros((block_w,), jnp.float32) if has_norm else None) for _ in range(m))
+                  vector() if has_norm else None, vector() if asymmetric else None)
+                 for _ in range(m))
     _, carry = jax.lax.fori_loop(0, steps, body, (load_tile(0) if prefetch else None, init))
-    for i, (accs, sq) in enumerate(carry):
+    for i, (accs, sq, xsum) in enumerate(carry):
         ys = [jnp.sum(acc, axis=1) for acc in accs]  # [BN] each
+        if codes:  # per-channel scales (and offsets times the sum of x), once
+            ys = [y * _load_row(s_ref, 0, r, col_ok).astype(jnp.float32) for y, r in
+                  zip(ys, row_sets)]
+            if asymmetric:
+                x_total = jnp.sum(xsum) / X_SCALE
+                ys = [y + x_total * _load_row(o_ref, 0, r, col_ok).astype(jnp.float32)
+                      for y, r in zip(ys, row_sets)]
         if has_norm:
-            scale = jax.lax.rsqrt(jnp.sum(sq) / (2 * k_words) + eps)
+            scale = jax.lax.rsqrt(jnp.sum(sq) / k + eps)
             ys = [y * scale for y in ys]
         if has_bias:
             ys = [y + _load_row(b_ref, 0, r, col_ok).astype(jnp.float32)
@@ -161,7 +218,7 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k_words: int, block_n:
             plgpu.store(out_ref.at[i, cols], y, mask=col_ok)
 
 
-def _check(x, w_t, norm_weight, gated: bool, bias, residual) -> int:
+def _check(x, w_t, norm_weight, gated: bool, bias, residual, scales=None, offsets=None) -> int:
     """Raises ValueError naming the operand whose shape does not fit; returns n_out."""
     if x.ndim != 2 or w_t.ndim != 2 or w_t.shape[1] != x.shape[1]:
         raise ValueError(f"gemv: x {x.shape} does not fit w_t {w_t.shape} [N, K]")
@@ -176,55 +233,71 @@ def _check(x, w_t, norm_weight, gated: bool, bias, residual) -> int:
         raise ValueError(f"gemv: bias {bias.shape} is not [N] = {(n,)}")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"gemv: residual {residual.shape} is not the output's {(m, n_out)}")
+    if scales is None and offsets is not None:
+        raise ValueError("gemv: offsets without scales (offsets are for INT8 codes)")
+    if scales is not None:
+        if w_t.dtype != jnp.uint8:
+            raise ValueError(f"gemv: with scales, w_t holds uint8 codes, not {w_t.dtype}")
+        for name, a in (("scales", scales), ("offsets", offsets)):
+            if a is not None and a.shape != (n,):
+                raise ValueError(f"gemv: {name} {a.shape} is not per output channel, [N] = "
+                                 f"{(n,)}")
     return n_out
 
 
 def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
-         residual=None, config: GemvConfig | None = None, interpret: bool = False):
-    """The Pallas kernel: x [M, K] @ w_t [N, K]^T, both bf16 (K even), with the options of
-    the module docstring -> [M, N] ([M, N/2] when gated) in x's dtype. norm_weight [K]:
-    RMSNorm of x first (eps); bias [N]; residual [M, N or N/2]: added to the output."""
-    n_out = _check(x, w_t, norm_weight, gated, bias, residual)
+         residual=None, scales=None, offsets=None, config: GemvConfig | None = None,
+         interpret: bool = False):
+    """The Pallas kernel: x [M, K] @ W^T with the options of the module docstring -> [M, N]
+    ([M, N/2] when gated) in x's dtype. x bf16; w_t [N, K] bf16 (K even) or, with scales [N],
+    uint8 INT8 codes (K a multiple of 4) whose values are scales * (c - 128), or scales * c +
+    offsets [N]. norm_weight [K]: RMSNorm of x first (eps); bias [N]; residual [M, N or N/2]:
+    added to the output."""
+    n_out = _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets)
     m, k = x.shape
-    if k % 2 or x.dtype != jnp.bfloat16 or w_t.dtype != jnp.bfloat16:
+    codes = scales is not None
+    per_word = 4 if codes else 2  # K positions per 32-bit word of w_t
+    if k % per_word or x.dtype != jnp.bfloat16 or w_t.dtype != (
+            jnp.uint8 if codes else jnp.bfloat16):
         raise ValueError(f"gemv: the kernel takes bf16 x {x.shape} {x.dtype} and w_t "
-                         f"{w_t.shape} {w_t.dtype} with an even K")
-    args = [_words(x), _words(w_t)]
+                         f"{w_t.shape} {w_t.dtype} (bf16, or uint8 codes with scales) with K "
+                         f"a multiple of {per_word}")
+    args = [_words(x), _code_words(w_t) if codes else _words(w_t)]
     if norm_weight is not None:
         args.append(_words(norm_weight.astype(jnp.bfloat16).reshape(1, k)))
-    if bias is not None:
-        args.append(bias.reshape(1, -1))
+    args += [a.reshape(1, -1) for a in (scales, offsets, bias) if a is not None]
     if residual is not None:
         args.append(residual)
-    cfg = config or gemv_config(gated, norm_weight is not None)
-    block_w = cfg.block_k // 2
+    cfg = config or gemv_config(gated, norm_weight is not None, codes)
+    block_w = cfg.block_k // per_word
     kernel = functools.partial(
-        _gemv_kernel, m=m, n_out=n_out, k_words=k // 2, block_n=cfg.block_n, block_w=block_w,
-        has_norm=norm_weight is not None, eps=float(eps), gated=gated,
-        has_bias=bias is not None, has_residual=residual is not None,
-        prefetch=cfg.prefetch, interpret=interpret)
+        _gemv_kernel, m=m, n_out=n_out, k=k, k_words=k // per_word, block_n=cfg.block_n,
+        block_w=block_w, has_norm=norm_weight is not None, eps=float(eps), gated=gated,
+        codes=codes, asymmetric=offsets is not None, has_bias=bias is not None,
+        has_residual=residual is not None, prefetch=cfg.prefetch, interpret=interpret)
     full = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(n_out, cfg.block_n),), in_specs=[full(a.shape) for a in args],
         out_specs=full((m, n_out)), out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages),
-        interpret=interpret, name="gemv_nk",
+        interpret=interpret, name="gemv8_nk" if codes else "gemv_nk",
     )(*args)
 
 
 def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False,
-                   bias=None, residual=None):
+                   bias=None, residual=None, scales=None, offsets=None):
     """`gemv` in jnp: float32 sums and products (at jax's default matmul precision, like the
     model's other products: TF32 on a GPU unless jax.default_matmul_precision says 'highest';
     exact on the CPU, where an explicit HIGHEST made the product 6x slower), rounded to x's dtype
-    at the end."""
-    _check(x, w_t, norm_weight, gated, bias, residual)
+    at the end. INT8 codes are dequantized to float32 first (ops.matmul.dequantize_rows)."""
+    _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets)
     h = x.astype(jnp.float32)
     if norm_weight is not None:
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
         h = h * norm_weight.astype(jnp.float32)
-    y = jax.lax.dot_general(h, w_t.astype(jnp.float32), (((1,), (1,)), ((), ())))  # h @ w_t^T
+    w = dequantize_rows(w_t, scales, offsets)  # [N, K] float32
+    y = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())))  # h @ w^T
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     if gated:
@@ -236,18 +309,22 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
 
 
 def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
-               residual=None, impl: str | None = None):
+               residual=None, scales=None, offsets=None, impl: str | None = None):
     """`gemv`'s function, dispatched. impl None: PALLASITE_GEMV if set, else the kernel on a GPU
-    when x and w_t are bf16, K is even and M <= MAX_ROWS, the reference otherwise; or
-    'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
+    when x is bf16 with M <= MAX_ROWS and w_t is bf16 (K even) or uint8 codes with scales (K a
+    multiple of 4), the reference otherwise; or 'pallas', 'pallas_interpret' (CPU tests),
+    'reference'."""
     impl = impl or os.environ.get("PALLASITE_GEMV") or None
     if impl is None:
-        fits = (x.ndim == 2 and x.shape[0] <= MAX_ROWS and x.shape[-1] % 2 == 0
-                and x.dtype == jnp.bfloat16 and w_t.dtype == jnp.bfloat16)
+        codes = scales is not None
+        fits = (x.ndim == 2 and x.shape[0] <= MAX_ROWS and x.dtype == jnp.bfloat16
+                and x.shape[-1] % (4 if codes else 2) == 0
+                and w_t.dtype == (jnp.uint8 if codes else jnp.bfloat16))
         impl = "pallas" if fits and jax.default_backend() == "gpu" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"fused_gemv: impl {impl!r} must be None or one of {IMPLS}")
-    kw = dict(norm_weight=norm_weight, eps=eps, gated=gated, bias=bias, residual=residual)
+    kw = dict(norm_weight=norm_weight, eps=eps, gated=gated, bias=bias, residual=residual,
+              scales=scales, offsets=offsets)
     if impl == "reference":
         return gemv_reference(x, w_t, **kw)
     return gemv(x, w_t, interpret=impl == "pallas_interpret", **kw)

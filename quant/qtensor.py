@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ops.matmul import register_quantized_matmul
+from ops.matmul import TransposedWeight, register_quantized_matmul
 from ops.quant_matmul import int4_matmul, int8_matmul, resolve_impl
 
 LAYOUT_INT4 = "int4_k8"
@@ -89,6 +89,21 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
                    for a in jax.tree.leaves(self))
+
+    def transposed(self) -> TransposedWeight:
+        """The same weight stored [N, K] for ops/gemv.py's decode kernel: uint8 codes in input
+        channel order (act-order undone), scales (and offsets) [N]. INT8 with per-channel scales
+        only; anything else raises ValueError saying why."""
+        k, n = self.shape
+        if self.bits != 8 or num_groups(k, self.group_size) != 1:
+            raise ValueError(f"{self.bits}-bit weights in groups of {self.group_size} over "
+                             f"K = {k} cannot be stored transposed: only INT8 with per-channel "
+                             "scales can")
+        codes = self.packed
+        if self.perm is not None:  # stored row r is input channel perm[r]
+            codes = jnp.zeros_like(codes).at[self.perm].set(codes)
+        return TransposedWeight(codes.T, self.scales.reshape(n),
+                                None if self.offsets is None else self.offsets.reshape(n))
 
 
 def pack_int4(codes: jax.Array) -> jax.Array:

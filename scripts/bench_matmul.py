@@ -9,7 +9,9 @@ Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fu
 - bench: per shape and M: XLA's bf16 dot (the peer), int4 / int8 through the kernel, through
   XLA's dequantize + dot (the reference, the large-M fallback) and through the dispatch of
   `matmul_config` (the faster of the two as the heuristic picks it), and jax's Mosaic GPU
-  `hopper_mixed_type_matmul_mgpu` (int8 x bf16, per-channel scales applied after) where it runs.
+  `hopper_mixed_type_matmul_mgpu` (int8 x bf16, per-channel scales applied after) where it runs,
+  and up to `--nk_max_m` rows ops/gemv.py's kernel over weights stored [N, K] (`--gemv_layers`'s
+  layout): bf16 (`bf16_nk`) and INT8 codes with per-channel scales (`int8_nk`).
   TB/s = weight bytes read (packed codes + scales) over time; speedup = bf16 time / time.
 - sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
   the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 
+from ops.gemv import gemv, gemv_config
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
 from scripts import decode_profile, timing
@@ -52,6 +55,8 @@ flags.DEFINE_integer("queue", 3, "programs queued before one sync")
 flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
 flags.DEFINE_integer("mgpu_max_m", 1 << 30, "time jax's hopper_mixed_type_matmul_mgpu (int8) "
                      "up to this M")
+flags.DEFINE_integer("nk_max_m", 1, "time ops/gemv.py's kernel over transposed bf16 and INT8 "
+                     "weights (bf16_nk, int8_nk) up to this M")
 flags.DEFINE_enum("variants", "all", ["all", "dispatch"], "all: kernel and XLA dequant at every "
                   "M; dispatch: only what matmul_config picks")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
@@ -197,7 +202,45 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
             if sweep is None and bits == 8 and m <= FLAGS.mgpu_max_m:
                 rows.append(bench_mgpu(k, n, m, xs, t_bf16, calib))
             del w, s
+        if sweep is None and m <= FLAGS.nk_max_m:
+            rows += bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib)
     del wb
+    return rows
+
+
+def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
+    """ops/gemv.py's kernel over weights stored transposed, [N, K]: bf16 (`bf16_nk`) and INT8
+    codes with per-channel scales (`int8_nk`), the layout of `--gemv_layers`."""
+    rows = []
+    calls, sets = FLAGS.calls, num_sets(k * n)
+    interpret = FLAGS.impl == "pallas_interpret"
+    for name in ("bf16_nk", "int8_nk"):
+        row = {"K": k, "N": n, "M": m, "impl": name, "bits": 8 if name == "int8_nk" else 16,
+               "config": str(gemv_config(False, False, name == "int8_nk"))}
+        if name == "bf16_nk":
+            w = tuple(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.bfloat16)
+                      for i in range(sets))
+            s, nbytes = (None,) * sets, 2 * k * n
+        else:
+            w = tuple(jax.random.bits(jax.random.key(80 + i), (n, k), jnp.uint8)
+                      for i in range(sets))
+            s = tuple(jax.random.uniform(jax.random.key(90 + i), (n,), jnp.float32, 0.001,
+                                         0.01).astype(jnp.bfloat16) for i in range(sets))
+            nbytes = k * n + 2 * n
+
+        def prog(xs, w, s):
+            return tuple(gemv(xs[c], w[c % sets], scales=s[c % sets], interpret=interpret)
+                         for c in range(calls))
+        try:
+            t = time_per_call(prog, (xs, w, s), calls)
+            row.update(us=t * 1e6, TBps=nbytes / t / 1e12, speedup=t_bf16 / t)
+            row.update(device_per_call(prog, (xs, w, s), calls))
+            if "dev_us" in row and "dev_us" in dev_bf16:
+                row["dev_speedup"] = dev_bf16["dev_us"] / row["dev_us"]
+        except Exception as e:  # recorded with the reason
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        report(row, calib)
+        rows.append(row)
     return rows
 
 

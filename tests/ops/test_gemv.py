@@ -1,5 +1,6 @@
-"""ops.gemv (bf16 x @ w_t^T for a few rows, with RMSNorm, SiLU x up, bias and residual folded
-in) against a float64 numpy computation of the same function on the same bf16 inputs.
+"""ops.gemv (bf16 x @ w_t^T for a few rows, w_t bf16 or INT8 codes with per-channel scales, with
+RMSNorm, SiLU x up, bias and residual folded in) against a float64 numpy computation of the same
+function on the same inputs.
 
 On the CPU the Pallas kernel runs interpreted on small shapes (N not a multiple of the column
 block, K not a multiple of the K block); on a GPU the same cases run compiled and the
@@ -25,9 +26,18 @@ CASES = [
     (3, 130, 40, "gated_residual", GemvConfig(8, 32, 4, 1)),
     (1, 192, 48, "norm_bias", GemvConfig(4, 128, 2, 2)),
     (2, 96, 36, "plain", None),  # gemv_config's tiles, masked on both axes
+    # INT8 codes [N, K] with per-channel scales (symmetric), or scales and offsets (asym)
+    (1, 256, 64, "int8", GemvConfig(8, 128, 4, 1)),
+    (2, 196, 70, "int8_norm_residual", GemvConfig(8, 64, 4, 1, prefetch=True)),
+    (1, 512, 96, "int8_gated", GemvConfig(16, 256, 4, 1)),
+    (3, 132, 40, "asym_gated_residual", GemvConfig(8, 32, 4, 1)),
+    (1, 192, 48, "asym_norm_bias", GemvConfig(4, 128, 2, 2)),
+    (2, 96, 36, "int8", None),
 ]
 LLAMA_CASES = [(1, 4096, 6144, "norm"), (1, 4096, 4096, "residual"), (1, 4096, 28672, "gated"),
-               (1, 14336, 4096, "residual"), (2, 4096, 28672, "gated"), (2, 14336, 4096, "residual")]
+               (1, 14336, 4096, "residual"), (2, 4096, 28672, "gated"), (2, 14336, 4096, "residual"),
+               (1, 4096, 6144, "int8_norm"), (1, 4096, 4096, "int8_residual"),
+               (1, 4096, 28672, "int8_gated"), (1, 14336, 4096, "asym_residual")]
 
 
 def operands(seed: int, m: int, k: int, n: int, variant: str):
@@ -35,10 +45,16 @@ def operands(seed: int, m: int, k: int, n: int, variant: str):
     rng = np.random.default_rng(seed)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
     x = bf(rng.standard_normal((m, k)) + 0.3)
-    w_t = bf(rng.standard_normal((n, k)) / np.sqrt(k))
     gated = "gated" in variant
     n_out = n // 2 if gated else n
     kw = dict(gated=gated, eps=EPS)
+    if variant.startswith(("int8", "asym")):  # uint8 codes; values of about the same size
+        w_t = jnp.asarray(rng.integers(0, 256, (n, k)), jnp.uint8)
+        kw["scales"] = bf(rng.uniform(0.5, 1.5, n) / (74 * np.sqrt(k)))
+        if variant.startswith("asym"):  # offset -zero * scale, zero near the middle
+            kw["offsets"] = bf(-kw["scales"].astype(jnp.float32) * rng.uniform(96, 160, n))
+    else:
+        w_t = bf(rng.standard_normal((n, k)) / np.sqrt(k))
     if "norm" in variant or gated:
         kw["norm_weight"] = bf(1.0 + 0.2 * rng.standard_normal(k))
     if "bias" in variant:
@@ -48,13 +64,18 @@ def operands(seed: int, m: int, k: int, n: int, variant: str):
     return x, w_t, kw
 
 
-def float64_want(x, w_t, norm_weight=None, eps=EPS, gated=False, bias=None, residual=None):
+def float64_want(x, w_t, norm_weight=None, eps=EPS, gated=False, bias=None, residual=None,
+                 scales=None, offsets=None):
     """The function in float64 numpy from the bf16 operands (independent of jax's dot)."""
     f = lambda a: None if a is None else np.asarray(a.astype(jnp.float32), np.float64)  # noqa
     h = f(x)
     if norm_weight is not None:
         h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * f(norm_weight)
-    y = h @ f(w_t).T
+    w = f(w_t)
+    if scales is not None:  # the codes' values (quant/qtensor.py)
+        w = (f(scales)[:, None] * (w - 128) if offsets is None
+             else f(scales)[:, None] * w + f(offsets)[:, None])
+    y = h @ w.T
     if bias is not None:
         y = y + f(bias)
     if gated:
@@ -101,6 +122,12 @@ def test_fused_gemv_dispatch(monkeypatch):
     x3 = jnp.concatenate([x, x, x]).astype(jnp.float32)
     np.testing.assert_allclose(fused_gemv(x3, w_t.astype(jnp.float32)),
                                gemv_reference(x3, w_t.astype(jnp.float32)), rtol=1e-6)
+    # INT8 codes: the same dispatch (the kernel on a GPU, else the reference)
+    x, codes, kw = operands(9, 1, 64, 32, "asym_norm_residual")
+    out = fused_gemv(x, codes, **kw)
+    if not ON_GPU:
+        np.testing.assert_array_equal(out, gemv_reference(x, codes, **kw))
+    check(out, float64_want(x, codes, **kw))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -126,16 +153,46 @@ def test_shape_errors_name_the_operand(bad, match):
             fn(x, w_t, **kw)
 
 
+@pytest.mark.parametrize("change,match", [
+    ("bf16_codes", "with scales, w_t holds uint8 codes, not bfloat16"),
+    ("scales_shape", r"scales \(31,\) is not per output channel, \[N\] = \(32,\)"),
+    ("offsets_shape", r"offsets \(1, 32\) is not per output channel"),
+    ("offsets_alone", "offsets without scales"),
+])
+def test_code_errors_name_the_operand(change, match):
+    x, w_t, kw = operands(7, 1, 64, 32, "asym")
+    if change == "bf16_codes":
+        w_t = w_t.astype(jnp.bfloat16)
+    elif change == "scales_shape":
+        kw["scales"] = kw["scales"][:31]
+    elif change == "offsets_shape":
+        kw["offsets"] = kw["offsets"].reshape(1, 32)
+    else:
+        kw.pop("scales")
+    for fn in (gemv_reference, lambda *a, **k: gemv(*a, interpret=True, **k)):
+        with pytest.raises(ValueError, match=match):
+            fn(x, w_t, **kw)
+
+
+def test_code_kernel_needs_k_a_multiple_of_4():
+    x, w_t, kw = operands(8, 1, 66, 16, "int8")
+    check(gemv_reference(x, w_t, **kw), float64_want(x, w_t, **kw))  # the reference takes it
+    with pytest.raises(ValueError, match=r"uint8 codes with scales\) with K a multiple of 4"):
+        gemv(x, w_t, interpret=True, **kw)
+
+
 def test_kernel_refuses_other_dtypes():
     x, w_t, _ = operands(6, 1, 64, 32, "plain")
     with pytest.raises(ValueError, match=r"bf16 x \(1, 64\) float32"):
         gemv(x.astype(jnp.float32), w_t, interpret=True)
 
 
-@pytest.mark.parametrize("variant", ["plain", "norm_bias", "gated", "residual", "gated_m2"])
+@pytest.mark.parametrize("variant", ["plain", "norm_bias", "gated", "residual", "gated_m2",
+                                     "int8_norm", "int8_gated", "asym_residual"])
 def test_lowers_to_triton_for_h200(h200_lowering, variant):
     m = 2 if variant.endswith("m2") else 1
     x, w_t, kw = operands(5, m, 4096, 6144, variant)
     text = jax.jit(lambda x, w_t: gemv(x, w_t, **kw)).trace(x, w_t).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "gemv_nk" in text and h200_lowering
+    name = "gemv8_nk" if variant.startswith(("int8", "asym")) else "gemv_nk"
+    assert name in text and h200_lowering

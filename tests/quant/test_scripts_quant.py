@@ -60,3 +60,21 @@ def test_quantize_lm_head_of_a_tied_model_is_one_clear_error(tmp_path):
                         f"--output={tmp_path / 'out'}")
     assert_one_clear_error(result, "untied output head")
     assert not (tmp_path / "out").exists()
+
+
+def test_int8_checkpoint_with_gemv_layers(tmp_path, cache_dir):
+    """An INT8 checkpoint run with --gemv_layers (codes stored [out, in] with their scales,
+    one-row steps through ops/gemv.py's fused product): the same greedy tokens as without."""
+    out_dir = str(tmp_path / "tiny-int8")
+    result = run_script("quantize", f"--model={TINY_DIR}", "--method=int8",
+                        f"--output={out_dir}", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = []
+    for flags in ((), ("--fuse_projections", "--gemv_layers")):
+        gen = run_script("generate", f"--model={out_dir}", "--prompt=hello there",
+                         "--prompt=the sea", "--json", "--max_tokens=8", "--nochat",
+                         "--max_num_seqs=1", "--nowarmup", *flags, cache_dir=cache_dir)
+        assert gen.returncode == 0, gen.stderr[-2000:]
+        runs.append([json.loads(line)["token_ids"] for line in gen.stdout.strip().splitlines()])
+        assert ("layers transposed for the batch-1 gemv kernel" in gen.stderr) == bool(flags)
+    assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0])

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ops.gemv import gemv_config
 from ops.quant_matmul import matmul_config
 from scripts import decode_profile
 
@@ -38,7 +39,8 @@ def test_device_time_without_device_events(tmp_path):
 
 
 def test_bench_matmul_rows(tmp_path):
-    """The bf16 peer, the kernel and the dispatch row (the heuristic's config) of one shape."""
+    """The bf16 peer, the kernel and the dispatch row (the heuristic's config) of one shape,
+    then ops/gemv.py's kernel over transposed bf16 and INT8 weights."""
     out = tmp_path / "matmul.json"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_matmul", "--impl=pallas_interpret",
@@ -49,8 +51,10 @@ def test_bench_matmul_rows(tmp_path):
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["xla_bf16", "int4_kernel", "int4"]
-    bf16, kernel, dispatch = rows
+    assert [r["impl"] for r in rows] == ["xla_bf16", "int4_kernel", "int4", "bf16_nk", "int8_nk"]
+    bf16, kernel, dispatch, bf16_nk, int8_nk = rows
+    assert bf16_nk["TBps"] > 0 and int8_nk["TBps"] > 0 and "error" not in int8_nk
+    assert int8_nk["config"] == str(gemv_config(False, False, True))
     assert kernel["config"] == str(matmul_config(4, 1, 256, 128, 128))
     assert dispatch["via"] == "int4_kernel" and dispatch["us"] == kernel["us"] > 0
     assert all("no device events" in r["dev_error"] for r in rows)
