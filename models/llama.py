@@ -221,7 +221,8 @@ class DecoderLayer(nnx.Module):
         attn, mlp = self.self_attn, self.mlp
         def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ INT8 scales)
             w = layer.kernel.get_value()
-            return gemv_ops.fused_gemv(x, w.w_t, scales=w.scales, offsets=w.offsets, **kw)
+            return gemv_ops.fused_gemv(x, w.w_t, scales=w.scales, offsets=w.offsets,
+                                       group_size=w.group_size or None, **kw)
 
         qkv = product(x, attn.qkv_proj, norm_weight=self.input_layernorm.weight[...],
                       eps=cfg.rms_norm_eps,
@@ -337,9 +338,9 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM
     (ops.matmul.TransposedWeight), in place, for ops/gemv.py's fused decode kernel.
 
     Returns (cfg with gemv_layers=True, the same model object). Needs fused projections
-    (fuse_projections first) and float or INT8 per-channel kernels (QuantizedWeight.transposed:
-    codes [out, in] with their scales; INT4 and group-wise scales are refused); one device,
-    like fusion. The
+    (fuse_projections first) and float or quantized kernels (QuantizedWeight.transposed: INT8
+    or INT4 codes [out, in] with their scales; act-order INT4 is refused); one device, like
+    fusion. The
     model computes the same function; layer by layer, so peak memory grows by one layer's
     kernels. The output head keeps its layout (XLA's product reads it at the copy rate).
     """

@@ -22,15 +22,18 @@ Loads: w_t and x are read as int32 words (two bf16 values, K positions 2i and 2i
 or a mask makes each a float32 exactly, and one fused multiply-add per weight adds it into a
 [BN, BK/2] accumulator that is summed over K once, at the end.
 
-INT8 (`scales` [N], and `offsets` [N] when asymmetric: the value of code c in row n is
-scales[n] (c - 128), or scales[n] c + offsets[n]; quant/qtensor.py's per-channel weights, stored
-transposed by QuantizedWeight.transposed). w_t is uint8 [N, K], read as int32 words of four codes
-(K positions 4w..4w+3), and each code becomes the float 1 + c 2^-15 with one PRMT, as in
-ops/quant_gemv8.py. Per word, one chain of four fused multiply-adds starts from minus the excess
-(1 + 128 2^-15 symmetric, 1 asymmetric) times the four activations x' = x 2^15 and ends at
-x (c - 128) summed over them, which one add puts into the accumulator: the large terms cancel
-within the chain, not over K. The per-channel scale (and offset times the sum of x) applies
-once, at the end, before the norm's scale, the bias, SiLU x up and the residual.
+Codes (`scales` [G, N], and `offsets` [G, N] when asymmetric: quant/qtensor.py's weights,
+stored transposed by QuantizedWeight.transposed; the value of code c is scale (c - zero), or
+scale c + offset). INT8: w_t uint8 [N, K], read as int32 words of four codes (K positions
+4w..4w+3), each made the float 1 + c 2^-15 by one PRMT (ops/quant_gemv8.py). INT4: w_t int32
+[N, K/8] words of eight codes (K position 8w + j in bits 4j..4j+3, the packing of quant/), each
+made 1 + c 2^(p-23) by a shared rotation and one LOP3 (ops/quant_gemv.py). Per word, one chain
+of fused multiply-adds starts from minus the floats' excess (x'_j summed, plus the zero point
+times x_j when symmetric; x'_j = x_j 2^(23-p)) and runs through the word's codes, ending at
+x (c - zero) summed over the word: the large terms cancel within the chain, not over K.
+Per-channel scales (G = 1; and offsets times the sum of x) apply once per output, at the end;
+group scales (and offsets) multiply each word's chain as it is added (a group holds whole
+words). Then come the norm's scale, the bias, SiLU x up and the residual.
 
 `gemv_reference` computes the same function in jnp (the tests compare both); `fused_gemv`
 dispatches: the kernel on a GPU for bf16 activations (bf16 weights or INT8 codes) and at most
@@ -49,8 +52,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ops.matmul import INT8_ZERO, dequantize_rows
+from ops.matmul import INT4_PER_WORD, INT4_ZERO, INT8_ZERO, code_bits, dequantize_rows
 from ops.ptx import fma
+from ops.quant_gemv import NIBBLE_POSITIONS, mantissa_codes
 from ops.quant_gemv8 import X_SCALE, word_codes
 from ops.quant_tiles import _load
 
@@ -71,20 +75,20 @@ class GemvConfig:
     prefetch: bool = False  # each loop step loads the next K tile before its own math
 
 
-def gemv_config(gated: bool, norm: bool, codes: bool = False) -> GemvConfig:
+def gemv_config(gated: bool, norm: bool, bits: int = 16) -> GemvConfig:
     """Tiles for one row on an H200, from device-time sweeps of 54 and 27 tiles on the four
     Llama-3.1-8B layer products (docs/PERFORMANCE.md, sixteenth session): gated (gate/up)
     [4 columns of each half, 256 K] without prefetch; normed (q/k/v) [8, 512]; plain products
     (o, down) [4, 1024] with prefetch; 4 warps each. (num_stages changed nothing: Triton does
-    not pipeline this loop, hence the explicit prefetch.) INT8 codes (`codes`): the same bytes
-    per tile, so twice the K positions (not swept yet)."""
+    not pipeline this loop, hence the explicit prefetch.) INT8 / INT4 codes (`bits`): the same
+    bytes per tile, so 2x / 4x the K positions (not swept yet)."""
     if gated:
         cfg = GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3)
     elif norm:
         cfg = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
     else:
         cfg = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, prefetch=True)
-    return dataclasses.replace(cfg, block_k=2 * cfg.block_k) if codes else cfg
+    return dataclasses.replace(cfg, block_k=cfg.block_k * 16 // bits)
 
 
 def _words(a):
@@ -113,14 +117,31 @@ def _load_row(ref, i: int, cols, ok):
     return plgpu.load(ref.at[i, cols], mask=ok, other=0)
 
 
+def _code_values(word, bits: int, interpret: bool) -> list:
+    """The values of a tile of w_t's words [R, BW], one [R, BW] float32 per K position of a word:
+    bf16 values exactly (bits 16), else the floats 1 + c 2^(p_j - 23) of the codes c (p_j:
+    CODE_FACTORS' positions)."""
+    if bits == 16:
+        return list(_halves(word))
+    return word_codes(word, interpret) if bits == 8 else mantissa_codes(word, 4, interpret)
+
+
+# per K position of a word: the factor 2^(23 - p_j) that makes x' (1 + c 2^(p_j - 23)) = x' + x c
+CODE_FACTORS = {8: (X_SCALE,) * 4, 4: tuple(2.0 ** (23 - p) for p in NIBBLE_POSITIONS)}
+ZEROS = {8: INT8_ZERO, 4: INT4_ZERO}
+
+
 def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, block_n: int,
-                 block_w: int, has_norm: bool, eps: float, gated: bool, codes: bool,
-                 asymmetric: bool, has_bias: bool, has_residual: bool, prefetch: bool,
-                 interpret: bool):
-    # x_ref: [M, K/2] int32 (bf16 pairs); w_ref: [N, K/2] int32 (bf16 pairs) or, with `codes`,
-    # [N, K/4] int32 (four uint8 codes, K positions 4w..4w+3); N = 2 n_out when gated.
-    # refs: (nw_ref [1, K/2] int32 norm weight pairs), (s_ref [1, N] scales, (o_ref [1, N]
-    # offsets)), (b_ref [1, N] bias), (res_ref [M, n_out]), out_ref [M, n_out]
+                 block_w: int, has_norm: bool, eps: float, gated: bool, bits: int,
+                 group_size: int, asymmetric: bool, has_bias: bool, has_residual: bool,
+                 prefetch: bool, interpret: bool):
+    # x_ref: [M, K/2] int32 (bf16 pairs); w_ref: [N, K/P] int32, P = 32 / bits K positions per
+    # word (bf16 pairs, four uint8 codes, or eight int4 codes; position P w + j in slot j);
+    # N = 2 n_out when gated. refs: (nw_ref [1, K/2] int32 norm weight pairs), (s_ref [G, N]
+    # scales, (o_ref [G, N] offsets)), (b_ref [1, N] bias), (res_ref [M, n_out]), out_ref
+    # [M, n_out]. G = 1 (per channel: scales applied once at the end) or ceil(K / group_size)
+    # (grouped: each word's chain is scaled by its group's scale as it is added).
+    codes = bits != 16
     refs = list(refs)
     nw_ref = refs.pop(0) if has_norm else None
     s_ref = refs.pop(0) if codes else None
@@ -128,36 +149,41 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, 
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if has_residual else None
     out_ref = refs[0]
+    per_word = 32 // bits
+    grouped = codes and group_size < k
     nb = pl.program_id(0)
     cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN] output columns
     col_ok = cols < n_out if n_out % block_n else None
     row_sets = [cols, cols + n_out] if gated else [cols]  # w_t rows of each accumulator
     steps = pl.cdiv(k_words, block_w)
-    # a symmetric code's chain subtracts the 1.0 of its mantissa float and the zero point
-    excess = 1.0 + (0.0 if asymmetric else INT8_ZERO / X_SCALE)
 
-    def load_tile(t):  # K tile t: (weight words [BN, BW] per row set, norm weight words
-        # per x word, x words [BW] per x row and x word); past the last tile all is masked
+    def load_tile(t):  # K tile t: (weight words [BN, BW] per row set, group scales / offsets
+        # [BN, BW] per row set or None, norm weight words per x word, x words [BW] per x row and
+        # x word); past the last tile every read is masked
         kw = t * block_w + jnp.arange(block_w, dtype=jnp.int32)  # [BW] word columns
         kw_ok = kw < k_words if (k_words % block_w or prefetch) else None
         words = tuple(_load(w_ref, r, kw, col_ok, kw_ok) for r in row_sets)
-        x_cols = (2 * kw, 2 * kw + 1) if codes else (kw,)  # x words of a weight word
+        group = (kw * per_word) // group_size if grouped else None  # [BW]
+        per_group = lambda ref: tuple(  # noqa: E731  [BN, BW] float32 per row set
+            _load(ref, group, r, kw_ok, col_ok, transposed=True).astype(jnp.float32)
+            for r in row_sets)
+        gs = per_group(s_ref) if grouped else None
+        go = per_group(o_ref) if grouped and asymmetric else None
+        x_cols = [per_word // 2 * kw + i for i in range(per_word // 2)]  # x words of a word
         norm = tuple(_load_row(nw_ref, 0, c, kw_ok) for c in x_cols) if has_norm else None
         xs = tuple(tuple(_load_row(x_ref, i, c, kw_ok) for c in x_cols) for i in range(m))
-        return words, norm, xs
+        return words, gs, go, norm, xs
 
     def body(t, carry):  # carry: (the prefetched tile or None, per x row (accumulators
-        # [BN, BW] per row set, x^2 sums [BW] or None, x sums [BW] (asymmetric) or None))
+        # [BN, BW] per row set, x^2 sums [BW] or None, x sums [BW] (per-channel asymmetric)
+        # or None))
         tile, rows_ = carry
         if prefetch:  # issue the next tile's loads before this tile's math
             nxt = load_tile(t + 1)
         else:
             tile, nxt = load_tile(t), None
-        words, norm, xs = tile
-        if codes:  # per row set: the floats 1 + c 2^-15 of K positions 4w + j, [BN, BW]
-            weights = [word_codes(w, interpret) for w in words]
-        else:  # the bf16 values of K positions 2w + j
-            weights = [list(_halves(w)) for w in words]
+        words, gs, go, norm, xs = tile
+        weights = [_code_values(w, bits, interpret) for w in words]  # [BN, BW] per position
         if has_norm:
             nws = [v for w in norm for v in _halves(w)]  # [BW] per position j
         out = []
@@ -167,39 +193,52 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, 
                 for v in xv:
                     sq = fma(v, v, sq, interpret)
                 xv = [v * nv for v, nv in zip(xv, nws)]
-            new = []
-            if codes:  # one chain per word: from -excess (x'_0 + .. + x'_3) through the four
-                # codes' x' (1 + c 2^-15), ending at x (c - 128) summed over them (x' = x 2^15)
-                xv = [v * X_SCALE for v in xv]
-                total = xv[0] + xv[1] + xv[2] + xv[3]  # [BW]
-                if asymmetric:
-                    xsum = xsum + total
-                for acc, vs in zip(accs, weights):
-                    chain = jnp.broadcast_to((-excess * total)[None, :], acc.shape)
-                    for v, xj in zip(vs, xv):
-                        chain = fma(v, jnp.broadcast_to(xj[None, :], v.shape), chain, interpret)
-                    new.append(acc + chain)
-            else:
+            if not codes:
+                new = []
                 for acc, (w_lo, w_hi) in zip(accs, weights):
                     acc = fma(w_lo, jnp.broadcast_to(xv[0][None, :], w_lo.shape), acc,
                               interpret)
                     new.append(fma(w_hi, jnp.broadcast_to(xv[1][None, :], w_hi.shape), acc,
                                    interpret))
+                out.append((tuple(new), sq, xsum))
+                continue
+            # one chain per word: from minus the excess of its codes' floats (x'_j, plus the
+            # zero point's x_j when symmetric) through x'_j (1 + c_j 2^(p_j - 23)), ending at
+            # x_j (c_j - zero) summed over the word (x'_j = x_j 2^(23 - p_j))
+            xp = [v * f for v, f in zip(xv, CODE_FACTORS[bits])]
+            total = sum(xp[1:], xp[0])
+            x_total = sum(xv[1:], xv[0])
+            start = -total if asymmetric else -(total + ZEROS[bits] * x_total)  # [BW]
+            new = []
+            for a, (acc, vs) in enumerate(zip(accs, weights)):
+                chain = jnp.broadcast_to(start[None, :], acc.shape)
+                for v, xj in zip(vs, xp):
+                    chain = fma(v, jnp.broadcast_to(xj[None, :], v.shape), chain, interpret)
+                if grouped:  # the word's group scale (and offset times its sum of x)
+                    acc = fma(chain, gs[a], acc, interpret)
+                    if asymmetric:
+                        acc = fma(go[a], jnp.broadcast_to(x_total[None, :], acc.shape), acc,
+                                  interpret)
+                    new.append(acc)
+                else:
+                    new.append(acc + chain)
+            if asymmetric and not grouped:
+                xsum = xsum + x_total
             out.append((tuple(new), sq, xsum))
         return nxt, tuple(out)
 
     vector = lambda: jnp.zeros((block_w,), jnp.float32)  # noqa: E731
     init = tuple((tuple(jnp.zeros((block_n, block_w), jnp.float32) for _ in row_sets),
-                  vector() if has_norm else None, vector() if asymmetric else None)
-                 for _ in range(m))
+                  vector() if has_norm else None,
+                  vector() if asymmetric and not grouped else None) for _ in range(m))
     _, carry = jax.lax.fori_loop(0, steps, body, (load_tile(0) if prefetch else None, init))
     for i, (accs, sq, xsum) in enumerate(carry):
         ys = [jnp.sum(acc, axis=1) for acc in accs]  # [BN] each
-        if codes:  # per-channel scales (and offsets times the sum of x), once
+        if codes and not grouped:  # per-channel scales (and offsets times the sum of x), once
             ys = [y * _load_row(s_ref, 0, r, col_ok).astype(jnp.float32) for y, r in
                   zip(ys, row_sets)]
             if asymmetric:
-                x_total = jnp.sum(xsum) / X_SCALE
+                x_total = jnp.sum(xsum)
                 ys = [y + x_total * _load_row(o_ref, 0, r, col_ok).astype(jnp.float32)
                       for y, r in zip(ys, row_sets)]
         if has_norm:
@@ -218,10 +257,15 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, 
             plgpu.store(out_ref.at[i, cols], y, mask=col_ok)
 
 
-def _check(x, w_t, norm_weight, gated: bool, bias, residual, scales=None, offsets=None) -> int:
-    """Raises ValueError naming the operand whose shape does not fit; returns n_out."""
-    if x.ndim != 2 or w_t.ndim != 2 or w_t.shape[1] != x.shape[1]:
-        raise ValueError(f"gemv: x {x.shape} does not fit w_t {w_t.shape} [N, K]")
+def _check(x, w_t, norm_weight, gated: bool, bias, residual, scales=None, offsets=None,
+           group_size: int | None = None) -> tuple[int, int]:
+    """Raises ValueError naming the operand whose shape does not fit; returns (n_out, the
+    group size: K when per channel)."""
+    bits = code_bits(w_t)
+    words = INT4_PER_WORD if bits == 4 else 1
+    if x.ndim != 2 or w_t.ndim != 2 or w_t.shape[1] * words != x.shape[1]:
+        layout = "[N, K/8] (INT4 words)" if bits == 4 else "[N, K]"
+        raise ValueError(f"gemv: x {x.shape} does not fit w_t {w_t.shape} {layout}")
     m, k = x.shape
     n = w_t.shape[0]
     if gated and n % 2:
@@ -233,70 +277,85 @@ def _check(x, w_t, norm_weight, gated: bool, bias, residual, scales=None, offset
         raise ValueError(f"gemv: bias {bias.shape} is not [N] = {(n,)}")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"gemv: residual {residual.shape} is not the output's {(m, n_out)}")
-    if scales is None and offsets is not None:
-        raise ValueError("gemv: offsets without scales (offsets are for INT8 codes)")
-    if scales is not None:
-        if w_t.dtype != jnp.uint8:
-            raise ValueError(f"gemv: with scales, w_t holds uint8 codes, not {w_t.dtype}")
-        for name, a in (("scales", scales), ("offsets", offsets)):
-            if a is not None and a.shape != (n,):
-                raise ValueError(f"gemv: {name} {a.shape} is not per output channel, [N] = "
-                                 f"{(n,)}")
-    return n_out
+    if scales is None:
+        if offsets is not None:
+            raise ValueError("gemv: offsets without scales (offsets are for INT8/INT4 codes)")
+        if bits is not None:
+            raise ValueError(f"gemv: w_t {w_t.dtype} holds codes: give their scales")
+        return n_out, k
+    if bits is None:
+        raise ValueError(f"gemv: with scales, w_t holds uint8 (INT8) or int32 (INT4) codes, "
+                         f"not {w_t.dtype}")
+    group_size = group_size or k
+    groups = -(-k // group_size)
+    for name, a in (("scales", scales), ("offsets", offsets)):
+        if a is not None and a.shape != (groups, n):
+            raise ValueError(f"gemv: {name} {a.shape} is not [G, N] = {(groups, n)} for groups "
+                             f"of {group_size} over K = {k}")
+    return n_out, group_size
 
 
 def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
-         residual=None, scales=None, offsets=None, config: GemvConfig | None = None,
-         interpret: bool = False):
+         residual=None, scales=None, offsets=None, group_size: int | None = None,
+         config: GemvConfig | None = None, interpret: bool = False):
     """The Pallas kernel: x [M, K] @ W^T with the options of the module docstring -> [M, N]
-    ([M, N/2] when gated) in x's dtype. x bf16; w_t [N, K] bf16 (K even) or, with scales [N],
-    uint8 INT8 codes (K a multiple of 4) whose values are scales * (c - 128), or scales * c +
-    offsets [N]. norm_weight [K]: RMSNorm of x first (eps); bias [N]; residual [M, N or N/2]:
-    added to the output."""
-    n_out = _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets)
+    ([M, N/2] when gated) in x's dtype. x bf16; w_t [N, K] bf16 (K even), or codes with scales
+    [G, N] (ops.matmul.TransposedWeight): uint8 [N, K] INT8 (K a multiple of 4) or int32
+    [N, K/8] INT4 words, in groups of group_size K positions (None: per channel, G = 1), with
+    offsets [G, N] when asymmetric. norm_weight [K]: RMSNorm of x first (eps); bias [N];
+    residual [M, N or N/2]: added to the output."""
+    n_out, group_size = _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets,
+                               group_size)
     m, k = x.shape
-    codes = scales is not None
-    per_word = 4 if codes else 2  # K positions per 32-bit word of w_t
-    if k % per_word or x.dtype != jnp.bfloat16 or w_t.dtype != (
-            jnp.uint8 if codes else jnp.bfloat16):
+    bits = code_bits(w_t) or 16
+    per_word = 32 // bits  # K positions per 32-bit word of w_t
+    if k % per_word or x.dtype != jnp.bfloat16 or (bits == 16 and w_t.dtype != jnp.bfloat16):
         raise ValueError(f"gemv: the kernel takes bf16 x {x.shape} {x.dtype} and w_t "
-                         f"{w_t.shape} {w_t.dtype} (bf16, or uint8 codes with scales) with K "
-                         f"a multiple of {per_word}")
-    args = [_words(x), _code_words(w_t) if codes else _words(w_t)]
+                         f"{w_t.shape} {w_t.dtype} (bf16 or codes) with K a multiple of "
+                         f"{per_word}")
+    if bits != 16 and group_size < k and group_size % per_word:
+        raise ValueError(f"gemv: group_size {group_size} is not a multiple of {per_word}")
+    w_words = {16: _words, 8: _code_words, 4: lambda a: a}[bits](w_t)
+    args = [_words(x), w_words]
     if norm_weight is not None:
         args.append(_words(norm_weight.astype(jnp.bfloat16).reshape(1, k)))
-    args += [a.reshape(1, -1) for a in (scales, offsets, bias) if a is not None]
+    args += [a for a in (scales, offsets) if a is not None]
+    if bias is not None:
+        args.append(bias.reshape(1, -1))
     if residual is not None:
         args.append(residual)
-    cfg = config or gemv_config(gated, norm_weight is not None, codes)
-    block_w = cfg.block_k // per_word
+    cfg = config or gemv_config(gated, norm_weight is not None, bits)
+    block_w = max(cfg.block_k // per_word, 1)
     kernel = functools.partial(
         _gemv_kernel, m=m, n_out=n_out, k=k, k_words=k // per_word, block_n=cfg.block_n,
         block_w=block_w, has_norm=norm_weight is not None, eps=float(eps), gated=gated,
-        codes=codes, asymmetric=offsets is not None, has_bias=bias is not None,
-        has_residual=residual is not None, prefetch=cfg.prefetch, interpret=interpret)
+        bits=bits, group_size=group_size, asymmetric=offsets is not None,
+        has_bias=bias is not None, has_residual=residual is not None, prefetch=cfg.prefetch,
+        interpret=interpret)
     full = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(n_out, cfg.block_n),), in_specs=[full(a.shape) for a in args],
         out_specs=full((m, n_out)), out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages),
-        interpret=interpret, name="gemv8_nk" if codes else "gemv_nk",
+        interpret=interpret, name={16: "gemv_nk", 8: "gemv8_nk", 4: "gemv4_nk"}[bits],
     )(*args)
 
 
 def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False,
-                   bias=None, residual=None, scales=None, offsets=None):
+                   bias=None, residual=None, scales=None, offsets=None,
+                   group_size: int | None = None):
     """`gemv` in jnp: float32 sums and products (at jax's default matmul precision, like the
     model's other products: TF32 on a GPU unless jax.default_matmul_precision says 'highest';
     exact on the CPU, where an explicit HIGHEST made the product 6x slower), rounded to x's dtype
-    at the end. INT8 codes are dequantized to float32 first (ops.matmul.dequantize_rows)."""
-    _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets)
+    at the end. Codes are dequantized to float32 first (ops.matmul.dequantize_rows)."""
+    _, group_size = _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets,
+                           group_size)
     h = x.astype(jnp.float32)
     if norm_weight is not None:
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
         h = h * norm_weight.astype(jnp.float32)
-    w = dequantize_rows(w_t, scales, offsets)  # [N, K] float32
+    w = dequantize_rows(w_t, scales, offsets, group_size)  # [N, K] float32
     y = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())))  # h @ w^T
     if bias is not None:
         y = y + bias.astype(jnp.float32)
@@ -309,22 +368,25 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
 
 
 def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
-               residual=None, scales=None, offsets=None, impl: str | None = None):
+               residual=None, scales=None, offsets=None, group_size: int | None = None,
+               impl: str | None = None):
     """`gemv`'s function, dispatched. impl None: PALLASITE_GEMV if set, else the kernel on a GPU
-    when x is bf16 with M <= MAX_ROWS and w_t is bf16 (K even) or uint8 codes with scales (K a
-    multiple of 4), the reference otherwise; or 'pallas', 'pallas_interpret' (CPU tests),
-    'reference'."""
+    when x is bf16 with M <= MAX_ROWS and w_t bf16 or codes that fit it, the reference
+    otherwise; or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
     impl = impl or os.environ.get("PALLASITE_GEMV") or None
     if impl is None:
-        codes = scales is not None
+        bits = code_bits(w_t) or 16
+        per_word = 32 // bits
+        k = x.shape[-1]
         fits = (x.ndim == 2 and x.shape[0] <= MAX_ROWS and x.dtype == jnp.bfloat16
-                and x.shape[-1] % (4 if codes else 2) == 0
-                and w_t.dtype == (jnp.uint8 if codes else jnp.bfloat16))
+                and k % per_word == 0 and (bits != 16 or w_t.dtype == jnp.bfloat16)
+                and (bits == 16 or not group_size or group_size >= k
+                     or group_size % per_word == 0))
         impl = "pallas" if fits and jax.default_backend() == "gpu" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"fused_gemv: impl {impl!r} must be None or one of {IMPLS}")
     kw = dict(norm_weight=norm_weight, eps=eps, gated=gated, bias=bias, residual=residual,
-              scales=scales, offsets=offsets)
+              scales=scales, offsets=offsets, group_size=group_size)
     if impl == "reference":
         return gemv_reference(x, w_t, **kw)
     return gemv(x, w_t, interpret=impl == "pallas_interpret", **kw)

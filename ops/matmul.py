@@ -6,7 +6,7 @@ linear layer behind this function is what lets quantized weights and GPU kernels
 touching the model.
 
 `TransposedWeight` holds a weight stored [out, in] (models.llama.transpose_for_gemv): float, or
-INT8 codes with per-output-channel scales. `linear` multiplies by its transpose, and the model's
+INT8 / INT4 codes with their scales. `linear` multiplies by its transpose, and the model's
 layers hand it to ops/gemv.py's kernel for one-token decode steps.
 """
 from __future__ import annotations
@@ -22,6 +22,16 @@ _QUANTIZED_MATMULS: dict[type, Callable] = {}
 
 
 INT8_ZERO = 128  # a symmetric INT8 code c stands for c - 128 (quant/qtensor.py)
+INT4_ZERO = 8  # and a symmetric INT4 code for c - 8
+INT4_PER_WORD = 8  # INT4 codes per int32 word, K position 8w + j in bits 4j..4j+3
+
+
+def code_bits(w_t: jax.Array) -> int | None:
+    """Bits per code of a transposed weight's array: 8 (uint8), 4 (int32 words of eight codes),
+    None for float values."""
+    if w_t.dtype == jnp.uint8:
+        return 8
+    return 4 if w_t.dtype == jnp.int32 else None
 
 
 @jax.tree_util.register_dataclass
@@ -29,31 +39,50 @@ INT8_ZERO = 128  # a symmetric INT8 code c stands for c - 128 (quant/qtensor.py)
 class TransposedWeight:
     """A weight [in, out] stored as its transpose w_t [out, in].
 
-    Float: w_t holds the values. INT8 (scales given): w_t holds uint8 codes and the value of
-    w_t[n, k] is scales[n] * (c - 128), or scales[n] * c + offsets[n] when asymmetric.
+    Float: w_t holds the values. Quantized (scales given), quant/qtensor.py's codes transposed:
+    w_t is uint8 [out, in] (INT8) or int32 [out, in / 8] (INT4, eight codes per word along in),
+    scales (and offsets) keep their [G, out] layout, G = ceil(in / group_size); the value of
+    code c is scales * (c - zero), or scales * c + offsets when asymmetric.
     """
 
-    w_t: jax.Array  # [out, in]
-    scales: jax.Array | None = None  # [out] per output channel (INT8 codes)
-    offsets: jax.Array | None = None  # [out] (asymmetric INT8 codes) or None
+    w_t: jax.Array  # [out, in], or [out, in / 8] int32 INT4 words
+    scales: jax.Array | None = None  # [G, out]
+    offsets: jax.Array | None = None  # [G, out] (asymmetric codes) or None
+    group_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: per channel
 
     @property
     def shape(self) -> tuple[int, int]:
         """The weight's logical shape [in, out]."""
-        return self.w_t.shape[1], self.w_t.shape[0]
+        words = INT4_PER_WORD if code_bits(self.w_t) == 4 else 1
+        return self.w_t.shape[1] * words, self.w_t.shape[0]
+
+
+def unpack_rows(w_t: jax.Array) -> jax.Array:
+    """A transposed weight's codes (or values) [N, K]: INT4 words unpacked, low nibble first."""
+    if code_bits(w_t) != 4:
+        return w_t
+    shifts = jnp.arange(INT4_PER_WORD, dtype=jnp.uint32) * 4
+    u = jax.lax.bitcast_convert_type(w_t, jnp.uint32)[..., None]
+    codes = jnp.right_shift(u, shifts) & jnp.uint32(0xF)  # [N, K/8, 8]
+    return codes.reshape(w_t.shape[0], -1)
 
 
 def dequantize_rows(w_t: jax.Array, scales: jax.Array | None = None,
-                    offsets: jax.Array | None = None) -> jax.Array:
+                    offsets: jax.Array | None = None, group_size: int = 0) -> jax.Array:
     """The float32 values [N, K] of a transposed weight (see TransposedWeight): w_t itself
-    without scales, else its INT8 codes times the per-row scales (plus offsets)."""
-    w = w_t.astype(jnp.float32)
+    without scales, else its codes times their group's scale (plus offset), or minus the zero
+    point first when symmetric."""
+    w = unpack_rows(w_t).astype(jnp.float32)
     if scales is None:
         return w
-    s = scales.astype(jnp.float32)[:, None]
+    k = w.shape[1]
+
+    def per_k(a):  # [G, N] -> [N, K]: each group's value over its group_size rows
+        a = a.astype(jnp.float32).T
+        return a if a.shape[1] == 1 else jnp.repeat(a, group_size, axis=1)[:, :k]
     if offsets is None:
-        return s * (w - INT8_ZERO)
-    return s * w + offsets.astype(jnp.float32)[:, None]
+        return per_k(scales) * (w - (INT4_ZERO if code_bits(w_t) == 4 else INT8_ZERO))
+    return per_k(scales) * w + per_k(offsets)
 
 
 def register_quantized_matmul(weight_type: type, fn: Callable) -> None:
@@ -70,8 +99,8 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
         if len(weight.shape) != 2 or x.shape[-1] != weight.shape[0]:
             raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
         if isinstance(weight, TransposedWeight):  # x @ w_t^T, no transposed copy
-            w_t = (weight.w_t if weight.scales is None else
-                   dequantize_rows(weight.w_t, weight.scales, weight.offsets))
+            w_t = (weight.w_t if weight.scales is None else dequantize_rows(
+                weight.w_t, weight.scales, weight.offsets, weight.group_size))
             y = jax.lax.dot_general(x, w_t.astype(x.dtype),
                                     (((x.ndim - 1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)

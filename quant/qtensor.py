@@ -91,19 +91,21 @@ class QuantizedWeight:
                    for a in jax.tree.leaves(self))
 
     def transposed(self) -> TransposedWeight:
-        """The same weight stored [N, K] for ops/gemv.py's decode kernel: uint8 codes in input
-        channel order (act-order undone), scales (and offsets) [N]. INT8 with per-channel scales
-        only; anything else raises ValueError saying why."""
+        """The same weight stored [N, K] for ops/gemv.py's decode kernel: INT8 codes uint8
+        [N, K], INT4 words int32 [N, K/8] (the same words, transposed), scales and offsets as
+        they are ([G, N]). Act-order is undone for INT8 per channel; other act-order weights
+        (their groups follow the stored order) raise ValueError saying why."""
         k, n = self.shape
-        if self.bits != 8 or num_groups(k, self.group_size) != 1:
-            raise ValueError(f"{self.bits}-bit weights in groups of {self.group_size} over "
-                             f"K = {k} cannot be stored transposed: only INT8 with per-channel "
-                             "scales can")
         codes = self.packed
-        if self.perm is not None:  # stored row r is input channel perm[r]
-            codes = jnp.zeros_like(codes).at[self.perm].set(codes)
-        return TransposedWeight(codes.T, self.scales.reshape(n),
-                                None if self.offsets is None else self.offsets.reshape(n))
+        if self.perm is not None:
+            if self.bits != 8 or num_groups(k, self.group_size) != 1:
+                raise ValueError(f"act-order {self.bits}-bit weights in groups of "
+                                 f"{self.group_size} cannot be stored transposed (their groups "
+                                 "follow the permuted order)")
+            codes = jnp.zeros_like(codes).at[self.perm].set(codes)  # stored row r: perm[r]
+        per_channel = num_groups(k, self.group_size) == 1
+        return TransposedWeight(codes.T, self.scales, self.offsets,
+                                group_size=k if per_channel else self.group_size)
 
 
 def pack_int4(codes: jax.Array) -> jax.Array:

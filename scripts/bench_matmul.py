@@ -11,7 +11,8 @@ Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fu
   `matmul_config` (the faster of the two as the heuristic picks it), and jax's Mosaic GPU
   `hopper_mixed_type_matmul_mgpu` (int8 x bf16, per-channel scales applied after) where it runs,
   and up to `--nk_max_m` rows ops/gemv.py's kernel over weights stored [N, K] (`--gemv_layers`'s
-  layout): bf16 (`bf16_nk`) and INT8 codes with per-channel scales (`int8_nk`).
+  layout): bf16 (`bf16_nk`), INT8 codes with per-channel scales (`int8_nk`) and INT4 words with
+  group scales (`int4_nk`).
   TB/s = weight bytes read (packed codes + scales) over time; speedup = bf16 time / time.
 - sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
   the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
@@ -55,8 +56,8 @@ flags.DEFINE_integer("queue", 3, "programs queued before one sync")
 flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
 flags.DEFINE_integer("mgpu_max_m", 1 << 30, "time jax's hopper_mixed_type_matmul_mgpu (int8) "
                      "up to this M")
-flags.DEFINE_integer("nk_max_m", 1, "time ops/gemv.py's kernel over transposed bf16 and INT8 "
-                     "weights (bf16_nk, int8_nk) up to this M")
+flags.DEFINE_integer("nk_max_m", 1, "time ops/gemv.py's kernel over transposed bf16, INT8 and "
+                     "INT4 weights (bf16_nk, int8_nk, int4_nk) up to this M")
 flags.DEFINE_enum("variants", "all", ["all", "dispatch"], "all: kernel and XLA dequant at every "
                   "M; dispatch: only what matmul_config picks")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
@@ -208,29 +209,38 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
     return rows
 
 
+NK_BITS = {"bf16_nk": 16, "int8_nk": 8, "int4_nk": 4}
+
+
 def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
-    """ops/gemv.py's kernel over weights stored transposed, [N, K]: bf16 (`bf16_nk`) and INT8
-    codes with per-channel scales (`int8_nk`), the layout of `--gemv_layers`."""
+    """ops/gemv.py's kernel over weights stored transposed, [N, K] (`--gemv_layers`'s layout):
+    bf16 (`bf16_nk`), INT8 codes with per-channel scales (`int8_nk`) and INT4 words with
+    --group_size scales (`int4_nk`)."""
     rows = []
     calls, sets = FLAGS.calls, num_sets(k * n)
     interpret = FLAGS.impl == "pallas_interpret"
-    for name in ("bf16_nk", "int8_nk"):
-        row = {"K": k, "N": n, "M": m, "impl": name, "bits": 8 if name == "int8_nk" else 16,
-               "config": str(gemv_config(False, False, name == "int8_nk"))}
-        if name == "bf16_nk":
-            w = tuple(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.bfloat16)
-                      for i in range(sets))
+    for name, bits in NK_BITS.items():
+        group = FLAGS.group_size if bits == 4 else k
+        row = {"K": k, "N": n, "M": m, "impl": name, "bits": bits, "group": group,
+               "config": str(gemv_config(False, False, bits))}
+        keys = [jax.random.key(70 + 10 * bits + i) for i in range(sets)]
+        if bits == 16:
+            w = tuple(jax.random.normal(key, (n, k), jnp.bfloat16) for key in keys)
             s, nbytes = (None,) * sets, 2 * k * n
         else:
-            w = tuple(jax.random.bits(jax.random.key(80 + i), (n, k), jnp.uint8)
-                      for i in range(sets))
-            s = tuple(jax.random.uniform(jax.random.key(90 + i), (n,), jnp.float32, 0.001,
-                                         0.01).astype(jnp.bfloat16) for i in range(sets))
-            nbytes = k * n + 2 * n
+            shape = (n, k) if bits == 8 else (n, k // 8)
+            dtype = jnp.uint8 if bits == 8 else jnp.uint32
+            w = tuple(jax.random.bits(key, shape, dtype) for key in keys)
+            if bits == 4:
+                w = tuple(jax.lax.bitcast_convert_type(a, jnp.int32) for a in w)
+            s = tuple(jax.random.uniform(jax.random.fold_in(key, 1), (-(-k // group), n),
+                                         jnp.float32, 0.001, 0.01).astype(jnp.bfloat16)
+                      for key in keys)
+            nbytes = k * n * bits // 8 + 2 * s[0].size
 
-        def prog(xs, w, s):
-            return tuple(gemv(xs[c], w[c % sets], scales=s[c % sets], interpret=interpret)
-                         for c in range(calls))
+        def prog(xs, w, s, group=group):
+            return tuple(gemv(xs[c], w[c % sets], scales=s[c % sets], group_size=group,
+                              interpret=interpret) for c in range(calls))
         try:
             t = time_per_call(prog, (xs, w, s), calls)
             row.update(us=t * 1e6, TBps=nbytes / t / 1e12, speedup=t_bf16 / t)

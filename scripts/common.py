@@ -213,8 +213,9 @@ def define_fusion_flags() -> None:
                       "run each product as one Pallas kernel with its RMSNorm, SiLU x up and "
                       "residual add inside (ops/gemv.py; models.llama.transpose_for_gemv): "
                       "llama3.1-8b bf16 batch-1 decode about 7% faster on the H200, larger batches "
-                      "up to 3% slower. Needs fused projections, float or INT8 (per-channel) "
-                      "weights and one device; the kernel runs for bf16 activations on a GPU.")
+                      "up to 3% slower. Needs fused projections, float, INT8 or INT4 (not "
+                      "act-order) weights and one device; the kernel runs for bf16 activations "
+                      "on a GPU.")
     flags.DEFINE_bool("fold_norm_scale", False,
                       "Apply each RMSNorm before a projection as project(x * weight) times the "
                       "row's rsqrt scale after the product (ModelConfig.fold_norm_scale), so XLA "

@@ -1,6 +1,6 @@
 """Transposed layers (models.llama.transpose_for_gemv, ModelConfig.gemv_layers) compute the same
 function: greedy tokens equal and log-probabilities within rounding against the model as loaded
-(float weights, or INT8 per-channel codes stored transposed with their scales).
+(float weights, or INT8 / INT4 codes stored transposed with their scales).
 
 Steps of at most ops.gemv.MAX_ROWS tokens run `fused_gemv` (norm, SiLU x up, bias and residual
 inside one product each); longer ones multiply by the transposed weights in XLA. On the CPU
@@ -77,13 +77,13 @@ def test_bf16_kernel_matches_the_reference(monkeypatch):
     assert_same_generations(got, want, rtol=2e-2)
 
 
-@pytest.mark.parametrize("method", ["int8", "int8_asym"])
-def test_int8_transposed_layers_give_the_same_tokens(monkeypatch, method):
-    """INT8 per-channel weights stored transposed (codes [out, in] with their scales) against
-    the same quantized model as fused: float32 activations, same tokens and log-probabilities."""
+@pytest.mark.parametrize("method,group", [("int8", 0), ("int8_asym", 0), ("int4_rtn", 32)])
+def test_quantized_transposed_layers_give_the_same_tokens(monkeypatch, method, group):
+    """INT8 / INT4 weights stored transposed (codes [out, in] with their scales) against the
+    same quantized model as fused: float32 activations, same tokens and log-probabilities."""
     cfg, model, prompts = model_and_prompts(TINY_LLAMA31, 17, False, (5, 11))
-    cfg, model = fuse_projections(cfg, quantize_model(cfg, model, QuantConfig(method),
-                                                      progress=False))
+    qcfg = QuantConfig(method, group_size=group or 128)
+    cfg, model = fuse_projections(cfg, quantize_model(cfg, model, qcfg, progress=False))
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
     params = [params, dataclasses.replace(params, max_tokens=9)]
     with jax.default_matmul_precision("highest"):
@@ -92,18 +92,22 @@ def test_int8_transposed_layers_give_the_same_tokens(monkeypatch, method):
         jax.clear_caches()
         cfg, model = transpose_for_gemv(cfg, model)
         weight = model.layers[0].mlp.gate_up_proj.kernel.get_value()
-        assert weight.w_t.dtype == jnp.uint8 and weight.scales.ndim == 1
+        k = weight.shape[0]
+        assert weight.w_t.dtype == (jnp.int32 if group else jnp.uint8)
+        assert weight.scales.shape == (-(-k // (group or k)), weight.shape[1])
         assert (weight.offsets is None) == (method == "int8")
         got = generate(model, cfg, prompts, params)
     assert calls.get(1, 0) > 0
     assert_same_generations(got, want, rtol=1e-5)
 
 
-def test_int8_bf16_kernel_matches_the_reference(monkeypatch):
-    """bf16 activations over INT8 codes: the interpreted kernel against the reference path."""
+@pytest.mark.parametrize("method", ["int8", "int4_rtn"])
+def test_quantized_bf16_kernel_matches_the_reference(monkeypatch, method):
+    """bf16 activations over INT8 / INT4 (groups of 32) codes: the interpreted kernel against
+    the reference path."""
     cfg = TINY_LLAMA31.replace(num_heads=4, num_kv_heads=2, head_dim=16)
     model = model_from_pure_dict(cfg, unit_scale_pure_dict(cfg, 19), jnp.bfloat16)
-    model = quantize_model(cfg, model, QuantConfig("int8"), progress=False)
+    model = quantize_model(cfg, model, QuantConfig(method, group_size=32), progress=False)
     cfg, model = transpose_for_gemv(*fuse_projections(cfg, model))
     prompts = [[8, 61, 2, 33, 9], [12, 7, 70, 5]]
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
@@ -117,20 +121,30 @@ def test_int8_bf16_kernel_matches_the_reference(monkeypatch):
     assert_same_generations(got, want, rtol=2e-2)
 
 
-def test_transposed_codes_undo_act_order():
-    """QuantizedWeight.transposed: codes in input-channel order, so x @ dequantize(w) is
-    x @ dequantize_rows(transposed)^T, with and without an act-order permutation."""
+def test_transposed_codes_are_the_same_weight():
+    """QuantizedWeight.transposed: x @ dequantize(w) is x @ dequantize_rows(transposed)^T, for
+    INT8 per channel with and without an act-order permutation (undone), and INT4 in groups
+    (a shorter last group) with and without offsets; act-order INT4 is refused."""
     rng = np.random.default_rng(int(np.random.randint(1 << 30)))
-    k, n = 24, 10
-    codes = rng.integers(0, 256, (k, n))
-    scales = jnp.asarray(rng.uniform(0.01, 0.02, (1, n)), jnp.float32)
+    k, n = 48, 10
     x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
-    for perm in (None, rng.permutation(k)):
-        w = make_quantized_weight(codes, scales, None, bits=8, group_size=k, perm=perm)
+    uniform = lambda *shape: jnp.asarray(rng.uniform(0.01, 0.02, shape), jnp.float32)  # noqa
+    cases = [(8, k, None, None), (8, k, None, rng.permutation(k)), (4, 32, None, None),
+             (4, 16, uniform(3, n), None)]
+    for bits, group, offsets, perm in cases:
+        codes = rng.integers(0, 2 ** bits, (k, n))
+        w = make_quantized_weight(codes, uniform(-(-k // group), n), offsets, bits=bits,
+                                  group_size=group, perm=perm)
         t = w.transposed()
-        assert t.w_t.shape == (n, k) and t.shape == w.shape
-        np.testing.assert_allclose(np.asarray(x @ dequantize_rows(t.w_t, t.scales).T),
-                                   np.asarray(x @ dequantize(w)), rtol=1e-5, atol=1e-6)
+        assert t.shape == w.shape == (k, n)
+        got = x @ dequantize_rows(t.w_t, t.scales, t.offsets, t.group_size).T
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x @ dequantize(w)), rtol=1e-5,
+                                   atol=1e-6)
+    w = make_quantized_weight(rng.integers(0, 16, (k, n)), uniform(3, n), None, bits=4,
+                              group_size=16, perm=rng.permutation(k))
+    with pytest.raises(ValueError, match="act-order 4-bit weights in groups of 16 cannot be "
+                                         "stored transposed"):
+        w.transposed()
 
 
 def test_transpose_errors_leave_the_model_whole():
@@ -139,11 +153,17 @@ def test_transpose_errors_leave_the_model_whole():
         transpose_for_gemv(cfg, model)
     qcfg, qmodel = fuse_projections(cfg, quantize_model(cfg, model, QuantConfig("int4_rtn"),
                                                         progress=False))
-    with pytest.raises(ValueError, match="4-bit weights in groups of .* only INT8 with "
-                                         "per-channel scales"):
+    last = qmodel.layers[-1].mlp.down_proj  # an act-order weight in the last layer only
+    k, n = last.kernel.get_value().shape
+    rng = np.random.default_rng(5)
+    last.kernel.set_value(make_quantized_weight(
+        rng.integers(0, 16, (k, n)), jnp.ones((-(-k // 32), n)), None, bits=4, group_size=32,
+        perm=rng.permutation(k)))
+    with pytest.raises(ValueError, match="transpose_for_gemv: act-order 4-bit weights"):
         transpose_for_gemv(qcfg, qmodel)
-    assert all(isinstance(layer.mlp.down_proj.kernel.get_value(), QuantizedWeight)
-               for layer in qmodel.layers)  # nothing transposed
+    assert all(isinstance(lin.kernel.get_value(), QuantizedWeight)
+               for layer in qmodel.layers for lin in (layer.self_attn.qkv_proj,
+                                                      layer.mlp.gate_up_proj))  # untouched
     cfg, model = transpose_for_gemv(*fuse_projections(*model_and_prompts(
         TINY_LLAMA31, 3, False, ())[:2]))
     with pytest.raises(ValueError, match="already transposed"):

@@ -1,4 +1,4 @@
-"""ops.gemv (bf16 x @ w_t^T for a few rows, w_t bf16 or INT8 codes with per-channel scales, with
+"""ops.gemv (bf16 x @ w_t^T for a few rows, w_t bf16, INT8 or INT4 codes with their scales, with
 RMSNorm, SiLU x up, bias and residual folded in) against a float64 numpy computation of the same
 function on the same inputs.
 
@@ -33,11 +33,18 @@ CASES = [
     (3, 132, 40, "asym_gated_residual", GemvConfig(8, 32, 4, 1)),
     (1, 192, 48, "asym_norm_bias", GemvConfig(4, 128, 2, 2)),
     (2, 96, 36, "int8", None),
+    # INT4 words [N, K/8] in groups of g (per channel: g = K), tiles across groups
+    (1, 256, 64, "int4_g64", GemvConfig(8, 256, 4, 1)),
+    (2, 384, 70, "int4_g128_asym_norm_residual", GemvConfig(8, 128, 4, 1, prefetch=True)),
+    (1, 512, 96, "int4_g32_gated", GemvConfig(16, 512, 4, 1)),
+    (3, 136, 40, "int4_g136_asym_gated_residual", GemvConfig(8, 64, 4, 1)),
+    (1, 320, 48, "int4_g128_norm_bias", None),  # a shorter last group
 ]
 LLAMA_CASES = [(1, 4096, 6144, "norm"), (1, 4096, 4096, "residual"), (1, 4096, 28672, "gated"),
                (1, 14336, 4096, "residual"), (2, 4096, 28672, "gated"), (2, 14336, 4096, "residual"),
                (1, 4096, 6144, "int8_norm"), (1, 4096, 4096, "int8_residual"),
-               (1, 4096, 28672, "int8_gated"), (1, 14336, 4096, "asym_residual")]
+               (1, 4096, 28672, "int8_gated"), (1, 14336, 4096, "asym_residual"),
+               (1, 4096, 28672, "int4_g128_gated"), (1, 14336, 4096, "int4_g128_asym_residual")]
 
 
 def operands(seed: int, m: int, k: int, n: int, variant: str):
@@ -48,11 +55,22 @@ def operands(seed: int, m: int, k: int, n: int, variant: str):
     gated = "gated" in variant
     n_out = n // 2 if gated else n
     kw = dict(gated=gated, eps=EPS)
-    if variant.startswith(("int8", "asym")):  # uint8 codes; values of about the same size
-        w_t = jnp.asarray(rng.integers(0, 256, (n, k)), jnp.uint8)
-        kw["scales"] = bf(rng.uniform(0.5, 1.5, n) / (74 * np.sqrt(k)))
-        if variant.startswith("asym"):  # offset -zero * scale, zero near the middle
-            kw["offsets"] = bf(-kw["scales"].astype(jnp.float32) * rng.uniform(96, 160, n))
+    if variant.startswith(("int8", "asym", "int4")):  # codes; values of about the same size
+        int4 = variant.startswith("int4")
+        levels, group = (16, int(variant.split("_")[1][1:])) if int4 else (256, k)
+        codes = rng.integers(0, levels, (n, k))
+        if int4:  # eight codes per int32 word, K position 8w + j in bits 4j..4j+3
+            words = (codes.reshape(n, k // 8, 8).astype(np.uint32)
+                     << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+            w_t = jnp.asarray(words.view(np.int32))
+            kw["group_size"] = group
+        else:
+            w_t = jnp.asarray(codes, jnp.uint8)
+        groups = -(-k // group)
+        kw["scales"] = bf(rng.uniform(0.5, 1.5, (groups, n)) / (0.29 * levels * np.sqrt(k)))
+        if "asym" in variant:  # offset -zero * scale, zero near the middle
+            kw["offsets"] = bf(-kw["scales"].astype(jnp.float32)
+                               * rng.uniform(0.375, 0.625, (groups, n)) * levels)
     else:
         w_t = bf(rng.standard_normal((n, k)) / np.sqrt(k))
     if "norm" in variant or gated:
@@ -65,16 +83,20 @@ def operands(seed: int, m: int, k: int, n: int, variant: str):
 
 
 def float64_want(x, w_t, norm_weight=None, eps=EPS, gated=False, bias=None, residual=None,
-                 scales=None, offsets=None):
+                 scales=None, offsets=None, group_size=None):
     """The function in float64 numpy from the bf16 operands (independent of jax's dot)."""
     f = lambda a: None if a is None else np.asarray(a.astype(jnp.float32), np.float64)  # noqa
     h = f(x)
     if norm_weight is not None:
         h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * f(norm_weight)
-    w = f(w_t)
-    if scales is not None:  # the codes' values (quant/qtensor.py)
-        w = (f(scales)[:, None] * (w - 128) if offsets is None
-             else f(scales)[:, None] * w + f(offsets)[:, None])
+    w = np.asarray(w_t, np.float64) if scales is None else codes_of(w_t)
+    if scales is not None:  # the codes' values (quant/qtensor.py), group by group
+        k = w.shape[1]
+        group = group_size or k
+        per_k = lambda a: np.repeat(f(a).T, group, axis=1)[:, :k]  # noqa: E731  [N, K]
+        zero = 8 if w_t.dtype == jnp.int32 else 128
+        w = (per_k(scales) * (w - zero) if offsets is None
+             else per_k(scales) * w + per_k(offsets))
     y = h @ w.T
     if bias is not None:
         y = y + f(bias)
@@ -82,6 +104,15 @@ def float64_want(x, w_t, norm_weight=None, eps=EPS, gated=False, bias=None, resi
         g, u = np.split(y, 2, axis=-1)
         y = g / (1.0 + np.exp(-g)) * u
     return y if residual is None else y + f(residual)
+
+
+def codes_of(w_t) -> np.ndarray:
+    """float64 codes [N, K] of uint8 codes or int32 INT4 words (unpacked in numpy)."""
+    a = np.asarray(w_t)
+    if a.dtype == np.int32:
+        a = (a.view(np.uint32)[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+        a = a.reshape(a.shape[0], -1)
+    return a.astype(np.float64)
 
 
 def check(out, want, dtype_ulp: float = 2.0 ** -8):
@@ -154,21 +185,25 @@ def test_shape_errors_name_the_operand(bad, match):
 
 
 @pytest.mark.parametrize("change,match", [
-    ("bf16_codes", "with scales, w_t holds uint8 codes, not bfloat16"),
-    ("scales_shape", r"scales \(31,\) is not per output channel, \[N\] = \(32,\)"),
-    ("offsets_shape", r"offsets \(1, 32\) is not per output channel"),
+    ("bf16_codes", r"with scales, w_t holds uint8 \(INT8\) or int32 \(INT4\) codes, not bfloat16"),
+    ("scales_shape", r"scales \(1, 31\) is not \[G, N\] = \(1, 32\) for groups of 64 over "
+                     "K = 64"),
+    ("offsets_shape", r"offsets \(32,\) is not \[G, N\]"),
     ("offsets_alone", "offsets without scales"),
+    ("scales_missing", "w_t uint8 holds codes: give their scales"),
 ])
 def test_code_errors_name_the_operand(change, match):
     x, w_t, kw = operands(7, 1, 64, 32, "asym")
     if change == "bf16_codes":
         w_t = w_t.astype(jnp.bfloat16)
     elif change == "scales_shape":
-        kw["scales"] = kw["scales"][:31]
+        kw["scales"] = kw["scales"][:, :31]
     elif change == "offsets_shape":
-        kw["offsets"] = kw["offsets"].reshape(1, 32)
-    else:
+        kw["offsets"] = kw["offsets"].reshape(32)
+    elif change == "offsets_alone":
         kw.pop("scales")
+    else:
+        kw.pop("scales"), kw.pop("offsets")
     for fn in (gemv_reference, lambda *a, **k: gemv(*a, interpret=True, **k)):
         with pytest.raises(ValueError, match=match):
             fn(x, w_t, **kw)
@@ -177,7 +212,7 @@ def test_code_errors_name_the_operand(change, match):
 def test_code_kernel_needs_k_a_multiple_of_4():
     x, w_t, kw = operands(8, 1, 66, 16, "int8")
     check(gemv_reference(x, w_t, **kw), float64_want(x, w_t, **kw))  # the reference takes it
-    with pytest.raises(ValueError, match=r"uint8 codes with scales\) with K a multiple of 4"):
+    with pytest.raises(ValueError, match=r"\(bf16 or codes\) with K a multiple of 4"):
         gemv(x, w_t, interpret=True, **kw)
 
 
@@ -188,11 +223,13 @@ def test_kernel_refuses_other_dtypes():
 
 
 @pytest.mark.parametrize("variant", ["plain", "norm_bias", "gated", "residual", "gated_m2",
-                                     "int8_norm", "int8_gated", "asym_residual"])
+                                     "int8_norm", "int8_gated", "asym_residual",
+                                     "int4_g128_gated", "int4_g64_asym_norm"])
 def test_lowers_to_triton_for_h200(h200_lowering, variant):
     m = 2 if variant.endswith("m2") else 1
     x, w_t, kw = operands(5, m, 4096, 6144, variant)
     text = jax.jit(lambda x, w_t: gemv(x, w_t, **kw)).trace(x, w_t).lower(
         lowering_platforms=("cuda",)).as_text()
-    name = "gemv8_nk" if variant.startswith(("int8", "asym")) else "gemv_nk"
+    name = ("gemv4_nk" if variant.startswith("int4") else
+            "gemv8_nk" if variant.startswith(("int8", "asym")) else "gemv_nk")
     assert name in text and h200_lowering
