@@ -85,6 +85,44 @@ def dequantize_rows(w_t: jax.Array, scales: jax.Array | None = None,
     return per_k(scales) * w + per_k(offsets)
 
 
+GROUPED_PRODUCT_MAX_ROWS = 64  # more rows: dequantize the weight once, then one product
+
+
+def coded_product(x: jax.Array, weight: TransposedWeight) -> jax.Array:
+    """x [..., K] @ a transposed weight of codes -> [..., N] float32, in XLA (steps the
+    ops/gemv.py kernel does not take: more than one row, or no GPU).
+
+    The codes enter the product as they are, converted to x's dtype (exact: at most 255), so
+    XLA can fuse the conversion into its GEMM and no dequantized weight is written: per group g,
+    y = scale_g (x_g @ c_g) + z_g sum(x_g), z = offsets, or -zero x scales when symmetric. Per
+    channel that is one product; with groups a batched product over [G, group] while the rows
+    are few (GROUPED_PRODUCT_MAX_ROWS), else the weight dequantized once and one product.
+    """
+    *lead, k = x.shape
+    x2 = x.reshape(-1, k)  # [M, K]
+    w = weight
+    codes = unpack_rows(w.w_t).astype(x.dtype)  # [N, K]
+    scales = w.scales.astype(jnp.float32)  # [G, N]
+    zero = INT4_ZERO if code_bits(w.w_t) == 4 else INT8_ZERO
+    z = -zero * scales if w.offsets is None else w.offsets.astype(jnp.float32)  # [G, N]
+    groups = scales.shape[0]
+    if groups > 1 and x2.shape[0] > GROUPED_PRODUCT_MAX_ROWS:
+        dense = dequantize_rows(w.w_t, w.scales, w.offsets, w.group_size).astype(x.dtype)
+        y = jax.lax.dot_general(x2, dense, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return y.reshape(*lead, -1)
+    size = k if groups == 1 else w.group_size
+    pad = groups * size - k  # the last group may be shorter
+    xg = jnp.pad(x2, ((0, 0), (0, pad))).reshape(-1, groups, size)  # [M, G, size]
+    cg = jnp.pad(codes, ((0, 0), (0, pad))).reshape(-1, groups, size)  # [N, G, size]
+    yg = jnp.einsum("mgs,ngs->mgn", xg, cg, preferred_element_type=jnp.float32)  # [M, G, N]
+    x_sums = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [M, G]
+    # elementwise float32 (not a product at the default precision, TF32 on a GPU): z's term
+    # cancels most of the codes' product when symmetric
+    y = jnp.sum(yg * scales + x_sums[:, :, None] * z, axis=1)  # [M, N]
+    return y.reshape(*lead, -1)
+
+
 def register_quantized_matmul(weight_type: type, fn: Callable) -> None:
     """Makes `linear` route weights of `weight_type` to `fn(x, weight)`."""
     _QUANTIZED_MATMULS[weight_type] = fn
@@ -98,10 +136,10 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
     else:
         if len(weight.shape) != 2 or x.shape[-1] != weight.shape[0]:
             raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
-        if isinstance(weight, TransposedWeight):  # x @ w_t^T, no transposed copy
-            w_t = (weight.w_t if weight.scales is None else dequantize_rows(
-                weight.w_t, weight.scales, weight.offsets, weight.group_size))
-            y = jax.lax.dot_general(x, w_t.astype(x.dtype),
+        if isinstance(weight, TransposedWeight) and weight.scales is not None:
+            y = coded_product(x, weight)
+        elif isinstance(weight, TransposedWeight):  # x @ w_t^T, no transposed copy
+            y = jax.lax.dot_general(x, weight.w_t.astype(x.dtype),
                                     (((x.ndim - 1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
         else:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ops.gemv import GemvConfig, fused_gemv, gemv, gemv_reference
+from ops.matmul import TransposedWeight, linear
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas" if ON_GPU else "pallas_interpret"
@@ -233,3 +234,19 @@ def test_lowers_to_triton_for_h200(h200_lowering, variant):
     name = ("gemv4_nk" if variant.startswith("int4") else
             "gemv8_nk" if variant.startswith(("int8", "asym")) else "gemv_nk")
     assert name in text and h200_lowering
+
+
+@pytest.mark.parametrize("variant,m", [("int8", 3), ("asym", 1), ("int4_g32", 5),
+                                       ("int4_g32_asym", 80), ("int4_g40", 2)])
+def test_linear_over_transposed_codes(variant, m):
+    """ops.matmul.linear on a TransposedWeight of codes (the model's steps of more than one row;
+    every step on the CPU): float32 x against float64, per channel and in groups (a shorter last
+    group with g40), batched per group and, past GROUPED_PRODUCT_MAX_ROWS rows, dequantized."""
+    x, w_t, kw = operands(m + len(variant), m, 96, 40, variant)
+    weight = TransposedWeight(w_t, kw["scales"], kw.get("offsets"), kw.get("group_size", 96))
+    x32 = x.astype(jnp.float32)
+    want = float64_want(x32, w_t, scales=kw["scales"], offsets=kw.get("offsets"),
+                        group_size=kw.get("group_size"))
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(linear(x32, weight), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
