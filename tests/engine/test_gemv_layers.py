@@ -41,13 +41,14 @@ def count_gemv_calls(monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("base,method,group", [
-    (TINY_QWEN2, None, 0), (TINY_LLAMA31, "int8_asym", 0), (TINY_LLAMA31, "int4_rtn", 32)])
+    (TINY_QWEN2, None, 0), (TINY_LLAMA31, "int4_rtn", 32)])
 def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group):
     """float32 products (a GPU's default is TF32), two prompts: decode at two rows, then one
     (the fused path once the shorter is done), prefill chunks (XLA's). Float weights on Qwen2's
     layout (one KV head for four query heads, a q/k/v bias, a tied head; the bf16 test below
-    runs Llama 3.1's), and INT8 / INT4 codes stored [out, in] with their scales against the same
-    quantized model as fused."""
+    runs Llama 3.1's), and INT4 codes (asymmetric: scales and offsets per group of 32) stored
+    [out, in] against the same quantized model as fused. (INT8 codes: the kernel and `linear`
+    in tests/ops/test_gemv.py, an INT8 checkpoint end to end in tests/quant/test_scripts_quant.py.)"""
     cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
     if method:
         model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128),
@@ -64,24 +65,22 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
         weight = model.layers[0].mlp.gate_up_proj.kernel.get_value()
         if method:
             k = weight.shape[0]
-            assert weight.w_t.dtype == (jnp.int32 if group else jnp.uint8)
-            assert weight.scales.shape == (-(-k // (group or k)), weight.shape[1])
-            assert (weight.offsets is None) == (method == "int8")
+            assert weight.w_t.dtype == jnp.int32 and weight.w_t.shape[1] == k // 8
+            assert weight.scales.shape == weight.offsets.shape == (-(-k // group),
+                                                                    weight.shape[1])
         got = generate(model, cfg_t, prompts, params)
     assert calls.get(1, 0) > 0 and max(calls) <= ops.gemv.MAX_ROWS
     assert_same_generations(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", [None, "int4_rtn"])
-def test_bf16_kernel_matches_the_reference(monkeypatch, method):
-    """bf16 activations over bf16 weights or INT4 codes in groups of 32: the interpreted kernel
-    against the reference path, same tokens and log-probabilities within bf16 rounding. (INT8
-    codes run interpreted in tests/ops/test_gemv.py; symmetric INT8 end to end in
-    tests/quant/test_scripts_quant.py.)"""
+def test_bf16_kernel_matches_the_reference(monkeypatch):
+    """bf16 activations over INT4 codes in groups of 32 (the kernel's most involved path:
+    the model's wiring is the same for bf16 weights and INT8 codes, whose kernels run
+    interpreted in tests/ops/test_gemv.py): the interpreted kernel against the reference path,
+    same tokens and log-probabilities within bf16 rounding."""
     cfg = TINY_LLAMA31.replace(num_heads=4, num_kv_heads=2, head_dim=16)
     model = model_from_pure_dict(cfg, unit_scale_pure_dict(cfg, 13), jnp.bfloat16)
-    if method:
-        model = quantize_model(cfg, model, QuantConfig(method, group_size=32), progress=False)
+    model = quantize_model(cfg, model, QuantConfig("int4_rtn", group_size=32), progress=False)
     cfg, model = transpose_for_gemv(*fuse_projections(cfg, model))
     prompts = [[5, 9, 44, 7], [3, 100, 21, 8, 90, 4, 17]]
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)

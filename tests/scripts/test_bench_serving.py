@@ -66,10 +66,14 @@ def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
     assert 0 < run["engine_python_share_at_max_running"] <= run["host_share_at_max_running"] * (
         1 + 1e-9)
     if mode == "async_mixed_rounds":
-        assert "scheduler.py" in profile.read_text()
+        # the whole table has the engine's scheduler; the JSON its top 40 by own time (which
+        # functions lead depends on the machine's load: no ranking is asserted)
+        assert "scheduler.py" in profile.read_text() and "(schedule)" in profile.read_text()
         top = result["host_profile_top"]
-        assert any("(schedule)" in name for name, *_ in top)
-        assert all(calls > 0 and own >= 0 and cum >= 0 for _, calls, own, cum in top)
+        assert len(top) == 40 and all(calls > 0 and own >= 0 and cum >= 0
+                                      for _, calls, own, cum in top)
+        owns = [own for _, _, own, _ in top]
+        assert owns == sorted(owns, reverse=True)
     else:
         assert "host_profile_top" not in result
     if mode == "async":
