@@ -219,7 +219,7 @@ class DecoderLayer(nnx.Module):
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
         and residuals inside them, around RoPE + KV write and attention."""
         attn, mlp = self.self_attn, self.mlp
-        def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ INT8 scales)
+        def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ code scales)
             w = layer.kernel.get_value()
             return gemv_ops.fused_gemv(x, w.w_t, scales=w.scales, offsets=w.offsets,
                                        group_size=w.group_size or None, **kw)
@@ -340,9 +340,9 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM
     Returns (cfg with gemv_layers=True, the same model object). Needs fused projections
     (fuse_projections first) and float or quantized kernels (QuantizedWeight.transposed: INT8
     or INT4 codes [out, in] with their scales; act-order INT4 is refused); one device, like
-    fusion. The
-    model computes the same function; layer by layer, so peak memory grows by one layer's
-    kernels. The output head keeps its layout (XLA's product reads it at the copy rate).
+    fusion. The model computes the same function; layer by layer, so peak memory grows by one
+    layer's kernels. The output head keeps its layout (XLA's product reads it at the copy
+    rate).
     """
     if cfg.gemv_layers:
         raise ValueError("transpose_for_gemv: the model is already transposed")
