@@ -1,5 +1,5 @@
 """A product for decode at batch 1 with its neighbours folded in: x [M, K] @ W^T for a weight
-stored transposed, w_t [N, K], bf16 or INT8 codes with per-channel scales (the kernel takes any
+stored transposed, w_t [N, K], bf16 or INT8 / INT4 codes with their scales (the kernel takes any
 M; the model uses it for one row).
 
 At batch 1 a Llama layer is four weight reads (q/k/v, o, gate/up, down) and around them about
@@ -36,9 +36,9 @@ group scales (and offsets) multiply each word's chain as it is added (a group ho
 words). Then come the norm's scale, the bias, SiLU x up and the residual.
 
 `gemv_reference` computes the same function in jnp (the tests compare both); `fused_gemv`
-dispatches: the kernel on a GPU for bf16 activations (bf16 weights or INT8 codes) and at most
-MAX_ROWS rows, the reference elsewhere. The model's layers use it when their weights are stored transposed
-(models/llama.py, `transpose_for_gemv`). Measured on the H200: docs/PERFORMANCE.md, "Sixteenth
+dispatches: the kernel on a GPU for bf16 activations (bf16 weights or codes) and at most
+MAX_ROWS rows, the reference elsewhere. The model's layers use it when their weights are stored
+transposed (models/llama.py, `transpose_for_gemv`). Measured on the H200: docs/PERFORMANCE.md, "Sixteenth
 session".
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ops.matmul import INT4_PER_WORD, INT4_ZERO, INT8_ZERO, code_bits, dequantize_rows
+from ops.matmul import CODE_ZEROS, INT4_PER_WORD, code_bits, dequantize_rows
 from ops.ptx import fma
 from ops.quant_gemv import NIBBLE_POSITIONS, mantissa_codes
 from ops.quant_gemv8 import X_SCALE, word_codes
@@ -128,7 +128,6 @@ def _code_values(word, bits: int, interpret: bool) -> list:
 
 # per K position of a word: the factor 2^(23 - p_j) that makes x' (1 + c 2^(p_j - 23)) = x' + x c
 CODE_FACTORS = {8: (X_SCALE,) * 4, 4: tuple(2.0 ** (23 - p) for p in NIBBLE_POSITIONS)}
-ZEROS = {8: INT8_ZERO, 4: INT4_ZERO}
 
 
 def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, block_n: int,
@@ -208,7 +207,7 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, 
             xp = [v * f for v, f in zip(xv, CODE_FACTORS[bits])]
             total = sum(xp[1:], xp[0])
             x_total = sum(xv[1:], xv[0])
-            start = -total if asymmetric else -(total + ZEROS[bits] * x_total)  # [BW]
+            start = -total if asymmetric else -(total + CODE_ZEROS[bits] * x_total)  # [BW]
             new = []
             for a, (acc, vs) in enumerate(zip(accs, weights)):
                 chain = jnp.broadcast_to(start[None, :], acc.shape)
@@ -295,6 +294,21 @@ def _check(x, w_t, norm_weight, gated: bool, bias, residual, scales=None, offset
     return n_out, group_size
 
 
+def _kernel_refusal(x, w_t, group_size: int) -> str | None:
+    """Why the kernel cannot take operands that passed _check (None: it can): it needs bf16 x,
+    bf16 weights or codes, K a multiple of the K positions per 32-bit word, and groups of
+    whole words."""
+    bits = code_bits(w_t) or 16
+    per_word = 32 // bits  # K positions per 32-bit word of w_t
+    k = x.shape[1]
+    if k % per_word or x.dtype != jnp.bfloat16 or (bits == 16 and w_t.dtype != jnp.bfloat16):
+        return (f"gemv: the kernel takes bf16 x {x.shape} {x.dtype} and w_t {w_t.shape} "
+                f"{w_t.dtype} (bf16 or codes) with K a multiple of {per_word}")
+    if bits != 16 and group_size < k and group_size % per_word:
+        return f"gemv: group_size {group_size} is not a multiple of {per_word}"
+    return None
+
+
 def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
          residual=None, scales=None, offsets=None, group_size: int | None = None,
          config: GemvConfig | None = None, interpret: bool = False):
@@ -306,15 +320,12 @@ def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bi
     residual [M, N or N/2]: added to the output."""
     n_out, group_size = _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets,
                                group_size)
+    refusal = _kernel_refusal(x, w_t, group_size)
+    if refusal:
+        raise ValueError(refusal)
     m, k = x.shape
     bits = code_bits(w_t) or 16
     per_word = 32 // bits  # K positions per 32-bit word of w_t
-    if k % per_word or x.dtype != jnp.bfloat16 or (bits == 16 and w_t.dtype != jnp.bfloat16):
-        raise ValueError(f"gemv: the kernel takes bf16 x {x.shape} {x.dtype} and w_t "
-                         f"{w_t.shape} {w_t.dtype} (bf16 or codes) with K a multiple of "
-                         f"{per_word}")
-    if bits != 16 and group_size < k and group_size % per_word:
-        raise ValueError(f"gemv: group_size {group_size} is not a multiple of {per_word}")
     w_words = {16: _words, 8: _code_words, 4: lambda a: a}[bits](w_t)
     args = [_words(x), w_words]
     if norm_weight is not None:
@@ -375,13 +386,8 @@ def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = Fal
     otherwise; or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
     impl = impl or os.environ.get("PALLASITE_GEMV") or None
     if impl is None:
-        bits = code_bits(w_t) or 16
-        per_word = 32 // bits
-        k = x.shape[-1]
-        fits = (x.ndim == 2 and x.shape[0] <= MAX_ROWS and x.dtype == jnp.bfloat16
-                and k % per_word == 0 and (bits != 16 or w_t.dtype == jnp.bfloat16)
-                and (bits == 16 or not group_size or group_size >= k
-                     or group_size % per_word == 0))
+        fits = (x.ndim == 2 and x.shape[0] <= MAX_ROWS
+                and _kernel_refusal(x, w_t, group_size or x.shape[1]) is None)
         impl = "pallas" if fits and jax.default_backend() == "gpu" else "reference"
     if impl not in IMPLS:
         raise ValueError(f"fused_gemv: impl {impl!r} must be None or one of {IMPLS}")

@@ -24,6 +24,7 @@ _QUANTIZED_MATMULS: dict[type, Callable] = {}
 INT8_ZERO = 128  # a symmetric INT8 code c stands for c - 128 (quant/qtensor.py)
 INT4_ZERO = 8  # and a symmetric INT4 code for c - 8
 INT4_PER_WORD = 8  # INT4 codes per int32 word, K position 8w + j in bits 4j..4j+3
+CODE_ZEROS = {8: INT8_ZERO, 4: INT4_ZERO}  # bits -> the symmetric zero point
 
 
 def code_bits(w_t: jax.Array) -> int | None:
@@ -81,7 +82,7 @@ def dequantize_rows(w_t: jax.Array, scales: jax.Array | None = None,
         a = a.astype(jnp.float32).T
         return a if a.shape[1] == 1 else jnp.repeat(a, group_size, axis=1)[:, :k]
     if offsets is None:
-        return per_k(scales) * (w - (INT4_ZERO if code_bits(w_t) == 4 else INT8_ZERO))
+        return per_k(scales) * (w - CODE_ZEROS[code_bits(w_t)])
     return per_k(scales) * w + per_k(offsets)
 
 
@@ -101,16 +102,16 @@ def coded_product(x: jax.Array, weight: TransposedWeight) -> jax.Array:
     *lead, k = x.shape
     x2 = x.reshape(-1, k)  # [M, K]
     w = weight
-    codes = unpack_rows(w.w_t).astype(x.dtype)  # [N, K]
-    scales = w.scales.astype(jnp.float32)  # [G, N]
-    zero = INT4_ZERO if code_bits(w.w_t) == 4 else INT8_ZERO
-    z = -zero * scales if w.offsets is None else w.offsets.astype(jnp.float32)  # [G, N]
-    groups = scales.shape[0]
+    groups = w.scales.shape[0]
     if groups > 1 and x2.shape[0] > GROUPED_PRODUCT_MAX_ROWS:
         dense = dequantize_rows(w.w_t, w.scales, w.offsets, w.group_size).astype(x.dtype)
         y = jax.lax.dot_general(x2, dense, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         return y.reshape(*lead, -1)
+    codes = unpack_rows(w.w_t).astype(x.dtype)  # [N, K]
+    scales = w.scales.astype(jnp.float32)  # [G, N]
+    z = (-CODE_ZEROS[code_bits(w.w_t)] * scales if w.offsets is None
+         else w.offsets.astype(jnp.float32))  # [G, N]
     size = k if groups == 1 else w.group_size
     pad = groups * size - k  # the last group may be shorter
     xg = jnp.pad(x2, ((0, 0), (0, pad))).reshape(-1, groups, size)  # [M, G, size]

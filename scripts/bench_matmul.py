@@ -223,19 +223,13 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
         group = FLAGS.group_size if bits == 4 else k
         row = {"K": k, "N": n, "M": m, "impl": name, "bits": bits, "group": group,
                "config": str(gemv_config(False, False, bits))}
-        keys = [jax.random.key(70 + 10 * bits + i) for i in range(sets)]
         if bits == 16:
-            w = tuple(jax.random.normal(key, (n, k), jnp.bfloat16) for key in keys)
+            w = tuple(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.bfloat16)
+                      for i in range(sets))
             s, nbytes = (None,) * sets, 2 * k * n
-        else:
-            shape = (n, k) if bits == 8 else (n, k // 8)
-            dtype = jnp.uint8 if bits == 8 else jnp.uint32
-            w = tuple(jax.random.bits(key, shape, dtype) for key in keys)
-            if bits == 4:
-                w = tuple(jax.lax.bitcast_convert_type(a, jnp.int32) for a in w)
-            s = tuple(jax.random.uniform(jax.random.fold_in(key, 1), (-(-k // group), n),
-                                         jnp.float32, 0.001, 0.01).astype(jnp.bfloat16)
-                      for key in keys)
+        else:  # make_weights' codes [K/8, N] / [K, N], stored transposed (TransposedWeight)
+            packed, s = make_weights(bits, k, n, group, sets, jax.random.key(70 + bits))
+            w = tuple(a.T for a in packed)
             nbytes = k * n * bits // 8 + 2 * s[0].size
 
         def prog(xs, w, s, group=group):

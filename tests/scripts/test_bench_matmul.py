@@ -40,7 +40,7 @@ def test_device_time_without_device_events(tmp_path):
 
 def test_bench_matmul_rows(tmp_path):
     """The bf16 peer, the kernel and the dispatch row (the heuristic's config) of one shape,
-    then ops/gemv.py's kernel over transposed bf16 and INT8 weights."""
+    then ops/gemv.py's kernel over transposed bf16, INT8 and INT4 weights."""
     out = tmp_path / "matmul.json"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_matmul", "--impl=pallas_interpret",
