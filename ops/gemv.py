@@ -76,19 +76,28 @@ class GemvConfig:
 
 
 def gemv_config(gated: bool, norm: bool, bits: int = 16) -> GemvConfig:
-    """Tiles for one row on an H200, from device-time sweeps of 54 and 27 tiles on the four
-    Llama-3.1-8B layer products (docs/PERFORMANCE.md, sixteenth session): gated (gate/up)
-    [4 columns of each half, 256 K] without prefetch; normed (q/k/v) [8, 512]; plain products
-    (o, down) [4, 1024] with prefetch; 4 warps each. (num_stages changed nothing: Triton does
-    not pipeline this loop, hence the explicit prefetch.) INT8 / INT4 codes (`bits`): the same
-    bytes per tile, so 2x / 4x the K positions (not swept yet)."""
+    """Tiles for one row on an H200, from device-time sweeps on the four Llama-3.1-8B layer
+    products (docs/PERFORMANCE.md: sixteenth session for bf16, eighteenth for codes). bf16:
+    gated (gate/up) [4 columns of each half, 256 K] without prefetch; normed (q/k/v) [8, 512];
+    plain products (o, down) [4, 1024] with prefetch; 4 warps each. (num_stages changed nothing:
+    Triton does not pipeline this loop, hence the explicit prefetch.) INT8 and INT4 codes
+    (`bits`) take wider column blocks, [block_n, block_k (K positions), warps]: see
+    CODE_TILES."""
+    if bits != 16:
+        kind = "gated" if gated else "norm" if norm else "plain"
+        block_n, block_k, warps = CODE_TILES[bits][kind]
+        return GemvConfig(block_n, block_k, warps, num_stages=1, prefetch=kind == "plain")
     if gated:
-        cfg = GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3)
-    elif norm:
-        cfg = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
-    else:
-        cfg = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, prefetch=True)
-    return dataclasses.replace(cfg, block_k=cfg.block_k * 16 // bits)
+        return GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3)
+    if norm:
+        return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+    return GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, prefetch=True)
+
+
+# (block_n, block_k, num_warps) per bits and product kind: the fastest of 27 tiles each on the
+# H200 (eighteenth session; plain = o and down with prefetch, the down product's choice for INT4)
+CODE_TILES = {8: {"gated": (8, 512, 4), "norm": (16, 1024, 8), "plain": (8, 1024, 2)},
+              4: {"gated": (8, 1024, 2), "norm": (16, 2048, 4), "plain": (16, 1024, 4)}}
 
 
 def _words(a):

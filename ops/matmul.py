@@ -7,7 +7,9 @@ touching the model.
 
 `TransposedWeight` holds a weight stored [out, in] (models.llama.transpose_for_gemv): float, or
 INT8 / INT4 codes with their scales. `linear` multiplies by its transpose, and the model's
-layers hand it to ops/gemv.py's kernel for one-token decode steps.
+layers hand it to ops/gemv.py's kernel for one-token decode steps. Codes at more rows run
+ops/quant_matmul.py's tensor-core kernels over the same words (layout "nk") on a GPU, and
+`coded_product` (XLA) elsewhere.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from ops.quant_matmul import int4_matmul, int8_matmul, resolve_impl
 
 # Quantized weight type -> function (x, weight) -> x @ dequantize(weight).
 _QUANTIZED_MATMULS: dict[type, Callable] = {}
@@ -124,6 +128,18 @@ def coded_product(x: jax.Array, weight: TransposedWeight) -> jax.Array:
     return y.reshape(*lead, -1)
 
 
+def transposed_codes_product(x: jax.Array, weight: TransposedWeight) -> jax.Array:
+    """x [..., K] @ a transposed weight of codes -> [..., N]: on a GPU (or as PALLASITE_MATMUL
+    says) the Pallas kernels of ops/quant_matmul.py reading the codes where they lie (layout
+    'nk', tensor-core tiles; XLA's dequantize + dot past 128 rows), else `coded_product`."""
+    if resolve_impl("linear", None) == "reference":
+        return coded_product(x, weight)
+    bits = code_bits(weight.w_t)
+    product = int4_matmul if bits == 4 else int8_matmul
+    return product(x, weight.w_t, weight.scales, weight.offsets,
+                   group_size=weight.group_size or x.shape[-1], layout="nk")
+
+
 def register_quantized_matmul(weight_type: type, fn: Callable) -> None:
     """Makes `linear` route weights of `weight_type` to `fn(x, weight)`."""
     _QUANTIZED_MATMULS[weight_type] = fn
@@ -138,7 +154,7 @@ def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
         if len(weight.shape) != 2 or x.shape[-1] != weight.shape[0]:
             raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
         if isinstance(weight, TransposedWeight) and weight.scales is not None:
-            y = coded_product(x, weight)
+            y = transposed_codes_product(x, weight)
         elif isinstance(weight, TransposedWeight):  # x @ w_t^T, no transposed copy
             y = jax.lax.dot_general(x, weight.w_t.astype(x.dtype),
                                     (((x.ndim - 1,), (1,)), ((), ())),

@@ -6,6 +6,11 @@ Weights arrive in the packed layouts of quant/qtensor.py, read as they are store
     int8  codes uint8 [K, N].
     scales (and asymmetric offsets) [ceil(K / group_size), N] in a float dtype:
           symmetric w = s * (c - 2^(bits-1)), asymmetric w = s * c + offset.
+    layout "nk": the same int4 words / int8 codes stored transposed, [N, K/8] / [N, K]
+          (ops.matmul.TransposedWeight, the --gemv_layers models). The tensor-core paths
+          ("auto" with block_m >= 16, "mma", "mma_t") read their tiles through transposed
+          indices (ops.quant_tiles._load_codes); matmul_config gives them those paths from
+          one row up.
 
 Kernel: one program per (row block, column block, K split). It walks its slice of K one tile at a
 time (block_k rows: R = block_k / 8 words for int4), dequantizes the tile in registers and
@@ -73,13 +78,14 @@ from jax.experimental.pallas import triton as plgpu
 from ops.quant_mma import _mma_kernel
 from ops import quant_gemv8
 from ops.quant_gemv import gemv_kernel, prescale
-from ops.quant_tiles import (_dequant_tile, _load, _program_tiles, _tile_rows_and_scales,
-                              split_output, sum_splits)
+from ops.quant_tiles import (_dequant_tile, _load, _load_codes, _program_tiles,
+                              _tile_rows_and_scales, split_output, sum_splits)
 
 IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
 PATHS = ("auto", "fma", "mma", "mma_t", "mma_wide")
+LAYOUTS = ("kn", "nk")  # weights stored [K, N] (quant/qtensor.py) or transposed [N, K]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +109,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulConfig | None:
+def matmul_config(bits: int, m: int, k: int, n: int, group_size: int,
+                  stored_nk: bool = False) -> MatmulConfig | None:
     """The tuning heuristic: a kernel config, or None where XLA's dequantize + dot is faster.
+    Weights stored [N, K] (`stored_nk`) take the tensor-core paths from one row up (the fma
+    kernels read [K, N] only; one row of such weights runs ops/gemv.py instead).
 
     Tiles from sweeps on an H200 (scripts/bench_matmul.py --modes=sweep: 4096x4096 and
     4096x28672 at M = 1, 16, 64; then the four Llama shapes at M = 1, 16 with the mma paths;
@@ -113,7 +122,7 @@ def matmul_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulC
     """
     if m > 128:
         return None  # compute-bound: XLA's dequantize + bf16 dot (see docs/PERFORMANCE.md)
-    if m <= 2:
+    if m <= 2 and not stored_nk:
         return _gemv_config(bits, m, k, n, group_size)
     if m <= 16:  # the "mma" path: fastest of the sweep at M = 16 on 3 of the 4 Llama shapes
         cfg = (MatmulConfig(block_m=16, block_n=256, block_k=256, path="mma") if bits == 4
@@ -179,10 +188,11 @@ def _gemv_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulCo
 
 def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
                    group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
-                   num_splits: int, asymmetric: bool):
+                   num_splits: int, asymmetric: bool, stored_nk: bool = False):
     # The "dot" path (block_m >= 16; block_m < 16 runs ops/quant_gemv.py's kernel).
     # x_ref:  [M, K] activations (act-order already gathered), x dtype
     # w_ref:  [K/8, N] int32 (int4) or [K, N] uint8 (int8): the packed weights, `rows` rows
+    #         ([N, K/8] / [N, K] when `stored_nk`)
     # s_ref:  [G, N] group scales; refs: (o_ref [G, N] offsets when asymmetric), out_ref:
     #         [M, N] in x's dtype (one split) or [M, N] float32 (this split's partial)
     o_ref = refs[0] if asymmetric else None
@@ -199,7 +209,7 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
     def body(t, acc):  # acc [BM, BN] float32
         r, r_ok, s, o = _tile_rows_and_scales(t, step, rows, group_rows, num_groups, s_ref,
                                               o_ref, cols, col_ok)  # s, o [1 or R, BN]
-        word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32)  # [R, BN]
+        word = _load_codes(w_ref, r, cols, r_ok, col_ok, stored_nk=stored_nk)  # [R, BN]
         for j in range(per_word):
             w = _dequant_tile(word, j, zero, bits)  # [R, BN] c - zero
             w = w * s + o if asymmetric else w * s
@@ -221,9 +231,9 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
 
 
 def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config: MatmulConfig,
-                   interpret: bool):
+                   interpret: bool, stored_nk: bool = False):
     m, k = x.shape
-    rows, n = w.shape
+    rows, n = w.shape[::-1] if stored_nk else w.shape
     num_groups = scales.shape[0]
     asymmetric = offsets is not None
     per_word = 8 if bits == 4 else 1
@@ -238,7 +248,7 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
             x, w, scales, offsets, block_m=config.block_m, block_n=config.block_n,
             block_k=config.block_k, num_splits=splits, num_warps=config.num_warps,
             num_stages=config.num_stages, interpret=interpret)
-    in_specs = [full((m, k)), full((rows, n)), full((num_groups, n))]
+    in_specs = [full((m, k)), full(w.shape), full((num_groups, n))]
     args = [prescale(x, bits) if gemv else x, w, scales]
     if asymmetric:
         in_specs.append(full((num_groups, n)))
@@ -250,10 +260,10 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     if gemv:
         body = functools.partial(gemv_kernel, interpret=interpret)
     elif config.path == "auto":
-        body = _matmul_kernel
+        body = functools.partial(_matmul_kernel, stored_nk=stored_nk)
     else:
         body = functools.partial(_mma_kernel, transposed=config.path == "mma_t",
-                                 wide=config.path == "mma_wide")
+                                 wide=config.path == "mma_wide", stored_nk=stored_nk)
     kernel = functools.partial(
         body, bits=bits, m=m, n=n, rows=rows, group_rows=max(1, group_size // per_word),
         num_groups=num_groups, block_m=config.block_m, block_n=config.block_n, step=step,
@@ -278,14 +288,16 @@ def resolve_impl(name: str, impl: str | None) -> str:
 
 
 def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
-           config: MatmulConfig | None) -> tuple[int, int]:
+           config: MatmulConfig | None, layout: str = "kn") -> tuple[int, int]:
     """Raises ValueError naming the shapes unless the operands fit; returns (K, N)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}: layout {layout!r} must be one of {LAYOUTS}")
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"{name}: x dtype {x.dtype} must be bfloat16, float16 or float32")
     want = jnp.int32 if bits == 4 else jnp.uint8
     if w.ndim != 2 or w.dtype != want:
         raise ValueError(f"{name}: packed weights {w.shape} {w.dtype} must be 2-D {jnp.dtype(want)}")
-    rows, n = w.shape
+    rows, n = w.shape[::-1] if layout == "nk" else w.shape
     k = rows * 8 if bits == 4 else rows
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"{name}: x {x.shape} does not fit packed weights {w.shape} (K = {k})")
@@ -315,40 +327,49 @@ def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
                              f"16, block_k a multiple of {per_word}, path in {PATHS} and, for "
                              f"block_m >= 16 or the mma paths, block_k >= {16 * per_word} (the "
                              f"mma paths also block_m >= 16)")
+        if layout == "nk" and (not dot or config.path == "mma_wide"):
+            raise ValueError(f"{name}: config {config}: weights stored [N, K] (layout 'nk') "
+                             f"take the tensor-core paths: block_m >= 16, path auto, mma or "
+                             f"mma_t")
     return k, n
 
 
-def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl, config):
-    k, n = _check(name, bits, x, w, scales, offsets, group_size, perm, config)
+def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl, config,
+                      layout="kn"):
+    k, n = _check(name, bits, x, w, scales, offsets, group_size, perm, config, layout)
+    stored_nk = layout == "nk"
     resolved = resolve_impl(name, impl)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if config is None and resolved == "pallas" and impl is None and m > 0:
-        config = matmul_config(bits, m, k, n, group_size)
+        config = matmul_config(bits, m, k, n, group_size, stored_nk)
         if config is None:
             resolved = "reference"  # XLA's dequantize + dot measures faster here
     if resolved == "reference" or m == 0:
         ref = int4_matmul_reference if bits == 4 else int8_matmul_reference
-        out = ref(x2, w, scales, offsets, group_size=group_size, perm=perm)
+        out = ref(x2, w.T if stored_nk else w, scales, offsets, group_size=group_size,
+                  perm=perm)
         return out.astype(x.dtype).reshape(*lead, n)
     if config is None:
-        config = (matmul_config(bits, m, k, n, group_size)
+        config = (matmul_config(bits, m, k, n, group_size, stored_nk)
                   or MatmulConfig(block_m=64, block_n=64, block_k=128 if bits == 4 else 32))
     if perm is not None:
         x2 = jnp.take(x2, perm, axis=1)  # stored row order (act-order)
     out = _pallas_matmul(x2, w, scales, offsets, bits=bits, group_size=group_size,
-                         config=config, interpret=resolved == "pallas_interpret")
+                         config=config, interpret=resolved == "pallas_interpret",
+                         stored_nk=stored_nk)
     return out.reshape(*lead, n)
 
 
 def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
                 offsets: jax.Array | None = None, *, group_size: int,
                 perm: jax.Array | None = None, impl: str | None = None,
-                config: MatmulConfig | None = None) -> jax.Array:
+                config: MatmulConfig | None = None, layout: str = "kn") -> jax.Array:
     """W4A16: x [..., K] @ the int4 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
 
-    packed: int32 [K/8, N] (layout int4_k8 of quant/qtensor.py). scales, offsets: float
+    packed: int32 [K/8, N] (layout int4_k8 of quant/qtensor.py), or with layout "nk" the same
+    words stored transposed, [N, K/8] (ops.matmul.TransposedWeight). scales, offsets: float
     [ceil(K / group_size), N]; without offsets w = s * (c - 8), with them w = s * c + offset.
     group_size: a multiple of 8 (K for per-channel scales; the last group may be shorter).
     perm: act-order, int32 [K]: stored row k multiplies input channel perm[k].
@@ -357,20 +378,21 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
     config overrides the tuning heuristic `matmul_config`.
     """
     return _quantized_matmul("int4_matmul", 4, x, packed, scales, offsets, group_size, perm,
-                             impl, config)
+                             impl, config, layout)
 
 
 def int8_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
                 offsets: jax.Array | None = None, *, group_size: int,
                 perm: jax.Array | None = None, impl: str | None = None,
-                config: MatmulConfig | None = None) -> jax.Array:
+                config: MatmulConfig | None = None, layout: str = "kn") -> jax.Array:
     """W8A16: x [..., K] @ the int8 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
 
-    codes: uint8 [K, N] (layout int8_kn); without offsets w = s * (c - 128), with them
-    w = s * c + offset; other arguments as in `int4_matmul` (any group_size >= 1).
+    codes: uint8 [K, N] (layout int8_kn; "nk": stored transposed, [N, K]); without offsets
+    w = s * (c - 128), with them w = s * c + offset; other arguments as in `int4_matmul` (any
+    group_size >= 1).
     """
     return _quantized_matmul("int8_matmul", 8, x, codes, scales, offsets, group_size, perm,
-                             impl, config)
+                             impl, config, layout)
 
 
 # ---------------------------------------------------------------------------------------------

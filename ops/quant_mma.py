@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from ops.quant_tiles import _dequant_tile, _load, _program_tiles
+from ops.quant_tiles import _dequant_tile, _load, _load_codes, _program_tiles
 
 # 16-bit magic numbers whose lowest mantissa bit is worth 1: bf16 128.0 (7 mantissa bits: codes
 # < 128) and fp16 1024.0 (10 bits: codes < 1024). bits | magic is exactly base + code.
@@ -37,10 +37,12 @@ def _codes_as(word, j: int, zero: int, bits: int, dtype):
 
 def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
                 group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
-                num_splits: int, asymmetric: bool, transposed: bool, wide: bool):
+                num_splits: int, asymmetric: bool, transposed: bool, wide: bool,
+                stored_nk: bool = False):
     # Paths "mma" (transposed False), "mma_t" (True) and "mma_wide" (wide); refs as in
     # _matmul_kernel: x_ref [M, K], w_ref [K/8, N] int32 or [K, N] uint8, s_ref (and o_ref)
-    # [G, N], out_ref [M, N] (x dtype, or this split's float32 partial).
+    # [G, N], out_ref [M, N] (x dtype, or this split's float32 partial); `stored_nk`: w_ref
+    # [N, K/8] / [N, K] (the same words, stored transposed).
     # Tiles: "mma" x [BM, R] @ w [R, BN] -> acc [BM, BN] per code j; "mma_t" w [BN, R] @ x [R, BM]
     # -> acc [BN, BM] (the weight is the MMA's M operand, the padded activation rows its N);
     # "mma_wide" (int4) x [BM, 8R] @ w [8R, BN] -> acc [BM, BN], one dot for all 8 codes.
@@ -78,7 +80,8 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
         every code at once, word [8, R, BN] holding code j in the low bits of plane j (j = 0).
         """
         r, r_ok = packed_rows(first_row, size)
-        word = _load(w_ref, r, cols, r_ok, col_ok, jnp.int32, transposed)  # [R, BN] ([BN, R])
+        word = _load_codes(w_ref, r, cols, r_ok, col_ok, transposed, stored_nk)  # [R, BN]
+        # ([BN, R] when transposed)
         if not wide:  # x [BM, R] ([R, BM]): columns 8 r + j (int4) or r (int8)
             for j in range(per_word):
                 yield x_tile(r * per_word + j, r_ok), *code(word, j)

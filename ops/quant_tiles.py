@@ -49,6 +49,16 @@ def _load(ref, rows, cols, row_ok, col_ok, dtype=None, transposed=False):
     return out if dtype is None else out.astype(dtype)
 
 
+def _load_codes(w_ref, r, cols, r_ok, col_ok, transposed: bool = False,
+                stored_nk: bool = False):
+    """The int32 weight tile of packed rows r [R] and columns cols [BN]: [R, BN] ([BN, R] when
+    `transposed`), from w_ref stored [K/8 or K, N] or, `stored_nk`, [N, K/8 or K] (the
+    transposed layout of ops.matmul.TransposedWeight: the same words)."""
+    if stored_nk:
+        return _load(w_ref, cols, r, col_ok, r_ok, jnp.int32, not transposed)
+    return _load(w_ref, r, cols, r_ok, col_ok, jnp.int32, transposed)
+
+
 def _program_tiles(m: int, n: int, rows: int, block_m: int, block_n: int, step: int,
                    num_splits: int):
     """This program's output columns cols [BN] and activation rows x_rows [BM] with their

@@ -130,7 +130,9 @@ def test_kernel_against_float64(m, k, n, variant, config):
     out = gemv(x, w_t, config=config, interpret=not ON_GPU, **kw)
     assert out.dtype == jnp.bfloat16
     check(out, float64_want(x, w_t, **kw))
-    check(gemv_reference(x, w_t, **kw), float64_want(x, w_t, **kw))
+    with jax.default_matmul_precision("highest"):  # a GPU's default is TF32 (x after the norm
+        ref = gemv_reference(x, w_t, **kw)         # is float32): too coarse for one rounding
+    check(ref, float64_want(x, w_t, **kw))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Llama-3.1-8B shapes run compiled on a GPU")
@@ -212,7 +214,8 @@ def test_code_errors_name_the_operand(change, match):
 
 def test_code_kernel_needs_k_a_multiple_of_4():
     x, w_t, kw = operands(8, 1, 66, 16, "int8")
-    check(gemv_reference(x, w_t, **kw), float64_want(x, w_t, **kw))  # the reference takes it
+    with jax.default_matmul_precision("highest"):
+        check(gemv_reference(x, w_t, **kw), float64_want(x, w_t, **kw))  # the reference takes it
     with pytest.raises(ValueError, match=r"\(bf16 or codes\) with K a multiple of 4"):
         gemv(x, w_t, interpret=True, **kw)
 
@@ -236,12 +239,17 @@ def test_lowers_to_triton_for_h200(h200_lowering, variant):
     assert name in text and h200_lowering
 
 
-@pytest.mark.parametrize("variant,m", [("int8", 3), ("asym", 1), ("int4_g32", 5),
-                                       ("int4_g32_asym", 80), ("int4_g40", 2)])
-def test_linear_over_transposed_codes(variant, m):
-    """ops.matmul.linear on a TransposedWeight of codes (the model's steps of more than one row;
-    every step on the CPU): float32 x against float64, per channel and in groups (a shorter last
-    group with g40), batched per group and, past GROUPED_PRODUCT_MAX_ROWS rows, dequantized."""
+@pytest.mark.parametrize("variant,m,impl", [
+    ("int8", 3, None), ("asym", 1, None), ("int4_g32", 5, None), ("int4_g32_asym", 80, None),
+    ("int4_g40", 2, None), ("int8", 3, "pallas_interpret"), ("int4_g32_asym", 20, IMPL)])
+def test_linear_over_transposed_codes(variant, m, impl, monkeypatch):
+    """ops.matmul.linear on a TransposedWeight of codes (the model's steps of more than one row):
+    float32 x against float64, per channel and in groups (a shorter last group with g40). impl
+    None: this machine's default (the CPU: XLA's product per group, past
+    GROUPED_PRODUCT_MAX_ROWS rows dequantized; a GPU: ops/quant_matmul.py's kernels reading the
+    codes in place); else that kernel by PALLASITE_MATMUL."""
+    if impl is not None:
+        monkeypatch.setenv("PALLASITE_MATMUL", impl)
     x, w_t, kw = operands(m + len(variant), m, 96, 40, variant)
     weight = TransposedWeight(w_t, kw["scales"], kw.get("offsets"), kw.get("group_size", 96))
     x32 = x.astype(jnp.float32)

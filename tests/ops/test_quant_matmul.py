@@ -38,7 +38,7 @@ def make_weight(rng, bits, k, n, group_size, asymmetric, act_order, scale_dtype)
 
 
 def run_case(*, bits, m, k, n, group_size, asymmetric=False, dtype="bfloat16", act_order=False,
-             config=None, impl=IMPL, seed=0, lead=None):
+             config=None, impl=IMPL, seed=0, lead=None, layout="kn"):
     rng = np.random.default_rng(seed)
     w = make_weight(rng, bits, k, n, group_size, asymmetric, act_order, dtype)
     shape = (*lead, k) if lead else (m, k)
@@ -46,7 +46,8 @@ def run_case(*, bits, m, k, n, group_size, asymmetric=False, dtype="bfloat16", a
     fn, ref_fn = ((int4_matmul, int4_matmul_reference) if bits == 4
                   else (int8_matmul, int8_matmul_reference))
     kw = dict(group_size=group_size, perm=w.perm)
-    out = fn(x, w.packed, w.scales, w.offsets, impl=impl, config=config, **kw)
+    stored = w.packed.T if layout == "nk" else w.packed  # "nk": the same words, transposed
+    out = fn(x, stored, w.scales, w.offsets, impl=impl, config=config, layout=layout, **kw)
     assert out.shape == (*shape[:-1], n) and out.dtype == x.dtype
     out = np.asarray(out.astype(jnp.float32)).reshape(-1, n)
     x2 = x.reshape(-1, k)
@@ -161,6 +162,39 @@ def test_mma_paths(path, bits, m, k, n, group_size, asymmetric, dtype, block_k):
              dtype=dtype, config=config, seed=m + k + n + block_k + len(path))
 
 
+# Weights stored transposed, [N, K/8] / [N, K] (layout "nk": ops.matmul.TransposedWeight, the
+# --gemv_layers models' steps of more than one row): the tensor-core paths read them in place.
+# (bits, m, k, n, group_size, asymmetric, dtype, config; None: matmul_config's tiles)
+NK_CASES = [
+    (4, 2, 512, 96, 128, False, "bfloat16", None),  # "mma" from two rows, N % 256 != 0
+    (4, 5, 448, 96, 32, True, "float16", MatmulConfig(16, 32, 128, 2, path="mma_t")),
+    (4, 20, 512, 64, 64, True, "bfloat16", None),  # the "auto" dot path, 32-row blocks
+    (8, 3, 256, 64, 256, False, "bfloat16", MatmulConfig(16, 32, 64, 2, path="mma")),
+    (8, 40, 192, 96, 48, True, "float16", None),  # 48-row groups cut 64-row tiles
+    (4, 7, 256, 64, 256, False, "float32", MatmulConfig(16, 64, 128, 1, path="mma")),
+]
+
+
+@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,config", NK_CASES)
+def test_transposed_layout(bits, m, k, n, group_size, asymmetric, dtype, config):
+    run_case(bits=bits, m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric,
+             dtype=dtype, config=config, layout="nk", seed=m + k + n + bits)
+
+
+def test_transposed_layout_errors():
+    rng = np.random.default_rng(12)
+    w = make_weight(rng, 4, 256, 64, 64, False, False, "bfloat16")
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    one_row = MatmulConfig(block_m=2, block_n=64, block_k=128)
+    with pytest.raises(ValueError, match=r"layout 'nk'\) take the tensor-core paths"):
+        int4_matmul(x, w.packed.T, w.scales, group_size=64, impl=IMPL, config=one_row,
+                    layout="nk")
+    with pytest.raises(ValueError, match=r"layout 'kn' does not fit|layout 'xy' must be one"):
+        int4_matmul(x, w.packed, w.scales, group_size=64, impl=IMPL, layout="xy")
+    with pytest.raises(ValueError, match=r"x \(3, 256\) does not fit packed weights \(32, 64\)"):
+        int4_matmul(x, w.packed, w.scales, group_size=64, impl=IMPL, layout="nk")
+
+
 def test_leading_dims_and_linear_dispatch(monkeypatch):
     run_case(bits=4, m=None, k=256, n=128, group_size=64, lead=(2, 3), seed=3)
     rng = np.random.default_rng(4)
@@ -181,9 +215,12 @@ def test_heuristic_configs_are_valid():
         for m in (1, 2, 3, 4, 16, 17, 64, 128, 256, 1024):
             for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (512, 96)):
                 cfg = matmul_config(bits, m, k, n, 128)
+                nk = matmul_config(bits, m, k, n, 128, stored_nk=True)
+                assert (nk is None) == (cfg is None)
                 if cfg is None:
                     assert m > 16
                     continue
+                assert nk.block_m >= 16 and nk.path != "mma_wide"  # what "nk" takes
                 per_word = 8 if bits == 4 else 1
                 assert cfg.block_m >= m or cfg.block_m >= 16
                 assert cfg.num_splits >= 1 and cfg.block_k % per_word == 0
@@ -287,20 +324,26 @@ def test_gpu_llama_shapes(bits, k, n):
     (8, 16, True, "mma", "float16", 128),
     (4, 1, False, "mma_wide", "bfloat16", 128), (4, 16, True, "mma_wide", "float16", 128),
     (4, 1, True, "mma_wide", "bfloat16", 64),  # 8-word groups: weights scaled before the dot
-    (4, 1, False, "mma_wide", "float16", 4096)])  # per channel: one dot per tile
+    (4, 1, False, "mma_wide", "float16", 4096),  # per channel: one dot per tile
+    (4, 2, True, "nk", "bfloat16", 128), (4, 32, False, "nk", "bfloat16", 128),  # stored [N, K]
+    (8, 16, False, "nk", "bfloat16", 4096), (8, 64, True, "nk", "bfloat16", 4096)])
 def test_lowers_to_triton_for_h200(h200_lowering, bits, block_m, asymmetric, path, dtype, group):
     spec = jax.ShapeDtypeStruct
     k, n = 4096, 6144
+    layout = "nk" if path == "nk" else "kn"  # "nk": matmul_config's tiles for [N, K] weights
     packed = spec((k // 8, n), jnp.int32) if bits == 4 else spec((k, n), jnp.uint8)
+    if layout == "nk":
+        packed = spec(packed.shape[::-1], packed.dtype)
+        path = None
     scales = spec((k // group, n), dtype)
-    config = matmul_config(bits, block_m, k, n, group)
+    config = matmul_config(bits, block_m, k, n, group, stored_nk=layout == "nk")
     if path is not None:  # block_k 512 (int4) spans four groups of 128 rows
         config = MatmulConfig(block_m=16, block_n=256, block_k=512 if bits == 4 else 128,
                               num_splits=2, num_warps=8, num_stages=2, path=path)
     fn = int4_matmul if bits == 4 else int8_matmul
 
     def f(x, w, s, o):
-        return fn(x, w, s, o, group_size=group, impl="pallas", config=config)
+        return fn(x, w, s, o, group_size=group, impl="pallas", config=config, layout=layout)
 
     text = jax.jit(f).trace(spec((block_m, k), dtype), packed, scales,
                             scales if asymmetric else None).lower(
