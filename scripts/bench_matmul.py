@@ -10,9 +10,11 @@ Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fu
   XLA's dequantize + dot (the reference, the large-M fallback) and through the dispatch of
   `matmul_config` (the faster of the two as the heuristic picks it), and jax's Mosaic GPU
   `hopper_mixed_type_matmul_mgpu` (int8 x bf16, per-channel scales applied after) where it runs,
-  and up to `--nk_max_m` rows ops/gemv.py's kernel over weights stored [N, K] (`--gemv_layers`'s
-  layout): bf16 (`bf16_nk`), INT8 codes with per-channel scales (`int8_nk`) and INT4 words with
-  group scales (`int4_nk`).
+  and up to `--nk_max_m` rows the products over weights stored [N, K] (`--gemv_layers`'s
+  layout) that such a model runs: bf16 (`bf16_nk`), INT8 codes with per-channel scales
+  (`int8_nk`) and INT4 words with group scales (`int4_nk`); one row ops/gemv.py's kernel, more
+  rows XLA's dot over the transposed weight (bf16) or the "nk" layout of
+  ops/quant_matmul.py's kernels (codes).
   TB/s = weight bytes read (packed codes + scales) over time; speedup = bf16 time / time.
 - sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
   the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
@@ -40,6 +42,7 @@ from absl import app, flags
 
 
 from ops.gemv import gemv, gemv_config
+from ops.matmul import TransposedWeight, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
 from scripts import decode_profile, timing
@@ -56,8 +59,9 @@ flags.DEFINE_integer("queue", 3, "programs queued before one sync")
 flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
 flags.DEFINE_integer("mgpu_max_m", 1 << 30, "time jax's hopper_mixed_type_matmul_mgpu (int8) "
                      "up to this M")
-flags.DEFINE_integer("nk_max_m", 1, "time ops/gemv.py's kernel over transposed bf16, INT8 and "
-                     "INT4 weights (bf16_nk, int8_nk, int4_nk) up to this M")
+flags.DEFINE_integer("nk_max_m", 1, "time the products over transposed bf16, INT8 and INT4 "
+                     "weights (bf16_nk, int8_nk, int4_nk) up to this M: ops/gemv.py at one "
+                     "row, ops/quant_matmul.py's layout 'nk' (codes) or XLA (bf16) past it")
 flags.DEFINE_enum("variants", "all", ["all", "dispatch"], "all: kernel and XLA dequant at every "
                   "M; dispatch: only what matmul_config picks")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
@@ -213,16 +217,20 @@ NK_BITS = {"bf16_nk": 16, "int8_nk": 8, "int4_nk": 4}
 
 
 def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
-    """ops/gemv.py's kernel over weights stored transposed, [N, K] (`--gemv_layers`'s layout):
-    bf16 (`bf16_nk`), INT8 codes with per-channel scales (`int8_nk`) and INT4 words with
-    --group_size scales (`int4_nk`)."""
+    """The products over weights stored transposed, [N, K] (`--gemv_layers`'s layout): bf16
+    (`bf16_nk`), INT8 codes with per-channel scales (`int8_nk`) and INT4 words with
+    --group_size scales (`int4_nk`). One row: ops/gemv.py's kernel; more: what `linear` runs
+    for such a weight on a GPU (XLA's dot for bf16, ops/quant_matmul.py's layout "nk" for codes,
+    with its dispatch)."""
     rows = []
     calls, sets = FLAGS.calls, num_sets(k * n)
     interpret = FLAGS.impl == "pallas_interpret"
     for name, bits in NK_BITS.items():
         group = FLAGS.group_size if bits == 4 else k
+        config = (gemv_config(False, False, bits) if m == 1 else "xla" if bits == 16 else
+                  matmul_config(bits, m, k, n, group, stored_nk=True) or "xla_dequantize")
         row = {"K": k, "N": n, "M": m, "impl": name, "bits": bits, "group": group,
-               "config": str(gemv_config(False, False, bits))}
+               "config": str(config)}
         if bits == 16:
             w = tuple(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.bfloat16)
                       for i in range(sets))
@@ -232,9 +240,16 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
             w = tuple(a.T for a in packed)
             nbytes = k * n * bits // 8 + 2 * s[0].size
 
-        def prog(xs, w, s, group=group):
-            return tuple(gemv(xs[c], w[c % sets], scales=s[c % sets], group_size=group,
-                              interpret=interpret) for c in range(calls))
+        def prog(xs, w, s, group=group, bits=bits):
+            if m == 1:
+                return tuple(gemv(xs[c], w[c % sets], scales=s[c % sets], group_size=group,
+                                  interpret=interpret) for c in range(calls))
+            if bits == 16:
+                return tuple(linear(xs[c], TransposedWeight(w[c % sets])) for c in range(calls))
+            product = int4_matmul if bits == 4 else int8_matmul
+            return tuple(product(xs[c], w[c % sets], s[c % sets], group_size=group, layout="nk",
+                                 impl="pallas_interpret" if interpret else None)
+                         for c in range(calls))
         try:
             t = time_per_call(prog, (xs, w, s), calls)
             row.update(us=t * 1e6, TBps=nbytes / t / 1e12, speedup=t_bf16 / t)
