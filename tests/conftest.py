@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
@@ -26,10 +25,6 @@ def _share_compilations() -> str | None:
     path = tempfile.mkdtemp(prefix="pallasite-test-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    if "jax" in sys.modules:  # imported before this file (by a plugin): jax read its env then
-        import jax
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 

@@ -130,8 +130,10 @@ def test_kernel_against_float64(m, k, n, variant, config):
     out = gemv(x, w_t, config=config, interpret=not ON_GPU, **kw)
     assert out.dtype == jnp.bfloat16
     check(out, float64_want(x, w_t, **kw))
-    with jax.default_matmul_precision("highest"):  # a GPU's default is TF32 (x after the norm
-        ref = gemv_reference(x, w_t, **kw)         # is float32): too coarse for one rounding
+    # the reference at full precision: a GPU's default is TF32 (x after the norm is float32),
+    # too coarse for one bf16 rounding
+    with jax.default_matmul_precision("highest"):
+        ref = gemv_reference(x, w_t, **kw)
     check(ref, float64_want(x, w_t, **kw))
 
 

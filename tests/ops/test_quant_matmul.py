@@ -189,7 +189,7 @@ def test_transposed_layout_errors():
     with pytest.raises(ValueError, match=r"layout 'nk'\) take the tensor-core paths"):
         int4_matmul(x, w.packed.T, w.scales, group_size=64, impl=IMPL, config=one_row,
                     layout="nk")
-    with pytest.raises(ValueError, match=r"layout 'kn' does not fit|layout 'xy' must be one"):
+    with pytest.raises(ValueError, match=r"layout 'xy' must be one of"):
         int4_matmul(x, w.packed, w.scales, group_size=64, impl=IMPL, layout="xy")
     with pytest.raises(ValueError, match=r"x \(3, 256\) does not fit packed weights \(32, 64\)"):
         int4_matmul(x, w.packed, w.scales, group_size=64, impl=IMPL, layout="nk")
