@@ -7,10 +7,12 @@ Weights arrive in the packed layouts of quant/qtensor.py, read as they are store
     scales (and asymmetric offsets) [ceil(K / group_size), N] in a float dtype:
           symmetric w = s * (c - 2^(bits-1)), asymmetric w = s * c + offset.
     layout "nk": the same int4 words / int8 codes stored transposed, [N, K/8] / [N, K]
-          (ops.matmul.TransposedWeight, the --gemv_layers models). The tensor-core paths
-          ("auto" with block_m >= 16, "mma", "mma_t") read their tiles through transposed
-          indices (ops.quant_tiles._load_codes); matmul_config gives them those paths from
-          one row up.
+          (ops.matmul.TransposedWeight, the --gemv_layers models). On a Hopper GPU, up to 64
+          rows with bf16 activations, the dispatch runs ops/quant_wgmma.py (Pallas Mosaic
+          GPU: the dequantized tile is wgmma's register operand). Otherwise the tensor-core
+          paths ("auto" with block_m >= 16, "mma", "mma_t") read their tiles through
+          transposed indices (ops.quant_tiles._load_codes); matmul_config gives them those
+          paths from one row up.
 
 Kernel: one program per (row block, column block, K split). It walks its slice of K one tile at a
 time (block_k rows: R = block_k / 8 words for int4), dequantizes the tile in registers and
@@ -76,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.quant_mma import _mma_kernel
-from ops import quant_gemv8
+from ops import quant_gemv8, quant_wgmma
 from ops.quant_gemv import gemv_kernel, prescale
 from ops.quant_tiles import (_dequant_tile, _load, _load_codes, _program_tiles,
                               _tile_rows_and_scales, split_output, sum_splits)
@@ -342,6 +344,13 @@ def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
+    if (stored_nk and config is None and resolved == "pallas" and impl is None
+            and quant_wgmma.available()
+            and quant_wgmma.supports(bits, m, k, n, group_size, x.dtype, scales.dtype)):
+        if perm is not None:
+            x2 = jnp.take(x2, perm, axis=1)  # stored row order (act-order)
+        out = quant_wgmma.wgmma_matmul(x2, w, scales, offsets, bits=bits, group_size=group_size)
+        return out.reshape(*lead, n)
     if config is None and resolved == "pallas" and impl is None and m > 0:
         config = matmul_config(bits, m, k, n, group_size, stored_nk)
         if config is None:

@@ -1,0 +1,285 @@
+"""W4A16 / W8A16 for a few activation rows on Hopper (Pallas Mosaic GPU): x [M, K] @ W^T with
+the weight's codes stored [N, K] (the "nk" layout of ops.matmul.TransposedWeight), M <= 64.
+
+Why a second backend: the Triton paths of ops/quant_matmul.py reach the tensor cores only
+through tl.dot, whose operand layout Triton picks; the dequantized tile makes a trip through
+shared memory to get there, and at 16 rows INT4 ran at about the speed of XLA's bf16 product
+(docs/PERFORMANCE.md). Here the product is turned round (swap AB): the weight tile is the
+wgmma's A operand, taken from registers right after its dequantization, and the activations are
+its B operand, read by the tensor cores from shared memory:
+
+    acc [BN, MP] (float32, wgmma accumulator) += dequant(w tile [BN, BK]) @ x tile [MP, BK]^T
+
+BN = 64 output columns per warpgroup (wgmma's fixed M), MP = the activation rows padded to a
+multiple of 8 (wgmma's N: 8..64), BK K positions per pipeline step. TMA copies the code tiles and
+x's tiles into swizzled shared memory, `max_concurrent_steps` steps ahead (emit_pipeline).
+
+Codes. Mosaic GPU's fast conversions to bf16 (a PRMT / LOP3 / bf16x2 subtraction per pair)
+take signed codes; ours are unsigned with zero point z (8 or 128, the symmetric codes of
+quant/). One XOR of the sign bit (per 32-bit register: 8 nibbles or 4 bytes) turns code c into
+the signed c - z, exactly. INT4 codes enter as jnp.int4 [N, K]: the same bytes as our int32 words
+[N, K/8] (K position 8w + j in bits 4j..4j+3 of word w, XLA's nibble order).
+
+Scales and offsets. Weight w = s (c - z) (+ o' with asymmetric codes, o' = o + z s).
+Per-channel scales (one group) multiply the float32 output once, outside the kernel, in the
+small XLA epilogue that also sums the K splits and transposes [N, MP] to [M, N]. Group scales
+(group_size a multiple of BK) multiply the dequantized tile in bf16 before the wgmma: exactly
+the bf16 rounding of s (c - z) that the reference (`int4_matmul_reference`) makes. Offsets
+(asymmetric codes) add o' times the activations' group sums in that epilogue (an [M, G] @ [G, N]
+product).
+
+Split-K: grid (N / BN, splits); each program walks K / splits and writes a float32 partial.
+
+Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU (path "wgmma"); its reference is
+that file's `int4_matmul_reference` / `int8_matmul_reference` on the same codes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lib.mlir import ir
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_N = 64  # output columns per warpgroup: wgmma's M
+MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
+SIGN_FLIP = {4: -8, 8: -128}  # the code's top bit, as the signed value XOR-ed in
+ZERO_POINT = {4: 8, 8: 128}
+MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """block_k: K positions per pipeline step; num_splits: programs along K; stages: pipeline
+    steps in flight (TMA copies ahead of the math)."""
+    block_k: int = 256
+    num_splits: int = 1
+    stages: int = 4
+    convert: str = "inline"  # codes -> bf16: "inline" (_codes_to_bf16) or "mosaic" (astype)
+    overlap: bool = False  # keep one wgmma in flight across steps (x's slot released late)
+
+
+def padded_rows(m: int) -> int:
+    """wgmma's N for m activation rows: a multiple of 8."""
+    return max(8, -(-m // 8) * 8)
+
+
+def _swizzled(block_minor: int, bits: int):
+    """TMA / wgmma transforms for a tile whose minor dimension holds block_minor elements."""
+    swizzle = plgpu.find_swizzle(block_minor * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _asm(code: str, word):
+    """One inline-PTX block over a 32-bit register -> a 32-bit register (two bf16)."""
+    return mgpu_utils.inline_ptx(code, word, result_types=ir.IntegerType.get_signless(32))
+
+
+def _int4_pairs(word, j: int):
+    """bf16x2 (c_j - 8, c_{j+4} - 8) of nibbles j and j + 4 of a 32-bit word of eight codes:
+    a shift, one LOP3 (nibbles under bf16 128.0's exponent: 128 + c) and one bf16x2
+    subtraction of 136, all exact."""
+    shift = f"shr.u32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
+    return _asm("{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+                "mov.b32 k, 0x43084308; sub.bf16x2 $0, t, k; }", word)
+
+
+def _int8_pairs(word, j: int):
+    """bf16x2 (c_2j - 128, c_2j+1 - 128) of bytes 2j and 2j + 1 of a 32-bit word of four codes:
+    one PRMT puts each byte under 0x43 (128 + c when c < 128, 2c when not), one AND clears the
+    byte's top bit (128 + (c mod 128)), one LOP3 builds 256 - 128 [c >= 128], and a bf16x2
+    subtraction of the two gives c - 128, exactly."""
+    sel = 0x4140 if j == 0 else 0x4342
+    return _asm("{ .reg .b32 s0, s1, s2; "
+                f"prmt.b32 s0, $1, 0x43, {sel:#06x}; and.b32 s1, s0, 0xff7fff7f; "
+                "lop3.b32 s2, s0, 0xff80ff80, 0x00800080, 0x6A; sub.bf16x2 $0, s1, s2; }", word)
+
+
+def _codes_to_bf16(bits: int, block_k: int):
+    """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
+    eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
+    [BN, BK] in the WGMMA layout, each register converted in place, with no shuffle between
+    threads. What moves is the K order: register j of a loaded word holds the codes listed in
+    `wgmma_k_order`, and the caller permutes x's columns to match."""
+    upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
+    per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
+
+    @plgpu.inline_mgpu(arg_types=(upcast,), return_type=plgpu.ShapeDtypeStruct(
+        (BLOCK_N, block_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def convert(_, codes):
+        i32 = ir.IntegerType.get_signless(32)
+        vec = ir.VectorType.get((2,), ir.BF16Type.get())
+        layout = mgpu.WGMMA_LAYOUT
+        out = np.empty(layout.registers_shape((BLOCK_N, block_k)), dtype=object)
+        for idx, reg in np.ndenumerate(codes.registers):
+            word = mgpu_utils.bitcast(reg, i32)
+            for j in range(per_word // 2):  # WGMMA registers per loaded word
+                new = (idx[0], idx[1] * (per_word // 2) + j) + idx[2:out.ndim]
+                out[new] = mgpu_utils.bitcast(pairs(word, j), vec)
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+    return upcast, convert
+
+
+def wgmma_k_order(bits: int, k: int):
+    """The K position whose activation multiplies column c of the dequantized tile, for c in
+    0..K-1 (numpy int32 [K]). Per thread, a loaded word holds codes of consecutive K positions,
+    while wgmma's A fragment holds pairs (2t + 8j, 2t + 8j + 1) (t = lane mod 4). _codes_to_bf16
+    makes register j of the word from the pair it converts without moving data: INT4 nibbles
+    (j, j + 4) of the word of K positions 8t..8t+7 in each 32-column block; INT8 bytes (2j, 2j+1)
+    of the word of positions 8 (t mod 2) + 4 (t div 2) + 0..3 in each 16-column block."""
+    if bits == 4:  # c = 8j + 2t + h <- q = 8t + 4h + j
+        j, t, h = np.meshgrid(np.arange(4), np.arange(4), np.arange(2), indexing="ij")
+        q = (8 * t + 4 * h + j).reshape(-1)  # [32] in c order
+        span = 32
+    else:  # c = 8j + 2t + h <- q = 8 (t mod 2) + 4 (t div 2) + 2j + h
+        j, t, h = np.meshgrid(np.arange(2), np.arange(4), np.arange(2), indexing="ij")
+        q = (8 * (t % 2) + 4 * (t // 2) + 2 * j + h).reshape(-1)  # [16]
+        span = 16
+    return (np.arange(0, k, span)[:, None] + q[None, :]).reshape(-1).astype(np.int32)
+
+
+def _kernel(x_gmem, w_gmem, *refs, bits: int, grouped: bool, steps: int, block_k: int,
+            group_steps: int, stages: int, mp: int, convert: str, overlap: bool):
+    # x_gmem [MP, K] bf16; w_gmem [N, K] int4 / int8 (unsigned codes, read signed after the
+    # XOR); refs: (s_gmem [G, N] bf16 group scales when grouped), out_gmem [splits, N, MP]
+    # float32, out_smem [BN, MP] float32 scratch
+    s_gmem = refs[0] if grouped else None
+    out_gmem, out_smem = refs[-2], refs[-1]
+    nb = jax.lax.axis_index("n")
+    split = jax.lax.axis_index("s")
+    first = split * steps  # this program's first K step
+    upcast, inline = _codes_to_bf16(bits, block_k)
+
+    def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z in the WGMMA layout
+        if convert == "inline":
+            return inline(codes)
+        codes = codes ^ jnp.asarray(SIGN_FLIP[bits], jnp.int4 if bits == 4 else jnp.int8)
+        return plgpu.layout_cast(codes, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+
+    def compute(acc_ref):
+        def step(_, w_smem, x_smem, *s_smem):
+            w = dequantize(plgpu.load(w_smem, layout=upcast))  # [BN, BK] bf16 c - z
+            if grouped:  # this step's group scale per output column
+                s = plgpu.load(s_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                w = w * jax.lax.broadcast_in_dim(s, w.shape, [0])
+            plgpu.wgmma(acc_ref, w, x_smem.T)  # [BN, BK] @ [BK, MP]
+            plgpu.wgmma_wait(1 if overlap else 0)
+
+        in_specs = [
+            plgpu.BlockSpec((BLOCK_N, block_k), lambda k: (nb, first + k),
+                            transforms=_swizzled(block_k, bits)),
+            plgpu.BlockSpec((mp, block_k), lambda k: (0, first + k),
+                            transforms=_swizzled(block_k, 16), delay_release=int(overlap)),
+        ]
+        args = [w_gmem, x_gmem]
+        if grouped:
+            in_specs.append(plgpu.BlockSpec((1, BLOCK_N),
+                                            lambda k: ((first + k) // group_steps, nb)))
+            args.append(s_gmem)
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
+                            max_concurrent_steps=stages)(*args)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    acc = pl.run_scoped(compute, plgpu.ACC((BLOCK_N, mp), jnp.float32))  # [BN, MP]
+    out_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, pl.ds(nb * BLOCK_N, BLOCK_N)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales_dtype,
+             config: WgmmaConfig | None = None) -> bool:
+    """Whether the kernel takes the product: bf16 activations, 1..MAX_ROWS rows, N a multiple
+    of BLOCK_N, K of whole steps (block_k of `config`, default `wgmma_config`'s) for every
+    split, and per-channel scales or bf16 group scales whose groups hold whole steps."""
+    if bits not in (4, 8) or not 1 <= m <= MAX_ROWS or n % BLOCK_N:
+        return False
+    cfg = config or wgmma_config(bits, m, k, n, group_size)
+    grouped = -(-k // group_size) > 1
+    return (jnp.dtype(x_dtype) == jnp.bfloat16 and cfg.block_k >= MIN_BLOCK_K
+            and k % (cfg.block_k * cfg.num_splits) == 0
+            and (not grouped or (group_size % cfg.block_k == 0
+                                 and jnp.dtype(scales_dtype) == jnp.bfloat16)))
+
+
+def available() -> bool:
+    """The kernel can run here: the default backend is a Hopper GPU (compute capability 9.x:
+    wgmma), and PALLASITE_WGMMA is not 'off' (which keeps the Triton "nk" paths, for A/B
+    timing)."""
+    if os.environ.get("PALLASITE_WGMMA", "").lower() == "off" or jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
+    """block_k 256 (INT4: 128-byte code rows) or 128 (INT8), capped by the group; K splits
+    for about two programs per SM (132 SMs), each split at least 4 steps."""
+    block_k = 256 if bits == 4 else 128
+    if group_size < k:  # a step lies in one group
+        block_k = min(block_k, group_size)
+    steps = k // block_k
+    programs = n // BLOCK_N
+    splits = 1
+    while programs * splits * 2 <= 2 * 132 and steps % (splits * 2) == 0 \
+            and steps // (splits * 2) >= 4:
+        splits *= 2
+    return WgmmaConfig(block_k=block_k, num_splits=splits)
+
+
+def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
+                 config: WgmmaConfig | None = None, interpret: bool = False):
+    """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]) with scales
+    (and offsets) [G, N] -> [M, N] bf16, float32 accumulation. Callers check `supports` first;
+    this raises ValueError naming the shapes otherwise. interpret: Pallas's Mosaic GPU
+    interpreter (the CPU tests)."""
+    m, k = x.shape
+    n = w_t.shape[0]
+    cfg = config or wgmma_config(bits, m, k, n, group_size)
+    if not supports(bits, m, k, n, group_size, x.dtype, scales.dtype, cfg):
+        raise ValueError(f"wgmma_matmul: x {x.shape} {x.dtype}, w_t {w_t.shape}, scales "
+                         f"{scales.shape} {scales.dtype}, group_size {group_size}: needs bf16 x "
+                         f"with at most {MAX_ROWS} rows, N a multiple of {BLOCK_N} and bf16 "
+                         f"group scales of whole K steps")
+    groups = scales.shape[0]
+    grouped = groups > 1
+    mp = padded_rows(m)
+    if cfg.convert == "inline":  # the K order of the dequantized tiles' columns
+        xk = jnp.take(x, jnp.asarray(wgmma_k_order(bits, k)), axis=1)
+    else:
+        xk = x
+    xp = jnp.pad(xk, ((0, mp - m), (0, 0)))  # [MP, K]
+    if bits == 4:  # the same bytes: nibble j of word w is K position 8w + j
+        codes = jax.lax.bitcast_convert_type(w_t, jnp.int4).reshape(n, k)
+    else:
+        codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
+    steps = k // cfg.block_k // cfg.num_splits
+    kernel = functools.partial(
+        _kernel, bits=bits, grouped=grouped, steps=steps, block_k=cfg.block_k,
+        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, mp=mp,
+        convert=cfg.convert, overlap=cfg.overlap)
+    args = [xp, codes] + ([scales] if grouped else [])
+    out = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32),
+        grid=(n // BLOCK_N, cfg.num_splits), grid_names=("n", "s"),
+        scratch_types=[plgpu.SMEM((BLOCK_N, mp), jnp.float32)],
+        kernel_name=f"int{bits}_wgmma",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*args)
+    acc = out.sum(axis=0)[:, :m]  # [N, M] float32: sum of x (c - z), scaled when grouped
+    if not grouped:
+        acc = acc * scales[0].astype(jnp.float32)[:, None]
+    y = acc.T  # [M, N]
+    if offsets is not None:  # o' = o + z s, times each group's sum of x
+        xs = x.astype(jnp.float32)
+        xsum = jnp.pad(xs, ((0, 0), (0, groups * group_size - k))).reshape(m, groups, -1)
+        o = offsets.astype(jnp.float32) + ZERO_POINT[bits] * scales.astype(jnp.float32)
+        y = y + jnp.dot(xsum.sum(-1), o, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)

@@ -1,0 +1,183 @@
+"""ops.quant_wgmma (Pallas Mosaic GPU, Hopper): INT4 / INT8 codes stored [N, K] times a few bf16
+rows, against ops.quant_matmul's references on the very same codes.
+
+The kernel runs only on a Hopper GPU: Mosaic GPU's interpreter has no wgmma with a register
+operand. On the CPU these tests check what can be checked without one: the bit tricks of the
+inline PTX (a numpy model of each instruction, on every code), the K order they imply (a
+permutation inside each block, matching what the model of the conversion produces), the
+kernel's lowering to Mosaic GPU for an H200 (layout inference and the register conversions run
+at lowering time), the dispatch rule and the errors. On an H200 the kernel itself is compared
+with the reference for 1 to 64 rows, every group size it takes, with and without offsets.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops import quant_wgmma as qw
+from ops.matmul import TransposedWeight, linear
+from ops.quant_matmul import int4_matmul_reference, int8_matmul_reference
+from quant.qtensor import make_quantized_weight
+
+ON_HOPPER = qw.available()
+
+
+# ---- numpy models of the PTX instructions used by the conversions ---------------------------
+
+def lop3(a, b, c, lut):
+    """PTX lop3.b32: bit i of the result is lut[(a_i << 2) | (b_i << 1) | c_i] (a = 0xF0, b = 0xCC,
+    c = 0xAA)."""
+    out = np.zeros_like(a)
+    for bit in range(32):
+        idx = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+        out |= ((lut >> idx) & 1).astype(np.uint32) << bit
+    return out
+
+
+def prmt(a, b, sel):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of (b:a)."""
+    both = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(both[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4)).astype(np.uint32)
+
+
+def bf16x2(word):
+    """The two bf16 halves of uint32 words as float32 (low, high)."""
+    lo = ((word & 0xFFFF) << 16).view(np.float32)
+    hi = (word & 0xFFFF0000).view(np.float32)
+    return lo, hi
+
+
+def test_int4_pair_instructions_give_codes_minus_eight():
+    words = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
+    for j in range(4):  # _int4_pairs: shr, lop3 0xEA ((a & b) | c), sub.bf16x2 of 136
+        t = lop3(words >> np.uint32(4 * j), np.uint32(0x000F000F), np.uint32(0x43004300), 0xEA)
+        lo, hi = bf16x2(t)
+        np.testing.assert_array_equal(lo - 136, ((words >> (4 * j)) & 0xF).astype(np.float32) - 8)
+        np.testing.assert_array_equal(hi - 136,
+                                      ((words >> (4 * j + 16)) & 0xF).astype(np.float32) - 8)
+
+
+def test_int8_pair_instructions_give_codes_minus_128():
+    words = np.random.default_rng(1).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
+    words[:256] = np.arange(256, dtype=np.uint32) * 0x01010101  # every byte value
+    for j, sel in enumerate((0x4140, 0x4342)):  # _int8_pairs: prmt, and, lop3 0x6A, sub
+        s0 = prmt(words, np.uint32(0x43), sel)
+        s1 = s0 & np.uint32(0xFF7FFF7F)
+        s2 = lop3(s0, np.uint32(0xFF80FF80), np.uint32(0x00800080), 0x6A)
+        (a_lo, a_hi), (b_lo, b_hi) = bf16x2(s1), bf16x2(s2)
+        for half, (a, b) in enumerate(((a_lo, b_lo), (a_hi, b_hi))):
+            code = ((words >> (8 * (2 * j + half))) & 0xFF).astype(np.float32)
+            np.testing.assert_array_equal(a - b, code - 128)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_k_order_matches_the_register_conversion(bits):
+    """Column c of the converted tile, as the WGMMA layout places it (thread t = lane mod 4
+    holds columns 2t + 8j + h of register j), holds the code of K position order[c]."""
+    k = 256
+    order = qw.wgmma_k_order(bits, k)
+    assert sorted(order.tolist()) == list(range(k))
+    span, per_word = (32, 8) if bits == 4 else (16, 4)
+    for block in range(k // span):
+        for t in range(4):  # the K positions of thread t's loaded word (UPCAST layouts)
+            first = 8 * t if bits == 4 else 8 * (t % 2) + 4 * (t // 2)
+            word_k = block * span + first + np.arange(per_word)
+            for j in range(per_word // 2):
+                pair = (j, j + 4) if bits == 4 else (2 * j, 2 * j + 1)  # slots converted
+                for h in range(2):
+                    c = block * span + 8 * j + 2 * t + h
+                    assert order[c] == word_k[pair[h]]
+
+
+def test_supports_and_config():
+    assert qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16)
+    assert qw.supports(8, 64, 14336, 4096, 14336, jnp.bfloat16, jnp.float32)  # per channel
+    assert not qw.supports(4, 65, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16)  # rows
+    assert not qw.supports(4, 16, 4096, 4000, 128, jnp.bfloat16, jnp.bfloat16)  # N
+    assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16)  # group < step
+    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.float32)  # f32 groups
+    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.float32, jnp.bfloat16)  # x dtype
+    cfg = qw.wgmma_config(4, 16, 4096, 4096, 128)
+    assert cfg.block_k == 128 and cfg.num_splits == 4  # 64 column blocks, about 2 per SM
+    assert qw.wgmma_config(8, 16, 4096, 28672, 4096).num_splits == 1
+
+
+def test_errors_name_the_shapes():
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"w_t \(100, 32\)"):
+        qw.wgmma_matmul(x, jnp.zeros((100, 32), jnp.int32), jnp.ones((2, 100), jnp.bfloat16),
+                        bits=4, group_size=128)
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
+@pytest.mark.parametrize("bits,group,convert", [(4, 128, "inline"), (8, 256, "inline"),
+                                                (4, 256, "mosaic")])
+def test_lowers_for_an_h200(bits, group, convert):
+    """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
+    the pipeline are built in Python at this point."""
+    m, k, n = 16, 512, 128
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
+                             jnp.int32 if bits == 4 else jnp.uint8)
+    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
+    cfg = qw.WgmmaConfig(block_k=128, num_splits=2, stages=2, convert=convert)
+    fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
+                                                 config=cfg))
+    text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def random_case(bits, m, k, n, group, asymmetric, seed=0):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2 ** bits, (k, n))
+    groups = -(-k // group)
+    scales = jnp.asarray(rng.uniform(0.5, 1.5, (groups, n)) / 2 ** bits, jnp.bfloat16)
+    offsets = (jnp.asarray(rng.normal(0.0, 0.3, (groups, n)), jnp.bfloat16) if asymmetric
+               else None)
+    w = make_quantized_weight(codes, scales, offsets, bits, group)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    return w, x
+
+
+def reference(bits, x, w):
+    ref = int4_matmul_reference if bits == 4 else int8_matmul_reference
+    return np.asarray(ref(x, w.packed, w.scales, w.offsets, group_size=w.group_size))
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (wgmma)")
+@pytest.mark.parametrize("bits,m,k,n,group,asymmetric,config", [
+    (4, 1, 4096, 6144, 128, False, None),
+    (4, 3, 4096, 4096, 64, False, qw.WgmmaConfig(block_k=64, num_splits=4)),
+    (4, 16, 4096, 28672, 128, False, None),
+    (4, 16, 2048, 1024, 256, True, None),
+    (4, 64, 14336, 4096, 14336, False, None),
+    (4, 40, 1024, 512, 1024, True, qw.WgmmaConfig(block_k=256, num_splits=2, stages=2)),
+    (8, 1, 4096, 4096, 4096, False, None),
+    (8, 3, 4096, 6144, 128, False, None),
+    (8, 16, 14336, 4096, 14336, True, None),
+    (8, 64, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=256, num_splits=2, stages=3)),
+    (4, 16, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=128, convert="mosaic")),
+    (8, 16, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, overlap=True)),
+])
+def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
+    w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)
+    out = qw.wgmma_matmul(x, w.packed.T, w.scales, w.offsets, bits=bits, group_size=group,
+                          config=config)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    out = np.asarray(out.astype(jnp.float32))
+    ref = reference(bits, x, w)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < 1e-2, f"relative L2 error {err:.2e}"  # bf16 outputs: about 3e-3
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (wgmma)")
+def test_linear_dispatches_transposed_codes_to_the_kernel():
+    w, x = random_case(4, 16, 4096, 4096, 128, False, seed=5)
+    weight = TransposedWeight(w.packed.T, w.scales, None, group_size=128)
+    fn = jax.jit(lambda x: linear(x, weight))
+    assert "mosaic_gpu" in fn.lower(x).as_text()
+    out = np.asarray(fn(x).astype(jnp.float32))
+    ref = reference(4, x, w)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
