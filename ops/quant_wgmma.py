@@ -4,34 +4,43 @@ the weight's codes stored [N, K] (the "nk" layout of ops.matmul.TransposedWeight
 Why a second backend: the Triton paths of ops/quant_matmul.py reach the tensor cores only
 through tl.dot, whose operand layout Triton picks; the dequantized tile makes a trip through
 shared memory to get there, and at 16 rows INT4 ran at about the speed of XLA's bf16 product
-(docs/PERFORMANCE.md). Here the product is turned round (swap AB): the weight tile is the
-wgmma's A operand, taken from registers right after its dequantization, and the activations are
-its B operand, read by the tensor cores from shared memory:
+(docs/PERFORMANCE.md). Here the product is turned round (swap AB): the weight tile is wgmma's A
+operand, taken from registers right after its dequantization, and the activations are its B
+operand, read by the tensor cores from shared memory:
 
     acc [BN, MP] (float32, wgmma accumulator) += dequant(w tile [BN, BK]) @ x tile [MP, BK]^T
 
-BN = 64 output columns per warpgroup (wgmma's fixed M), MP = the activation rows padded to a
-multiple of 8 (wgmma's N: 8..64), BK K positions per pipeline step. TMA copies the code tiles and
-x's tiles into swizzled shared memory, `max_concurrent_steps` steps ahead (emit_pipeline).
+BN output columns per program (64 or 128: m64 wgmmas), MP the activation rows padded to a
+multiple of 8 (wgmma's N), BK K positions per pipeline step. TMA copies code tiles and x's tiles
+into swizzled shared memory `stages` steps ahead (emit_pipeline); one warpgroup per program.
 
-Codes. Mosaic GPU's fast conversions to bf16 (a PRMT / LOP3 / bf16x2 subtraction per pair)
-take signed codes; ours are unsigned with zero point z (8 or 128, the symmetric codes of
-quant/). One XOR of the sign bit (per 32-bit register: 8 nibbles or 4 bytes) turns code c into
-the signed c - z, exactly. INT4 codes enter as jnp.int4 [N, K]: the same bytes as our int32 words
-[N, K/8] (K position 8w + j in bits 4j..4j+3 of word w, XLA's nibble order).
+Codes to bf16 without moving data between threads. Mosaic GPU loads a code tile one 32-bit
+register per thread (eight INT4 / four INT8 codes of consecutive K positions: layouts
+WGMMA_UPCAST_4X / _2X); wgmma's A fragment wants, per thread, bf16 pairs at columns
+(2t + 8j, 2t + 8j + 1) (t = lane mod 4), so the library's conversion shuffles codes between
+lanes. But the order of K inside a product is free: `_codes_to_bf16` turns each loaded word in
+place into the registers the fragment needs and calls them columns 2t + 8j + h, and the caller
+permutes x's columns the same way (`wgmma_k_order`; a small XLA gather of x). Per pair of codes:
+INT4 a shift, one LOP3 (nibbles j and j + 4 under bf16 128.0's exponent: 128 + c) and one bf16x2
+subtraction of 136; INT8 a PRMT, an AND, a LOP3 and a bf16x2 subtraction (the byte's top bit
+handled through the exponent: c - 128 exactly). Codes are our unsigned ones with zero point
+z = 8 / 128; INT4 words [N, K/8] enter as jnp.int4 [N, K], the same bytes (a bitcast).
+`convert="mosaic"` keeps the library's conversion (XOR of the sign bit, then astype), for
+comparison.
 
-Scales and offsets. Weight w = s (c - z) (+ o' with asymmetric codes, o' = o + z s).
-Per-channel scales (one group) multiply the float32 output once, outside the kernel, in the
-small XLA epilogue that also sums the K splits and transposes [N, MP] to [M, N]. Group scales
-(group_size a multiple of BK) multiply the dequantized tile in bf16 before the wgmma: exactly
-the bf16 rounding of s (c - z) that the reference (`int4_matmul_reference`) makes. Offsets
-(asymmetric codes) add o' times the activations' group sums in that epilogue (an [M, G] @ [G, N]
-product).
+Scales and offsets. Weight w = s (c - z) (+ o' with asymmetric codes, o' = o + z s). Group
+scales (groups of whole steps) multiply the dequantized tile in bf16 before the wgmma: exactly
+the bf16 rounding of s (c - z) that the reference (`int4_matmul_reference`) makes. Per-channel
+scales multiply the accumulator once, at the end. Offsets add o' times the activations' group
+sums after the kernel (an [M, G] @ [G, N] product in XLA).
 
-Split-K: grid (N / BN, splits); each program walks K / splits and writes a float32 partial.
+Output: with one K split (and no offsets) the program writes its bf16 tile transposed, straight
+into y [MP, N]; with more, float32 partials [splits, N, MP] that one XLA fusion sums and
+transposes.
 
-Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU (path "wgmma"); its reference is
-that file's `int4_matmul_reference` / `int8_matmul_reference` on the same codes.
+Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
+`int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
+test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session".
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-BLOCK_N = 64  # output columns per warpgroup: wgmma's M
+BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 SIGN_FLIP = {4: -8, 8: -128}  # the code's top bit, as the signed value XOR-ed in
 ZERO_POINT = {4: 8, 8: 128}
@@ -60,10 +69,11 @@ class WgmmaConfig:
     """block_k: K positions per pipeline step; num_splits: programs along K; stages: pipeline
     steps in flight (TMA copies ahead of the math)."""
     block_k: int = 256
+    block_n: int = 64  # output columns per program (a multiple of BLOCK_N: m64 wgmmas)
     num_splits: int = 1
     stages: int = 4
     convert: str = "inline"  # codes -> bf16: "inline" (_codes_to_bf16) or "mosaic" (astype)
-    overlap: bool = False  # keep one wgmma in flight across steps (x's slot released late)
+    direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
 
 
 def padded_rows(m: int) -> int:
@@ -102,7 +112,7 @@ def _int8_pairs(word, j: int):
                 "lop3.b32 s2, s0, 0xff80ff80, 0x00800080, 0x6A; sub.bf16x2 $0, s1, s2; }", word)
 
 
-def _codes_to_bf16(bits: int, block_k: int):
+def _codes_to_bf16(bits: int, block_n: int, block_k: int):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
     [BN, BK] in the WGMMA layout, each register converted in place, with no shuffle between
@@ -112,12 +122,12 @@ def _codes_to_bf16(bits: int, block_k: int):
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
 
     @plgpu.inline_mgpu(arg_types=(upcast,), return_type=plgpu.ShapeDtypeStruct(
-        (BLOCK_N, block_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+        (block_n, block_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
     def convert(_, codes):
         i32 = ir.IntegerType.get_signless(32)
         vec = ir.VectorType.get((2,), ir.BF16Type.get())
         layout = mgpu.WGMMA_LAYOUT
-        out = np.empty(layout.registers_shape((BLOCK_N, block_k)), dtype=object)
+        out = np.empty(layout.registers_shape((block_n, block_k)), dtype=object)
         for idx, reg in np.ndenumerate(codes.registers):
             word = mgpu_utils.bitcast(reg, i32)
             for j in range(per_word // 2):  # WGMMA registers per loaded word
@@ -145,17 +155,17 @@ def wgmma_k_order(bits: int, k: int):
     return (np.arange(0, k, span)[:, None] + q[None, :]).reshape(-1).astype(np.int32)
 
 
-def _kernel(x_gmem, w_gmem, *refs, bits: int, grouped: bool, steps: int, block_k: int,
-            group_steps: int, stages: int, mp: int, convert: str, overlap: bool):
-    # x_gmem [MP, K] bf16; w_gmem [N, K] int4 / int8 (unsigned codes, read signed after the
-    # XOR); refs: (s_gmem [G, N] bf16 group scales when grouped), out_gmem [splits, N, MP]
-    # float32, out_smem [BN, MP] float32 scratch
-    s_gmem = refs[0] if grouped else None
-    out_gmem, out_smem = refs[-2], refs[-1]
+def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
+            steps: int, block_n: int, block_k: int, group_steps: int, stages: int, mp: int,
+            convert: str, direct: bool):
+    # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
+    # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
+    # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
+    # else [splits, N, MP] float32 partials; out_smem: its tile, [MP, BN] / [BN, MP]
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
     first = split * steps  # this program's first K step
-    upcast, inline = _codes_to_bf16(bits, block_k)
+    upcast, inline = _codes_to_bf16(bits, block_n, block_k)
 
     def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z in the WGMMA layout
         if convert == "inline":
@@ -170,28 +180,38 @@ def _kernel(x_gmem, w_gmem, *refs, bits: int, grouped: bool, steps: int, block_k
                 s = plgpu.load(s_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
                 w = w * jax.lax.broadcast_in_dim(s, w.shape, [0])
             plgpu.wgmma(acc_ref, w, x_smem.T)  # [BN, BK] @ [BK, MP]
-            plgpu.wgmma_wait(1 if overlap else 0)
+            plgpu.wgmma_wait(0)
 
         in_specs = [
-            plgpu.BlockSpec((BLOCK_N, block_k), lambda k: (nb, first + k),
+            plgpu.BlockSpec((block_n, block_k), lambda k: (nb, first + k),
                             transforms=_swizzled(block_k, bits)),
             plgpu.BlockSpec((mp, block_k), lambda k: (0, first + k),
-                            transforms=_swizzled(block_k, 16), delay_release=int(overlap)),
+                            transforms=_swizzled(block_k, 16)),
         ]
         args = [w_gmem, x_gmem]
         if grouped:
-            in_specs.append(plgpu.BlockSpec((1, BLOCK_N),
+            in_specs.append(plgpu.BlockSpec((1, block_n),
                                             lambda k: ((first + k) // group_steps, nb)))
             args.append(s_gmem)
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
                             max_concurrent_steps=stages)(*args)
-        plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-    acc = pl.run_scoped(compute, plgpu.ACC((BLOCK_N, mp), jnp.float32))  # [BN, MP]
-    out_smem[...] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, pl.ds(nb * BLOCK_N, BLOCK_N)])
+    acc = pl.run_scoped(compute, plgpu.ACC((block_n, mp), jnp.float32))  # [BN, MP]
+    cols = pl.ds(nb * block_n, block_n)
+    if not grouped:  # per-channel scales, once per output
+        s = plgpu.load(s_gmem.at[0, cols], layout=plgpu.Layout.WGMMA.reduce(1),
+                       optimized=False)  # once per program, from global memory
+        acc = acc * jax.lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+    if direct:  # transposed on its way to shared memory: out [MP, N]
+        out_smem.T[...] = plgpu.layout_cast(acc.astype(out_smem.dtype),
+                                            plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, cols])
+    else:
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, cols])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -203,6 +223,8 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     if bits not in (4, 8) or not 1 <= m <= MAX_ROWS or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
+    if cfg.block_n % BLOCK_N or n % cfg.block_n:
+        return False
     grouped = -(-k // group_size) > 1
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and cfg.block_k >= MIN_BLOCK_K
             and k % (cfg.block_k * cfg.num_splits) == 0
@@ -220,18 +242,26 @@ def available() -> bool:
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """block_k 256 (INT4: 128-byte code rows) or 128 (INT8), capped by the group; K splits
-    for about two programs per SM (132 SMs), each split at least 4 steps."""
-    block_k = 256 if bits == 4 else 128
+    """Tiles from the H200 sweep at 16 rows (docs/PERFORMANCE.md, nineteenth session): steps of
+    128 INT4 positions (capped by the group) with 3 stages, or 256 INT8 positions with 2;
+    128-column programs where that still gives about 200 programs without a split (gate/up,
+    the lm head), else 64 columns with the K splits that reach about 384 (INT4) or 256 (INT8)
+    programs, each split at least two steps."""
+    block_k = 128 if bits == 4 else 256
     if group_size < k:  # a step lies in one group
         block_k = min(block_k, group_size)
-    steps = k // block_k
-    programs = n // BLOCK_N
+    block_k = max(block_k, MIN_BLOCK_K)
+    block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
+    steps = max(1, k // block_k)
+    programs = max(1, n // block_n)
     splits = 1
-    while programs * splits * 2 <= 2 * 132 and steps % (splits * 2) == 0 \
-            and steps // (splits * 2) >= 4:
-        splits *= 2
-    return WgmmaConfig(block_k=block_k, num_splits=splits)
+    if programs < 200:
+        want = 384 if bits == 4 else 256
+        while programs * splits < want and steps % (splits * 2) == 0 \
+                and steps // (splits * 2) >= 2:
+            splits *= 2
+    return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                       stages=3 if bits == 4 else 2)
 
 
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
@@ -246,7 +276,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     if not supports(bits, m, k, n, group_size, x.dtype, scales.dtype, cfg):
         raise ValueError(f"wgmma_matmul: x {x.shape} {x.dtype}, w_t {w_t.shape}, scales "
                          f"{scales.shape} {scales.dtype}, group_size {group_size}: needs bf16 x "
-                         f"with at most {MAX_ROWS} rows, N a multiple of {BLOCK_N} and bf16 "
+                         f"with at most {MAX_ROWS} rows, N a multiple of {cfg.block_n} and bf16 "
                          f"group scales of whole K steps")
     groups = scales.shape[0]
     grouped = groups > 1
@@ -261,22 +291,25 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
     steps = k // cfg.block_k // cfg.num_splits
+    direct = cfg.direct and cfg.num_splits == 1 and offsets is None
     kernel = functools.partial(
-        _kernel, bits=bits, grouped=grouped, steps=steps, block_k=cfg.block_k,
-        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, mp=mp,
-        convert=cfg.convert, overlap=cfg.overlap)
-    args = [xp, codes] + ([scales] if grouped else [])
+        _kernel, bits=bits, grouped=grouped, steps=steps, block_n=cfg.block_n,
+        block_k=cfg.block_k, group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages,
+        mp=mp, convert=cfg.convert, direct=direct)
+    if direct:
+        out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
+        tile = plgpu.SMEM((mp, cfg.block_n), jnp.bfloat16, transforms=_swizzled(cfg.block_n, 16))
+    else:
+        out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
+        tile = plgpu.SMEM((cfg.block_n, mp), jnp.float32)
     out = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32),
-        grid=(n // BLOCK_N, cfg.num_splits), grid_names=("n", "s"),
-        scratch_types=[plgpu.SMEM((BLOCK_N, mp), jnp.float32)],
-        kernel_name=f"int{bits}_wgmma",
+        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits),
+        grid_names=("n", "s"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*args)
-    acc = out.sum(axis=0)[:, :m]  # [N, M] float32: sum of x (c - z), scaled when grouped
-    if not grouped:
-        acc = acc * scales[0].astype(jnp.float32)[:, None]
-    y = acc.T  # [M, N]
+    )(xp, codes, scales)
+    if direct:
+        return out[:m]
+    y = out.sum(axis=0)[:, :m].T  # [M, N] float32
     if offsets is not None:  # o' = o + z s, times each group's sum of x
         xs = x.astype(jnp.float32)
         xsum = jnp.pad(xs, ((0, 0), (0, groups * group_size - k))).reshape(m, groups, -1)

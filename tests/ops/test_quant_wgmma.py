@@ -99,9 +99,13 @@ def test_supports_and_config():
     assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16)  # group < step
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.float32)  # f32 groups
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.float32, jnp.bfloat16)  # x dtype
-    cfg = qw.wgmma_config(4, 16, 4096, 4096, 128)
-    assert cfg.block_k == 128 and cfg.num_splits == 4  # 64 column blocks, about 2 per SM
-    assert qw.wgmma_config(8, 16, 4096, 28672, 4096).num_splits == 1
+    cfg = qw.wgmma_config(4, 16, 4096, 4096, 128)  # 64 column blocks: 8 splits of 4 steps
+    assert (cfg.block_k, cfg.block_n, cfg.num_splits) == (128, 64, 8)
+    cfg = qw.wgmma_config(8, 16, 4096, 28672, 4096)  # 224 column blocks of 128: no split
+    assert (cfg.block_k, cfg.block_n, cfg.num_splits) == (256, 128, 1)
+    assert qw.wgmma_config(8, 16, 4096, 28736, 4096).block_n == 64  # N not a multiple of 128
+    for bits, k, n, group in ((4, 4096, 6144, 64), (8, 14336, 4096, 14336), (4, 1024, 512, 256)):
+        assert qw.supports(bits, 16, k, n, group, jnp.bfloat16, jnp.bfloat16)
 
 
 def test_errors_name_the_shapes():
@@ -122,7 +126,8 @@ def test_lowers_for_an_h200(bits, group, convert):
     w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
                              jnp.int32 if bits == 4 else jnp.uint8)
     s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    cfg = qw.WgmmaConfig(block_k=128, num_splits=2, stages=2, convert=convert)
+    cfg = qw.WgmmaConfig(block_k=128, block_n=128 if convert == "inline" else 64,
+                         num_splits=1 if bits == 4 else 2, stages=2, convert=convert)
     fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
                                                  config=cfg))
     text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
@@ -159,7 +164,9 @@ def reference(bits, x, w):
     (8, 16, 14336, 4096, 14336, True, None),
     (8, 64, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=256, num_splits=2, stages=3)),
     (4, 16, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=128, convert="mosaic")),
-    (8, 16, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, overlap=True)),
+    (8, 16, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, convert="mosaic")),
+    (4, 16, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=128, block_n=256, stages=2)),
+    (8, 5, 4096, 4096, 4096, True, qw.WgmmaConfig(block_k=256, block_n=128, direct=False)),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)
