@@ -232,13 +232,16 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
                                  and jnp.dtype(scales_dtype) == jnp.bfloat16)))
 
 
+def on_hopper() -> bool:
+    """The default backend is a Hopper GPU (compute capability 9.x: wgmma)."""
+    return (jax.default_backend() == "gpu"
+            and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
+
+
 def available() -> bool:
-    """The kernel can run here: the default backend is a Hopper GPU (compute capability 9.x:
-    wgmma), and PALLASITE_WGMMA is not 'off' (which keeps the Triton "nk" paths, for A/B
-    timing)."""
-    if os.environ.get("PALLASITE_WGMMA", "").lower() == "off" or jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    """The dispatch may use the kernel: `on_hopper`, and PALLASITE_WGMMA is not 'off' (which
+    keeps the Triton "nk" paths of ops/quant_matmul.py, for A/B timing)."""
+    return os.environ.get("PALLASITE_WGMMA", "").lower() != "off" and on_hopper()
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
@@ -278,6 +281,9 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
                          f"{scales.shape} {scales.dtype}, group_size {group_size}: needs bf16 x "
                          f"with at most {MAX_ROWS} rows, N a multiple of {cfg.block_n} and bf16 "
                          f"group scales of whole K steps")
+    if not (interpret or on_hopper()):
+        raise ValueError(f"wgmma_matmul: needs a Hopper GPU (wgmma); the default backend here "
+                         f"is {jax.default_backend()} ({jax.devices()[0].device_kind})")
     groups = scales.shape[0]
     grouped = groups > 1
     mp = padded_rows(m)

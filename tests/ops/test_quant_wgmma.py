@@ -115,12 +115,21 @@ def test_errors_name_the_shapes():
                         bits=4, group_size=128)
 
 
+@pytest.mark.skipif(ON_HOPPER, reason="runs the kernel on a Hopper GPU")
+def test_elsewhere_a_clear_error_and_the_dispatch_keeps_triton():
+    w, x = random_case(4, 16, 256, 128, 128, False)
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        qw.wgmma_matmul(x, w.packed.T, w.scales, bits=4, group_size=128)
+    assert not qw.available()
+
+
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
 @pytest.mark.parametrize("bits,group,convert", [(4, 128, "inline"), (8, 256, "inline"),
                                                 (4, 256, "mosaic")])
-def test_lowers_for_an_h200(bits, group, convert):
+def test_lowers_for_an_h200(bits, group, convert, monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
-    the pipeline are built in Python at this point."""
+    the pipeline are built in Python at this point (the Hopper check is told yes)."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
     m, k, n = 16, 512, 128
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),

@@ -1,0 +1,207 @@
+"""Benchmark of ops/quant_wgmma.py (INT4 / INT8 codes stored [N, K] times a few bf16 rows on
+Hopper) against XLA's bf16 product and the Triton "nk" paths of ops/quant_matmul.py.
+
+    python -m scripts.bench_wgmma --modes=check,table --json_out=wgmma.json
+    python -m scripts.bench_wgmma --modes=sweep --ms=16 --shapes=4096x28672,4096x4096
+
+Shapes: Llama-3.1-8B's products K x N (q/k/v 4096x6144, o 4096x4096, gate/up 4096x28672,
+down 14336x4096, lm head 4096x128256) at `--ms` rows.
+- check: the kernel against `int4_matmul_reference` / `int8_matmul_reference` on the same
+  random codes (a few configs, offsets and per-channel scales among them); relative max error.
+- table: per shape and M, device time per product of XLA's bf16 dot (the peer, weights
+  [K, N]), the kernel with the dispatch's tiles (`wgmma_config`: INT4 groups of --group_size,
+  INT8 per channel), and with `--triton` the Triton "nk" path it replaced (PALLASITE_WGMMA=off
+  in ops/quant_matmul.py's dispatch); TB/s = codes and scales read over the device time.
+- sweep: the tile variants of `sweep_configs` per shape and bits (block_k, block_n, splits,
+  stages).
+Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
+program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
+needs a Hopper GPU; elsewhere every row records why it did not run.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from ops import quant_wgmma as qw
+from ops.quant_matmul import (int4_matmul, int4_matmul_reference, int8_matmul,
+                              int8_matmul_reference)
+from scripts import decode_profile
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep")
+flags.DEFINE_list("shapes", ["4096x6144", "4096x4096", "4096x28672", "14336x4096",
+                             "4096x128256"], "K x N")
+flags.DEFINE_list("ms", ["1", "16", "64"], "activation rows")
+flags.DEFINE_list("bits", ["4", "8"], "weight bits")
+flags.DEFINE_integer("group_size", 128, "INT4 group size (INT8 is per channel)")
+flags.DEFINE_integer("calls", 8, "products (distinct weight sets) per program")
+flags.DEFINE_integer("queue", 3, "programs queued in the traced run")
+flags.DEFINE_bool("triton", False, "table: also time the Triton 'nk' path of the same codes")
+flags.DEFINE_string("json_out", "", "write all rows as JSON here")
+
+
+def codes_and_scales(bits: int, k: int, n: int, group: int, key, asymmetric=False):
+    """Random codes stored [N, K] (INT4 int32 words [N, K/8], INT8 uint8 [N, K]), bf16 scales
+    (and offsets) [G, N]; never all zero."""
+    kc, ks, ko = jax.random.split(key, 3)
+    if bits == 4:
+        w_t = jax.lax.bitcast_convert_type(jax.random.bits(kc, (n, k // 8), jnp.uint32),
+                                           jnp.int32)
+    else:
+        w_t = jax.random.bits(kc, (n, k), jnp.uint8)
+    groups = -(-k // group)
+    s = jax.random.uniform(ks, (groups, n), jnp.float32, 0.001, 0.01).astype(jnp.bfloat16)
+    o = ((jax.random.normal(ko, (groups, n)) * 0.01).astype(jnp.bfloat16) if asymmetric
+         else None)
+    return w_t, s, o
+
+
+def group_of(bits: int, k: int) -> int:
+    return FLAGS.group_size if bits == 4 else k
+
+
+def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
+    row = dict(mode="check", bits=bits, M=m, K=k, N=n, group=group, asymmetric=asymmetric,
+               config=str(config or qw.wgmma_config(bits, m, k, n, group)))
+    key = jax.random.key(m + k + n + bits)
+    w_t, s, o = codes_and_scales(bits, k, n, group, key, asymmetric)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (m, k)).astype(jnp.bfloat16)
+    try:
+        y = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=bits, group_size=group,
+                                                       config=config))(x, w_t, s, o)
+        ref_fn = int4_matmul_reference if bits == 4 else int8_matmul_reference
+        ref = np.asarray(ref_fn(x, w_t.T, s, o, group_size=group))
+        err = float(np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max())
+        row.update(rel_max_err=err, ok=err < 1e-2)
+    except Exception as e:  # recorded with the reason (no Hopper GPU, say)
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def time_product(name: str, bits: int, k: int, n: int, m: int, config=None) -> dict:
+    """Device microseconds per product of `name`: bf16 (XLA), wgmma (the kernel, `config` or the
+    dispatch's tiles) or triton (ops/quant_matmul.py's "nk" path)."""
+    calls = FLAGS.calls
+    group = group_of(bits, k)
+    row = dict(mode="time", impl=name, bits=16 if name == "bf16" else bits, M=m, K=k, N=n,
+               group=None if name == "bf16" else group)
+    xs = tuple(jax.random.normal(jax.random.key(100 + c), (m, k)).astype(jnp.bfloat16)
+               for c in range(calls))
+    try:
+        if name == "bf16":
+            ws = tuple(jax.random.normal(jax.random.key(200 + c), (k, n), jnp.bfloat16)
+                       for c in range(calls))
+            nbytes = 2 * k * n
+            fn, args = (lambda xs, ws: tuple(jnp.dot(xs[c], ws[c]) for c in range(calls))), (xs, ws)
+        else:
+            sets = [codes_and_scales(bits, k, n, group, jax.random.key(300 + c))
+                    for c in range(calls)]
+            ws, ss = tuple(a[0] for a in sets), tuple(a[1] for a in sets)
+            nbytes = k * n * bits // 8 + 2 * ss[0].size
+            if name == "wgmma":
+                cfg = config or qw.wgmma_config(bits, m, k, n, group)
+                row["config"] = str(cfg)
+                fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
+                    xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
+                    for c in range(calls))
+            else:
+                os.environ["PALLASITE_WGMMA"] = "off"
+                product = int4_matmul if bits == 4 else int8_matmul
+                fn = lambda xs, ws, ss: tuple(product(  # noqa: E731
+                    xs[c], ws[c], ss[c], group_size=group, layout="nk") for c in range(calls))
+            args = (xs, ws, ss)
+        dev = decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue)
+        os.environ.pop("PALLASITE_WGMMA", None)
+        row.update(dev)
+        if "dev_us" in dev:
+            row["TBps"] = nbytes / dev["dev_us"] / 1e6
+    except Exception as e:  # recorded with the reason
+        os.environ.pop("PALLASITE_WGMMA", None)
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def sweep_configs(bits: int, k: int, n: int) -> list[qw.WgmmaConfig]:
+    """block_n 64 / 128 / 256 times K splits giving about 120 to 1100 programs (or none where
+    the columns alone give more), steps of 128 (INT4 in groups of 128) or 128 / 256 (INT8)."""
+    out = []
+    for block_k in ((128,) if bits == 4 else (128, 256)):
+        steps = k // block_k
+        for block_n in (64, 128, 256):
+            for splits in (1, 2, 4, 8, 16):
+                programs = n // block_n * splits
+                if steps % splits or steps // splits < 2 or not (
+                        120 <= programs <= 1100 or (splits == 1 and programs > 1100)):
+                    continue
+                out.append(qw.WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                                          stages=3 if block_k == 128 else 2))
+    return out
+
+
+def report(row: dict, bf16_us: dict) -> None:
+    key = (row["K"], row["N"], row["M"])
+    if "error" in row or "dev_error" in row:
+        print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<3} {row.get('impl', 'check'):<6} "
+              f"int{row['bits']}: {row.get('error') or row.get('dev_error')}")
+        return
+    if row["mode"] == "check":
+        print(f"check int{row['bits']} M={row['M']} {row['K']}x{row['N']} g{row['group']} "
+              f"offsets={row['asymmetric']}: rel max err {row['rel_max_err']:.2e} "
+              f"{'ok' if row['ok'] else 'FAIL'}")
+        return
+    if row["impl"] == "bf16":
+        bf16_us[key] = row["dev_us"]
+    speedup = bf16_us.get(key, float("nan")) / row["dev_us"]
+    row["x_bf16"] = speedup
+    print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<3} {row['impl']:<6} int{row['bits']:<2} "
+          f"{row['dev_us']:8.1f} us {row['TBps']:5.2f} TB/s x{speedup:5.2f}  "
+          f"{row.get('config', '')}")
+
+
+def main(_):
+    shapes = [tuple(int(v) for v in s.split("x")) for s in FLAGS.shapes]
+    ms = [int(m) for m in FLAGS.ms]
+    bits_list = [int(b) for b in FLAGS.bits]
+    rows, bf16_us = [], {}
+    print(f"device: {jax.devices()[0].device_kind}; Hopper kernel available: {qw.available()}")
+    if "check" in FLAGS.modes:
+        for bits, m, k, n, group, cfg, asym in (
+                (4, 16, 4096, 4096, 128, None, False), (4, 5, 4096, 4096, 128, None, True),
+                (4, 1, 4096, 6144, 4096, None, False), (8, 16, 4096, 4096, 4096, None, False),
+                (8, 64, 4096, 4096, 4096, None, True), (8, 3, 4096, 6144, 128, None, False),
+                (4, 40, 1024, 512, 256, qw.WgmmaConfig(block_k=256, num_splits=2, stages=2),
+                 False)):
+            rows.append(check(bits, m, k, n, group, cfg, asym))
+            report(rows[-1], bf16_us)
+    for mode in ("table", "sweep"):
+        if mode not in FLAGS.modes:
+            continue
+        for k, n in shapes:
+            for m in ms:
+                rows.append(time_product("bf16", 16, k, n, m))
+                report(rows[-1], bf16_us)
+                for bits in bits_list:
+                    configs = [None] if mode == "table" else sweep_configs(bits, k, n)
+                    for cfg in configs:
+                        rows.append(time_product("wgmma", bits, k, n, m, cfg))
+                        report(rows[-1], bf16_us)
+                    if mode == "table" and FLAGS.triton:
+                        rows.append(time_product("triton", bits, k, n, m))
+                        report(rows[-1], bf16_us)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "rows": rows,
+                       "flags": {k: str(v) for k, v in FLAGS.flag_values_dict().items()
+                                 if k in ("modes", "shapes", "ms", "bits", "group_size",
+                                          "calls", "queue", "triton")}}, f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
