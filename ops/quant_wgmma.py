@@ -217,19 +217,18 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
 
 def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales_dtype,
              config: WgmmaConfig | None = None) -> bool:
-    """Whether the kernel takes the product: bf16 activations, 1..MAX_ROWS rows, N a multiple
-    of BLOCK_N, K of whole steps (block_k of `config`, default `wgmma_config`'s) for every
-    split, and per-channel scales or bf16 group scales whose groups hold whole steps."""
+    """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows, N a
+    multiple of the program's columns, K of whole steps (block_k of `config`, default
+    `wgmma_config`'s) for every split, and per-channel scales or groups of whole steps."""
     if bits not in (4, 8) or not 1 <= m <= MAX_ROWS or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
     if cfg.block_n % BLOCK_N or n % cfg.block_n:
         return False
     grouped = -(-k // group_size) > 1
-    return (jnp.dtype(x_dtype) == jnp.bfloat16 and cfg.block_k >= MIN_BLOCK_K
-            and k % (cfg.block_k * cfg.num_splits) == 0
-            and (not grouped or (group_size % cfg.block_k == 0
-                                 and jnp.dtype(scales_dtype) == jnp.bfloat16)))
+    return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
+            and cfg.block_k >= MIN_BLOCK_K and k % (cfg.block_k * cfg.num_splits) == 0
+            and (not grouped or group_size % cfg.block_k == 0))
 
 
 def on_hopper() -> bool:
@@ -268,20 +267,20 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
 
 
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
-                 config: WgmmaConfig | None = None, interpret: bool = False):
-    """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]) with scales
-    (and offsets) [G, N] -> [M, N] bf16, float32 accumulation. Callers check `supports` first;
-    this raises ValueError naming the shapes otherwise. interpret: Pallas's Mosaic GPU
-    interpreter (the CPU tests)."""
+                 config: WgmmaConfig | None = None):
+    """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]) with bf16
+    scales (and offsets) [G, N] -> [M, N] bf16, float32 accumulation, on a Hopper GPU. Callers
+    check `supports` first; this raises ValueError naming the shapes otherwise, or saying that
+    the backend is not a Hopper GPU."""
     m, k = x.shape
     n = w_t.shape[0]
     cfg = config or wgmma_config(bits, m, k, n, group_size)
     if not supports(bits, m, k, n, group_size, x.dtype, scales.dtype, cfg):
         raise ValueError(f"wgmma_matmul: x {x.shape} {x.dtype}, w_t {w_t.shape}, scales "
                          f"{scales.shape} {scales.dtype}, group_size {group_size}: needs bf16 x "
-                         f"with at most {MAX_ROWS} rows, N a multiple of {cfg.block_n} and bf16 "
-                         f"group scales of whole K steps")
-    if not (interpret or on_hopper()):
+                         f"with at most {MAX_ROWS} rows, N a multiple of {cfg.block_n}, bf16 "
+                         f"scales and groups of whole K steps ({cfg.block_k})")
+    if not on_hopper():
         raise ValueError(f"wgmma_matmul: needs a Hopper GPU (wgmma); the default backend here "
                          f"is {jax.default_backend()} ({jax.devices()[0].device_kind})")
     groups = scales.shape[0]
@@ -311,7 +310,6 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     out = plgpu.kernel(
         kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits),
         grid_names=("n", "s"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(xp, codes, scales)
     if direct:
         return out[:m]

@@ -93,7 +93,8 @@ def test_k_order_matches_the_register_conversion(bits):
 
 def test_supports_and_config():
     assert qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16)
-    assert qw.supports(8, 64, 14336, 4096, 14336, jnp.bfloat16, jnp.float32)  # per channel
+    assert qw.supports(8, 64, 14336, 4096, 14336, jnp.bfloat16, jnp.bfloat16)  # per channel
+    assert not qw.supports(8, 64, 14336, 4096, 14336, jnp.bfloat16, jnp.float32)  # f32 scales
     assert not qw.supports(4, 65, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16)  # rows
     assert not qw.supports(4, 16, 4096, 4000, 128, jnp.bfloat16, jnp.bfloat16)  # N
     assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16)  # group < step
