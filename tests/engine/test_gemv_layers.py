@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import ops.gemv
+import ops.quant_wgmma
 from configs.model import TINY_LLAMA31, TINY_QWEN2
 from engine.request import SamplingParams
 from models.llama import fuse_projections, transpose_for_gemv
@@ -141,3 +142,33 @@ def test_transpose_errors_leave_the_model_whole():
         TINY_LLAMA31, 3, False, ())[:2]))
     with pytest.raises(ValueError, match="already transposed"):
         transpose_for_gemv(cfg, model)
+
+
+@pytest.mark.skipif(not ops.quant_wgmma.available(), reason="needs a Hopper GPU (wgmma)")
+def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
+    """A bf16 model with INT4 codes (groups of 128) stored transposed, shapes the Hopper kernel
+    takes: decode steps of two and three rows run ops/quant_wgmma.py, and give the greedy
+    tokens of the Triton "nk" paths (PALLASITE_WGMMA=off), log-probabilities within bf16
+    rounding."""
+    cfg = TINY_LLAMA31.replace(hidden_size=256, intermediate_size=512, num_heads=4,
+                               num_kv_heads=2, head_dim=64)
+    model = model_from_pure_dict(cfg, unit_scale_pure_dict(cfg, 21), jnp.bfloat16)
+    model = quantize_model(cfg, model, QuantConfig("int4_rtn", group_size=128), progress=False)
+    cfg, model = transpose_for_gemv(*fuse_projections(cfg, model))
+    prompts = [[5, 9, 44, 7], [3, 100, 21, 8, 90, 4, 17], [11, 12, 13, 14, 15]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+    rows: list[int] = []
+    inner = ops.quant_wgmma.wgmma_matmul
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return inner(x, *args, **kwargs)
+    monkeypatch.setattr(ops.quant_wgmma, "wgmma_matmul", counted)
+    got = generate(model, cfg, prompts, params)
+    assert rows and max(rows) <= ops.quant_wgmma.MAX_ROWS and min(rows) >= 2
+    monkeypatch.setenv("PALLASITE_WGMMA", "off")
+    jax.clear_caches()
+    rows.clear()
+    want = generate(model, cfg, prompts, params)
+    assert not rows
+    assert_same_generations(got, want, rtol=2e-2)
