@@ -176,6 +176,9 @@ def reference(bits, x, w):
     (4, 16, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=128, convert="mosaic")),
     (8, 16, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, convert="mosaic")),
     (4, 16, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=128, block_n=256, stages=2)),
+    (4, 3, 384, 576, 128, True, None),  # odd multiples of the group and of 64 columns
+    (8, 16, 1536, 576, 1536, False, None),  # SmolLM2's down projection
+    (8, 64, 576, 960, 64, False, None),  # SmolLM2's q/k/v, INT8 in groups of 64
     (8, 5, 4096, 4096, 4096, True, qw.WgmmaConfig(block_k=256, block_n=128, direct=False)),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
