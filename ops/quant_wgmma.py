@@ -266,6 +266,24 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
                        stages=3 if bits == 4 else 2)
 
 
+def sweep_configs(bits: int, k: int, n: int) -> list[WgmmaConfig]:
+    """The tiles scripts/bench_wgmma.py sweeps (INT4 in groups of 128, INT8 per channel): 64 /
+    128 / 256 columns times K splits giving about 120 to 1100 programs (or none where the
+    columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages)."""
+    out = []
+    for block_k in ((128,) if bits == 4 else (128, 256)):
+        steps = k // block_k
+        for block_n in (64, 128, 256):
+            for splits in (1, 2, 4, 8, 16):
+                programs = n // block_n * splits
+                if steps % splits or steps // splits < 2 or not (
+                        120 <= programs <= 1100 or (splits == 1 and programs > 1100)):
+                    continue
+                out.append(WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                                       stages=3 if block_k == 128 else 2))
+    return out
+
+
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
                  config: WgmmaConfig | None = None):
     """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]) with bf16

@@ -12,8 +12,8 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   [K, N]), the kernel with the dispatch's tiles (`wgmma_config`: INT4 groups of --group_size,
   INT8 per channel), and with `--triton` the Triton "nk" path it replaced (PALLASITE_WGMMA=off
   in ops/quant_matmul.py's dispatch); TB/s = codes and scales read over the device time.
-- sweep: the tile variants of `sweep_configs` per shape and bits (block_k, block_n, splits,
-  stages).
+- sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape and bits (block_k,
+  block_n, splits, stages).
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
 needs a Hopper GPU; elsewhere every row records why it did not run.
@@ -127,23 +127,6 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None) -> d
     return row
 
 
-def sweep_configs(bits: int, k: int, n: int) -> list[qw.WgmmaConfig]:
-    """block_n 64 / 128 / 256 times K splits giving about 120 to 1100 programs (or none where
-    the columns alone give more), steps of 128 (INT4 in groups of 128) or 128 / 256 (INT8)."""
-    out = []
-    for block_k in ((128,) if bits == 4 else (128, 256)):
-        steps = k // block_k
-        for block_n in (64, 128, 256):
-            for splits in (1, 2, 4, 8, 16):
-                programs = n // block_n * splits
-                if steps % splits or steps // splits < 2 or not (
-                        120 <= programs <= 1100 or (splits == 1 and programs > 1100)):
-                    continue
-                out.append(qw.WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
-                                          stages=3 if block_k == 128 else 2))
-    return out
-
-
 def report(row: dict, bf16_us: dict) -> None:
     key = (row["K"], row["N"], row["M"])
     if "error" in row or "dev_error" in row:
@@ -187,7 +170,7 @@ def main(_):
                 rows.append(time_product("bf16", 16, k, n, m))
                 report(rows[-1], bf16_us)
                 for bits in bits_list:
-                    configs = [None] if mode == "table" else sweep_configs(bits, k, n)
+                    configs = [None] if mode == "table" else qw.sweep_configs(bits, k, n)
                     for cfg in configs:
                         rows.append(time_product("wgmma", bits, k, n, m, cfg))
                         report(rows[-1], bf16_us)

@@ -1,5 +1,6 @@
-"""scripts/bench_wgmma.py: its sweep's configurations, and a run on the CPU, where every kernel
-row records why it did not run (the kernel needs a Hopper GPU). No timing is asserted."""
+"""scripts/bench_wgmma.py: its sweep's configurations (ops.quant_wgmma.sweep_configs), and a
+run on the CPU, where every kernel row records why it did not run (the kernel needs a Hopper
+GPU). No timing is asserted."""
 from __future__ import annotations
 
 import json
@@ -10,11 +11,8 @@ from ops import quant_wgmma as qw
 
 
 def test_sweep_configs_are_taken_by_the_kernel():
-    from absl import flags
-    from scripts import bench_wgmma
-    flags.FLAGS(["bench_wgmma"])
     for bits, k, n in ((4, 4096, 28672), (8, 4096, 4096), (4, 14336, 4096)):
-        configs = bench_wgmma.sweep_configs(bits, k, n)
+        configs = qw.sweep_configs(bits, k, n)
         assert configs
         group = 128 if bits == 4 else k
         for cfg in configs:
