@@ -59,8 +59,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
-SIGN_FLIP = {4: -8, 8: -128}  # the code's top bit, as the signed value XOR-ed in
-ZERO_POINT = {4: 8, 8: 128}
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 
 
@@ -170,7 +168,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
     def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z in the WGMMA layout
         if convert == "inline":
             return inline(codes)
-        codes = codes ^ jnp.asarray(SIGN_FLIP[bits], jnp.int4 if bits == 4 else jnp.int8)
+        sign = jnp.asarray(-2 ** (bits - 1), jnp.int4 if bits == 4 else jnp.int8)  # top bit
+        codes = codes ^ sign  # c - z, signed
         return plgpu.layout_cast(codes, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
 
     def compute(acc_ref):
@@ -335,6 +334,6 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     if offsets is not None:  # o' = o + z s, times each group's sum of x
         xs = x.astype(jnp.float32)
         xsum = jnp.pad(xs, ((0, 0), (0, groups * group_size - k))).reshape(m, groups, -1)
-        o = offsets.astype(jnp.float32) + ZERO_POINT[bits] * scales.astype(jnp.float32)
+        o = offsets.astype(jnp.float32) + 2 ** (bits - 1) * scales.astype(jnp.float32)
         y = y + jnp.dot(xsum.sum(-1), o, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

@@ -110,19 +110,21 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None) -> d
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
                     for c in range(calls))
-            else:
-                os.environ["PALLASITE_WGMMA"] = "off"
+            else:  # traced below with PALLASITE_WGMMA=off
                 product = int4_matmul if bits == 4 else int8_matmul
                 fn = lambda xs, ws, ss: tuple(product(  # noqa: E731
                     xs[c], ws[c], ss[c], group_size=group, layout="nk") for c in range(calls))
             args = (xs, ws, ss)
-        dev = decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue)
-        os.environ.pop("PALLASITE_WGMMA", None)
+        if name == "triton":
+            os.environ["PALLASITE_WGMMA"] = "off"
+        try:
+            dev = decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue)
+        finally:
+            os.environ.pop("PALLASITE_WGMMA", None)
         row.update(dev)
         if "dev_us" in dev:
             row["TBps"] = nbytes / dev["dev_us"] / 1e6
     except Exception as e:  # recorded with the reason
-        os.environ.pop("PALLASITE_WGMMA", None)
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return row
 

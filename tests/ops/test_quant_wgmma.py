@@ -117,11 +117,10 @@ def test_errors_name_the_shapes():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="runs the kernel on a Hopper GPU")
-def test_elsewhere_a_clear_error_and_the_dispatch_keeps_triton():
+def test_elsewhere_a_clear_error():
     w, x = random_case(4, 16, 256, 128, 128, False)
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
         qw.wgmma_matmul(x, w.packed.T, w.scales, bits=4, group_size=128)
-    assert not qw.available()
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
