@@ -24,7 +24,8 @@ import jax
 
 KINDS = (  # (kind, substrings of a lower-cased kernel name), first match wins
     ("attention", ("ragged", "paged", "attention", "decode_attn", "flash")),
-    ("matmul", ("gemm", "gemv", "cublas", "cutlass", "matmul", "dot", "xmma", "sm90_")),
+    ("matmul", ("gemm", "gemv", "cublas", "cutlass", "matmul", "dot", "xmma", "sm90_",
+                "wgmma")),
     ("kv write", ("scatter", "dynamic_update")),
     ("copy", ("memcpy", "memset", "copy")),
     ("reduce (norm, softmax, sampling)", ("reduce",)),
