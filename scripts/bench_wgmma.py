@@ -14,12 +14,18 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   in ops/quant_matmul.py's dispatch); TB/s = codes and scales read over the device time.
 - sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape and bits (block_k,
   block_n, splits, stages).
+- bounds: where a step's time goes, by taking parts away (timing only: the `noconvert` rows
+  multiply garbage): INT4 in groups of --group_size against INT4 per channel (the cost of the
+  group scale on every weight), and INT4 / INT8 per channel with the code conversion taken
+  out (`noconvert`: each loaded 32-bit word used as bf16 pairs as it is); the rows' M shows
+  how the tensor work scales.
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
 needs a Hopper GPU; elsewhere every row records why it did not run.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -34,7 +40,7 @@ from ops.quant_matmul import (int4_matmul, int4_matmul_reference, int8_matmul,
 from scripts import decode_profile
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep")
+flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep, bounds")
 flags.DEFINE_list("shapes", ["4096x6144", "4096x4096", "4096x28672", "14336x4096",
                              "4096x128256"], "K x N")
 flags.DEFINE_list("ms", ["1", "16", "64"], "activation rows")
@@ -84,11 +90,13 @@ def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
     return row
 
 
-def time_product(name: str, bits: int, k: int, n: int, m: int, config=None) -> dict:
+def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
+                 group: int | None = None) -> dict:
     """Device microseconds per product of `name`: bf16 (XLA), wgmma (the kernel, `config` or the
-    dispatch's tiles) or triton (ops/quant_matmul.py's "nk" path)."""
+    dispatch's tiles) or triton (ops/quant_matmul.py's "nk" path); `group` overrides
+    `group_of`."""
     calls = FLAGS.calls
-    group = group_of(bits, k)
+    group = group or group_of(bits, k)
     row = dict(mode="time", impl=name, bits=16 if name == "bf16" else bits, M=m, K=k, N=n,
                group=None if name == "bf16" else group)
     xs = tuple(jax.random.normal(jax.random.key(100 + c), (m, k)).astype(jnp.bfloat16)
@@ -129,6 +137,37 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None) -> d
     return row
 
 
+BOUND_PROBES = (  # (probe, bits, per channel, conversion kept)
+    ("int4 grouped", 4, False, True), ("int4 per channel", 4, True, True),
+    ("int4 per channel, noconvert", 4, True, False), ("int8 per channel", 8, True, True),
+    ("int8 per channel, noconvert", 8, True, False))
+
+
+@contextlib.contextmanager
+def conversions_removed(remove: bool = True):
+    """While active (and `remove`), kernels traced take ops.quant_wgmma's loaded 32-bit words
+    as their bf16 pairs, with no conversion instructions: a timing probe, its products are
+    garbage."""
+    real = qw._int4_pairs, qw._int8_pairs
+    if remove:
+        qw._int4_pairs = qw._int8_pairs = lambda word, j: word
+    try:
+        yield
+    finally:
+        qw._int4_pairs, qw._int8_pairs = real
+
+
+def bound_rows(k: int, n: int, m: int) -> list[dict]:
+    """The `bounds` rows of one shape: the kernel with the dispatch's tiles, as it is and with
+    parts taken out (BOUND_PROBES)."""
+    rows = []
+    for probe, bits, per_channel, convert in BOUND_PROBES:
+        with conversions_removed(not convert):
+            row = time_product("wgmma", bits, k, n, m, group=k if per_channel else None)
+        rows.append(row | {"probe": probe})
+    return rows
+
+
 def report(row: dict, bf16_us: dict) -> None:
     key = (row["K"], row["N"], row["M"])
     if "error" in row or "dev_error" in row:
@@ -146,7 +185,7 @@ def report(row: dict, bf16_us: dict) -> None:
     row["x_bf16"] = speedup
     print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<3} {row['impl']:<6} int{row['bits']:<2} "
           f"{row['dev_us']:8.1f} us {row['TBps']:5.2f} TB/s x{speedup:5.2f}  "
-          f"{row.get('config', '')}")
+          f"{row.get('probe', '')} {row.get('config', '')}")
 
 
 def main(_):
@@ -179,6 +218,14 @@ def main(_):
                     if mode == "table" and FLAGS.triton:
                         rows.append(time_product("triton", bits, k, n, m))
                         report(rows[-1], bf16_us)
+    if "bounds" in FLAGS.modes:
+        for k, n in shapes:
+            for m in ms:
+                rows.append(time_product("bf16", 16, k, n, m))
+                report(rows[-1], bf16_us)
+                for row in bound_rows(k, n, m):
+                    rows.append(row)
+                    report(row, bf16_us)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "rows": rows,

@@ -1,13 +1,17 @@
 """scripts/bench_wgmma.py: its sweep's configurations (ops.quant_wgmma.sweep_configs), and a
-run on the CPU, where every kernel row records why it did not run (the kernel needs a Hopper
-GPU). No timing is asserted."""
+run on the CPU (check, table and bounds modes), where every kernel row records why it did not
+run (the kernel needs a Hopper GPU). No timing is asserted."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+
 from ops import quant_wgmma as qw
+from scripts.bench_wgmma import conversions_removed
 
 
 def test_sweep_configs_are_taken_by_the_kernel():
@@ -20,18 +24,45 @@ def test_sweep_configs_are_taken_by_the_kernel():
             assert 120 <= n // cfg.block_n * cfg.num_splits <= 1100 or cfg.num_splits == 1
 
 
+def test_noconvert_probe_takes_the_conversion_out(monkeypatch):
+    """The bounds probe's kernels lower without the pair conversions' PTX (their constants:
+    INT4's bf16x2 136, INT8's top-bit mask), and the kernel has them again afterwards."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    m, k, n = 16, 512, 128
+
+    def lowered(bits):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
+                                 jnp.int32 if bits == 4 else jnp.uint8)
+        s = jax.ShapeDtypeStruct((1, n), jnp.bfloat16)
+        fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=k))
+        return fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+
+    for bits, instruction in ((4, "0x43084308"), (8, "0xff7fff7f")):
+        with conversions_removed():
+            assert instruction not in lowered(bits)
+        assert instruction in lowered(bits)
+
+
 def test_bench_wgmma_on_the_cpu(tmp_path):
     out = tmp_path / "wgmma.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table",
+        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds",
          "--shapes=1024x512", "--ms=2", "--calls=1", "--queue=1", f"--json_out={out}"],
         capture_output=True, text=True, timeout=300,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     checks = [r for r in rows if r["mode"] == "check"]
-    times = [r for r in rows if r["mode"] == "time"]
+    times = [r for r in rows if r["mode"] == "time" and "probe" not in r][:3]
+    probes = [r for r in rows if "probe" in r]
     assert checks and all("needs a Hopper GPU" in r["error"] for r in checks)
     assert [(r["impl"], r["bits"]) for r in times] == [("bf16", 16), ("wgmma", 4), ("wgmma", 8)]
     assert "no device events" in times[0]["dev_error"]
     assert all("needs a Hopper GPU" in r["dev_error"] for r in times[1:])
+    # bounds: a bf16 row, then the kernel as it is and with parts taken out
+    assert [(r["probe"], r["bits"], r["group"]) for r in probes] == [
+        ("int4 grouped", 4, 128), ("int4 per channel", 4, 1024),
+        ("int4 per channel, noconvert", 4, 1024), ("int8 per channel", 8, 1024),
+        ("int8 per channel, noconvert", 8, 1024)]
+    assert all("needs a Hopper GPU" in r["dev_error"] for r in probes)
