@@ -38,12 +38,25 @@ Output: with one K split (and no offsets) the program writes its bf16 tile trans
 into y [MP, N]; with more, float32 partials [splits, N, MP] that one XLA fusion sums and
 transposes.
 
+`instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default until measured):
+the same pipeline and conversion, multiplied by the warp-level mma.sync m16n8k16 (Mosaic's
+`plgpu.mma`) instead of wgmma: each warp its own 16 weight rows, x's step tile loaded into
+every warp's registers (MMA_RHS), the sum carried in registers across steps. Why: the wgmma
+kernel's time hardly changes from 8 to 16 columns (1 row against 16), as if each few-column
+wgmma were mostly a fixed cost; mma.sync's N is 8 (docs/PERFORMANCE.md, twentieth session: an
+inference, still to be measured). The conversion writes its registers straight
+into mma.sync's A layout (MMA_LHS): per warp the same values in the same lanes as WGMMA's, in
+16-column register tiles where WGMMA has 8-column ones (`register_relabeling`, worked out from
+the two layouts by `element_coords`), so the K order and x's permutation stay as they are.
+The f32 accumulator layouts of the two instructions are the same, and so is the epilogue.
+
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
 `int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
 test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session".
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -54,12 +67,14 @@ import numpy as np
 from jax._src.lib.mlir import ir
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
+MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +87,7 @@ class WgmmaConfig:
     stages: int = 4
     convert: str = "inline"  # codes -> bf16: "inline" (_codes_to_bf16) or "mosaic" (astype)
     direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
+    instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
 
 
 def padded_rows(m: int) -> int:
@@ -110,7 +126,22 @@ def _int8_pairs(word, j: int):
                 "lop3.b32 s2, s0, 0xff80ff80, 0x00800080, 0x6A; sub.bf16x2 $0, s1, s2; }", word)
 
 
-def _codes_to_bf16(bits: int, block_n: int, block_k: int):
+@contextlib.contextmanager
+def conversions_removed(remove: bool = True):
+    """While active (and `remove`), kernels traced take their loaded 32-bit words as the bf16
+    pairs, with no conversion instructions: a timing probe for scripts/bench_wgmma.py's
+    `bounds` mode; its products are garbage."""
+    global _int4_pairs, _int8_pairs
+    real = _int4_pairs, _int8_pairs
+    if remove:
+        _int4_pairs = _int8_pairs = lambda word, j: word
+    try:
+        yield
+    finally:
+        _int4_pairs, _int8_pairs = real
+
+
+def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma"):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
     [BN, BK] in the WGMMA layout, each register converted in place, with no shuffle between
@@ -118,21 +149,82 @@ def _codes_to_bf16(bits: int, block_n: int, block_k: int):
     `wgmma_k_order`, and the caller permutes x's columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
+    shape = (block_n, block_k)
+    target = tile_layout(instruction)
+    layout = target.to_mgpu()
+    # instruction="mma": the same values in the same threads, registers under mma.sync's A
+    # layout (MMA_LHS: 16-column register tiles where WGMMA has 8-column ones)
+    relabel = (None if instruction == "wgmma"
+               else register_relabeling(mgpu.WGMMA_LAYOUT, layout, shape))
 
     @plgpu.inline_mgpu(arg_types=(upcast,), return_type=plgpu.ShapeDtypeStruct(
-        (block_n, block_k), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+        shape, jnp.bfloat16, layout=target))
     def convert(_, codes):
         i32 = ir.IntegerType.get_signless(32)
         vec = ir.VectorType.get((2,), ir.BF16Type.get())
-        layout = mgpu.WGMMA_LAYOUT
-        out = np.empty(layout.registers_shape((block_n, block_k)), dtype=object)
+        out = np.empty(layout.registers_shape(shape), dtype=object)
+        ndim = len(mgpu.WGMMA_LAYOUT.registers_shape(shape))
         for idx, reg in np.ndenumerate(codes.registers):
             word = mgpu_utils.bitcast(reg, i32)
             for j in range(per_word // 2):  # WGMMA registers per loaded word
-                new = (idx[0], idx[1] * (per_word // 2) + j) + idx[2:out.ndim]
-                out[new] = mgpu_utils.bitcast(pairs(word, j), vec)
+                new = (idx[0], idx[1] * (per_word // 2) + j) + idx[2:ndim]
+                out[relabel[new] if relabel else new] = mgpu_utils.bitcast(pairs(word, j), vec)
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
     return upcast, convert
+
+
+def tile_layout(instruction: str):
+    """The register layout of the dequantized tile: wgmma's A operand (WGMMA) or mma.sync's
+    (MMA_LHS, four warps along the tile's rows)."""
+    if instruction == "wgmma":
+        return plgpu.Layout.WGMMA
+    return plgpu.Layout.MMA_LHS(jnp.bfloat16, m_warps=4)
+
+
+def element_coords(layout, shape: tuple[int, ...]) -> dict:
+    """Where each register value of a Mosaic GPU TiledLayout lives: {(warp, lane, register
+    index, vector element): element coordinates} over an array of `shape`, in plain integers
+    (the arithmetic of TiledLayout.thread_idxs, for every thread of the warpgroup)."""
+    contig = mgpu_utils.get_contiguous_strides(shape)
+    strides = layout.tiling.tile_strides(contig)
+    tiled = layout.tiled_tiling_shape
+    suffix = strides[-layout.tiled_tiling_rank:]
+
+    def spread(index: int, dims) -> list[int]:  # a warp / lane index -> tiled-dimension indices
+        sizes = [d.times if isinstance(d, mgpu_fa.Replicated) else tiled[d] for d in dims]
+        full = [0] * len(tiled)
+        for d, stride, size in zip(dims, mgpu_utils.get_contiguous_strides(tuple(sizes)), sizes):
+            if not isinstance(d, mgpu_fa.Replicated):
+                full[d] = index // stride % size
+        return full
+
+    out = {}
+    for warp in range(4):
+        warp_at = spread(warp, layout.warp_dims)
+        for lane in range(32):
+            lane_at = spread(lane, layout.lane_dims)
+            offset = sum((a + b) * st for a, b, st in zip(warp_at, lane_at, suffix))
+            for reg in np.ndindex(layout.registers_shape(shape)):
+                base = offset + sum(r * st for r, st in zip(reg, strides))
+                for v in range(layout.vector_length):
+                    flat = base + v * strides[layout.vector_dim]
+                    out[(warp, lane, reg, v)] = tuple(int(c) for c in np.unravel_index(flat, shape))
+    return out
+
+
+@functools.cache
+def register_relabeling(src, dst, shape: tuple[int, ...]) -> dict:
+    """{register index under `src`: register index under `dst`} for two layouts that keep
+    every element in the same thread and vector slot (so relabeling the registers moves no
+    data); ValueError where they do not."""
+    where_dst = {c: key for key, c in element_coords(dst, shape).items()}
+    out = {}
+    for (warp, lane, reg, v), c in element_coords(src, shape).items():
+        warp2, lane2, reg2, v2 = where_dst[c]
+        if (warp2, lane2, v2) != (warp, lane, v) or out.setdefault(reg, reg2) != reg2:
+            raise ValueError(f"register_relabeling: {src} and {dst} place {c} in different "
+                             "threads or slots")
+    return out
 
 
 def wgmma_k_order(bits: int, k: int):
@@ -155,7 +247,7 @@ def wgmma_k_order(bits: int, k: int):
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
             steps: int, block_n: int, block_k: int, group_steps: int, stages: int, mp: int,
-            convert: str, direct: bool):
+            convert: str, direct: bool, instruction: str):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
     # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
@@ -163,40 +255,55 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
     first = split * steps  # this program's first K step
-    upcast, inline = _codes_to_bf16(bits, block_n, block_k)
+    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction)
+    layout = tile_layout(instruction)
 
-    def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z in the WGMMA layout
+    def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z in `layout`
         if convert == "inline":
             return inline(codes)
         sign = jnp.asarray(-2 ** (bits - 1), jnp.int4 if bits == 4 else jnp.int8)  # top bit
         codes = codes ^ sign  # c - z, signed
-        return plgpu.layout_cast(codes, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+        return plgpu.layout_cast(codes, layout).astype(jnp.bfloat16)
+
+    def tile(w_smem, s_smem):  # this step's dequantized [BN, BK] bf16 tile
+        w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
+        if grouped:  # this step's group scale per output column
+            s = plgpu.load(s_smem[0].at[0], layout=layout.reduce(1))
+            w = w * jax.lax.broadcast_in_dim(s, w.shape, [0])
+        return w
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
-            w = dequantize(plgpu.load(w_smem, layout=upcast))  # [BN, BK] bf16 c - z
-            if grouped:  # this step's group scale per output column
-                s = plgpu.load(s_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-                w = w * jax.lax.broadcast_in_dim(s, w.shape, [0])
-            plgpu.wgmma(acc_ref, w, x_smem.T)  # [BN, BK] @ [BK, MP]
+            plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, MP]
             plgpu.wgmma_wait(0)
 
-        in_specs = [
-            plgpu.BlockSpec((block_n, block_k), lambda k: (nb, first + k),
-                            transforms=_swizzled(block_k, bits)),
-            plgpu.BlockSpec((mp, block_k), lambda k: (0, first + k),
-                            transforms=_swizzled(block_k, 16)),
-        ]
-        args = [w_gmem, x_gmem]
-        if grouped:
-            in_specs.append(plgpu.BlockSpec((1, block_n),
-                                            lambda k: ((first + k) // group_steps, nb)))
-            args.append(s_gmem)
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
                             max_concurrent_steps=stages)(*args)
         return acc_ref[...]
 
-    acc = pl.run_scoped(compute, plgpu.ACC((block_n, mp), jnp.float32))  # [BN, MP]
+    def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
+        *s_smem, acc = rest
+        xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, MP], all of it in every warp
+        return plgpu.mma(acc, tile(w_smem, s_smem), xb)  # acc [BN, MP] f32
+
+    in_specs = [
+        plgpu.BlockSpec((block_n, block_k), lambda k: (nb, first + k),
+                        transforms=_swizzled(block_k, bits)),
+        plgpu.BlockSpec((mp, block_k), lambda k: (0, first + k),
+                        transforms=_swizzled(block_k, 16)),
+    ]
+    args = [w_gmem, x_gmem]
+    if grouped:
+        in_specs.append(plgpu.BlockSpec((1, block_n),
+                                        lambda k: ((first + k) // group_steps, nb)))
+        args.append(s_gmem)
+    if instruction == "mma":
+        rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
+        zeros = plgpu.layout_cast(jnp.zeros((block_n, mp), jnp.float32), plgpu.Layout.WGMMA)
+        acc = plgpu.emit_pipeline(mma_step, grid=(steps,), in_specs=in_specs,
+                                  max_concurrent_steps=stages, init_carry=zeros)(*args)
+    else:
+        acc = pl.run_scoped(compute, plgpu.ACC((block_n, mp), jnp.float32))  # [BN, MP]
     cols = pl.ds(nb * block_n, block_n)
     if not grouped:  # per-channel scales, once per output
         s = plgpu.load(s_gmem.at[0, cols], layout=plgpu.Layout.WGMMA.reduce(1),
@@ -216,12 +323,16 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
 
 def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales_dtype,
              config: WgmmaConfig | None = None) -> bool:
-    """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows, N a
-    multiple of the program's columns, K of whole steps (block_k of `config`, default
-    `wgmma_config`'s) for every split, and per-channel scales or groups of whole steps."""
+    """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows
+    (instruction="mma": MAX_MMA_ROWS, and the inline conversion), N a multiple of the
+    program's columns, K of whole steps (block_k of `config`, default `wgmma_config`'s) for
+    every split, and per-channel scales or groups of whole steps."""
     if bits not in (4, 8) or not 1 <= m <= MAX_ROWS or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
+    if cfg.instruction not in ("wgmma", "mma") or (cfg.instruction == "mma" and (
+            padded_rows(m) > MAX_MMA_ROWS or cfg.convert != "inline")):
+        return False
     if cfg.block_n % BLOCK_N or n % cfg.block_n:
         return False
     grouped = -(-k // group_size) > 1
@@ -265,10 +376,17 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
                        stages=3 if bits == 4 else 2)
 
 
-def sweep_configs(bits: int, k: int, n: int) -> list[WgmmaConfig]:
+def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaConfig]:
     """The tiles scripts/bench_wgmma.py sweeps (INT4 in groups of 128, INT8 per channel): 64 /
     128 / 256 columns times K splits giving about 120 to 1100 programs (or none where the
-    columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages)."""
+    columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages);
+    for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma"."""
+    instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
+    return [dataclasses.replace(cfg, instruction=op) for cfg in _sweep_tiles(bits, k, n)
+            for op in instructions]
+
+
+def _sweep_tiles(bits: int, k: int, n: int) -> list[WgmmaConfig]:
     out = []
     for block_k in ((128,) if bits == 4 else (128, 256)):
         steps = k // block_k
@@ -293,10 +411,12 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     n = w_t.shape[0]
     cfg = config or wgmma_config(bits, m, k, n, group_size)
     if not supports(bits, m, k, n, group_size, x.dtype, scales.dtype, cfg):
+        rows = MAX_MMA_ROWS if cfg.instruction == "mma" else MAX_ROWS
         raise ValueError(f"wgmma_matmul: x {x.shape} {x.dtype}, w_t {w_t.shape}, scales "
-                         f"{scales.shape} {scales.dtype}, group_size {group_size}: needs bf16 x "
-                         f"with at most {MAX_ROWS} rows, N a multiple of {cfg.block_n}, bf16 "
-                         f"scales and groups of whole K steps ({cfg.block_k})")
+                         f"{scales.shape} {scales.dtype}, group_size {group_size}, instruction "
+                         f"{cfg.instruction!r}: needs bf16 x with at most {rows} rows, N a "
+                         f"multiple of {cfg.block_n}, bf16 scales and groups of whole K steps "
+                         f"({cfg.block_k})")
     if not on_hopper():
         raise ValueError(f"wgmma_matmul: needs a Hopper GPU (wgmma); the default backend here "
                          f"is {jax.default_backend()} ({jax.devices()[0].device_kind})")
@@ -317,7 +437,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     kernel = functools.partial(
         _kernel, bits=bits, grouped=grouped, steps=steps, block_n=cfg.block_n,
         block_k=cfg.block_k, group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages,
-        mp=mp, convert=cfg.convert, direct=direct)
+        mp=mp, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((mp, cfg.block_n), jnp.bfloat16, transforms=_swizzled(cfg.block_n, 16))

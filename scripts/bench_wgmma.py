@@ -10,10 +10,12 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   random codes (a few configs, offsets and per-channel scales among them); relative max error.
 - table: per shape and M, device time per product of XLA's bf16 dot (the peer, weights
   [K, N]), the kernel with the dispatch's tiles (`wgmma_config`: INT4 groups of --group_size,
-  INT8 per channel), and with `--triton` the Triton "nk" path it replaced (PALLASITE_WGMMA=off
-  in ops/quant_matmul.py's dispatch); TB/s = codes and scales read over the device time.
-- sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape and bits (block_k,
-  block_n, splits, stages).
+  INT8 per channel), the same tiles on mma.sync (`mma` rows, instruction="mma", up to
+  MAX_MMA_ROWS rows), and with `--triton` the Triton "nk" path it replaced
+  (PALLASITE_WGMMA=off in ops/quant_matmul.py's dispatch); TB/s = codes and scales read over
+  the device time.
+- sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape, bits and M (block_k,
+  block_n, splits, stages; wgmma and, up to MAX_MMA_ROWS rows, mma.sync).
 - bounds: where a step's time goes, by taking parts away (timing only: the `noconvert` rows
   multiply garbage): INT4 in groups of --group_size against INT4 per channel (the cost of the
   group scale on every weight), and INT4 / INT8 per channel with the code conversion taken
@@ -25,7 +27,7 @@ needs a Hopper GPU; elsewhere every row records why it did not run.
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import os
 
@@ -112,8 +114,10 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                     for c in range(calls)]
             ws, ss = tuple(a[0] for a in sets), tuple(a[1] for a in sets)
             nbytes = k * n * bits // 8 + 2 * ss[0].size
-            if name == "wgmma":
+            if name in ("wgmma", "mma"):
                 cfg = config or qw.wgmma_config(bits, m, k, n, group)
+                if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
+                    cfg = dataclasses.replace(cfg, instruction="mma")
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
@@ -143,26 +147,12 @@ BOUND_PROBES = (  # (probe, bits, per channel, conversion kept)
     ("int8 per channel, noconvert", 8, True, False))
 
 
-@contextlib.contextmanager
-def conversions_removed(remove: bool = True):
-    """While active (and `remove`), kernels traced take ops.quant_wgmma's loaded 32-bit words
-    as their bf16 pairs, with no conversion instructions: a timing probe, its products are
-    garbage."""
-    real = qw._int4_pairs, qw._int8_pairs
-    if remove:
-        qw._int4_pairs = qw._int8_pairs = lambda word, j: word
-    try:
-        yield
-    finally:
-        qw._int4_pairs, qw._int8_pairs = real
-
-
 def bound_rows(k: int, n: int, m: int) -> list[dict]:
     """The `bounds` rows of one shape: the kernel with the dispatch's tiles, as it is and with
     parts taken out (BOUND_PROBES)."""
     rows = []
     for probe, bits, per_channel, convert in BOUND_PROBES:
-        with conversions_removed(not convert):
+        with qw.conversions_removed(not convert):
             row = time_product("wgmma", bits, k, n, m, group=k if per_channel else None)
         rows.append(row | {"probe": probe})
     return rows
@@ -211,9 +201,12 @@ def main(_):
                 rows.append(time_product("bf16", 16, k, n, m))
                 report(rows[-1], bf16_us)
                 for bits in bits_list:
-                    configs = [None] if mode == "table" else qw.sweep_configs(bits, k, n)
+                    configs = [None] if mode == "table" else qw.sweep_configs(bits, k, n, m)
                     for cfg in configs:
                         rows.append(time_product("wgmma", bits, k, n, m, cfg))
+                        report(rows[-1], bf16_us)
+                    if mode == "table" and qw.padded_rows(m) <= qw.MAX_MMA_ROWS:
+                        rows.append(time_product("mma", bits, k, n, m))
                         report(rows[-1], bf16_us)
                     if mode == "table" and FLAGS.triton:
                         rows.append(time_product("triton", bits, k, n, m))

@@ -107,6 +107,40 @@ def test_supports_and_config():
     assert qw.wgmma_config(8, 16, 4096, 28736, 4096).block_n == 64  # N not a multiple of 128
     for bits, k, n, group in ((4, 4096, 6144, 64), (8, 14336, 4096, 14336), (4, 1024, 512, 256)):
         assert qw.supports(bits, 16, k, n, group, jnp.bfloat16, jnp.bfloat16)
+    mma = qw.WgmmaConfig(block_k=128, instruction="mma")
+    assert qw.supports(4, 32, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, mma)
+    assert not qw.supports(4, 33, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, mma)  # rows
+    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
+                           qw.WgmmaConfig(block_k=128, instruction="mma", convert="mosaic"))
+    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
+                           qw.WgmmaConfig(block_k=128, instruction="hmma"))
+    assert qw.wgmma_config(4, 16, 4096, 4096, 128).instruction == "wgmma"  # the default
+
+
+def test_register_layouts_follow_the_ptx_fragments():
+    """element_coords against the PTX ISA's fragment formulas (lane l, t = l mod 4, g = l div 4,
+    warp w of the warpgroup), and the relabeling it gives from wgmma's A layout to mma.sync's:
+    the same element in the same thread and slot, registers one to one."""
+    a = qw.element_coords(qw.mgpu.WGMMA_LAYOUT, (128, 64))  # wgmma A / the accumulator
+    assert len(set(a.values())) == 128 * 64
+    for (w, lane, _, v), (row, col) in a.items():
+        assert row % 64 == 16 * w + 8 * (row % 16 // 8) + lane // 4
+        assert col % 8 == 2 * (lane % 4) + v
+    rhs = plgpu_layout("MMA_RHS")  # mma.sync B, [K, N]: every warp holds all of it
+    b = qw.element_coords(rhs, (32, 16))
+    assert len(set(b.values())) == 32 * 16
+    for (_, lane, _, v), (k, n) in b.items():
+        assert k % 8 == 2 * (lane % 4) + v and n % 8 == lane // 4
+    lhs = plgpu_layout("MMA_LHS")
+    relabel = qw.register_relabeling(qw.mgpu.WGMMA_LAYOUT, lhs, (128, 256))
+    assert sorted(relabel.values()) == sorted(np.ndindex(lhs.registers_shape((128, 256))))
+    with pytest.raises(ValueError, match="different threads"):
+        qw.register_relabeling(qw.mgpu.WGMMA_LAYOUT, rhs, (64, 64))
+
+
+def plgpu_layout(name: str):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return getattr(plgpu.Layout, name)(jnp.bfloat16, m_warps=4).to_mgpu()
 
 
 def test_errors_name_the_shapes():
@@ -124,9 +158,10 @@ def test_elsewhere_a_clear_error():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("bits,group,convert", [(4, 128, "inline"), (8, 256, "inline"),
-                                                (4, 256, "mosaic")])
-def test_lowers_for_an_h200(bits, group, convert, monkeypatch):
+@pytest.mark.parametrize("bits,group,convert,instruction", [
+    (4, 128, "inline", "wgmma"), (8, 256, "inline", "wgmma"), (4, 256, "mosaic", "wgmma"),
+    (4, 128, "inline", "mma"), (8, 512, "inline", "mma")])
+def test_lowers_for_an_h200(bits, group, convert, instruction, monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
     the pipeline are built in Python at this point (the Hopper check is told yes)."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
@@ -136,11 +171,34 @@ def test_lowers_for_an_h200(bits, group, convert, monkeypatch):
                              jnp.int32 if bits == 4 else jnp.uint8)
     s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
     cfg = qw.WgmmaConfig(block_k=128, block_n=128 if convert == "inline" else 64,
-                         num_splits=1 if bits == 4 else 2, stages=2, convert=convert)
+                         num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
+                         instruction=instruction)
     fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
                                                  config=cfg))
     text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
+def test_noconvert_probe_takes_the_conversion_out(monkeypatch):
+    """The bounds probe's kernels lower without the pair conversions' PTX (their constants:
+    INT4's bf16x2 136, INT8's top-bit mask), and the kernel has them again afterwards."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    m, k, n = 16, 512, 128
+
+    def lowered(bits):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
+                                 jnp.int32 if bits == 4 else jnp.uint8)
+        s = jax.ShapeDtypeStruct((1, n), jnp.bfloat16)
+        fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=k))
+        return fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+
+    for bits, instruction in ((4, "0x43084308"), (8, "0xff7fff7f")):
+        with qw.conversions_removed():
+            assert instruction not in lowered(bits)
+        assert instruction in lowered(bits)
 
 
 def random_case(bits, m, k, n, group, asymmetric, seed=0):
@@ -179,6 +237,18 @@ def reference(bits, x, w):
     (8, 16, 1536, 576, 1536, False, None),  # SmolLM2's down projection
     (8, 64, 576, 960, 64, False, None),  # SmolLM2's q/k/v, INT8 in groups of 64
     (8, 5, 4096, 4096, 4096, True, qw.WgmmaConfig(block_k=256, block_n=128, direct=False)),
+    # mma.sync m16n8k16 instead of wgmma (instruction="mma")
+    (4, 1, 4096, 6144, 128, False, qw.WgmmaConfig(block_k=128, num_splits=4, stages=3,
+                                                  instruction="mma")),
+    (4, 16, 4096, 28672, 128, False, qw.WgmmaConfig(block_k=128, block_n=128, stages=3,
+                                                    instruction="mma")),
+    (4, 3, 384, 576, 128, True, qw.WgmmaConfig(block_k=128, stages=2, instruction="mma")),
+    (4, 32, 2048, 1024, 256, False, qw.WgmmaConfig(block_k=256, num_splits=2, stages=2,
+                                                   instruction="mma")),
+    (8, 16, 14336, 4096, 14336, True, qw.WgmmaConfig(block_k=256, num_splits=4, stages=2,
+                                                     instruction="mma")),
+    (8, 9, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, block_n=128, stages=3,
+                                                   instruction="mma", direct=False)),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)
