@@ -52,7 +52,8 @@ The f32 accumulator layouts of the two instructions are the same, and so is the 
 
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
 `int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
-test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session".
+test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session" and
+"Twentieth session".
 """
 from __future__ import annotations
 
@@ -144,9 +145,9 @@ def conversions_removed(remove: bool = True):
 def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma"):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
-    [BN, BK] in the WGMMA layout, each register converted in place, with no shuffle between
-    threads. What moves is the K order: register j of a loaded word holds the codes listed in
-    `wgmma_k_order`, and the caller permutes x's columns to match."""
+    [BN, BK] in `tile_layout(instruction)`, each register converted in place, with no shuffle
+    between threads. What moves is the K order: register j of a loaded word holds the codes
+    listed in `wgmma_k_order`, and the caller permutes x's columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
     shape = (block_n, block_k)
