@@ -38,13 +38,13 @@ Output: with one K split (and no offsets) the program writes its bf16 tile trans
 into y [MP, N]; with more, float32 partials [splits, N, MP] that one XLA fusion sums and
 transposes.
 
-`instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default until measured):
+`instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default: on the H200 it is
+within 5% of wgmma, docs/PERFORMANCE.md):
 the same pipeline and conversion, multiplied by the warp-level mma.sync m16n8k16 (Mosaic's
 `plgpu.mma`) instead of wgmma: each warp its own 16 weight rows, x's step tile loaded into
-every warp's registers (MMA_RHS), the sum carried in registers across steps. Why: the wgmma
-kernel's time hardly changes from 8 to 16 columns (1 row against 16), as if each few-column
-wgmma were mostly a fixed cost; mma.sync's N is 8 (docs/PERFORMANCE.md, twentieth session: an
-inference, still to be measured). The conversion writes its registers straight
+every warp's registers (MMA_RHS), the sum carried in registers across steps. Built to test
+whether each few-column wgmma carries a fixed cost (mma.sync's N is 8); the equal times say it
+does not. The conversion writes its registers straight
 into mma.sync's A layout (MMA_LHS): per warp the same values in the same lanes as WGMMA's, in
 16-column register tiles where WGMMA has 8-column ones (`register_relabeling`, worked out from
 the two layouts by `element_coords`), so the K order and x's permutation stay as they are.
