@@ -50,6 +50,10 @@ into mma.sync's A layout (MMA_LHS): per warp the same values in the same lanes a
 the two layouts by `element_coords`), so the K order and x's permutation stay as they are.
 The f32 accumulator layouts of the two instructions are the same, and so is the epilogue.
 
+`consumers=C` (C >= 2) runs the warp-specialized persistent form in ops/quant_wgmma_ws.py
+instead: a TMA warpgroup and C consumer warpgroups per SM sharing each x tile (not the
+dispatch's default: not yet run on a GPU).
+
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
 `int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
 test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session" and
@@ -89,6 +93,7 @@ class WgmmaConfig:
     convert: str = "inline"  # codes -> bf16: "inline" (_codes_to_bf16) or "mosaic" (astype)
     direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
+    consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
 
 
 def padded_rows(m: int) -> int:
@@ -326,15 +331,20 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
              config: WgmmaConfig | None = None) -> bool:
     """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows
     (instruction="mma": MAX_MMA_ROWS, and the inline conversion), N a multiple of the
-    program's columns, K of whole steps (block_k of `config`, default `wgmma_config`'s) for
-    every split, and per-channel scales or groups of whole steps."""
+    program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
+    consumers, wgmma and the inline conversion), K of whole steps (block_k of `config`,
+    default `wgmma_config`'s) for every split, and per-channel scales or groups of whole
+    steps."""
     if bits not in (4, 8) or not 1 <= m <= MAX_ROWS or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
     if cfg.instruction not in ("wgmma", "mma") or (cfg.instruction == "mma" and (
             padded_rows(m) > MAX_MMA_ROWS or cfg.convert != "inline")):
         return False
-    if cfg.block_n % BLOCK_N or n % cfg.block_n:
+    if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
+        return False
+    if cfg.consumers and not (2 <= cfg.consumers <= 4 and cfg.instruction == "wgmma"
+                              and cfg.convert == "inline"):
         return False
     grouped = -(-k // group_size) > 1
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
@@ -377,14 +387,32 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
                        stages=3 if bits == 4 else 2)
 
 
+def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
+              consumers: int = 2) -> WgmmaConfig:
+    """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), not yet swept:
+    `wgmma_config`'s step, 64 columns per consumer, and the fewest K splits (each at least two
+    steps) that give every SM at least two units."""
+    base = wgmma_config(bits, m, k, n, group_size)
+    steps = max(1, k // base.block_k)
+    units = max(1, n // (consumers * BLOCK_N))
+    splits = 1
+    while units * splits < 264 and steps % (splits * 2) == 0 and steps // (splits * 2) >= 2:
+        splits *= 2
+    return WgmmaConfig(block_k=base.block_k, block_n=BLOCK_N, num_splits=splits,
+                       stages=4 if bits == 4 else 2, consumers=consumers)
+
+
 def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaConfig]:
     """The tiles scripts/bench_wgmma.py sweeps (INT4 in groups of 128, INT8 per channel): 64 /
     128 / 256 columns times K splits giving about 120 to 1100 programs (or none where the
     columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages);
     for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma"."""
     instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
+    group = 128 if bits == 4 else k
+    ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3, 4)
+          if n % (c * BLOCK_N) == 0]
     return [dataclasses.replace(cfg, instruction=op) for cfg in _sweep_tiles(bits, k, n)
-            for op in instructions]
+            for op in instructions] + ws
 
 
 def _sweep_tiles(bits: int, k: int, n: int) -> list[WgmmaConfig]:
@@ -434,7 +462,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
     steps = k // cfg.block_k // cfg.num_splits
-    direct = cfg.direct and cfg.num_splits == 1 and offsets is None
+    direct = cfg.direct and cfg.num_splits == 1 and offsets is None and not cfg.consumers
     kernel = functools.partial(
         _kernel, bits=bits, grouped=grouped, steps=steps, block_n=cfg.block_n,
         block_k=cfg.block_k, group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages,
@@ -445,10 +473,15 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     else:
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
         tile = plgpu.SMEM((cfg.block_n, mp), jnp.float32)
-    out = plgpu.kernel(
-        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits),
-        grid_names=("n", "s"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
-    )(xp, codes, scales)
+    if cfg.consumers:  # several warpgroups per SM sharing each x tile
+        from ops.quant_wgmma_ws import ws_partials
+        out = ws_partials(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
+                          codes_to_bf16=_codes_to_bf16, swizzled=_swizzled)
+    else:
+        out = plgpu.kernel(
+            kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits),
+            grid_names=("n", "s"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
+        )(xp, codes, scales)
     if direct:
         return out[:m]
     y = out.sum(axis=0)[:, :m].T  # [M, N] float32

@@ -11,11 +11,13 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
 - table: per shape and M, device time per product of XLA's bf16 dot (the peer, weights
   [K, N]), the kernel with the dispatch's tiles (`wgmma_config`: INT4 groups of --group_size,
   INT8 per channel), the same tiles on mma.sync (`mma` rows, instruction="mma", up to
-  MAX_MMA_ROWS rows), and with `--triton` the Triton "nk" path it replaced
+  MAX_MMA_ROWS rows), the warp-specialized persistent kernel (`ws` rows, `ws_config`), and
+  with `--triton` the Triton "nk" path it replaced
   (PALLASITE_WGMMA=off in ops/quant_matmul.py's dispatch); TB/s = codes and scales read over
   the device time.
 - sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape, bits and M (block_k,
-  block_n, splits, stages; wgmma and, up to MAX_MMA_ROWS rows, mma.sync).
+  block_n, splits, stages; wgmma and, up to MAX_MMA_ROWS rows, mma.sync; the warp-specialized
+  kernel with 2-4 consumers).
 - bounds: where a step's time goes, by taking parts away (timing only: the `noconvert` rows
   multiply garbage): INT4 in groups of --group_size against INT4 per channel (the cost of the
   group scale on every weight), and INT4 / INT8 per channel with the code conversion taken
@@ -114,10 +116,12 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                     for c in range(calls)]
             ws, ss = tuple(a[0] for a in sets), tuple(a[1] for a in sets)
             nbytes = k * n * bits // 8 + 2 * ss[0].size
-            if name in ("wgmma", "mma"):
+            if name in ("wgmma", "mma", "ws"):
                 cfg = config or qw.wgmma_config(bits, m, k, n, group)
                 if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
                     cfg = dataclasses.replace(cfg, instruction="mma")
+                if name == "ws":  # the warp-specialized persistent kernel
+                    cfg = config or qw.ws_config(bits, m, k, n, group)
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
@@ -207,6 +211,9 @@ def main(_):
                         report(rows[-1], bf16_us)
                     if mode == "table" and qw.padded_rows(m) <= qw.MAX_MMA_ROWS:
                         rows.append(time_product("mma", bits, k, n, m))
+                        report(rows[-1], bf16_us)
+                    if mode == "table":
+                        rows.append(time_product("ws", bits, k, n, m))
                         report(rows[-1], bf16_us)
                     if mode == "table" and FLAGS.triton:
                         rows.append(time_product("triton", bits, k, n, m))

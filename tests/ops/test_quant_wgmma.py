@@ -115,6 +115,15 @@ def test_supports_and_config():
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128, instruction="hmma"))
     assert qw.wgmma_config(4, 16, 4096, 4096, 128).instruction == "wgmma"  # the default
+    ws = qw.WgmmaConfig(block_k=128, consumers=3)  # warp-specialized: N of 3 x 64 columns
+    assert qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16, ws)
+    assert not qw.supports(4, 16, 4096, 512, 128, jnp.bfloat16, jnp.bfloat16, ws)
+    assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
+                           qw.WgmmaConfig(block_k=128, consumers=1))
+    assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
+                           qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
+    cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
+    assert (cfg.consumers, cfg.block_n, cfg.num_splits) == (2, 64, 2)
 
 
 def test_register_layouts_follow_the_ptx_fragments():
@@ -158,10 +167,11 @@ def test_elsewhere_a_clear_error():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("bits,group,convert,instruction", [
-    (4, 128, "inline", "wgmma"), (8, 256, "inline", "wgmma"), (4, 256, "mosaic", "wgmma"),
-    (4, 128, "inline", "mma"), (8, 512, "inline", "mma")])
-def test_lowers_for_an_h200(bits, group, convert, instruction, monkeypatch):
+@pytest.mark.parametrize("bits,group,convert,instruction,consumers", [
+    (4, 128, "inline", "wgmma", 0), (8, 256, "inline", "wgmma", 0),
+    (4, 256, "mosaic", "wgmma", 0), (4, 128, "inline", "mma", 0), (8, 512, "inline", "mma", 0),
+    (4, 128, "inline", "wgmma", 2), (8, 512, "inline", "wgmma", 2)])
+def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
     the pipeline are built in Python at this point (the Hopper check is told yes)."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
@@ -170,14 +180,16 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, monkeypatch):
     w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
                              jnp.int32 if bits == 4 else jnp.uint8)
     s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    cfg = qw.WgmmaConfig(block_k=128, block_n=128 if convert == "inline" else 64,
+    block_n = 128 if convert == "inline" and not consumers else 64
+    cfg = qw.WgmmaConfig(block_k=128, block_n=block_n,
                          num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
-                         instruction=instruction)
+                         instruction=instruction, consumers=consumers)
     fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
                                                  config=cfg))
     text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
+    assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
@@ -249,6 +261,14 @@ def reference(bits, x, w):
                                                      instruction="mma")),
     (8, 9, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, block_n=128, stages=3,
                                                    instruction="mma", direct=False)),
+    # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
+    (4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128)),
+    (4, 1, 4096, 4096, 64, True, qw.WgmmaConfig(block_k=64, num_splits=8, stages=4,
+                                                consumers=4)),
+    (4, 3, 384, 576, 128, False, qw.WgmmaConfig(block_k=128, stages=2, consumers=3)),
+    (8, 16, 14336, 4096, 14336, False, qw.ws_config(8, 16, 14336, 4096, 14336)),
+    (8, 64, 4096, 6144, 4096, True, qw.WgmmaConfig(block_k=256, num_splits=2, stages=2,
+                                                   consumers=2)),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)

@@ -15,11 +15,18 @@ def test_sweep_configs_are_taken_by_the_kernel():
         configs = qw.sweep_configs(bits, k, n, 16)
         assert configs
         assert {c.instruction for c in configs} == {"wgmma", "mma"}
+        assert {c.consumers for c in configs} >= {0, 2}
         assert {c.instruction for c in qw.sweep_configs(bits, k, n, 64)} == {"wgmma"}
         group = 128 if bits == 4 else k
         for cfg in configs:
             assert qw.supports(bits, 16, k, n, group, "bfloat16", "bfloat16", cfg), cfg
-            assert 120 <= n // cfg.block_n * cfg.num_splits <= 1100 or cfg.num_splits == 1
+            columns = cfg.block_n * max(1, cfg.consumers)  # per program / per unit
+            programs = n // columns * cfg.num_splits
+            if cfg.consumers:  # the persistent kernel: work for every SM of an H200, or
+                steps = k // cfg.block_k // cfg.num_splits  # splits of two steps at the most
+                assert (programs >= 132 and steps >= 2) or steps == 2, cfg
+            else:
+                assert 120 <= programs <= 1100 or cfg.num_splits == 1
 
 
 def test_bench_wgmma_on_the_cpu(tmp_path):
@@ -32,11 +39,11 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     checks = [r for r in rows if r["mode"] == "check"]
-    times = [r for r in rows if r["mode"] == "time" and "probe" not in r][:5]
+    times = [r for r in rows if r["mode"] == "time" and "probe" not in r][:7]
     probes = [r for r in rows if "probe" in r]
     assert checks and all("needs a Hopper GPU" in r["error"] for r in checks)
     assert [(r["impl"], r["bits"]) for r in times] == [
-        ("bf16", 16), ("wgmma", 4), ("mma", 4), ("wgmma", 8), ("mma", 8)]
+        ("bf16", 16), ("wgmma", 4), ("mma", 4), ("ws", 4), ("wgmma", 8), ("mma", 8), ("ws", 8)]
     assert all("instruction='mma'" in r["config"] for r in times if r["impl"] == "mma")
     assert "no device events" in times[0]["dev_error"]
     assert all("needs a Hopper GPU" in r["dev_error"] for r in times[1:])

@@ -1,0 +1,126 @@
+"""The warp-specialized, persistent form of ops/quant_wgmma.py's kernel
+(`WgmmaConfig(consumers=C)`, C >= 2): the same conversion, scales and product per 64-column
+slice, arranged so that more warps share one copy of x.
+
+One program per SM (`grid` = the SM count), each of C + 1 warpgroups:
+- the last warpgroup only issues the TMA copies (`plgpu.emit_pipeline_warp_specialized`, with
+  few registers);
+- each of the C consumer warpgroups converts and multiplies its own `block_n` rows of a code
+  tile [C * block_n, block_k], all of them against the same x tile [MP, block_k] in shared
+  memory (the one-warpgroup kernel re-reads x for every block_n columns).
+
+The programs walk the work units (a C * block_n column tile times one of `num_splits` K
+ranges) in turn (`plgpu.nd_loop`); a unit's pipeline starts and drains inside the unit. Every
+unit writes float32 partials [splits, N, MP], which ops.quant_wgmma.wgmma_matmul sums.
+
+Why (docs/PERFORMANCE.md, twentieth session): INT4 on the one-warpgroup kernel reads at about
+2.1-2.4 TB/s however its instructions, its tensor op or its stage depth change. What is left
+is its structure: 1.7 four-warp programs per SM on gate/up, and x read once per program.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (the rest go to consumers)
+
+
+def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
+               steps: int, block_n: int, block_k: int, group_steps: int, stages: int, mp: int,
+               consumers: int, splits: int, units: int, codes_to_bf16, swizzled):
+    # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N];
+    # out_gmem [splits, N, MP] float32 partials; out_smem [consumers, block_n, MP] float32
+    wg = lax.axis_index("wg")
+    cta_n = consumers * block_n
+    upcast, inline = codes_to_bf16(bits, block_n, block_k)
+
+    def get_pipeline(body, context, first):
+        specs = [plgpu.BlockSpec((cta_n, block_k), lambda k: (0, k),
+                                 transforms=swizzled(block_k, bits)),
+                 plgpu.BlockSpec((mp, block_k), lambda k: (0, k),
+                                 transforms=swizzled(block_k, 16))]
+        if grouped:  # this step's group scales of the tile's columns
+            specs.append(plgpu.BlockSpec((1, cta_n), lambda k: ((first + k) // group_steps, 0)))
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
+            wg_axis="wg", num_compute_wgs=consumers, max_concurrent_steps=stages,
+            compute_context=context)
+
+    def views(nb, split):  # a unit's slices of the inputs
+        cols = pl.ds(nb * cta_n, cta_n)
+        ks = pl.ds(split * steps * block_k, steps * block_k)
+        refs = [w_gmem.at[cols, ks], x_gmem.at[:, ks]]
+        if grouped:
+            refs.append(s_gmem.at[:, cols])
+        return refs
+
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations depend on the specs only)
+
+    @functools.partial(pl.run_scoped,
+                       allocs=get_pipeline(ignore, ignore, 0).get_allocations(*views(0, 0)),
+                       collective_axes="wg")
+    def _scope(allocs):
+        @plgpu.nd_loop((units,), collective_axes="sm")
+        def _unit(info):
+            (u,) = info.index
+            nb, split = u // splits, u % splits
+            rows = pl.ds(wg * block_n, block_n)  # this consumer's rows of the tile
+            out_cols = pl.ds(nb * cta_n + wg * block_n, block_n)
+
+            def context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((block_n, mp), jnp.float32))
+                def _acc(acc_ref):
+                    eval_pipeline(acc_ref)
+                    acc = acc_ref[...]  # [block_n, MP]
+                    if not grouped:  # per-channel scales, once per unit
+                        s = plgpu.load(s_gmem.at[0, out_cols],
+                                       layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                        acc = acc * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's copy
+                    out_smem.at[wg][...] = acc
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[split, out_cols])
+
+            def body(_, w_smem, x_smem, *rest):
+                *s_smem, acc_ref = rest
+                w = inline(plgpu.load(w_smem.at[rows], layout=upcast))  # bf16 c - z
+                if grouped:
+                    s = plgpu.load(s_smem[0].at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                    w = w * lax.broadcast_in_dim(s, w.shape, [0])
+                plgpu.wgmma(acc_ref, w, x_smem.T)  # [block_n, BK] @ [BK, MP]
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            get_pipeline(body, context, split * steps)(*views(nb, split), allocations=allocs)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def sm_count() -> int:
+    """Programs of the persistent grid: the GPU's SMs (132 on an H200 where unknown)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def ws_partials(xp, codes, scales, *, bits: int, group_size: int, cfg, codes_to_bf16,
+                swizzled):
+    """float32 partials [splits, N, MP] of xp [MP, K] (columns in wgmma_k_order) times the
+    codes [N, K] (jnp.int4 / int8) with scales [G, N], by the warp-specialized kernel."""
+    mp, k = xp.shape
+    n = codes.shape[0]
+    units = n // (cfg.consumers * cfg.block_n) * cfg.num_splits
+    kernel = functools.partial(
+        _ws_kernel, bits=bits, grouped=scales.shape[0] > 1,
+        steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
+        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, mp=mp,
+        consumers=cfg.consumers, splits=cfg.num_splits, units=units,
+        codes_to_bf16=codes_to_bf16, swizzled=swizzled)
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32),
+        grid=(min(sm_count(), units),), grid_names=("sm",), num_threads=cfg.consumers + 1,
+        thread_name="wg", scratch_types=[plgpu.SMEM((cfg.consumers, cfg.block_n, mp),
+                                                    jnp.float32)],
+        kernel_name=f"int{bits}_wgmma_ws")(xp, codes, scales)
