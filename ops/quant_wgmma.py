@@ -80,6 +80,7 @@ BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
+MIN_WS_UNITS = 264  # ws_config: work units for two per SM of an H200 (132 SMs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +234,20 @@ def register_relabeling(src, dst, shape: tuple[int, ...]) -> dict:
     return out
 
 
+def group_scaled(w, s_row_ref, layout):
+    """The dequantized tile w [BN, BK] times its step's group scale per row, from s_row_ref
+    [BN] (shared memory) loaded in `layout`'s row layout: the bf16 rounding of s (c - z)."""
+    s = plgpu.load(s_row_ref, layout=layout.reduce(1))
+    return w * jax.lax.broadcast_in_dim(s, w.shape, [0])
+
+
+def channel_scaled(acc, s_ref):
+    """The float32 sum acc [BN, MP] (WGMMA layout) times per-channel scales s_ref [BN] read
+    from global memory once."""
+    s = plgpu.load(s_ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    return acc * jax.lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+
+
 def wgmma_k_order(bits: int, k: int):
     """The K position whose activation multiplies column c of the dequantized tile, for c in
     0..K-1 (numpy int32 [K]). Per thread, a loaded word holds codes of consecutive K positions,
@@ -273,10 +288,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
 
     def tile(w_smem, s_smem):  # this step's dequantized [BN, BK] bf16 tile
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
-        if grouped:  # this step's group scale per output column
-            s = plgpu.load(s_smem[0].at[0], layout=layout.reduce(1))
-            w = w * jax.lax.broadcast_in_dim(s, w.shape, [0])
-        return w
+        return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
@@ -312,9 +324,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         acc = pl.run_scoped(compute, plgpu.ACC((block_n, mp), jnp.float32))  # [BN, MP]
     cols = pl.ds(nb * block_n, block_n)
     if not grouped:  # per-channel scales, once per output
-        s = plgpu.load(s_gmem.at[0, cols], layout=plgpu.Layout.WGMMA.reduce(1),
-                       optimized=False)  # once per program, from global memory
-        acc = acc * jax.lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+        acc = channel_scaled(acc, s_gmem.at[0, cols])
     if direct:  # transposed on its way to shared memory: out [MP, N]
         out_smem.T[...] = plgpu.layout_cast(acc.astype(out_smem.dtype),
                                             plgpu.Layout.WGMMA_TRANSPOSED)
@@ -377,14 +387,18 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
     steps = max(1, k // block_k)
     programs = max(1, n // block_n)
-    splits = 1
-    if programs < 200:
-        want = 384 if bits == 4 else 256
-        while programs * splits < want and steps % (splits * 2) == 0 \
-                and steps // (splits * 2) >= 2:
-            splits *= 2
+    splits = 1 if programs >= 200 else k_splits(programs, steps, 384 if bits == 4 else 256)
     return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
                        stages=3 if bits == 4 else 2)
+
+
+def k_splits(programs: int, steps: int, want: int) -> int:
+    """The fewest power-of-two K splits that give `programs` column tiles at least `want`
+    programs (or units), each split of at least two of the `steps`."""
+    splits = 1
+    while programs * splits < want and steps % (splits * 2) == 0 and steps // (splits * 2) >= 2:
+        splits *= 2
+    return splits
 
 
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
@@ -394,10 +408,7 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
     steps) that give every SM at least two units."""
     base = wgmma_config(bits, m, k, n, group_size)
     steps = max(1, k // base.block_k)
-    units = max(1, n // (consumers * BLOCK_N))
-    splits = 1
-    while units * splits < 264 and steps % (splits * 2) == 0 and steps // (splits * 2) >= 2:
-        splits *= 2
+    splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
     return WgmmaConfig(block_k=base.block_k, block_n=BLOCK_N, num_splits=splits,
                        stages=4 if bits == 4 else 2, consumers=consumers)
 
@@ -430,6 +441,29 @@ def _sweep_tiles(bits: int, k: int, n: int) -> list[WgmmaConfig]:
     return out
 
 
+def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaConfig,
+                   direct: bool):
+    """`_kernel` over xp [MP, K] and the codes [N, K]: the product [MP, N] bf16 when `direct`,
+    else float32 partials [splits, N, MP]."""
+    mp, k = xp.shape
+    n = codes.shape[0]
+    kernel = functools.partial(
+        _kernel, bits=bits, grouped=scales.shape[0] > 1,
+        steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
+        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, mp=mp,
+        convert=cfg.convert, direct=direct, instruction=cfg.instruction)
+    if direct:
+        out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
+        tile = plgpu.SMEM((mp, cfg.block_n), jnp.bfloat16, transforms=_swizzled(cfg.block_n, 16))
+    else:
+        out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
+        tile = plgpu.SMEM((cfg.block_n, mp), jnp.float32)
+    return plgpu.kernel(
+        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits),
+        grid_names=("n", "s"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
+    )(xp, codes, scales)
+
+
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
                  config: WgmmaConfig | None = None):
     """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]) with bf16
@@ -450,7 +484,6 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         raise ValueError(f"wgmma_matmul: needs a Hopper GPU (wgmma); the default backend here "
                          f"is {jax.default_backend()} ({jax.devices()[0].device_kind})")
     groups = scales.shape[0]
-    grouped = groups > 1
     mp = padded_rows(m)
     if cfg.convert == "inline":  # the K order of the dequantized tiles' columns
         xk = jnp.take(x, jnp.asarray(wgmma_k_order(bits, k)), axis=1)
@@ -461,27 +494,13 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int4).reshape(n, k)
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
-    steps = k // cfg.block_k // cfg.num_splits
     direct = cfg.direct and cfg.num_splits == 1 and offsets is None and not cfg.consumers
-    kernel = functools.partial(
-        _kernel, bits=bits, grouped=grouped, steps=steps, block_n=cfg.block_n,
-        block_k=cfg.block_k, group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages,
-        mp=mp, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
-    if direct:
-        out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
-        tile = plgpu.SMEM((mp, cfg.block_n), jnp.bfloat16, transforms=_swizzled(cfg.block_n, 16))
-    else:
-        out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
-        tile = plgpu.SMEM((cfg.block_n, mp), jnp.float32)
     if cfg.consumers:  # several warpgroups per SM sharing each x tile
-        from ops.quant_wgmma_ws import ws_partials
-        out = ws_partials(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
-                          codes_to_bf16=_codes_to_bf16, swizzled=_swizzled)
+        from ops.quant_wgmma_ws import ws_partials  # it imports this module
+        out = ws_partials(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg)
     else:
-        out = plgpu.kernel(
-            kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits),
-            grid_names=("n", "s"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
-        )(xp, codes, scales)
+        out = _one_warpgroup(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
+                             direct=direct)
     if direct:
         return out[:m]
     y = out.sum(axis=0)[:, :m].T  # [M, N] float32

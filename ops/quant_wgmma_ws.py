@@ -27,23 +27,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ops import quant_wgmma as qw
+
 MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (the rest go to consumers)
 
 
 def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
                steps: int, block_n: int, block_k: int, group_steps: int, stages: int, mp: int,
-               consumers: int, splits: int, units: int, codes_to_bf16, swizzled):
+               consumers: int, splits: int, units: int):
     # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N];
     # out_gmem [splits, N, MP] float32 partials; out_smem [consumers, block_n, MP] float32
     wg = lax.axis_index("wg")
     cta_n = consumers * block_n
-    upcast, inline = codes_to_bf16(bits, block_n, block_k)
+    upcast, inline = qw._codes_to_bf16(bits, block_n, block_k)
 
     def get_pipeline(body, context, first):
         specs = [plgpu.BlockSpec((cta_n, block_k), lambda k: (0, k),
-                                 transforms=swizzled(block_k, bits)),
+                                 transforms=qw._swizzled(block_k, bits)),
                  plgpu.BlockSpec((mp, block_k), lambda k: (0, k),
-                                 transforms=swizzled(block_k, 16))]
+                                 transforms=qw._swizzled(block_k, 16))]
         if grouped:  # this step's group scales of the tile's columns
             specs.append(plgpu.BlockSpec((1, cta_n), lambda k: ((first + k) // group_steps, 0)))
         return plgpu.emit_pipeline_warp_specialized(
@@ -78,9 +80,7 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
                     eval_pipeline(acc_ref)
                     acc = acc_ref[...]  # [block_n, MP]
                     if not grouped:  # per-channel scales, once per unit
-                        s = plgpu.load(s_gmem.at[0, out_cols],
-                                       layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                        acc = acc * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+                        acc = qw.channel_scaled(acc, s_gmem.at[0, out_cols])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's copy
                     out_smem.at[wg][...] = acc
                     plgpu.commit_smem()
@@ -90,8 +90,7 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
                 *s_smem, acc_ref = rest
                 w = inline(plgpu.load(w_smem.at[rows], layout=upcast))  # bf16 c - z
                 if grouped:
-                    s = plgpu.load(s_smem[0].at[0, rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                    w = w * lax.broadcast_in_dim(s, w.shape, [0])
+                    w = qw.group_scaled(w, s_smem[0].at[0, rows], plgpu.Layout.WGMMA)
                 plgpu.wgmma(acc_ref, w, x_smem.T)  # [block_n, BK] @ [BK, MP]
                 plgpu.wgmma_wait(0)
                 return acc_ref
@@ -105,8 +104,7 @@ def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def ws_partials(xp, codes, scales, *, bits: int, group_size: int, cfg, codes_to_bf16,
-                swizzled):
+def ws_partials(xp, codes, scales, *, bits: int, group_size: int, cfg: qw.WgmmaConfig):
     """float32 partials [splits, N, MP] of xp [MP, K] (columns in wgmma_k_order) times the
     codes [N, K] (jnp.int4 / int8) with scales [G, N], by the warp-specialized kernel."""
     mp, k = xp.shape
@@ -116,8 +114,7 @@ def ws_partials(xp, codes, scales, *, bits: int, group_size: int, cfg, codes_to_
         _ws_kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, mp=mp,
-        consumers=cfg.consumers, splits=cfg.num_splits, units=units,
-        codes_to_bf16=codes_to_bf16, swizzled=swizzled)
+        consumers=cfg.consumers, splits=cfg.num_splits, units=units)
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32),
         grid=(min(sm_count(), units),), grid_names=("sm",), num_threads=cfg.consumers + 1,

@@ -117,11 +117,12 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
             ws, ss = tuple(a[0] for a in sets), tuple(a[1] for a in sets)
             nbytes = k * n * bits // 8 + 2 * ss[0].size
             if name in ("wgmma", "mma", "ws"):
-                cfg = config or qw.wgmma_config(bits, m, k, n, group)
-                if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
-                    cfg = dataclasses.replace(cfg, instruction="mma")
                 if name == "ws":  # the warp-specialized persistent kernel
                     cfg = config or qw.ws_config(bits, m, k, n, group)
+                else:
+                    cfg = config or qw.wgmma_config(bits, m, k, n, group)
+                if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
+                    cfg = dataclasses.replace(cfg, instruction="mma")
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)

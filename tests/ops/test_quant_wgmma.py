@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops import quant_wgmma as qw
 from ops.matmul import TransposedWeight, linear
@@ -148,7 +149,6 @@ def test_register_layouts_follow_the_ptx_fragments():
 
 
 def plgpu_layout(name: str):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
     return getattr(plgpu.Layout, name)(jnp.bfloat16, m_warps=4).to_mgpu()
 
 
