@@ -81,6 +81,7 @@ MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 MIN_WS_UNITS = 264  # ws_config: work units for two per SM of an H200 (132 SMs)
+DISPATCH_MAX_ROWS = MAX_ROWS  # ops/quant_matmul.py runs the kernel up to this many rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +96,27 @@ class WgmmaConfig:
     direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
+    block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one
+
+
+MAX_BLOCK_M = 256  # wgmma's largest N
+MAX_ACC = 64 * 256  # accumulator elements per warpgroup: 128 float32 registers per thread
+# past MAX_ROWS rows: 128-row x 64-column programs in steps of 64 K, 4 stages (about 90 KB of
+# shared memory: two programs per SM); not yet swept
+LARGE_M_TILE = WgmmaConfig(block_k=64, block_n=64, stages=4, block_m=128)
 
 
 def padded_rows(m: int) -> int:
     """wgmma's N for m activation rows: a multiple of 8."""
     return max(8, -(-m // 8) * 8)
+
+
+def row_tiling(m: int, cfg: WgmmaConfig) -> tuple[int, int]:
+    """(rows per program, padded rows): one tile of `padded_rows` when cfg.block_m is 0, else
+    tiles of block_m rows."""
+    if not cfg.block_m:
+        return padded_rows(m), padded_rows(m)
+    return cfg.block_m, -(-m // cfg.block_m) * cfg.block_m
 
 
 def _swizzled(block_minor: int, bits: int):
@@ -267,14 +284,16 @@ def wgmma_k_order(bits: int, k: int):
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
-            steps: int, block_n: int, block_k: int, group_steps: int, stages: int, mp: int,
+            steps: int, block_n: int, block_k: int, group_steps: int, stages: int, block_m: int,
             convert: str, direct: bool, instruction: str):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
     # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
-    # else [splits, N, MP] float32 partials; out_smem: its tile, [MP, BN] / [BN, MP]
+    # else [splits, N, MP] float32 partials; out_smem: its tile, [BM, BN] / [BN, BM]
+    # (BM = block_m rows of x per program, MP / BM row tiles)
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
+    mb = jax.lax.axis_index("m")
     first = split * steps  # this program's first K step
     upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction)
     layout = tile_layout(instruction)
@@ -292,7 +311,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
-            plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, MP]
+            plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, BM]
             plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
@@ -301,13 +320,13 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
 
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
         *s_smem, acc = rest
-        xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, MP], all of it in every warp
-        return plgpu.mma(acc, tile(w_smem, s_smem), xb)  # acc [BN, MP] f32
+        xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, BM], all of it in every warp
+        return plgpu.mma(acc, tile(w_smem, s_smem), xb)  # acc [BN, BM] f32
 
     in_specs = [
         plgpu.BlockSpec((block_n, block_k), lambda k: (nb, first + k),
                         transforms=_swizzled(block_k, bits)),
-        plgpu.BlockSpec((mp, block_k), lambda k: (0, first + k),
+        plgpu.BlockSpec((block_m, block_k), lambda k: (mb, first + k),
                         transforms=_swizzled(block_k, 16)),
     ]
     args = [w_gmem, x_gmem]
@@ -317,39 +336,49 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         args.append(s_gmem)
     if instruction == "mma":
         rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
-        zeros = plgpu.layout_cast(jnp.zeros((block_n, mp), jnp.float32), plgpu.Layout.WGMMA)
+        zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
+                                  plgpu.Layout.WGMMA)
         acc = plgpu.emit_pipeline(mma_step, grid=(steps,), in_specs=in_specs,
                                   max_concurrent_steps=stages, init_carry=zeros)(*args)
     else:
-        acc = pl.run_scoped(compute, plgpu.ACC((block_n, mp), jnp.float32))  # [BN, MP]
+        acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
     cols = pl.ds(nb * block_n, block_n)
+    rows = pl.ds(mb * block_m, block_m)
     if not grouped:  # per-channel scales, once per output
         acc = channel_scaled(acc, s_gmem.at[0, cols])
     if direct:  # transposed on its way to shared memory: out [MP, N]
         out_smem.T[...] = plgpu.layout_cast(acc.astype(out_smem.dtype),
                                             plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[:, cols])
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[rows, cols])
     else:
         out_smem[...] = acc
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, cols])
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, cols, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
 def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales_dtype,
              config: WgmmaConfig | None = None) -> bool:
-    """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows
-    (instruction="mma": MAX_MMA_ROWS, and the inline conversion), N a multiple of the
-    program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
-    consumers, wgmma and the inline conversion), K of whole steps (block_k of `config`,
-    default `wgmma_config`'s) for every split, and per-channel scales or groups of whole
-    steps."""
-    if bits not in (4, 8) or not 1 <= m <= MAX_ROWS or n % BLOCK_N:
+    """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows in
+    one tile or any number in tiles of block_m (a multiple of 8 up to MAX_BLOCK_M, at most
+    MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
+    MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
+    of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
+    consumers, one tile of rows, wgmma and the inline conversion), K of whole steps (block_k of
+    `config`, default `wgmma_config`'s) for every split, and per-channel scales or groups of
+    whole steps."""
+    if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
+    if cfg.block_m:
+        if (cfg.block_m % 8 or cfg.block_m > MAX_BLOCK_M or cfg.consumers
+                or cfg.block_m * cfg.block_n > MAX_ACC):
+            return False
+    elif m > MAX_ROWS:
+        return False
     if cfg.instruction not in ("wgmma", "mma") or (cfg.instruction == "mma" and (
-            padded_rows(m) > MAX_MMA_ROWS or cfg.convert != "inline")):
+            row_tiling(m, cfg)[0] > MAX_MMA_ROWS or cfg.convert != "inline")):
         return False
     if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
         return False
@@ -379,7 +408,10 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     128 INT4 positions (capped by the group) with 3 stages, or 256 INT8 positions with 2;
     128-column programs where that still gives about 200 programs without a split (gate/up,
     the lm head), else 64 columns with the K splits that reach about 384 (INT4) or 256 (INT8)
-    programs, each split at least two steps."""
+    programs, each split at least two steps. Past MAX_ROWS rows, tiles of LARGE_M_TILE."""
+    if m > MAX_ROWS:
+        block_k = min(LARGE_M_TILE.block_k, group_size) if group_size < k else LARGE_M_TILE.block_k
+        return dataclasses.replace(LARGE_M_TILE, block_k=max(block_k, MIN_BLOCK_K))
     block_k = 128 if bits == 4 else 256
     if group_size < k:  # a step lies in one group
         block_k = min(block_k, group_size)
@@ -417,13 +449,30 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
     """The tiles scripts/bench_wgmma.py sweeps (INT4 in groups of 128, INT8 per channel): 64 /
     128 / 256 columns times K splits giving about 120 to 1100 programs (or none where the
     columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages);
-    for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma"."""
+    for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma". Past
+    MAX_ROWS rows, the row tiles of `_large_m_tiles`."""
+    if m > MAX_ROWS:
+        return _large_m_tiles(bits)
     instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
     group = 128 if bits == 4 else k
     ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3, 4)
           if n % (c * BLOCK_N) == 0]
     return [dataclasses.replace(cfg, instruction=op) for cfg in _sweep_tiles(bits, k, n)
             for op in instructions] + ws
+
+
+def _large_m_tiles(bits: int) -> list[WgmmaConfig]:
+    """Row tiles of 64 to 256 rows times 64 / 128 columns (within MAX_ACC), steps of 64 or 128
+    K with the stages that fit about 110 KB of shared memory or less."""
+    out = []
+    for block_m, block_n in ((64, 64), (128, 64), (256, 64), (64, 128), (128, 128)):
+        for block_k in (64, 128):
+            stage_bytes = block_k * (2 * block_m + block_n * bits // 8)
+            for stages in (2, 3, 4):
+                if stages * stage_bytes <= 110 * 1024 or stages == 2:
+                    out.append(WgmmaConfig(block_k=block_k, block_n=block_n, stages=stages,
+                                           block_m=block_m))
+    return out
 
 
 def _sweep_tiles(bits: int, k: int, n: int) -> list[WgmmaConfig]:
@@ -442,25 +491,26 @@ def _sweep_tiles(bits: int, k: int, n: int) -> list[WgmmaConfig]:
 
 
 def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaConfig,
-                   direct: bool):
-    """`_kernel` over xp [MP, K] and the codes [N, K]: the product [MP, N] bf16 when `direct`,
-    else float32 partials [splits, N, MP]."""
+                   direct: bool, block_m: int):
+    """`_kernel` over xp [MP, K] (MP a multiple of block_m) and the codes [N, K]: the product
+    [MP, N] bf16 when `direct`, else float32 partials [splits, N, MP]."""
     mp, k = xp.shape
     n = codes.shape[0]
     kernel = functools.partial(
         _kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
-        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, mp=mp,
+        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
         convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
-        tile = plgpu.SMEM((mp, cfg.block_n), jnp.bfloat16, transforms=_swizzled(cfg.block_n, 16))
+        tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,
+                          transforms=_swizzled(cfg.block_n, 16))
     else:
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
-        tile = plgpu.SMEM((cfg.block_n, mp), jnp.float32)
+        tile = plgpu.SMEM((cfg.block_n, block_m), jnp.float32)
     return plgpu.kernel(
-        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits),
-        grid_names=("n", "s"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
+        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits, mp // block_m),
+        grid_names=("n", "s", "m"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
     )(xp, codes, scales)
 
 
@@ -476,15 +526,16 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     if not supports(bits, m, k, n, group_size, x.dtype, scales.dtype, cfg):
         rows = MAX_MMA_ROWS if cfg.instruction == "mma" else MAX_ROWS
         raise ValueError(f"wgmma_matmul: x {x.shape} {x.dtype}, w_t {w_t.shape}, scales "
-                         f"{scales.shape} {scales.dtype}, group_size {group_size}, instruction "
-                         f"{cfg.instruction!r}: needs bf16 x with at most {rows} rows, N a "
-                         f"multiple of {cfg.block_n}, bf16 scales and groups of whole K steps "
-                         f"({cfg.block_k})")
+                         f"{scales.shape} {scales.dtype}, group_size {group_size}, config "
+                         f"{cfg}: needs bf16 x with at most {rows} rows per tile (block_m 0: "
+                         f"one tile; else a multiple of 8 up to {MAX_BLOCK_M}, block_m x "
+                         f"block_n <= {MAX_ACC}), N a multiple of {cfg.block_n}, bf16 scales "
+                         f"and groups of whole K steps ({cfg.block_k})")
     if not on_hopper():
         raise ValueError(f"wgmma_matmul: needs a Hopper GPU (wgmma); the default backend here "
                          f"is {jax.default_backend()} ({jax.devices()[0].device_kind})")
     groups = scales.shape[0]
-    mp = padded_rows(m)
+    block_m, mp = row_tiling(m, cfg)
     if cfg.convert == "inline":  # the K order of the dequantized tiles' columns
         xk = jnp.take(x, jnp.asarray(wgmma_k_order(bits, k)), axis=1)
     else:
@@ -500,7 +551,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         out = ws_partials(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg)
     else:
         out = _one_warpgroup(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
-                             direct=direct)
+                             direct=direct, block_m=block_m)
     if direct:
         return out[:m]
     y = out.sum(axis=0)[:, :m].T  # [M, N] float32

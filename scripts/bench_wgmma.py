@@ -13,8 +13,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   INT8 per channel), the same tiles on mma.sync (`mma` rows, instruction="mma", up to
   MAX_MMA_ROWS rows), the warp-specialized persistent kernel (`ws` rows, `ws_config`), and
   with `--triton` the Triton "nk" path it replaced
-  (PALLASITE_WGMMA=off in ops/quant_matmul.py's dispatch); TB/s = codes and scales read over
-  the device time.
+  (PALLASITE_WGMMA=off in ops/quant_matmul.py's dispatch), with `--xla` XLA's dequantize + dot
+  (the dispatch's path for many rows); TB/s = codes and scales read over the device time.
+  Past MAX_ROWS rows (prefill) the kernel runs row tiles (WgmmaConfig.block_m).
 - sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape, bits and M (block_k,
   block_n, splits, stages; wgmma and, up to MAX_MMA_ROWS rows, mma.sync; the warp-specialized
   kernel with 2-4 consumers).
@@ -53,6 +54,8 @@ flags.DEFINE_integer("group_size", 128, "INT4 group size (INT8 is per channel)")
 flags.DEFINE_integer("calls", 8, "products (distinct weight sets) per program")
 flags.DEFINE_integer("queue", 3, "programs queued in the traced run")
 flags.DEFINE_bool("triton", False, "table: also time the Triton 'nk' path of the same codes")
+flags.DEFINE_bool("xla", False, "table: also time XLA's dequantize + dot of the same codes "
+                  "(the dispatch's path past DISPATCH_MAX_ROWS rows)")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 
 
@@ -97,7 +100,8 @@ def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
 def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                  group: int | None = None) -> dict:
     """Device microseconds per product of `name`: bf16 (XLA), wgmma (the kernel, `config` or the
-    dispatch's tiles) or triton (ops/quant_matmul.py's "nk" path); `group` overrides
+    dispatch's tiles), mma / ws (its mma.sync and warp-specialized forms), triton
+    (ops/quant_matmul.py's "nk" path) or xla (its dequantize + dot); `group` overrides
     `group_of`."""
     calls = FLAGS.calls
     group = group or group_of(bits, k)
@@ -127,10 +131,12 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
                     for c in range(calls))
-            else:  # traced below with PALLASITE_WGMMA=off
+            else:  # triton: traced below with PALLASITE_WGMMA=off
                 product = int4_matmul if bits == 4 else int8_matmul
+                impl = "reference" if name == "xla" else None
                 fn = lambda xs, ws, ss: tuple(product(  # noqa: E731
-                    xs[c], ws[c], ss[c], group_size=group, layout="nk") for c in range(calls))
+                    xs[c], ws[c], ss[c], group_size=group, layout="nk", impl=impl)
+                    for c in range(calls))
             args = (xs, ws, ss)
         if name == "triton":
             os.environ["PALLASITE_WGMMA"] = "off"
@@ -213,12 +219,13 @@ def main(_):
                     if mode == "table" and qw.padded_rows(m) <= qw.MAX_MMA_ROWS:
                         rows.append(time_product("mma", bits, k, n, m))
                         report(rows[-1], bf16_us)
-                    if mode == "table":
+                    if mode == "table" and m <= qw.MAX_ROWS:
                         rows.append(time_product("ws", bits, k, n, m))
                         report(rows[-1], bf16_us)
-                    if mode == "table" and FLAGS.triton:
-                        rows.append(time_product("triton", bits, k, n, m))
-                        report(rows[-1], bf16_us)
+                    for peer in ("triton", "xla"):
+                        if mode == "table" and FLAGS[peer].value:
+                            rows.append(time_product(peer, bits, k, n, m))
+                            report(rows[-1], bf16_us)
     if "bounds" in FLAGS.modes:
         for k, n in shapes:
             for m in ms:
@@ -232,7 +239,7 @@ def main(_):
             json.dump({"device": jax.devices()[0].device_kind, "rows": rows,
                        "flags": {k: str(v) for k, v in FLAGS.flag_values_dict().items()
                                  if k in ("modes", "shapes", "ms", "bits", "group_size",
-                                          "calls", "queue", "triton")}}, f, indent=1)
+                                          "calls", "queue", "triton", "xla")}}, f, indent=1)
         print(f"wrote {FLAGS.json_out}")
 
 

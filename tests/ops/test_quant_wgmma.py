@@ -96,7 +96,8 @@ def test_supports_and_config():
     assert qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16)
     assert qw.supports(8, 64, 14336, 4096, 14336, jnp.bfloat16, jnp.bfloat16)  # per channel
     assert not qw.supports(8, 64, 14336, 4096, 14336, jnp.bfloat16, jnp.float32)  # f32 scales
-    assert not qw.supports(4, 65, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16)  # rows
+    assert not qw.supports(4, 65, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
+                           qw.WgmmaConfig(block_k=128))  # rows: more than one tile holds
     assert not qw.supports(4, 16, 4096, 4000, 128, jnp.bfloat16, jnp.bfloat16)  # N
     assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16)  # group < step
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.float32)  # f32 groups
@@ -125,6 +126,20 @@ def test_supports_and_config():
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
     cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
     assert (cfg.consumers, cfg.block_n, cfg.num_splits) == (2, 64, 2)
+    # past MAX_ROWS rows: row tiles (block_m), within wgmma's N and the accumulator's registers
+    cfg = qw.wgmma_config(4, 1024, 4096, 28672, 128)
+    assert cfg.block_m and qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16)
+    assert qw.row_tiling(1000, cfg) == (cfg.block_m, -(-1000 // cfg.block_m) * cfg.block_m)
+    assert qw.row_tiling(13, qw.WgmmaConfig()) == (16, 16)
+    for bad in (qw.WgmmaConfig(block_m=100), qw.WgmmaConfig(block_m=512),
+                qw.WgmmaConfig(block_m=256, block_n=128),
+                qw.WgmmaConfig(block_k=128, block_m=128, consumers=2),
+                qw.WgmmaConfig(block_k=128, block_m=64, instruction="mma")):
+        assert not qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, bad), bad
+    assert qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
+                       qw.WgmmaConfig(block_k=128, block_m=32, instruction="mma"))
+    assert all(qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, c)
+               for c in qw.sweep_configs(4, 4096, 28672, 1024))
 
 
 def test_register_layouts_follow_the_ptx_fragments():
@@ -167,23 +182,27 @@ def test_elsewhere_a_clear_error():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("bits,group,convert,instruction,consumers", [
-    (4, 128, "inline", "wgmma", 0), (8, 256, "inline", "wgmma", 0),
-    (4, 256, "mosaic", "wgmma", 0), (4, 128, "inline", "mma", 0), (8, 512, "inline", "mma", 0),
-    (4, 128, "inline", "wgmma", 2), (8, 512, "inline", "wgmma", 2)])
-def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, monkeypatch):
+@pytest.mark.parametrize("bits,group,convert,instruction,consumers,m,block_m", [
+    (4, 128, "inline", "wgmma", 0, 16, 0), (8, 256, "inline", "wgmma", 0, 16, 0),
+    (4, 256, "mosaic", "wgmma", 0, 16, 0), (4, 128, "inline", "mma", 0, 16, 0),
+    (8, 512, "inline", "mma", 0, 16, 0), (4, 128, "inline", "wgmma", 2, 16, 0),
+    (8, 512, "inline", "wgmma", 2, 16, 0), (4, 128, "inline", "wgmma", 0, 300, 128),
+    (8, 512, "inline", "wgmma", 0, 200, 256)])
+def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m,
+                            monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
-    the pipeline are built in Python at this point (the Hopper check is told yes)."""
+    the pipeline are built in Python at this point (the Hopper check is told yes); with
+    block_m, row tiles over many activation rows."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    m, k, n = 16, 512, 128
+    k, n = 512, 128
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
                              jnp.int32 if bits == 4 else jnp.uint8)
     s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    block_n = 128 if convert == "inline" and not consumers else 64
+    block_n = 128 if convert == "inline" and not consumers and block_m <= 128 else 64
     cfg = qw.WgmmaConfig(block_k=128, block_n=block_n,
                          num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
-                         instruction=instruction, consumers=consumers)
+                         instruction=instruction, consumers=consumers, block_m=block_m)
     fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
                                                  config=cfg))
     text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
@@ -261,6 +280,14 @@ def reference(bits, x, w):
                                                      instruction="mma")),
     (8, 9, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, block_n=128, stages=3,
                                                    instruction="mma", direct=False)),
+    # row tiles (block_m) past MAX_ROWS rows: ragged rows, offsets, K splits, mma.sync
+    (4, 300, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=64, block_m=128, stages=4)),
+    (4, 1024, 4096, 6144, 128, True, None),
+    (8, 200, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, block_m=256, stages=2)),
+    (4, 130, 2048, 1024, 256, False, qw.WgmmaConfig(block_k=128, block_n=128, block_m=64,
+                                                    num_splits=2, stages=3)),
+    (8, 96, 1024, 512, 1024, True, qw.WgmmaConfig(block_k=128, block_m=32, stages=2,
+                                                  instruction="mma")),
     # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     (4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128)),
     (4, 1, 4096, 4096, 64, True, qw.WgmmaConfig(block_k=64, num_splits=8, stages=4,

@@ -27,26 +27,33 @@ def test_sweep_configs_are_taken_by_the_kernel():
                 assert (programs >= 132 and steps >= 2) or steps == 2, cfg
             else:
                 assert 120 <= programs <= 1100 or cfg.num_splits == 1
+    large = qw.sweep_configs(4, 4096, 28672, 1024)  # prefill: row tiles
+    assert len({c.block_m for c in large}) >= 3 and all(c.num_splits == 1 for c in large)
+    assert all(qw.supports(4, 1024, 4096, 28672, 128, "bfloat16", "bfloat16", c) for c in large)
 
 
 def test_bench_wgmma_on_the_cpu(tmp_path):
     out = tmp_path / "wgmma.json"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds",
-         "--shapes=1024x512", "--ms=2", "--calls=1", "--queue=1", f"--json_out={out}"],
+         "--shapes=1024x512", "--ms=2", "--calls=1", "--queue=1", "--xla",
+         f"--json_out={out}"],
         capture_output=True, text=True, timeout=300,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     checks = [r for r in rows if r["mode"] == "check"]
-    times = [r for r in rows if r["mode"] == "time" and "probe" not in r][:7]
+    times = [r for r in rows if r["mode"] == "time" and "probe" not in r][:9]
     probes = [r for r in rows if "probe" in r]
     assert checks and all("needs a Hopper GPU" in r["error"] for r in checks)
     assert [(r["impl"], r["bits"]) for r in times] == [
-        ("bf16", 16), ("wgmma", 4), ("mma", 4), ("ws", 4), ("wgmma", 8), ("mma", 8), ("ws", 8)]
+        ("bf16", 16), ("wgmma", 4), ("mma", 4), ("ws", 4), ("xla", 4), ("wgmma", 8), ("mma", 8),
+        ("ws", 8), ("xla", 8)]
     assert all("instruction='mma'" in r["config"] for r in times if r["impl"] == "mma")
     assert "no device events" in times[0]["dev_error"]
-    assert all("needs a Hopper GPU" in r["dev_error"] for r in times[1:])
+    assert all("needs a Hopper GPU" in r["dev_error"] for r in times[1:]
+               if r["impl"] != "xla")
+    assert all("no device events" in r["dev_error"] for r in times if r["impl"] == "xla")
     # bounds: a bf16 row, then the kernel as it is and with parts taken out
     assert [(r["probe"], r["bits"], r["group"]) for r in probes] == [
         ("int4 grouped", 4, 128), ("int4 per channel", 4, 1024),
