@@ -97,6 +97,9 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one
+    # wgmma: leave each step's wgmma in flight while the next tile is converted (x's slot
+    # released a step late); needs stages >= 2
+    overlap: bool = False
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -285,7 +288,7 @@ def wgmma_k_order(bits: int, k: int):
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
             steps: int, block_n: int, block_k: int, group_steps: int, stages: int, block_m: int,
-            convert: str, direct: bool, instruction: str):
+            convert: str, direct: bool, instruction: str, overlap: bool):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
     # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
@@ -312,10 +315,12 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
             plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, BM]
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(1 if overlap else 0)
 
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
                             max_concurrent_steps=stages)(*args)
+        if overlap:
+            plgpu.wgmma_wait(0)
         return acc_ref[...]
 
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
@@ -327,7 +332,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         plgpu.BlockSpec((block_n, block_k), lambda k: (nb, first + k),
                         transforms=_swizzled(block_k, bits)),
         plgpu.BlockSpec((block_m, block_k), lambda k: (mb, first + k),
-                        transforms=_swizzled(block_k, 16)),
+                        transforms=_swizzled(block_k, 16), delay_release=int(overlap)),
     ]
     args = [w_gmem, x_gmem]
     if grouped:
@@ -365,12 +370,15 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
     of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
-    consumers, one tile of rows, wgmma and the inline conversion), K of whole steps (block_k of
+    consumers, one tile of rows, wgmma and the inline conversion), `overlap` on the one-warpgroup
+    wgmma kernel with two stages or more, K of whole steps (block_k of
     `config`, default `wgmma_config`'s) for every split, and per-channel scales or groups of
     whole steps."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
+    if cfg.overlap and (cfg.instruction != "wgmma" or cfg.stages < 2 or cfg.consumers):
+        return False
     if cfg.block_m:
         if (cfg.block_m % 8 or cfg.block_m > MAX_BLOCK_M or cfg.consumers
                 or cfg.block_m * cfg.block_n > MAX_ACC):
@@ -452,7 +460,7 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
     for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma". Past
     MAX_ROWS rows, the row tiles of `_large_m_tiles`."""
     if m > MAX_ROWS:
-        return _large_m_tiles(bits)
+        return _large_m_tiles(bits, k, n, m)
     instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
     group = 128 if bits == 4 else k
     ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3, 4)
@@ -461,17 +469,27 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
             for op in instructions] + ws
 
 
-def _large_m_tiles(bits: int) -> list[WgmmaConfig]:
-    """Row tiles of 64 to 256 rows times 64 / 128 columns (within MAX_ACC), steps of 64 or 128
-    K with the stages that fit about 110 KB of shared memory or less."""
+def _large_m_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
+    """Row tiles of 64 to 256 rows (no more than m needs) times 64 / 128 columns (within
+    MAX_ACC), steps of 64 or 128 K with the most stages (2 to 4) whose shared memory, output
+    tile included, leaves room for two programs per SM (about 110 KB), the K splits that give
+    an H200 one or two programs per SM (`k_splits`), each with and without `overlap`."""
     out = []
-    for block_m, block_n in ((64, 64), (128, 64), (256, 64), (64, 128), (128, 128)):
+    for block_m, block_n in ((128, 64), (256, 64), (64, 128), (128, 128)):
+        if block_m > 64 and block_m // 2 >= m:
+            continue
         for block_k in (64, 128):
-            stage_bytes = block_k * (2 * block_m + block_n * bits // 8)
-            for stages in (2, 3, 4):
-                if stages * stage_bytes <= 110 * 1024 or stages == 2:
-                    out.append(WgmmaConfig(block_k=block_k, block_n=block_n, stages=stages,
-                                           block_m=block_m))
+            def smem(stages):
+                return stages * block_k * (2 * block_m + block_n * bits // 8) + 2 * block_m * block_n
+            stages = max([st for st in (2, 3, 4) if smem(st) <= 110 * 1024], default=0)
+            if not stages:
+                continue
+            programs = n // block_n * -(-m // block_m)
+            for splits in sorted({k_splits(programs, k // block_k, want)
+                                  for want in (MIN_WS_UNITS // 2, MIN_WS_UNITS)}):
+                cfg = WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                                  stages=stages, block_m=block_m)
+                out += [cfg, dataclasses.replace(cfg, overlap=True)]
     return out
 
 
@@ -500,7 +518,7 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
         _kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
-        convert=cfg.convert, direct=direct, instruction=cfg.instruction)
+        convert=cfg.convert, direct=direct, instruction=cfg.instruction, overlap=cfg.overlap)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,
