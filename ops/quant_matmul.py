@@ -345,7 +345,7 @@ def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl,
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if (stored_nk and config is None and resolved == "pallas" and impl is None
-            and quant_wgmma.available() and m <= quant_wgmma.DISPATCH_MAX_ROWS
+            and quant_wgmma.available()
             and quant_wgmma.supports(bits, m, k, n, group_size, x.dtype, scales.dtype)):
         if perm is not None:
             x2 = jnp.take(x2, perm, axis=1)  # stored row order (act-order)

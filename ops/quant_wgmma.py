@@ -81,7 +81,6 @@ MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 MIN_WS_UNITS = 264  # ws_config: work units for two per SM of an H200 (132 SMs)
-DISPATCH_MAX_ROWS = MAX_ROWS  # ops/quant_matmul.py runs the kernel up to this many rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +96,11 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one
-    # wgmma: leave each step's wgmma in flight while the next tile is converted (x's slot
-    # released a step late); needs stages >= 2
-    overlap: bool = False
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
 MAX_ACC = 64 * 256  # accumulator elements per warpgroup: 128 float32 registers per thread
-# past MAX_ROWS rows: 128-row x 64-column programs in steps of 64 K, 4 stages (about 90 KB of
-# shared memory: two programs per SM); not yet swept
-LARGE_M_TILE = WgmmaConfig(block_k=64, block_n=64, stages=4, block_m=128)
-
+LARGE_M_ROWS = 512  # large_m_config: from here on 256-row programs
 
 def padded_rows(m: int) -> int:
     """wgmma's N for m activation rows: a multiple of 8."""
@@ -288,7 +281,7 @@ def wgmma_k_order(bits: int, k: int):
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
             steps: int, block_n: int, block_k: int, group_steps: int, stages: int, block_m: int,
-            convert: str, direct: bool, instruction: str, overlap: bool):
+            convert: str, direct: bool, instruction: str):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
     # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
@@ -315,12 +308,10 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
             plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, BM]
-            plgpu.wgmma_wait(1 if overlap else 0)
+            plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
                             max_concurrent_steps=stages)(*args)
-        if overlap:
-            plgpu.wgmma_wait(0)
         return acc_ref[...]
 
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
@@ -332,7 +323,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         plgpu.BlockSpec((block_n, block_k), lambda k: (nb, first + k),
                         transforms=_swizzled(block_k, bits)),
         plgpu.BlockSpec((block_m, block_k), lambda k: (mb, first + k),
-                        transforms=_swizzled(block_k, 16), delay_release=int(overlap)),
+                        transforms=_swizzled(block_k, 16)),
     ]
     args = [w_gmem, x_gmem]
     if grouped:
@@ -370,15 +361,12 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
     of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
-    consumers, one tile of rows, wgmma and the inline conversion), `overlap` on the one-warpgroup
-    wgmma kernel with two stages or more, K of whole steps (block_k of
+    consumers, one tile of rows, wgmma and the inline conversion), K of whole steps (block_k of
     `config`, default `wgmma_config`'s) for every split, and per-channel scales or groups of
     whole steps."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
-    if cfg.overlap and (cfg.instruction != "wgmma" or cfg.stages < 2 or cfg.consumers):
-        return False
     if cfg.block_m:
         if (cfg.block_m % 8 or cfg.block_m > MAX_BLOCK_M or cfg.consumers
                 or cfg.block_m * cfg.block_n > MAX_ACC):
@@ -416,10 +404,9 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     128 INT4 positions (capped by the group) with 3 stages, or 256 INT8 positions with 2;
     128-column programs where that still gives about 200 programs without a split (gate/up,
     the lm head), else 64 columns with the K splits that reach about 384 (INT4) or 256 (INT8)
-    programs, each split at least two steps. Past MAX_ROWS rows, tiles of LARGE_M_TILE."""
+    programs, each split at least two steps. Past MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
-        block_k = min(LARGE_M_TILE.block_k, group_size) if group_size < k else LARGE_M_TILE.block_k
-        return dataclasses.replace(LARGE_M_TILE, block_k=max(block_k, MIN_BLOCK_K))
+        return large_m_config(m, k, n, group_size)
     block_k = 128 if bits == 4 else 256
     if group_size < k:  # a step lies in one group
         block_k = min(block_k, group_size)
@@ -430,6 +417,20 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     splits = 1 if programs >= 200 else k_splits(programs, steps, 384 if bits == 4 else 256)
     return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
                        stages=3 if bits == 4 else 2)
+
+
+def large_m_config(m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
+    """Row tiles from the H200 sweep at 128 and 1024 rows (docs/PERFORMANCE.md, twenty-first
+    session), INT4 and INT8 alike: 2 stages, 64-column programs of 256 rows in steps of 64 K
+    from LARGE_M_ROWS rows on (about 100 KB of shared memory: two programs per SM), else of
+    128 rows in steps of 128 K (capped by the group) with the K splits that give about one
+    program per SM."""
+    block_m, block_k = (256, 64) if m >= LARGE_M_ROWS else (128, 128)
+    if group_size < k:
+        block_k = max(min(block_k, group_size), MIN_BLOCK_K)
+    programs = n // BLOCK_N * -(-m // block_m)
+    return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, stages=2, block_m=block_m,
+                       num_splits=k_splits(programs, max(1, k // block_k), MIN_WS_UNITS // 2))
 
 
 def k_splits(programs: int, steps: int, want: int) -> int:
@@ -473,7 +474,7 @@ def _large_m_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
     """Row tiles of 64 to 256 rows (no more than m needs) times 64 / 128 columns (within
     MAX_ACC), steps of 64 or 128 K with the most stages (2 to 4) whose shared memory, output
     tile included, leaves room for two programs per SM (about 110 KB), the K splits that give
-    an H200 one or two programs per SM (`k_splits`), each with and without `overlap`."""
+    an H200 one or two programs per SM (`k_splits`)."""
     out = []
     for block_m, block_n in ((128, 64), (256, 64), (64, 128), (128, 128)):
         if block_m > 64 and block_m // 2 >= m:
@@ -489,7 +490,7 @@ def _large_m_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
                                   for want in (MIN_WS_UNITS // 2, MIN_WS_UNITS)}):
                 cfg = WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
                                   stages=stages, block_m=block_m)
-                out += [cfg, dataclasses.replace(cfg, overlap=True)]
+                out.append(cfg)
     return out
 
 
@@ -518,7 +519,7 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
         _kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
-        convert=cfg.convert, direct=direct, instruction=cfg.instruction, overlap=cfg.overlap)
+        convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,

@@ -13,8 +13,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   INT8 per channel), the same tiles on mma.sync (`mma` rows, instruction="mma", up to
   MAX_MMA_ROWS rows), the warp-specialized persistent kernel (`ws` rows, `ws_config`), and
   with `--triton` the Triton "nk" path it replaced
-  (PALLASITE_WGMMA=off in ops/quant_matmul.py's dispatch), with `--xla` XLA's dequantize + dot
-  (the dispatch's path for many rows); TB/s = codes and scales read over the device time.
+  (PALLASITE_WGMMA=off in ops/quant_matmul.py's dispatch: Triton up to 128 rows, then XLA's
+  dequantize + dot), with `--xla` XLA's dequantize + dot itself; TB/s = codes and scales read
+  over the device time.
   Past MAX_ROWS rows (prefill) the kernel runs row tiles (WgmmaConfig.block_m).
 - sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape, bits and M (block_k,
   block_n, splits, stages; wgmma and, up to MAX_MMA_ROWS rows, mma.sync; the warp-specialized
@@ -55,7 +56,7 @@ flags.DEFINE_integer("calls", 8, "products (distinct weight sets) per program")
 flags.DEFINE_integer("queue", 3, "programs queued in the traced run")
 flags.DEFINE_bool("triton", False, "table: also time the Triton 'nk' path of the same codes")
 flags.DEFINE_bool("xla", False, "table: also time XLA's dequantize + dot of the same codes "
-                  "(the dispatch's path past DISPATCH_MAX_ROWS rows)")
+                  "(the path of other GPUs for many rows)")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 
 

@@ -138,9 +138,6 @@ def test_supports_and_config():
         assert not qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, bad), bad
     assert qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                        qw.WgmmaConfig(block_k=128, block_m=32, instruction="mma"))
-    for bad in (qw.WgmmaConfig(block_k=128, stages=1, overlap=True),
-                qw.WgmmaConfig(block_k=128, instruction="mma", overlap=True)):
-        assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, bad), bad
     assert all(qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, c)
                for c in qw.sweep_configs(4, 4096, 28672, 1024))
 
@@ -185,17 +182,17 @@ def test_elsewhere_a_clear_error():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("bits,group,convert,instruction,consumers,m,block_m,overlap", [
-    (4, 128, "inline", "wgmma", 0, 16, 0, False), (8, 256, "inline", "wgmma", 0, 16, 0, False),
-    (4, 256, "mosaic", "wgmma", 0, 16, 0, False), (4, 128, "inline", "mma", 0, 16, 0, False),
-    (8, 512, "inline", "mma", 0, 16, 0, False), (4, 128, "inline", "wgmma", 2, 16, 0, False),
-    (8, 512, "inline", "wgmma", 2, 16, 0, False), (4, 128, "inline", "wgmma", 0, 300, 128, True),
-    (8, 512, "inline", "wgmma", 0, 200, 256, False), (8, 256, "inline", "wgmma", 0, 16, 0, True)])
-def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m, overlap,
+@pytest.mark.parametrize("bits,group,convert,instruction,consumers,m,block_m", [
+    (4, 128, "inline", "wgmma", 0, 16, 0), (8, 256, "inline", "wgmma", 0, 16, 0),
+    (4, 256, "mosaic", "wgmma", 0, 16, 0), (4, 128, "inline", "mma", 0, 16, 0),
+    (8, 512, "inline", "mma", 0, 16, 0), (4, 128, "inline", "wgmma", 2, 16, 0),
+    (8, 512, "inline", "wgmma", 2, 16, 0), (4, 128, "inline", "wgmma", 0, 300, 128),
+    (8, 512, "inline", "wgmma", 0, 200, 256)])
+def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m,
                             monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
     the pipeline are built in Python at this point (the Hopper check is told yes); with
-    block_m, row tiles over many activation rows; with overlap, wgmmas left in flight."""
+    block_m, row tiles over many activation rows."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
     k, n = 512, 128
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -205,8 +202,7 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     block_n = 128 if convert == "inline" and not consumers and block_m <= 128 else 64
     cfg = qw.WgmmaConfig(block_k=128, block_n=block_n,
                          num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
-                         instruction=instruction, consumers=consumers, block_m=block_m,
-                         overlap=overlap)
+                         instruction=instruction, consumers=consumers, block_m=block_m)
     fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
                                                  config=cfg))
     text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
@@ -284,12 +280,11 @@ def reference(bits, x, w):
                                                      instruction="mma")),
     (8, 9, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, block_n=128, stages=3,
                                                    instruction="mma", direct=False)),
-    # row tiles (block_m) past MAX_ROWS rows: ragged rows, offsets, K splits, mma.sync,
-    # wgmmas left in flight (overlap)
+    # row tiles (block_m) past MAX_ROWS rows: ragged rows, offsets, K splits, mma.sync
     pytest.param(4, 300, 4096, 4096, 128, False,
                  qw.WgmmaConfig(block_k=64, block_m=128, stages=4), id="rowtiles-a"),
     pytest.param(4, 520, 4096, 4096, 128, True,
-                 qw.WgmmaConfig(block_k=128, block_m=128, stages=3, overlap=True),
+                 qw.WgmmaConfig(block_k=128, block_m=128, stages=3),
                  id="rowtiles-b"),
     pytest.param(4, 1024, 4096, 6144, 128, True, None, id="rowtiles-c"),
     pytest.param(8, 200, 4096, 4096, 4096, False,
@@ -300,8 +295,6 @@ def reference(bits, x, w):
     pytest.param(8, 96, 1024, 512, 1024, True,
                  qw.WgmmaConfig(block_k=128, block_m=32, stages=2, instruction="mma"),
                  id="rowtiles-f"),
-    pytest.param(8, 16, 4096, 4096, 4096, False,
-                 qw.WgmmaConfig(block_k=256, stages=3, overlap=True), id="overlap-16"),
     # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     (4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128)),
     (4, 1, 4096, 4096, 64, True, qw.WgmmaConfig(block_k=64, num_splits=8, stages=4,
