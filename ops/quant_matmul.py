@@ -7,9 +7,9 @@ Weights arrive in the packed layouts of quant/qtensor.py, read as they are store
     scales (and asymmetric offsets) [ceil(K / group_size), N] in a float dtype:
           symmetric w = s * (c - 2^(bits-1)), asymmetric w = s * c + offset.
     layout "nk": the same int4 words / int8 codes stored transposed, [N, K/8] / [N, K]
-          (ops.matmul.TransposedWeight, the --gemv_layers models). On a Hopper GPU, up to 64
-          rows with bf16 activations, the dispatch runs ops/quant_wgmma.py (Pallas Mosaic
-          GPU: the dequantized tile is wgmma's register operand). Otherwise the tensor-core
+          (ops.matmul.TransposedWeight, the --gemv_layers models). On a Hopper GPU, with bf16
+          activations, the dispatch runs ops/quant_wgmma.py (Pallas Mosaic GPU: the
+          dequantized tile is wgmma's register operand; row tiles past 64 rows). Otherwise the tensor-core
           paths ("auto" with block_m >= 16, "mma", "mma_t") read their tiles through
           transposed indices (ops.quant_tiles._load_codes); matmul_config gives them those
           paths from one row up.

@@ -16,6 +16,9 @@ unit writes float32 partials [splits, N, MP], which ops.quant_wgmma.wgmma_matmul
 Why (docs/PERFORMANCE.md, twentieth session): INT4 on the one-warpgroup kernel reads at about
 2.1-2.4 TB/s however its instructions, its tensor op or its stage depth change. What is left
 is its structure: 1.7 four-warp programs per SM on gate/up, and x read once per program.
+Measured (twenty-first session): correct, but 12-35% slower than the one-warpgroup kernel at 1
+and 16 rows on the four Llama-3.1-8B products with two consumers (`ws_config`), so the
+dispatch does not use it. Untried: chaining the units' pipelines (no drain between units).
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ inline PTX (a numpy model of each instruction, on every code), the K order they 
 permutation inside each block, matching what the model of the conversion produces), the
 kernel's lowering to Mosaic GPU for an H200 (layout inference and the register conversions run
 at lowering time), the dispatch rule and the errors. On an H200 the kernel itself is compared
-with the reference for 1 to 64 rows, every group size it takes, with and without offsets.
+with the reference for 1 to 64 rows in one tile and up to 1024 in row tiles, every group size
+it takes, with and without offsets.
 """
 from __future__ import annotations
 
