@@ -90,6 +90,9 @@ MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 MIN_WS_UNITS = 264  # ws_config: work units for two per SM of an H200 (132 SMs)
+# ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
+# splits: at many rows their float32 partials are as large as the output)
+MIN_WS_ROW_TILE_UNITS = 96
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,14 +373,14 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
     of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
-    consumers, one tile of rows, wgmma and the inline conversion), K of whole steps (block_k of
+    consumers, wgmma and the inline conversion), K of whole steps (block_k of
     `config`, default `wgmma_config`'s) for every split, and per-channel scales or groups of
     whole steps."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
     if cfg.block_m:
-        if (cfg.block_m % 8 or cfg.block_m > MAX_BLOCK_M or cfg.consumers
+        if (cfg.block_m % 8 or cfg.block_m > MAX_BLOCK_M
                 or cfg.block_m * cfg.block_n > MAX_ACC):
             return False
     elif m > MAX_ROWS:
@@ -455,7 +458,16 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
               consumers: int = 2) -> WgmmaConfig:
     """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), not yet swept:
     `wgmma_config`'s step, 64 columns per consumer, and the fewest K splits (each at least two
-    steps) that give every SM at least two units."""
+    steps) that give every SM at least two units. Past MAX_ROWS rows, `large_m_config`'s row
+    tiles in steps of 64 K, 3 stages, and the splits that give MIN_WS_ROW_TILE_UNITS units."""
+    if m > MAX_ROWS:
+        base = large_m_config(m, k, n, group_size)
+        block_k = max(min(64, base.block_k), MIN_BLOCK_K)
+        units = n // (consumers * BLOCK_N) * -(-m // base.block_m)
+        return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, stages=3, block_m=base.block_m,
+                           consumers=consumers,
+                           num_splits=k_splits(units, max(1, k // block_k),
+                                               MIN_WS_ROW_TILE_UNITS))
     base = wgmma_config(bits, m, k, n, group_size)
     steps = max(1, k // base.block_k)
     splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
@@ -468,15 +480,37 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
     128 / 256 columns times K splits giving about 120 to 1100 programs (or none where the
     columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages);
     for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma". Past
-    MAX_ROWS rows, the row tiles of `_large_m_tiles`."""
+    MAX_ROWS rows, the row tiles of `_large_m_tiles` and, for the warp-specialized kernel,
+    `_ws_row_tiles`."""
     if m > MAX_ROWS:
-        return _large_m_tiles(bits, k, n, m)
+        return _large_m_tiles(bits, k, n, m) + _ws_row_tiles(bits, k, n, m)
     instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
     group = 128 if bits == 4 else k
     ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3, 4)
           if n % (c * BLOCK_N) == 0]
     return [dataclasses.replace(cfg, instruction=op) for cfg in _sweep_tiles(bits, k, n)
             for op in instructions] + ws
+
+
+def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
+    """Row tiles for the warp-specialized kernel: 128 or 256 rows (no more than m needs) shared
+    by 2-4 consumers of 64 columns (N permitting), steps of 64 K, the most stages (up to 4) and
+    one fewer whose shared memory (the bf16 output tiles included) fits an SM (about 220 KB),
+    K splits up to MIN_WS_ROW_TILE_UNITS units."""
+    out = []
+    for block_m, consumers in ((128, 2), (256, 2), (128, 3), (128, 4)):
+        if (block_m > 128 and block_m // 2 >= m) or n % (consumers * BLOCK_N):
+            continue
+        def smem(stages):
+            return (stages * 64 * (2 * block_m + consumers * BLOCK_N * bits // 8)
+                    + 2 * consumers * block_m * BLOCK_N)
+        stages = max([st for st in (2, 3, 4) if smem(st) <= 220 * 1024], default=0)
+        units = n // (consumers * BLOCK_N) * -(-m // block_m)
+        splits = k_splits(units, k // 64, MIN_WS_ROW_TILE_UNITS)
+        out += [WgmmaConfig(block_k=64, block_n=BLOCK_N, num_splits=splits, stages=st,
+                            block_m=block_m, consumers=consumers)
+                for st in sorted({stages, max(2, stages - 1)}) if stages]
+    return out
 
 
 def _large_m_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
@@ -573,10 +607,11 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int4).reshape(n, k)
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
-    direct = cfg.direct and cfg.num_splits == 1 and offsets is None and not cfg.consumers
+    direct = cfg.direct and cfg.num_splits == 1 and offsets is None
     if cfg.consumers:  # several warpgroups per SM sharing each x tile
-        from ops.quant_wgmma_ws import ws_partials  # it imports this module
-        out = ws_partials(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg)
+        from ops.quant_wgmma_ws import ws_product  # it imports this module
+        out = ws_product(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
+                         block_m=block_m, direct=direct)
     else:
         out = _one_warpgroup(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
                              direct=direct, block_m=block_m)

@@ -6,19 +6,25 @@ One program per SM (`grid` = the SM count), each of C + 1 warpgroups:
 - the last warpgroup only issues the TMA copies (`plgpu.emit_pipeline_warp_specialized`, with
   few registers);
 - each of the C consumer warpgroups converts and multiplies its own `block_n` rows of a code
-  tile [C * block_n, block_k], all of them against the same x tile [MP, block_k] in shared
-  memory (the one-warpgroup kernel re-reads x for every block_n columns).
+  tile [C * block_n, block_k], all of them against the same x tile [BM, block_k] in shared
+  memory (the one-warpgroup kernel re-reads x for every block_n columns). BM is all the rows
+  (padded to a multiple of 8, up to 64) or, with `block_m`, one row tile of that many.
 
-The programs walk the work units (a C * block_n column tile times one of `num_splits` K
-ranges) in turn (`plgpu.nd_loop`); a unit's pipeline starts and drains inside the unit. Every
-unit writes float32 partials [splits, N, MP], which ops.quant_wgmma.wgmma_matmul sums.
+The programs walk the work units (a C * block_n column tile times a row tile times one of
+`num_splits` K ranges) in turn (`plgpu.nd_loop`); a unit's pipeline starts and drains inside
+the unit. With one split (and no offsets) each consumer writes its bf16 tile of the product
+[MP, N] itself, transposed on its way through shared memory; with more, float32 partials
+[splits, N, MP], which ops.quant_wgmma.wgmma_matmul sums.
 
 Why (docs/PERFORMANCE.md, twentieth session): INT4 on the one-warpgroup kernel reads at about
 2.1-2.4 TB/s however its instructions, its tensor op or its stage depth change. What is left
 is its structure: 1.7 four-warp programs per SM on gate/up, and x read once per program.
 Measured (twenty-first session): correct, but 12-35% slower than the one-warpgroup kernel at 1
 and 16 rows on the four Llama-3.1-8B products with two consumers (`ws_config`), so the
-dispatch does not use it. Untried: chaining the units' pipelines (no drain between units).
+dispatch does not use it (it then wrote float32 partials for every split count). Untried on the
+GPU: row tiles for many rows (where the shared x tile halves the shared-memory traffic per
+product, as in the fastest bf16 products), the direct bf16 output, and chaining the units'
+pipelines (no drain between units).
 """
 from __future__ import annotations
 
@@ -36,10 +42,13 @@ MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (the rest go
 
 
 def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
-               steps: int, block_n: int, block_k: int, group_steps: int, stages: int, mp: int,
-               consumers: int, splits: int, units: int):
+               steps: int, block_n: int, block_k: int, group_steps: int, stages: int,
+               block_m: int, consumers: int, splits: int, row_tiles: int, units: int,
+               direct: bool):
     # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N];
-    # out_gmem [splits, N, MP] float32 partials; out_smem [consumers, block_n, MP] float32
+    # out_gmem: `direct` [MP, N] bf16 (one split), else [splits, N, MP] float32 partials;
+    # out_smem: each consumer's tile, [consumers, BM, block_n] bf16 / [consumers, block_n, BM]
+    # float32 (BM = block_m rows of x per unit, MP / BM row tiles)
     wg = lax.axis_index("wg")
     cta_n = consumers * block_n
     upcast, inline = qw._codes_to_bf16(bits, block_n, block_k)
@@ -47,7 +56,7 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
     def get_pipeline(body, context, first):
         specs = [plgpu.BlockSpec((cta_n, block_k), lambda k: (0, k),
                                  transforms=qw._swizzled(block_k, bits)),
-                 plgpu.BlockSpec((mp, block_k), lambda k: (0, k),
+                 plgpu.BlockSpec((block_m, block_k), lambda k: (0, k),
                                  transforms=qw._swizzled(block_k, 16))]
         if grouped:  # this step's group scales of the tile's columns
             specs.append(plgpu.BlockSpec((1, cta_n), lambda k: ((first + k) // group_steps, 0)))
@@ -56,10 +65,10 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
             wg_axis="wg", num_compute_wgs=consumers, max_concurrent_steps=stages,
             compute_context=context)
 
-    def views(nb, split):  # a unit's slices of the inputs
+    def views(nb, mb, split):  # a unit's slices of the inputs
         cols = pl.ds(nb * cta_n, cta_n)
         ks = pl.ds(split * steps * block_k, steps * block_k)
-        refs = [w_gmem.at[cols, ks], x_gmem.at[:, ks]]
+        refs = [w_gmem.at[cols, ks], x_gmem.at[pl.ds(mb * block_m, block_m), ks]]
         if grouped:
             refs.append(s_gmem.at[:, cols])
         return refs
@@ -67,38 +76,49 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
     ignore = lambda *_, **__: None  # noqa: E731  (allocations depend on the specs only)
 
     @functools.partial(pl.run_scoped,
-                       allocs=get_pipeline(ignore, ignore, 0).get_allocations(*views(0, 0)),
+                       allocs=get_pipeline(ignore, ignore, 0).get_allocations(*views(0, 0, 0)),
                        collective_axes="wg")
     def _scope(allocs):
         @plgpu.nd_loop((units,), collective_axes="sm")
         def _unit(info):
             (u,) = info.index
-            nb, split = u // splits, u % splits
-            rows = pl.ds(wg * block_n, block_n)  # this consumer's rows of the tile
+            split, tile = u % splits, u // splits
+            mb, nb = tile % row_tiles, tile // row_tiles
+            rows = pl.ds(wg * block_n, block_n)  # this consumer's rows of the code tile
             out_cols = pl.ds(nb * cta_n + wg * block_n, block_n)
+            out_rows = pl.ds(mb * block_m, block_m)
 
             def context(eval_pipeline):
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((block_n, mp), jnp.float32))
+                @functools.partial(pl.run_scoped,
+                                   acc_ref=plgpu.ACC((block_n, block_m), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    acc = acc_ref[...]  # [block_n, MP]
+                    acc = acc_ref[...]  # [block_n, BM]
                     if not grouped:  # per-channel scales, once per unit
                         acc = qw.channel_scaled(acc, s_gmem.at[0, out_cols])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's copy
-                    out_smem.at[wg][...] = acc
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[split, out_cols])
+                    if direct:  # transposed on its way to shared memory: out [MP, N]
+                        out_smem.at[wg].T[...] = plgpu.layout_cast(
+                            acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_rows, out_cols])
+                    else:
+                        out_smem.at[wg][...] = acc
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                                out_gmem.at[split, out_cols, out_rows])
 
             def body(_, w_smem, x_smem, *rest):
                 *s_smem, acc_ref = rest
                 w = inline(plgpu.load(w_smem.at[rows], layout=upcast))  # bf16 c - z
                 if grouped:
                     w = qw.group_scaled(w, s_smem[0].at[0, rows], plgpu.Layout.WGMMA)
-                plgpu.wgmma(acc_ref, w, x_smem.T)  # [block_n, BK] @ [BK, MP]
+                plgpu.wgmma(acc_ref, w, x_smem.T)  # [block_n, BK] @ [BK, BM]
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            get_pipeline(body, context, split * steps)(*views(nb, split), allocations=allocs)
+            get_pipeline(body, context, split * steps)(*views(nb, mb, split),
+                                                       allocations=allocs)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -107,20 +127,29 @@ def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def ws_partials(xp, codes, scales, *, bits: int, group_size: int, cfg: qw.WgmmaConfig):
-    """float32 partials [splits, N, MP] of xp [MP, K] (columns in wgmma_k_order) times the
-    codes [N, K] (jnp.int4 / int8) with scales [G, N], by the warp-specialized kernel."""
+def ws_product(xp, codes, scales, *, bits: int, group_size: int, cfg: qw.WgmmaConfig,
+               block_m: int, direct: bool):
+    """xp [MP, K] (columns in wgmma_k_order, MP a multiple of block_m) times the codes [N, K]
+    (jnp.int4 / int8) with scales [G, N], by the warp-specialized kernel: the product [MP, N]
+    bf16 when `direct` (one split), else float32 partials [splits, N, MP]."""
     mp, k = xp.shape
     n = codes.shape[0]
-    units = n // (cfg.consumers * cfg.block_n) * cfg.num_splits
+    row_tiles = mp // block_m
+    units = n // (cfg.consumers * cfg.block_n) * row_tiles * cfg.num_splits
     kernel = functools.partial(
         _ws_kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
-        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, mp=mp,
-        consumers=cfg.consumers, splits=cfg.num_splits, units=units)
+        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
+        consumers=cfg.consumers, splits=cfg.num_splits, row_tiles=row_tiles, units=units,
+        direct=direct)
+    if direct:
+        out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
+        tile = plgpu.SMEM((cfg.consumers, block_m, cfg.block_n), jnp.bfloat16,
+                          transforms=qw._swizzled(cfg.block_n, 16))
+    else:
+        out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
+        tile = plgpu.SMEM((cfg.consumers, cfg.block_n, block_m), jnp.float32)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32),
-        grid=(min(sm_count(), units),), grid_names=("sm",), num_threads=cfg.consumers + 1,
-        thread_name="wg", scratch_types=[plgpu.SMEM((cfg.consumers, cfg.block_n, mp),
-                                                    jnp.float32)],
+        kernel, out_type=out_type, grid=(min(sm_count(), units),), grid_names=("sm",),
+        num_threads=cfg.consumers + 1, thread_name="wg", scratch_types=[tile],
         kernel_name=f"int{bits}_wgmma_ws")(xp, codes, scales)

@@ -134,11 +134,12 @@ def test_supports_and_config():
     assert qw.row_tiling(13, qw.WgmmaConfig()) == (16, 16)
     for bad in (qw.WgmmaConfig(block_m=100), qw.WgmmaConfig(block_m=512),
                 qw.WgmmaConfig(block_m=256, block_n=128),
-                qw.WgmmaConfig(block_k=128, block_m=128, consumers=2),
                 qw.WgmmaConfig(block_k=128, block_m=64, instruction="mma")):
         assert not qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, bad), bad
     assert qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                        qw.WgmmaConfig(block_k=128, block_m=32, instruction="mma"))
+    assert qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
+                       qw.WgmmaConfig(block_k=64, block_m=256, consumers=2))
     assert all(qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, c)
                for c in qw.sweep_configs(4, 4096, 28672, 1024))
 
@@ -188,7 +189,8 @@ def test_elsewhere_a_clear_error():
     (4, 256, "mosaic", "wgmma", 0, 16, 0), (4, 128, "inline", "mma", 0, 16, 0),
     (8, 512, "inline", "mma", 0, 16, 0), (4, 128, "inline", "wgmma", 2, 16, 0),
     (8, 512, "inline", "wgmma", 2, 16, 0), (4, 128, "inline", "wgmma", 0, 300, 128),
-    (8, 512, "inline", "wgmma", 0, 200, 256)])
+    (8, 512, "inline", "wgmma", 0, 200, 256), (4, 128, "inline", "wgmma", 2, 300, 128),
+    (8, 512, "inline", "wgmma", 2, 200, 64)])
 def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m,
                             monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
@@ -296,6 +298,12 @@ def reference(bits, x, w):
     pytest.param(8, 96, 1024, 512, 1024, True,
                  qw.WgmmaConfig(block_k=128, block_m=32, stages=2, instruction="mma"),
                  id="rowtiles-f"),
+    pytest.param(4, 1000, 4096, 4096, 128, False,
+                 qw.WgmmaConfig(block_k=64, block_m=256, stages=3, consumers=2),
+                 id="rowtiles-ws"),
+    pytest.param(8, 300, 2048, 1536, 2048, True,
+                 qw.WgmmaConfig(block_k=128, block_m=128, stages=2, num_splits=2, consumers=3),
+                 id="rowtiles-ws-splits"),
     # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     (4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128)),
     (4, 1, 4096, 4096, 64, True, qw.WgmmaConfig(block_k=64, num_splits=8, stages=4,
