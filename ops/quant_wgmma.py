@@ -107,12 +107,20 @@ class WgmmaConfig:
     direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
-    block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one
+    block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
 MAX_ACC = 64 * 256  # accumulator elements per warpgroup: 128 float32 registers per thread
 LARGE_M_ROWS = 512  # large_m_config: from here on 256-row programs
+
+
+def smem_bytes(bits: int, block_m: int, block_k: int, columns: int, stages: int) -> int:
+    """Shared memory of a program with row tiles: `stages` steps of x's tile [block_m,
+    block_k] bf16 and the codes [columns, block_k], and the bf16 output tile [block_m,
+    columns] (barriers and scales left out)."""
+    return stages * block_k * (2 * block_m + columns * bits // 8) + 2 * block_m * columns
+
 
 def padded_rows(m: int) -> int:
     """wgmma's N for m activation rows: a multiple of 8."""
@@ -501,10 +509,8 @@ def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
     for block_m, consumers in ((128, 2), (256, 2), (128, 3), (128, 4)):
         if (block_m > 128 and block_m // 2 >= m) or n % (consumers * BLOCK_N):
             continue
-        def smem(stages):
-            return (stages * 64 * (2 * block_m + consumers * BLOCK_N * bits // 8)
-                    + 2 * consumers * block_m * BLOCK_N)
-        stages = max([st for st in (2, 3, 4) if smem(st) <= 220 * 1024], default=0)
+        stages = max([st for st in (2, 3, 4) if smem_bytes(
+            bits, block_m, 64, consumers * BLOCK_N, st) <= 220 * 1024], default=0)
         units = n // (consumers * BLOCK_N) * -(-m // block_m)
         splits = k_splits(units, k // 64, MIN_WS_ROW_TILE_UNITS)
         out += [WgmmaConfig(block_k=64, block_n=BLOCK_N, num_splits=splits, stages=st,
@@ -523,9 +529,8 @@ def _large_m_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
         if block_m > 64 and block_m // 2 >= m:
             continue
         for block_k in (64, 128):
-            def smem(stages):
-                return stages * block_k * (2 * block_m + block_n * bits // 8) + 2 * block_m * block_n
-            stages = max([st for st in (2, 3, 4) if smem(st) <= 110 * 1024], default=0)
+            stages = max([st for st in (2, 3, 4) if smem_bytes(
+                bits, block_m, block_k, block_n, st) <= 110 * 1024], default=0)
             if not stages:
                 continue
             programs = n // block_n * -(-m // block_m)
