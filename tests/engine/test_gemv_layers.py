@@ -147,15 +147,16 @@ def test_transpose_errors_leave_the_model_whole():
 @pytest.mark.skipif(not ops.quant_wgmma.available(), reason="needs a Hopper GPU (wgmma)")
 def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     """A bf16 model with INT4 codes (groups of 128) stored transposed, shapes the Hopper kernel
-    takes: decode steps of two and three rows run ops/quant_wgmma.py, and give the greedy
-    tokens of the Triton "nk" paths (PALLASITE_WGMMA=off), log-probabilities within bf16
-    rounding."""
+    takes: decode steps of two and three rows run ops/quant_wgmma.py in one row tile, the
+    prefill of a 90-token prompt in row tiles, and give the greedy tokens of the Triton "nk"
+    and XLA paths (PALLASITE_WGMMA=off), log-probabilities within bf16 rounding."""
     cfg = TINY_LLAMA31.replace(hidden_size=256, intermediate_size=512, num_heads=4,
                                num_kv_heads=2, head_dim=64)
     model = model_from_pure_dict(cfg, unit_scale_pure_dict(cfg, 21), jnp.bfloat16)
     model = quantize_model(cfg, model, QuantConfig("int4_rtn", group_size=128), progress=False)
     cfg, model = transpose_for_gemv(*fuse_projections(cfg, model))
-    prompts = [[5, 9, 44, 7], [3, 100, 21, 8, 90, 4, 17], [11, 12, 13, 14, 15]]
+    long_prompt = np.random.default_rng(5).integers(3, cfg.vocab_size, 90).tolist()
+    prompts = [[5, 9, 44, 7], [3, 100, 21, 8, 90, 4, 17], long_prompt]
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
     rows: list[int] = []
     inner = ops.quant_wgmma.wgmma_matmul
@@ -165,7 +166,8 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
         return inner(x, *args, **kwargs)
     monkeypatch.setattr(ops.quant_wgmma, "wgmma_matmul", counted)
     got = generate(model, cfg, prompts, params)
-    assert rows and max(rows) <= ops.quant_wgmma.MAX_ROWS and min(rows) >= 2
+    assert rows and min(rows) >= 2 and max(rows) > ops.quant_wgmma.MAX_ROWS  # row tiles
+    assert any(r <= ops.quant_wgmma.MAX_ROWS for r in rows)  # decode steps: one tile
     monkeypatch.setenv("PALLASITE_WGMMA", "off")
     jax.clear_caches()
     rows.clear()
