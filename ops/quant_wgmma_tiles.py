@@ -1,0 +1,232 @@
+"""The tiles of ops/quant_wgmma.py's kernels: `WgmmaConfig`, which products they take
+(`supports`), the dispatch's tiles (`wgmma_config`: one row tile up to MAX_ROWS rows, then
+`large_m_config`), the warp-specialized kernel's (`ws_config`) and the tiles
+scripts/bench_wgmma.py sweeps (`sweep_configs`). Pure Python over shapes: the sizes and rules
+come from wgmma (m64 programs of BLOCK_N columns, N up to MAX_BLOCK_M rows), the register file
+(MAX_ACC) and the H200 sweeps recorded in docs/PERFORMANCE.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
+MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
+MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
+MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
+MIN_WS_UNITS = 264  # ws_config: work units for two per SM of an H200 (132 SMs)
+# ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
+# splits: at many rows their float32 partials are as large as the output)
+MIN_WS_ROW_TILE_UNITS = 96
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """block_k: K positions per pipeline step; num_splits: programs along K; stages: pipeline
+    steps in flight (TMA copies ahead of the math)."""
+    block_k: int = 256
+    block_n: int = 64  # output columns per program (a multiple of BLOCK_N: m64 wgmmas)
+    num_splits: int = 1
+    stages: int = 4
+    convert: str = "inline"  # codes -> bf16: "inline" (_codes_to_bf16) or "mosaic" (astype)
+    direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
+    instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
+    consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
+    block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
+
+
+MAX_BLOCK_M = 256  # wgmma's largest N
+MAX_ACC = 64 * 256  # accumulator elements per warpgroup: 128 float32 registers per thread
+LARGE_M_ROWS = 512  # large_m_config: from here on 256-row programs
+
+
+def smem_bytes(bits: int, block_m: int, block_k: int, columns: int, stages: int) -> int:
+    """Shared memory of a program with row tiles: `stages` steps of x's tile [block_m,
+    block_k] bf16 and the codes [columns, block_k], and the bf16 output tile [block_m,
+    columns] (barriers and scales left out)."""
+    return stages * block_k * (2 * block_m + columns * bits // 8) + 2 * block_m * columns
+
+
+def padded_rows(m: int) -> int:
+    """wgmma's N for m activation rows: a multiple of 8."""
+    return max(8, -(-m // 8) * 8)
+
+
+def row_tiling(m: int, cfg: WgmmaConfig) -> tuple[int, int]:
+    """(rows per program, padded rows): one tile of `padded_rows` when cfg.block_m is 0, else
+    tiles of block_m rows."""
+    if not cfg.block_m:
+        return padded_rows(m), padded_rows(m)
+    return cfg.block_m, -(-m // cfg.block_m) * cfg.block_m
+
+
+def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales_dtype,
+             config: WgmmaConfig | None = None) -> bool:
+    """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows in
+    one tile or any number in tiles of block_m (a multiple of 8 up to MAX_BLOCK_M, at most
+    MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
+    MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
+    of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
+    consumers, wgmma and the inline conversion), K of whole steps (block_k of
+    `config`, default `wgmma_config`'s) for every split, and per-channel scales or groups of
+    whole steps."""
+    if bits not in (4, 8) or m < 1 or n % BLOCK_N:
+        return False
+    cfg = config or wgmma_config(bits, m, k, n, group_size)
+    if cfg.block_m:
+        if (cfg.block_m % 8 or cfg.block_m > MAX_BLOCK_M
+                or cfg.block_m * cfg.block_n > MAX_ACC):
+            return False
+    elif m > MAX_ROWS:
+        return False
+    if cfg.instruction not in ("wgmma", "mma") or (cfg.instruction == "mma" and (
+            row_tiling(m, cfg)[0] > MAX_MMA_ROWS or cfg.convert != "inline")):
+        return False
+    if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
+        return False
+    if cfg.consumers and not (2 <= cfg.consumers <= 4 and cfg.instruction == "wgmma"
+                              and cfg.convert == "inline"):
+        return False
+    grouped = -(-k // group_size) > 1
+    return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
+            and cfg.block_k >= MIN_BLOCK_K and k % (cfg.block_k * cfg.num_splits) == 0
+            and (not grouped or group_size % cfg.block_k == 0))
+
+
+def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
+    """Tiles from the H200 sweep at 16 rows (docs/PERFORMANCE.md, nineteenth session): steps of
+    128 INT4 positions (capped by the group) with 3 stages, or 256 INT8 positions with 2;
+    128-column programs where that still gives about 200 programs without a split (gate/up,
+    the lm head), else 64 columns with the K splits that reach about 384 (INT4) or 256 (INT8)
+    programs, each split at least two steps. Past MAX_ROWS rows, `large_m_config`."""
+    if m > MAX_ROWS:
+        return large_m_config(m, k, n, group_size)
+    block_k = 128 if bits == 4 else 256
+    if group_size < k:  # a step lies in one group
+        block_k = min(block_k, group_size)
+    block_k = max(block_k, MIN_BLOCK_K)
+    block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
+    steps = max(1, k // block_k)
+    programs = max(1, n // block_n)
+    splits = 1 if programs >= 200 else k_splits(programs, steps, 384 if bits == 4 else 256)
+    return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                       stages=3 if bits == 4 else 2)
+
+
+def large_m_config(m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
+    """Row tiles from the H200 sweep at 128 and 1024 rows (docs/PERFORMANCE.md, twenty-first
+    session), INT4 and INT8 alike: 2 stages, 64-column programs of 256 rows in steps of 64 K
+    from LARGE_M_ROWS rows on (about 100 KB of shared memory: two programs per SM), else of
+    128 rows in steps of 128 K (capped by the group) with the K splits that give about one
+    program per SM."""
+    block_m, block_k = (256, 64) if m >= LARGE_M_ROWS else (128, 128)
+    if group_size < k:
+        block_k = max(min(block_k, group_size), MIN_BLOCK_K)
+    programs = n // BLOCK_N * -(-m // block_m)
+    return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, stages=2, block_m=block_m,
+                       num_splits=k_splits(programs, max(1, k // block_k), MIN_WS_UNITS // 2))
+
+
+def k_splits(programs: int, steps: int, want: int) -> int:
+    """The fewest power-of-two K splits that give `programs` column tiles at least `want`
+    programs (or units), each split of at least two of the `steps`."""
+    splits = 1
+    while programs * splits < want and steps % (splits * 2) == 0 and steps // (splits * 2) >= 2:
+        splits *= 2
+    return splits
+
+
+def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
+              consumers: int = 2) -> WgmmaConfig:
+    """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), not yet swept:
+    `wgmma_config`'s step, 64 columns per consumer, and the fewest K splits (each at least two
+    steps) that give every SM at least two units. Past MAX_ROWS rows, `large_m_config`'s row
+    tiles in steps of 64 K, 3 stages, and the splits that give MIN_WS_ROW_TILE_UNITS units."""
+    if m > MAX_ROWS:
+        base = large_m_config(m, k, n, group_size)
+        block_k = max(min(64, base.block_k), MIN_BLOCK_K)
+        units = n // (consumers * BLOCK_N) * -(-m // base.block_m)
+        return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, stages=3, block_m=base.block_m,
+                           consumers=consumers,
+                           num_splits=k_splits(units, max(1, k // block_k),
+                                               MIN_WS_ROW_TILE_UNITS))
+    base = wgmma_config(bits, m, k, n, group_size)
+    steps = max(1, k // base.block_k)
+    splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
+    return WgmmaConfig(block_k=base.block_k, block_n=BLOCK_N, num_splits=splits,
+                       stages=4 if bits == 4 else 2, consumers=consumers)
+
+
+def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaConfig]:
+    """The tiles scripts/bench_wgmma.py sweeps (INT4 in groups of 128, INT8 per channel): 64 /
+    128 / 256 columns times K splits giving about 120 to 1100 programs (or none where the
+    columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages);
+    for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma". Past
+    MAX_ROWS rows, the row tiles of `_large_m_tiles` and, for the warp-specialized kernel,
+    `_ws_row_tiles`."""
+    if m > MAX_ROWS:
+        return _large_m_tiles(bits, k, n, m) + _ws_row_tiles(bits, k, n, m)
+    instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
+    group = 128 if bits == 4 else k
+    ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3, 4)
+          if n % (c * BLOCK_N) == 0]
+    return [dataclasses.replace(cfg, instruction=op) for cfg in _sweep_tiles(bits, k, n)
+            for op in instructions] + ws
+
+
+def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
+    """Row tiles for the warp-specialized kernel: 128 or 256 rows (no more than m needs) shared
+    by 2-4 consumers of 64 columns (N permitting), steps of 64 K, the most stages (up to 4) and
+    one fewer whose shared memory (the bf16 output tiles included) fits an SM (about 220 KB),
+    K splits up to MIN_WS_ROW_TILE_UNITS units."""
+    out = []
+    for block_m, consumers in ((128, 2), (256, 2), (128, 3), (128, 4)):
+        if (block_m > 128 and block_m // 2 >= m) or n % (consumers * BLOCK_N):
+            continue
+        stages = max([st for st in (2, 3, 4) if smem_bytes(
+            bits, block_m, 64, consumers * BLOCK_N, st) <= 220 * 1024], default=0)
+        units = n // (consumers * BLOCK_N) * -(-m // block_m)
+        splits = k_splits(units, k // 64, MIN_WS_ROW_TILE_UNITS)
+        out += [WgmmaConfig(block_k=64, block_n=BLOCK_N, num_splits=splits, stages=st,
+                            block_m=block_m, consumers=consumers)
+                for st in sorted({stages, max(2, stages - 1)}) if stages]
+    return out
+
+
+def _large_m_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
+    """Row tiles of 64 to 256 rows (no more than m needs) times 64 / 128 columns (within
+    MAX_ACC), steps of 64 or 128 K with the most stages (2 to 4) whose shared memory, output
+    tile included, leaves room for two programs per SM (about 110 KB), the K splits that give
+    an H200 one or two programs per SM (`k_splits`)."""
+    out = []
+    for block_m, block_n in ((128, 64), (256, 64), (64, 128), (128, 128)):
+        if block_m > 64 and block_m // 2 >= m:
+            continue
+        for block_k in (64, 128):
+            stages = max([st for st in (2, 3, 4) if smem_bytes(
+                bits, block_m, block_k, block_n, st) <= 110 * 1024], default=0)
+            if not stages:
+                continue
+            programs = n // block_n * -(-m // block_m)
+            for splits in sorted({k_splits(programs, k // block_k, want)
+                                  for want in (MIN_WS_UNITS // 2, MIN_WS_UNITS)}):
+                cfg = WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                                  stages=stages, block_m=block_m)
+                out.append(cfg)
+    return out
+
+
+def _sweep_tiles(bits: int, k: int, n: int) -> list[WgmmaConfig]:
+    out = []
+    for block_k in ((128,) if bits == 4 else (128, 256)):
+        steps = k // block_k
+        for block_n in (64, 128, 256):
+            for splits in (1, 2, 4, 8, 16):
+                programs = n // block_n * splits
+                if steps % splits or steps // splits < 2 or not (
+                        120 <= programs <= 1100 or (splits == 1 and programs > 1100)):
+                    continue
+                out.append(WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                                       stages=3 if block_k == 128 else 2))
+    return out
