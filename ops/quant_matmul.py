@@ -9,10 +9,10 @@ Weights arrive in the packed layouts of quant/qtensor.py, read as they are store
     layout "nk": the same int4 words / int8 codes stored transposed, [N, K/8] / [N, K]
           (ops.matmul.TransposedWeight, the --gemv_layers models). On a Hopper GPU, with bf16
           activations, the dispatch runs ops/quant_wgmma.py (Pallas Mosaic GPU: the
-          dequantized tile is wgmma's register operand; row tiles past 64 rows). Otherwise the tensor-core
-          paths ("auto" with block_m >= 16, "mma", "mma_t") read their tiles through
-          transposed indices (ops.quant_tiles._load_codes); matmul_config gives them those
-          paths from one row up.
+          dequantized tile is wgmma's register operand; row tiles past 64 rows). Otherwise
+          the tensor-core paths ("auto" with block_m >= 16, "mma", "mma_t") read their tiles
+          through transposed indices (ops.quant_tiles._load_codes); matmul_config gives them
+          those paths from one row up.
 
 Kernel: one program per (row block, column block, K split). It walks its slice of K one tile at a
 time (block_k rows: R = block_k / 8 words for int4), dequantizes the tile in registers and

@@ -48,15 +48,15 @@ into y [MP, N]; with more, float32 partials [splits, N, MP] that one XLA fusion 
 transposes.
 
 `instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default: on the H200 it is
-within 5% of wgmma, docs/PERFORMANCE.md):
-the same pipeline and conversion, multiplied by the warp-level mma.sync m16n8k16 (Mosaic's
-`plgpu.mma`) instead of wgmma: each warp its own 16 weight rows, x's step tile loaded into
-every warp's registers (MMA_RHS), the sum carried in registers across steps. Built to test
-whether each few-column wgmma carries a fixed cost (mma.sync's N is 8); the equal times say it
-does not. The conversion writes its registers straight
-into mma.sync's A layout (MMA_LHS): per warp the same values in the same lanes as WGMMA's, in
-16-column register tiles where WGMMA has 8-column ones (`register_relabeling`, worked out from
-the two layouts by `element_coords`), so the K order and x's permutation stay as they are.
+within 5% of wgmma, docs/PERFORMANCE.md): the same pipeline and conversion, multiplied by the
+warp-level mma.sync m16n8k16 (Mosaic's `plgpu.mma`) instead of wgmma: each warp its own 16
+weight rows, x's step tile loaded into every warp's registers (MMA_RHS), the sum carried in
+registers across steps. Built to test whether each few-column wgmma carries a fixed cost
+(mma.sync's N is 8); the equal times say it does not. The conversion writes its registers
+straight into mma.sync's A layout (MMA_LHS): per warp the same values in the same lanes as
+WGMMA's, in 16-column register tiles where WGMMA has 8-column ones (`register_relabeling`,
+worked out from the two layouts by `element_coords`), so the K order and x's permutation stay
+as they are.
 The f32 accumulator layouts of the two instructions are the same, and so is the epilogue.
 
 `consumers=C` (C >= 2) runs the warp-specialized persistent form in ops/quant_wgmma_ws.py
@@ -239,6 +239,19 @@ def channel_scaled(acc, s_ref):
     return acc * jax.lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
 
 
+def store_tile(acc, tile_smem, dst, direct: bool):
+    """The float32 sum acc [BN, BM] (WGMMA layout) to global memory `dst` through `tile_smem`:
+    `direct`, as bf16 transposed on its way to shared memory (tile and dst [BM, BN]), else as
+    it is (float32 partials, [BN, BM])."""
+    if direct:
+        tile_smem.T[...] = plgpu.layout_cast(acc.astype(tile_smem.dtype),
+                                             plgpu.Layout.WGMMA_TRANSPOSED)
+    else:
+        tile_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(tile_smem, dst)
+
+
 def wgmma_k_order(bits: int, k: int):
     """The K position whose activation multiplies column c of the dequantized tile, for c in
     0..K-1 (numpy int32 [K]). Per thread, a loaded word holds codes of consecutive K positions,
@@ -320,15 +333,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
     rows = pl.ds(mb * block_m, block_m)
     if not grouped:  # per-channel scales, once per output
         acc = channel_scaled(acc, s_gmem.at[0, cols])
-    if direct:  # transposed on its way to shared memory: out [MP, N]
-        out_smem.T[...] = plgpu.layout_cast(acc.astype(out_smem.dtype),
-                                            plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[rows, cols])
-    else:
-        out_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, cols, rows])
+    store_tile(acc, out_smem, out_gmem.at[rows, cols] if direct else out_gmem.at[split, cols, rows],
+               direct)
     plgpu.wait_smem_to_gmem(0)
 
 

@@ -15,7 +15,8 @@ BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
-MIN_WS_UNITS = 264  # ws_config: work units for two per SM of an H200 (132 SMs)
+NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
+MIN_WS_UNITS = 2 * NUM_SMS  # ws_config: work units for two per SM
 # ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
 # splits: at many rows their float32 partials are as large as the output)
 MIN_WS_ROW_TILE_UNITS = 96
@@ -57,7 +58,8 @@ def row_tiling(m: int, cfg: WgmmaConfig) -> tuple[int, int]:
     """(rows per program, padded rows): one tile of `padded_rows` when cfg.block_m is 0, else
     tiles of block_m rows."""
     if not cfg.block_m:
-        return padded_rows(m), padded_rows(m)
+        rows = padded_rows(m)
+        return rows, rows
     return cfg.block_m, -(-m // cfg.block_m) * cfg.block_m
 
 
@@ -125,7 +127,7 @@ def large_m_config(m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
         block_k = max(min(block_k, group_size), MIN_BLOCK_K)
     programs = n // BLOCK_N * -(-m // block_m)
     return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, stages=2, block_m=block_m,
-                       num_splits=k_splits(programs, max(1, k // block_k), MIN_WS_UNITS // 2))
+                       num_splits=k_splits(programs, max(1, k // block_k), NUM_SMS))
 
 
 def k_splits(programs: int, steps: int, want: int) -> int:
@@ -144,12 +146,11 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
     steps) that give every SM at least two units. Past MAX_ROWS rows, `large_m_config`'s row
     tiles in steps of 64 K, 3 stages, and the splits that give MIN_WS_ROW_TILE_UNITS units."""
     if m > MAX_ROWS:
-        base = large_m_config(m, k, n, group_size)
-        block_k = max(min(64, base.block_k), MIN_BLOCK_K)
-        units = n // (consumers * BLOCK_N) * -(-m // base.block_m)
-        return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, stages=3, block_m=base.block_m,
+        block_m = large_m_config(m, k, n, group_size).block_m
+        units = n // (consumers * BLOCK_N) * -(-m // block_m)
+        return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N, stages=3, block_m=block_m,
                            consumers=consumers,
-                           num_splits=k_splits(units, max(1, k // block_k),
+                           num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
                                                MIN_WS_ROW_TILE_UNITS))
     base = wgmma_config(bits, m, k, n, group_size)
     steps = max(1, k // base.block_k)
@@ -186,11 +187,13 @@ def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
             continue
         stages = max([st for st in (2, 3, 4) if smem_bytes(
             bits, block_m, 64, consumers * BLOCK_N, st) <= 220 * 1024], default=0)
+        if not stages:
+            continue
         units = n // (consumers * BLOCK_N) * -(-m // block_m)
         splits = k_splits(units, k // 64, MIN_WS_ROW_TILE_UNITS)
         out += [WgmmaConfig(block_k=64, block_n=BLOCK_N, num_splits=splits, stages=st,
                             block_m=block_m, consumers=consumers)
-                for st in sorted({stages, max(2, stages - 1)}) if stages]
+                for st in sorted({stages, max(2, stages - 1)})]
     return out
 
 
@@ -210,10 +213,9 @@ def _large_m_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
                 continue
             programs = n // block_n * -(-m // block_m)
             for splits in sorted({k_splits(programs, k // block_k, want)
-                                  for want in (MIN_WS_UNITS // 2, MIN_WS_UNITS)}):
-                cfg = WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
-                                  stages=stages, block_m=block_m)
-                out.append(cfg)
+                                  for want in (NUM_SMS, 2 * NUM_SMS)}):
+                out.append(WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
+                                       stages=stages, block_m=block_m))
     return out
 
 

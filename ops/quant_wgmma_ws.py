@@ -97,16 +97,9 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
                     if not grouped:  # per-channel scales, once per unit
                         acc = qw.channel_scaled(acc, s_gmem.at[0, out_cols])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's copy
-                    if direct:  # transposed on its way to shared memory: out [MP, N]
-                        out_smem.at[wg].T[...] = plgpu.layout_cast(
-                            acc.astype(out_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_rows, out_cols])
-                    else:
-                        out_smem.at[wg][...] = acc
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                                out_gmem.at[split, out_cols, out_rows])
+                    dst = (out_gmem.at[out_rows, out_cols] if direct
+                           else out_gmem.at[split, out_cols, out_rows])
+                    qw.store_tile(acc, out_smem.at[wg], dst, direct)
 
             def body(_, w_smem, x_smem, *rest):
                 *s_smem, acc_ref = rest

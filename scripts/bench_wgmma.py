@@ -132,7 +132,7 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
                     for c in range(calls))
-            else:  # triton: traced below with PALLASITE_WGMMA=off
+            else:  # triton (traced below with PALLASITE_WGMMA=off) or xla (the reference)
                 product = int4_matmul if bits == 4 else int8_matmul
                 impl = "reference" if name == "xla" else None
                 fn = lambda xs, ws, ss: tuple(product(  # noqa: E731
@@ -217,15 +217,11 @@ def main(_):
                     for cfg in configs:
                         rows.append(time_product("wgmma", bits, k, n, m, cfg))
                         report(rows[-1], bf16_us)
-                    if mode == "table" and qw.padded_rows(m) <= qw.MAX_MMA_ROWS:
-                        rows.append(time_product("mma", bits, k, n, m))
-                        report(rows[-1], bf16_us)
-                    if mode == "table":
-                        rows.append(time_product("ws", bits, k, n, m))
-                        report(rows[-1], bf16_us)
-                    for peer in ("triton", "xla"):
-                        if mode == "table" and FLAGS[peer].value:
-                            rows.append(time_product(peer, bits, k, n, m))
+                    if mode == "table":  # the kernel's other forms, then the peers asked for
+                        others = (["mma"] if qw.padded_rows(m) <= qw.MAX_MMA_ROWS else []) + [
+                            "ws"] + [peer for peer in ("triton", "xla") if FLAGS[peer].value]
+                        for name in others:
+                            rows.append(time_product(name, bits, k, n, m))
                             report(rows[-1], bf16_us)
     if "bounds" in FLAGS.modes:
         for k, n in shapes:
