@@ -272,7 +272,7 @@ def wgmma_k_order(bits: int, k: int):
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
             steps: int, block_n: int, block_k: int, group_steps: int, stages: int, block_m: int,
-            convert: str, direct: bool, instruction: str):
+            convert: str, direct: bool, instruction: str, chains: int):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
     # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
@@ -296,14 +296,19 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
         return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
 
-    def compute(acc_ref):
+    def compute(*acc_refs):  # `chains` sums, each over its own columns of every step
+        width = block_k // len(acc_refs)
+
         def step(_, w_smem, x_smem, *s_smem):
-            plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, BM]
+            w = tile(w_smem, s_smem)
+            for j, acc_ref in enumerate(acc_refs):  # [BN, width] @ [width, BM]
+                cols = slice(j * width, (j + 1) * width)
+                plgpu.wgmma(acc_ref, w[:, cols], x_smem.at[:, cols].T)
             plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
                             max_concurrent_steps=stages)(*args)
-        return acc_ref[...]
+        return functools.reduce(lambda a, b: a + b, [acc_ref[...] for acc_ref in acc_refs])
 
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
         *s_smem, acc = rest
@@ -328,7 +333,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         acc = plgpu.emit_pipeline(mma_step, grid=(steps,), in_specs=in_specs,
                                   max_concurrent_steps=stages, init_carry=zeros)(*args)
     else:
-        acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
+        acc = pl.run_scoped(compute, *[plgpu.ACC((block_n, block_m), jnp.float32)] * chains)
     cols = pl.ds(nb * block_n, block_n)
     rows = pl.ds(mb * block_m, block_m)
     if not grouped:  # per-channel scales, once per output
@@ -360,7 +365,7 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
         _kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
-        convert=cfg.convert, direct=direct, instruction=cfg.instruction)
+        convert=cfg.convert, direct=direct, instruction=cfg.instruction, chains=cfg.chains)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,

@@ -35,6 +35,9 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
+    # independent float32 sums per program, each over its own block_k / chains columns of
+    # every step (summed at the end): shorter chains of dependent wgmmas (wgmma only)
+    chains: int = 1
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -89,6 +92,10 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     if cfg.consumers and not (2 <= cfg.consumers <= 4 and cfg.instruction == "wgmma"
                               and cfg.convert == "inline"):
+        return False
+    if cfg.chains != 1 and (cfg.chains < 1 or cfg.consumers or cfg.instruction != "wgmma"
+                            or cfg.block_k % (cfg.chains * MIN_BLOCK_K)
+                            or cfg.chains * cfg.block_n * row_tiling(m, cfg)[0] > MAX_ACC):
         return False
     grouped = -(-k // group_size) > 1
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
@@ -178,20 +185,21 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
 
 def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
     """Row tiles for the warp-specialized kernel: 128 or 256 rows (no more than m needs) shared
-    by 2-4 consumers of 64 columns (N permitting), steps of 64 K, the most stages (up to 4) and
+    by 2-4 consumers of 64 columns or 2 of 128 (N permitting), steps of 64 K, the most stages (up to 4) and
     one fewer whose shared memory (the bf16 output tiles included) fits an SM (about 220 KB),
     K splits up to MIN_WS_ROW_TILE_UNITS units."""
     out = []
-    for block_m, consumers in ((128, 2), (256, 2), (128, 3), (128, 4)):
-        if (block_m > 128 and block_m // 2 >= m) or n % (consumers * BLOCK_N):
+    for block_m, consumers, block_n in ((128, 2, 64), (256, 2, 64), (128, 3, 64), (128, 4, 64),
+                                        (128, 2, 128)):
+        if (block_m > 128 and block_m // 2 >= m) or n % (consumers * block_n):
             continue
         stages = max([st for st in (2, 3, 4) if smem_bytes(
-            bits, block_m, 64, consumers * BLOCK_N, st) <= 220 * 1024], default=0)
+            bits, block_m, 64, consumers * block_n, st) <= 220 * 1024], default=0)
         if not stages:
             continue
-        units = n // (consumers * BLOCK_N) * -(-m // block_m)
+        units = n // (consumers * block_n) * -(-m // block_m)
         splits = k_splits(units, k // 64, MIN_WS_ROW_TILE_UNITS)
-        out += [WgmmaConfig(block_k=64, block_n=BLOCK_N, num_splits=splits, stages=st,
+        out += [WgmmaConfig(block_k=64, block_n=block_n, num_splits=splits, stages=st,
                             block_m=block_m, consumers=consumers)
                 for st in sorted({stages, max(2, stages - 1)})]
     return out

@@ -23,9 +23,9 @@ ENGINE_CFG = EngineConfig(max_model_len=64, max_num_seqs=3, max_num_batched_toke
                           page_size=4)
 
 
-def generate(model, cfg, prompts, params=None):
+def generate(model, cfg, prompts, params=None, engine_cfg: EngineConfig = ENGINE_CFG):
     """Greedy generations with log-probabilities: 8 tokens each, or per-prompt `params`."""
-    engine = LLMEngine(cfg, model, None, ENGINE_CFG)
+    engine = LLMEngine(cfg, model, None, engine_cfg)
     params = params or SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     return engine.generate(prompts, params)
 

@@ -25,7 +25,8 @@ from models.weights import model_from_pure_dict
 from ops.matmul import dequantize_rows
 from quant.model import QuantConfig, quantize_model
 from quant.qtensor import QuantizedWeight, dequantize, make_quantized_weight
-from tests.engine.test_fused_kernels import assert_same_generations, generate, model_and_prompts
+from tests.engine.test_fused_kernels import (ENGINE_CFG, assert_same_generations, generate,
+                                             model_and_prompts)
 from tests.engine.weights import unit_scale_pure_dict
 
 
@@ -165,12 +166,14 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
         rows.append(x.shape[0])
         return inner(x, *args, **kwargs)
     monkeypatch.setattr(ops.quant_wgmma, "wgmma_matmul", counted)
-    got = generate(model, cfg, prompts, params)
+    # whole prompts in one prefill step (the default test engine's chunks are 16 tokens)
+    engine_cfg = dataclasses.replace(ENGINE_CFG, max_model_len=128, max_num_batched_tokens=128)
+    got = generate(model, cfg, prompts, params, engine_cfg)
     assert rows and min(rows) >= 2 and max(rows) > ops.quant_wgmma.MAX_ROWS  # row tiles
     assert any(r <= ops.quant_wgmma.MAX_ROWS for r in rows)  # decode steps: one tile
     monkeypatch.setenv("PALLASITE_WGMMA", "off")
     jax.clear_caches()
     rows.clear()
-    want = generate(model, cfg, prompts, params)
+    want = generate(model, cfg, prompts, params, engine_cfg)
     assert not rows
     assert_same_generations(got, want, rtol=2e-2)
