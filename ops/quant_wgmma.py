@@ -89,8 +89,9 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
-    MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WgmmaConfig, padded_rows, row_tiling, supports,
-    sweep_configs, wgmma_config, ws_config)
+    LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
+    padded_rows, row_tile_config, row_tiling, smem_bytes, supports, sweep_configs, wgmma_config,
+    ws_config)
 
 
 def _swizzled(block_minor: int, bits: int):

@@ -20,6 +20,7 @@ MIN_WS_UNITS = 2 * NUM_SMS  # ws_config: work units for two per SM
 # ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
 # splits: at many rows their float32 partials are as large as the output)
 MIN_WS_ROW_TILE_UNITS = 96
+WS_SMEM_BYTES = 220 * 1024  # shared memory of a warp-specialized program (an H200 SM: 227 KB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +73,11 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     one tile or any number in tiles of block_m (a multiple of 8 up to MAX_BLOCK_M, at most
     MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
-    of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-4
-    consumers, wgmma and the inline conversion), K of whole steps (block_k of
-    `config`, default `wgmma_config`'s) for every split, and per-channel scales or groups of
-    whole steps."""
+    of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-3
+    consumers, wgmma and the inline conversion; a case with four did not finish within 40 s on
+    the H200, cause unknown), `chains` dividing the step in parts of MIN_BLOCK_K (wgmma, one
+    warpgroup, the sums within MAX_ACC), K of whole steps (block_k of `config`, default
+    `wgmma_config`'s) for every split, and per-channel scales or groups of whole steps."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
@@ -90,7 +92,7 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
         return False
-    if cfg.consumers and not (2 <= cfg.consumers <= 4 and cfg.instruction == "wgmma"
+    if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
                               and cfg.convert == "inline"):
         return False
     if cfg.chains != 1 and (cfg.chains < 1 or cfg.consumers or cfg.instruction != "wgmma"
@@ -110,7 +112,7 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     the lm head), else 64 columns with the K splits that reach about 384 (INT4) or 256 (INT8)
     programs, each split at least two steps. Past MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
-        return large_m_config(m, k, n, group_size)
+        return large_m_config(bits, m, k, n, group_size)
     block_k = 128 if bits == 4 else 256
     if group_size < k:  # a step lies in one group
         block_k = min(block_k, group_size)
@@ -123,12 +125,21 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
                        stages=3 if bits == 4 else 2)
 
 
-def large_m_config(m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """Row tiles from the H200 sweep at 128 and 1024 rows (docs/PERFORMANCE.md, twenty-first
-    session), INT4 and INT8 alike: 2 stages, 64-column programs of 256 rows in steps of 64 K
-    from LARGE_M_ROWS rows on (about 100 KB of shared memory: two programs per SM), else of
-    128 rows in steps of 128 K (capped by the group) with the K splits that give about one
-    program per SM."""
+def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
+    """Tiles past MAX_ROWS rows, from the H200 sweeps at 128 and 1024 rows (docs/
+    PERFORMANCE.md, twenty-first and twenty-second sessions): from LARGE_M_ROWS rows on the
+    warp-specialized kernel's 256-row tiles (`ws_config`: two consumers of 64 columns sharing
+    each x tile), else the one-warpgroup row tiles of `row_tile_config`."""
+    if m >= LARGE_M_ROWS:
+        return ws_config(bits, m, k, n, group_size)
+    return row_tile_config(m, k, n, group_size)
+
+
+def row_tile_config(m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
+    """One-warpgroup row tiles, INT4 and INT8 alike: 2 stages, 64-column programs of 256 rows
+    in steps of 64 K from LARGE_M_ROWS rows on (about 100 KB of shared memory: two programs per
+    SM), else of 128 rows in steps of 128 K (capped by the group) with the K splits that give
+    about one program per SM."""
     block_m, block_k = (256, 64) if m >= LARGE_M_ROWS else (128, 128)
     if group_size < k:
         block_k = max(min(block_k, group_size), MIN_BLOCK_K)
@@ -148,15 +159,17 @@ def k_splits(programs: int, steps: int, want: int) -> int:
 
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
               consumers: int = 2) -> WgmmaConfig:
-    """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), not yet swept:
-    `wgmma_config`'s step, 64 columns per consumer, and the fewest K splits (each at least two
-    steps) that give every SM at least two units. Past MAX_ROWS rows, `large_m_config`'s row
-    tiles in steps of 64 K, 3 stages, and the splits that give MIN_WS_ROW_TILE_UNITS units."""
+    """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
+    swept: `wgmma_config`'s step, 64 columns per consumer, and the fewest K splits (each at
+    least two steps) that give every SM at least two units. Past MAX_ROWS rows,
+    `row_tile_config`'s row tiles in steps of 64 K, the most stages (up to 4) whose shared
+    memory fits an SM (WS_SMEM_BYTES), and the splits that give MIN_WS_ROW_TILE_UNITS units."""
     if m > MAX_ROWS:
-        block_m = large_m_config(m, k, n, group_size).block_m
+        block_m = row_tile_config(m, k, n, group_size).block_m
         units = n // (consumers * BLOCK_N) * -(-m // block_m)
-        return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N, stages=3, block_m=block_m,
-                           consumers=consumers,
+        return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N,
+                           stages=ws_stages(bits, block_m, consumers * BLOCK_N),
+                           block_m=block_m, consumers=consumers,
                            num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
                                                MIN_WS_ROW_TILE_UNITS))
     base = wgmma_config(bits, m, k, n, group_size)
@@ -164,6 +177,14 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
     splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
     return WgmmaConfig(block_k=base.block_k, block_n=BLOCK_N, num_splits=splits,
                        stages=4 if bits == 4 else 2, consumers=consumers)
+
+
+def ws_stages(bits: int, block_m: int, columns: int, block_k: int = MIN_BLOCK_K) -> int:
+    """The most pipeline stages, 2 to 4, of a warp-specialized unit of block_m rows x
+    `columns` whose shared memory (`smem_bytes`, bf16 output tiles included) fits
+    WS_SMEM_BYTES; 0 if not even 2 fit."""
+    return max([st for st in (2, 3, 4)
+                if smem_bytes(bits, block_m, block_k, columns, st) <= WS_SMEM_BYTES], default=0)
 
 
 def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaConfig]:
@@ -177,7 +198,7 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
         return _large_m_tiles(bits, k, n, m) + _ws_row_tiles(bits, k, n, m)
     instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
     group = 128 if bits == 4 else k
-    ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3, 4)
+    ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3)
           if n % (c * BLOCK_N) == 0]
     return [dataclasses.replace(cfg, instruction=op) for cfg in _sweep_tiles(bits, k, n)
             for op in instructions] + ws
@@ -185,16 +206,15 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
 
 def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
     """Row tiles for the warp-specialized kernel: 128 or 256 rows (no more than m needs) shared
-    by 2-4 consumers of 64 columns or 2 of 128 (N permitting), steps of 64 K, the most stages (up to 4) and
-    one fewer whose shared memory (the bf16 output tiles included) fits an SM (about 220 KB),
+    by 2-3 consumers of 64 columns or 2 of 128 (N permitting), steps of 64 K, `ws_stages` and
+    one fewer,
     K splits up to MIN_WS_ROW_TILE_UNITS units."""
     out = []
-    for block_m, consumers, block_n in ((128, 2, 64), (256, 2, 64), (128, 3, 64), (128, 4, 64),
+    for block_m, consumers, block_n in ((128, 2, 64), (256, 2, 64), (128, 3, 64),
                                         (128, 2, 128)):
         if (block_m > 128 and block_m // 2 >= m) or n % (consumers * block_n):
             continue
-        stages = max([st for st in (2, 3, 4) if smem_bytes(
-            bits, block_m, 64, consumers * block_n, st) <= 220 * 1024], default=0)
+        stages = ws_stages(bits, block_m, consumers * block_n)
         if not stages:
             continue
         units = n // (consumers * block_n) * -(-m // block_m)

@@ -11,7 +11,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
 - table: per shape and M, device time per product of XLA's bf16 dot (the peer, weights
   [K, N]), the kernel with the dispatch's tiles (`wgmma_config`: INT4 groups of --group_size,
   INT8 per channel), the same tiles on mma.sync (`mma` rows, instruction="mma", up to
-  MAX_MMA_ROWS rows), the warp-specialized persistent kernel (`ws` rows, `ws_config`), and
+  MAX_MMA_ROWS rows), the warp-specialized persistent kernel (`ws` rows, `ws_config`; where
+  the dispatch runs that one, from LARGE_M_ROWS rows, `wg1` rows: the one-warpgroup row tiles
+  of `row_tile_config` instead), and
   with `--triton` the Triton "nk" path it replaced
   (PALLASITE_WGMMA=off in ops/quant_matmul.py's dispatch: Triton up to 128 rows, then XLA's
   dequantize + dot), with `--xla` XLA's dequantize + dot itself; TB/s = codes and scales read
@@ -101,7 +103,8 @@ def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
 def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                  group: int | None = None) -> dict:
     """Device microseconds per product of `name`: bf16 (XLA), wgmma (the kernel, `config` or the
-    dispatch's tiles), mma / ws (its mma.sync and warp-specialized forms), triton
+    dispatch's tiles), mma / ws / wg1 (its mma.sync, warp-specialized and one-warpgroup
+    row-tile forms), triton
     (ops/quant_matmul.py's "nk" path) or xla (its dequantize + dot); `group` overrides
     `group_of`."""
     calls = FLAGS.calls
@@ -121,9 +124,11 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                     for c in range(calls)]
             ws, ss = tuple(a[0] for a in sets), tuple(a[1] for a in sets)
             nbytes = k * n * bits // 8 + 2 * ss[0].size
-            if name in ("wgmma", "mma", "ws"):
+            if name in ("wgmma", "mma", "ws", "wg1"):
                 if name == "ws":  # the warp-specialized persistent kernel
                     cfg = config or qw.ws_config(bits, m, k, n, group)
+                elif name == "wg1":  # one warpgroup per program in row tiles
+                    cfg = config or qw.row_tile_config(m, k, n, group)
                 else:
                     cfg = config or qw.wgmma_config(bits, m, k, n, group)
                 if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
@@ -218,8 +223,11 @@ def main(_):
                         rows.append(time_product("wgmma", bits, k, n, m, cfg))
                         report(rows[-1], bf16_us)
                     if mode == "table":  # the kernel's other forms, then the peers asked for
+                        group = group_of(bits, k)  # `wg1` where the dispatch takes `ws`'s
+                        form = ("wg1" if qw.wgmma_config(bits, m, k, n, group).consumers
+                                else "ws")
                         others = (["mma"] if qw.padded_rows(m) <= qw.MAX_MMA_ROWS else []) + [
-                            "ws"] + [peer for peer in ("triton", "xla") if FLAGS[peer].value]
+                            form] + [peer for peer in ("triton", "xla") if FLAGS[peer].value]
                         for name in others:
                             rows.append(time_product(name, bits, k, n, m))
                             report(rows[-1], bf16_us)

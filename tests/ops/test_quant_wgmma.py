@@ -121,8 +121,9 @@ def test_supports_and_config():
     ws = qw.WgmmaConfig(block_k=128, consumers=3)  # warp-specialized: N of 3 x 64 columns
     assert qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16, ws)
     assert not qw.supports(4, 16, 4096, 512, 128, jnp.bfloat16, jnp.bfloat16, ws)
-    assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
-                           qw.WgmmaConfig(block_k=128, consumers=1))
+    for consumers in (1, 4):
+        assert not qw.supports(4, 16, 4096, 768, 128, jnp.bfloat16, jnp.bfloat16,
+                               qw.WgmmaConfig(block_k=128, consumers=consumers))
     assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
     cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
@@ -142,6 +143,19 @@ def test_supports_and_config():
                        qw.WgmmaConfig(block_k=64, block_m=256, consumers=2))
     assert all(qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, c)
                for c in qw.sweep_configs(4, 4096, 28672, 1024))
+    # from LARGE_M_ROWS rows: the warp-specialized kernel's 256-row tiles, stages by shared memory
+    for bits, stages in ((4, 4), (8, 3)):
+        cfg = qw.wgmma_config(bits, qw.LARGE_M_ROWS, 4096, 4096, 128 if bits == 4 else 4096)
+        assert (cfg.consumers, cfg.block_m, cfg.block_k, cfg.stages) == (2, 256, 64, stages)
+        assert qw.smem_bytes(bits, 256, 64, 128, stages) <= qw.WS_SMEM_BYTES
+    assert not qw.wgmma_config(4, qw.LARGE_M_ROWS - 1, 4096, 4096, 128).consumers
+    # chains: parts of whole 64-column slices of the step, one warpgroup, wgmma
+    assert qw.supports(8, 16, 4096, 4096, 4096, jnp.bfloat16, jnp.bfloat16,
+                       qw.WgmmaConfig(block_k=256, chains=4))
+    for bad in (qw.WgmmaConfig(block_k=128, chains=4), qw.WgmmaConfig(block_k=128, chains=0),
+                qw.WgmmaConfig(block_k=128, chains=2, consumers=2),
+                qw.WgmmaConfig(block_k=128, chains=2, instruction="mma")):
+        assert not qw.supports(8, 16, 4096, 4096, 4096, jnp.bfloat16, jnp.bfloat16, bad), bad
 
 
 def test_register_layouts_follow_the_ptx_fragments():
@@ -304,11 +318,12 @@ def reference(bits, x, w):
     pytest.param(8, 300, 2048, 1536, 2048, True,
                  qw.WgmmaConfig(block_k=128, block_m=128, stages=2, num_splits=2, consumers=3),
                  id="rowtiles-ws-splits"),
+    pytest.param(8, 600, 4096, 4096, 4096, False, None, id="rowtiles-ws-int8"),  # the dispatch
     # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     pytest.param(4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128),
                  id="ws-a"),
-    pytest.param(4, 1, 4096, 4096, 64, True,
-                 qw.WgmmaConfig(block_k=64, num_splits=8, stages=4, consumers=4), id="ws-b"),
+    pytest.param(4, 1, 4096, 6144, 64, True,
+                 qw.WgmmaConfig(block_k=64, num_splits=8, stages=4, consumers=3), id="ws-b"),
     pytest.param(4, 3, 384, 576, 128, False,
                  qw.WgmmaConfig(block_k=128, stages=2, consumers=3), id="ws-c"),
     pytest.param(8, 16, 14336, 4096, 14336, False, qw.ws_config(8, 16, 14336, 4096, 14336),
