@@ -75,6 +75,7 @@ test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth ses
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -91,7 +92,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
     LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
     padded_rows, row_tile_config, row_tiling, smem_bytes, supports, sweep_configs, wgmma_config,
-    ws_config)
+    ws_config, ws_stages)
 
 
 def _swizzled(block_minor: int, bits: int):
@@ -273,7 +274,7 @@ def wgmma_k_order(bits: int, k: int):
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
             steps: int, block_n: int, block_k: int, group_steps: int, stages: int, block_m: int,
-            convert: str, direct: bool, instruction: str, chains: int):
+            convert: str, direct: bool, instruction: str):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
     # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
@@ -297,19 +298,14 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
         return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
 
-    def compute(*acc_refs):  # `chains` sums, each over its own columns of every step
-        width = block_k // len(acc_refs)
-
+    def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
-            w = tile(w_smem, s_smem)
-            for j, acc_ref in enumerate(acc_refs):  # [BN, width] @ [width, BM]
-                cols = slice(j * width, (j + 1) * width)
-                plgpu.wgmma(acc_ref, w[:, cols], x_smem.at[:, cols].T)
+            plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, BM]
             plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
                             max_concurrent_steps=stages)(*args)
-        return functools.reduce(lambda a, b: a + b, [acc_ref[...] for acc_ref in acc_refs])
+        return acc_ref[...]
 
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
         *s_smem, acc = rest
@@ -334,7 +330,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         acc = plgpu.emit_pipeline(mma_step, grid=(steps,), in_specs=in_specs,
                                   max_concurrent_steps=stages, init_carry=zeros)(*args)
     else:
-        acc = pl.run_scoped(compute, *[plgpu.ACC((block_n, block_m), jnp.float32)] * chains)
+        acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
     cols = pl.ds(nb * block_n, block_n)
     rows = pl.ds(mb * block_m, block_m)
     if not grouped:  # per-channel scales, once per output
@@ -366,7 +362,7 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
         _kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
-        convert=cfg.convert, direct=direct, instruction=cfg.instruction, chains=cfg.chains)
+        convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,
@@ -412,6 +408,13 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
     direct = cfg.direct and cfg.num_splits == 1 and offsets is None
+    if cfg.consumers and cfg.block_m and not direct:  # float32 output tiles: fewer stages fit
+        stages = ws_stages(bits, block_m, cfg.consumers * cfg.block_n, cfg.block_k, out_bytes=4)
+        if not stages:
+            raise ValueError(f"wgmma_matmul: config {cfg}: the float32 output tiles of "
+                             f"{cfg.consumers} consumers x {block_m} rows and two pipeline "
+                             f"stages exceed {WS_SMEM_BYTES} bytes of shared memory")
+        cfg = dataclasses.replace(cfg, stages=min(cfg.stages, stages))
     if cfg.consumers:  # several warpgroups per SM sharing each x tile
         from ops.quant_wgmma_ws import ws_product  # it imports this module
         out = ws_product(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,

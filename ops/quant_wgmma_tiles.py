@@ -36,9 +36,6 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
-    # independent float32 sums per program, each over its own block_k / chains columns of
-    # every step (summed at the end): shorter chains of dependent wgmmas (wgmma only)
-    chains: int = 1
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -46,11 +43,13 @@ MAX_ACC = 64 * 256  # accumulator elements per warpgroup: 128 float32 registers 
 LARGE_M_ROWS = 512  # large_m_config: from here on 256-row programs
 
 
-def smem_bytes(bits: int, block_m: int, block_k: int, columns: int, stages: int) -> int:
+def smem_bytes(bits: int, block_m: int, block_k: int, columns: int, stages: int,
+               out_bytes: int = 2) -> int:
     """Shared memory of a program with row tiles: `stages` steps of x's tile [block_m,
-    block_k] bf16 and the codes [columns, block_k], and the bf16 output tile [block_m,
-    columns] (barriers and scales left out)."""
-    return stages * block_k * (2 * block_m + columns * bits // 8) + 2 * block_m * columns
+    block_k] bf16 and the codes [columns, block_k], and the output tile [block_m, columns]
+    (bf16, or float32 partials: out_bytes 4; barriers and scales left out)."""
+    return (stages * block_k * (2 * block_m + columns * bits // 8)
+            + out_bytes * block_m * columns)
 
 
 def padded_rows(m: int) -> int:
@@ -75,9 +74,8 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
     of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-3
     consumers, wgmma and the inline conversion; a case with four did not finish within 40 s on
-    the H200, cause unknown), `chains` dividing the step in parts of MIN_BLOCK_K (wgmma, one
-    warpgroup, the sums within MAX_ACC), K of whole steps (block_k of `config`, default
-    `wgmma_config`'s) for every split, and per-channel scales or groups of whole steps."""
+    the H200, cause unknown), K of whole steps (block_k of `config`, default `wgmma_config`'s)
+    for every split, and per-channel scales or groups of whole steps."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
@@ -94,10 +92,6 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
                               and cfg.convert == "inline"):
-        return False
-    if cfg.chains != 1 and (cfg.chains < 1 or cfg.consumers or cfg.instruction != "wgmma"
-                            or cfg.block_k % (cfg.chains * MIN_BLOCK_K)
-                            or cfg.chains * cfg.block_n * row_tiling(m, cfg)[0] > MAX_ACC):
         return False
     grouped = -(-k // group_size) > 1
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
@@ -179,12 +173,13 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
                        stages=4 if bits == 4 else 2, consumers=consumers)
 
 
-def ws_stages(bits: int, block_m: int, columns: int, block_k: int = MIN_BLOCK_K) -> int:
+def ws_stages(bits: int, block_m: int, columns: int, block_k: int = MIN_BLOCK_K,
+              out_bytes: int = 2) -> int:
     """The most pipeline stages, 2 to 4, of a warp-specialized unit of block_m rows x
-    `columns` whose shared memory (`smem_bytes`, bf16 output tiles included) fits
+    `columns` whose shared memory (`smem_bytes`, the output tiles included) fits
     WS_SMEM_BYTES; 0 if not even 2 fit."""
-    return max([st for st in (2, 3, 4)
-                if smem_bytes(bits, block_m, block_k, columns, st) <= WS_SMEM_BYTES], default=0)
+    return max([st for st in (2, 3, 4) if smem_bytes(
+        bits, block_m, block_k, columns, st, out_bytes) <= WS_SMEM_BYTES], default=0)
 
 
 def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaConfig]:

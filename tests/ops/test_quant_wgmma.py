@@ -149,13 +149,6 @@ def test_supports_and_config():
         assert (cfg.consumers, cfg.block_m, cfg.block_k, cfg.stages) == (2, 256, 64, stages)
         assert qw.smem_bytes(bits, 256, 64, 128, stages) <= qw.WS_SMEM_BYTES
     assert not qw.wgmma_config(4, qw.LARGE_M_ROWS - 1, 4096, 4096, 128).consumers
-    # chains: parts of whole 64-column slices of the step, one warpgroup, wgmma
-    assert qw.supports(8, 16, 4096, 4096, 4096, jnp.bfloat16, jnp.bfloat16,
-                       qw.WgmmaConfig(block_k=256, chains=4))
-    for bad in (qw.WgmmaConfig(block_k=128, chains=4), qw.WgmmaConfig(block_k=128, chains=0),
-                qw.WgmmaConfig(block_k=128, chains=2, consumers=2),
-                qw.WgmmaConfig(block_k=128, chains=2, instruction="mma")):
-        assert not qw.supports(8, 16, 4096, 4096, 4096, jnp.bfloat16, jnp.bfloat16, bad), bad
 
 
 def test_register_layouts_follow_the_ptx_fragments():
@@ -351,3 +344,27 @@ def test_linear_dispatches_transposed_codes_to_the_kernel():
     out = np.asarray(fn(x).astype(jnp.float32))
     ref = reference(4, x, w)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_float32_tiles_of_the_warp_specialized_kernel_fit_shared_memory(monkeypatch):
+    """With offsets (or K splits) the warp-specialized row tiles write float32 partials, twice
+    the bytes of the bf16 output: wgmma_matmul lowers the stages until they fit an SM."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    import ops.quant_wgmma_ws as ws
+    seen = []
+
+    def record(xp, codes, scales, *, cfg, block_m, direct, **_):
+        seen.append((cfg, block_m, direct))
+        return jnp.zeros((cfg.num_splits, codes.shape[0], xp.shape[0]), jnp.float32)
+    monkeypatch.setattr(ws, "ws_product", record)
+    m, k, n = 1024, 4096, 6144
+    cfg = qw.wgmma_config(4, m, k, n, 128)
+    assert cfg.consumers == 2 and cfg.stages == 4
+    x = jnp.ones((m, k), jnp.bfloat16)
+    w = jnp.ones((n, k // 8), jnp.int32)
+    s = jnp.ones((k // 128, n), jnp.bfloat16)
+    qw.wgmma_matmul(x, w, s, s, bits=4, group_size=128)
+    (got, block_m, direct), = seen
+    assert not direct and got.stages == 2 and got.consumers == 2
+    assert qw.smem_bytes(4, block_m, got.block_k, 2 * got.block_n, got.stages, 4) <= qw.WS_SMEM_BYTES
+    assert qw.smem_bytes(4, block_m, got.block_k, 2 * got.block_n, 3, 4) > qw.WS_SMEM_BYTES
