@@ -15,13 +15,14 @@ BN output columns per program (64 or 128: m64 wgmmas), MP the activation rows pa
 multiple of 8 (wgmma's N), BK K positions per pipeline step. TMA copies code tiles and x's tiles
 into swizzled shared memory `stages` steps ahead (emit_pipeline); one warpgroup per program.
 
-Row tiles (`WgmmaConfig.block_m`, the default past MAX_ROWS rows: `large_m_config`): a third
-grid axis over tiles of block_m rows (up to 256, wgmma's largest N; block_m x BN at most
-MAX_ACC accumulator elements, 128 float32 registers per thread), each program the product
-above for its rows; the codes are read once per row tile. The conversion's cost is shared by
-block_m rows, so the product is bound by the tensor cores: on the H200 at 128 rows about as
-fast as XLA's bf16 product and at 1024 rows 0.78-0.88x of it, against 0.63-0.70x for XLA's
-dequantize + dot (docs/PERFORMANCE.md, twenty-first session).
+Row tiles (`WgmmaConfig.block_m`, the default from MAX_ROWS to LARGE_M_ROWS rows:
+`row_tile_config`): a third grid axis over tiles of block_m rows (up to 256, wgmma's largest N;
+block_m x BN at most MAX_ACC accumulator elements, 128 float32 registers per thread), each
+program the product above for its rows; the codes are read once per row tile. The
+conversion's cost is shared by block_m rows, so the product is bound by the tensor cores: on
+the H200 at 128 rows about as fast as XLA's bf16 product, at 1024 rows 0.66-0.87x of it, against
+0.63-0.70x for XLA's dequantize + dot (docs/PERFORMANCE.md, twenty-first and twenty-second
+sessions). From LARGE_M_ROWS rows the warp-specialized form below takes over.
 
 Codes to bf16 without moving data between threads. Mosaic GPU loads a code tile one 32-bit
 register per thread (eight INT4 / four INT8 codes of consecutive K positions: layouts
@@ -59,12 +60,14 @@ worked out from the two layouts by `element_coords`), so the K order and x's per
 as they are.
 The f32 accumulator layouts of the two instructions are the same, and so is the epilogue.
 
-`consumers=C` (C >= 2) runs the warp-specialized persistent form in ops/quant_wgmma_ws.py
-instead: a TMA warpgroup and C consumer warpgroups per SM sharing each x tile (not the
-dispatch's default: on the H200 at 1 and 16 rows it is 12-35% slower than this kernel).
+`consumers=C` (C = 2 or 3) runs the warp-specialized persistent form in
+ops/quant_wgmma_ws.py instead: a TMA warpgroup and C consumer warpgroups per SM sharing each x
+tile. The dispatch's from LARGE_M_ROWS rows (256-row tiles, two consumers: at 1024 rows
+0.72-0.97x XLA's bf16 product on the H200, 8-12% faster than one-warpgroup row tiles); not for
+decode (12-35% slower than this kernel at 1 and 16 rows).
 
 The configuration (`WgmmaConfig`), the rule of what the kernels take (`supports`) and the tile
-choices (`wgmma_config`, `large_m_config`, `ws_config`, the sweep's) are in
+choices (`wgmma_config`, `large_m_config`, `row_tile_config`, `ws_config`, the sweep's) are in
 ops/quant_wgmma_tiles.py, pure Python over shapes.
 
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's

@@ -1,5 +1,5 @@
 """The warp-specialized, persistent form of ops/quant_wgmma.py's kernel
-(`WgmmaConfig(consumers=C)`, C >= 2): the same conversion, scales and product per 64-column
+(`WgmmaConfig(consumers=C)`, C = 2 or 3): the same conversion, scales and product per 64-column
 slice, arranged so that more warps share one copy of x.
 
 One program per SM (`grid` = the SM count), each of C + 1 warpgroups:
@@ -19,12 +19,12 @@ the unit. With one split (and no offsets) each consumer writes its bf16 tile of 
 Why (docs/PERFORMANCE.md, twentieth session): INT4 on the one-warpgroup kernel reads at about
 2.1-2.4 TB/s however its instructions, its tensor op or its stage depth change. What is left
 is its structure: 1.7 four-warp programs per SM on gate/up, and x read once per program.
-Measured (twenty-first session): correct, but 12-35% slower than the one-warpgroup kernel at 1
-and 16 rows on the four Llama-3.1-8B products with two consumers (`ws_config`), so the
-dispatch does not use it (it then wrote float32 partials for every split count). Untried on the
-GPU: row tiles for many rows (where the shared x tile halves the shared-memory traffic per
-product, as in the fastest bf16 products), the direct bf16 output, and chaining the units'
-pipelines (no drain between units).
+Measured on the H200: for decode (1 and 16 rows, twenty-first session) 12-35% slower than the
+one-warpgroup kernel, so the dispatch does not use it there; with row tiles of 256 rows
+(twenty-second session: two consumers of 64 columns share each x tile, halving the x bytes
+per product; 4 stages for INT4, 3 for INT8) 8-12% faster than the one-warpgroup row tiles at
+1024 rows, 0.72-0.97x XLA's bf16 product, and the dispatch's from LARGE_M_ROWS rows. Untried:
+chaining the units' pipelines (no drain between units).
 """
 from __future__ import annotations
 
