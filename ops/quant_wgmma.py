@@ -129,19 +129,25 @@ def _int8_pairs(word, j: int):
                 "lop3.b32 s2, s0, 0xff80ff80, 0x00800080, 0x6A; sub.bf16x2 $0, s1, s2; }", word)
 
 
+PROBE_PARTS = ("conversion", "load", "product")  # what `parts_removed` can take out
+_REMOVED = None  # the part taken out while `parts_removed` is active
+
+
 @contextlib.contextmanager
-def conversions_removed(remove: bool = True):
-    """While active (and `remove`), kernels traced take their loaded 32-bit words as the bf16
-    pairs, with no conversion instructions: a timing probe for scripts/bench_wgmma.py's
-    `bounds` mode; its products are garbage."""
-    global _int4_pairs, _int8_pairs
-    real = _int4_pairs, _int8_pairs
-    if remove:
-        _int4_pairs = _int8_pairs = lambda word, j: word
+def parts_removed(part: str | None):
+    """Timing probes for scripts/bench_wgmma.py's `bounds` mode (their products are garbage):
+    while active, the one-warpgroup kernels traced leave out `part` (None: nothing):
+    "conversion", each loaded 32-bit word taken as the bf16 pairs as it is; "load", no code
+    tile loaded or converted (a constant tile multiplies x); "product", no wgmma, so nothing
+    reads the tiles and their loads go too: the pipeline alone, TMA copies and barrier waits."""
+    global _REMOVED
+    if part not in (None, *PROBE_PARTS):
+        raise ValueError(f"parts_removed: part {part!r}, not one of {PROBE_PARTS}")
+    real, _REMOVED = _REMOVED, part
     try:
         yield
     finally:
-        _int4_pairs, _int8_pairs = real
+        _REMOVED = real
 
 
 def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma"):
@@ -152,6 +158,8 @@ def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wg
     listed in `wgmma_k_order`, and the caller permutes x's columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
+    if _REMOVED == "conversion":  # the probe: each word taken as the bf16 pairs as it is
+        pairs = lambda word, j: word  # noqa: E731
     shape = (block_n, block_k)
     target = tile_layout(instruction)
     layout = target.to_mgpu()
@@ -298,11 +306,15 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         return plgpu.layout_cast(codes, layout).astype(jnp.bfloat16)
 
     def tile(w_smem, s_smem):  # this step's dequantized [BN, BK] bf16 tile
+        if _REMOVED == "load":  # the probe: a constant tile, nothing loaded or converted
+            return plgpu.layout_cast(jnp.full((block_n, block_k), 1.0, jnp.bfloat16), layout)
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
         return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
+            if _REMOVED == "product":  # the probe: the pipeline alone
+                return
             plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, BM]
             plgpu.wgmma_wait(0)
 

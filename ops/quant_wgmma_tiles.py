@@ -40,7 +40,7 @@ class WgmmaConfig:
 
 MAX_BLOCK_M = 256  # wgmma's largest N
 MAX_ACC = 64 * 256  # accumulator elements per warpgroup: 128 float32 registers per thread
-LARGE_M_ROWS = 512  # large_m_config: from here on 256-row programs
+LARGE_M_ROWS = 512  # large_m_config: from here on the warp-specialized 256-row tiles
 
 
 def smem_bytes(bits: int, block_m: int, block_k: int, columns: int, stages: int,
@@ -202,8 +202,7 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
 def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:
     """Row tiles for the warp-specialized kernel: 128 or 256 rows (no more than m needs) shared
     by 2-3 consumers of 64 columns or 2 of 128 (N permitting), steps of 64 K, `ws_stages` and
-    one fewer,
-    K splits up to MIN_WS_ROW_TILE_UNITS units."""
+    one fewer, K splits up to MIN_WS_ROW_TILE_UNITS units."""
     out = []
     for block_m, consumers, block_n in ((128, 2, 64), (256, 2, 64), (128, 3, 64),
                                         (128, 2, 128)):

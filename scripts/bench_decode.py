@@ -75,6 +75,8 @@ flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
 flags.DEFINE_integer("multi_step", 0, "Also time rounds of this many decode steps in one "
                      "program (ModelRunner.execute_multi_step: a device loop, and the steps "
                      "unrolled), per model step, and check their greedy tokens (0: off).")
+flags.DEFINE_bool("multi_step_unrolled", True, "With --multi_step: also the unrolled rounds "
+                  "(the longest compilations of a row: --nomulti_step_unrolled skips them).")
 flags.DEFINE_list("prefill", ["512", "4096"], "Prompt lengths of the prefill rows.")
 flags.DEFINE_integer("greedy_steps", 16, "Greedy tokens of the on/off check (0: off).")
 flags.DEFINE_integer("greedy_batch", 4, "Sequences of the greedy check.")
@@ -205,7 +207,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
         results["greedy"].append(common | {"batch": b, "context": c, "tokens": tokens.tolist(),
                                            "margins": gaps.tolist()})
         if FLAGS.multi_step and variant != "mesh":  # the same tokens from rounds of the loop
-            for unroll in (False, True):
+            for unroll in multi_step_forms():
                 results["greedy"].append(common | {
                     "variant": f"{variant}+multi_step" + ("_unrolled" if unroll else ""),
                     "batch": b, "context": c,
@@ -223,7 +225,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
                     room = tables[:b, :-(-(c + FLAGS.multi_step) // FLAGS.page_size)]
                     rounds = ds.decode_batch(batch.token_ids, np.full(b, c - 1), room,
                                              FLAGS.page_size)
-                    for unroll in (False, True):  # a device loop; the steps traced in a row
+                    for unroll in multi_step_forms():  # a device loop; the steps in a row
                         row |= ds.time_multi_step(
                             runner, rounds, FLAGS.multi_step,
                             max(FLAGS.steps // FLAGS.multi_step, 2), FLAGS.runs, unroll)
@@ -303,6 +305,12 @@ def keep_trace(prof: dict, stem: str) -> None:
         prof["trace_copy"] = dest
 
 
+def multi_step_forms() -> tuple[bool, ...]:
+    """The `unroll` values of the multi-step rounds timed: the device loop, and unless
+    --nomulti_step_unrolled the steps traced one after another."""
+    return (False, True) if FLAGS.multi_step_unrolled else (False,)
+
+
 def format_row(row: dict) -> str:
     head = f"{row['model']:<12} {row['variant']:<6} B={row['batch']:<4} C={row['context']:<6}"
     if "error" in row:
@@ -310,8 +318,9 @@ def format_row(row: dict) -> str:
     loop = f"  loop {row['loop_step_s'] * 1e3:7.3f} ms" if "loop_step_s" in row else ""
     if "multi_step_s" in row:
         loop += (f"  {row['multi_steps']}-step rounds {row['multi_step_s'] * 1e3:7.3f} ms/step "
-                 f"(dispatch holds the host {row['multi_step_dispatch_s'] * 1e3:.3f} ms), "
-                 f"unrolled {row['multi_step_unrolled_s'] * 1e3:7.3f} ms/step "
+                 f"(dispatch holds the host {row['multi_step_dispatch_s'] * 1e3:.3f} ms)")
+    if "multi_step_unrolled_s" in row:
+        loop += (f", unrolled {row['multi_step_unrolled_s'] * 1e3:7.3f} ms/step "
                  f"({row['multi_step_unrolled_dispatch_s'] * 1e3:.3f} ms)")
     hold = f" (dispatch {row['dispatch_s'] * 1e3:.3f} ms)" if "dispatch_s" in row else ""
     return (f"{head} {row['step_s'] * 1e3:8.3f} ms{hold} {row['tokens_per_s']:9.1f} tok/s  "

@@ -21,12 +21,14 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   Past MAX_ROWS rows (prefill) the kernel runs row tiles (WgmmaConfig.block_m).
 - sweep: the tile variants of `ops.quant_wgmma.sweep_configs` per shape, bits and M (block_k,
   block_n, splits, stages; wgmma and, up to MAX_MMA_ROWS rows, mma.sync; the warp-specialized
-  kernel with 2-4 consumers).
-- bounds: where a step's time goes, by taking parts away (timing only: the `noconvert` rows
-  multiply garbage): INT4 in groups of --group_size against INT4 per channel (the cost of the
+  kernel with 2-3 consumers).
+- bounds: where a step's time goes, by taking parts away (timing only: the probes' rows
+  compute garbage): INT4 in groups of --group_size against INT4 per channel (the cost of the
   group scale on every weight), and INT4 / INT8 per channel with the code conversion taken
-  out (`noconvert`: each loaded 32-bit word used as bf16 pairs as it is); the rows' M shows
-  how the tensor work scales.
+  out (`noconvert`: each loaded 32-bit word used as bf16 pairs as it is), with no code tile
+  loaded (`noload`: a constant tile multiplies x; the pipeline and the wgmmas), and with no
+  wgmma at all (`pipeline only`: the TMA copies and barrier waits, nothing else); the rows' M
+  shows how the tensor work scales.
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
 needs a Hopper GPU; elsewhere every row records why it did not run.
@@ -158,18 +160,22 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
     return row
 
 
-BOUND_PROBES = (  # (probe, bits, per channel, conversion kept)
-    ("int4 grouped", 4, False, True), ("int4 per channel", 4, True, True),
-    ("int4 per channel, noconvert", 4, True, False), ("int8 per channel", 8, True, True),
-    ("int8 per channel, noconvert", 8, True, False))
+BOUND_PROBES = (  # (probe, bits, per channel, what is taken out: ops.quant_wgmma.parts_removed)
+    ("int4 grouped", 4, False, None), ("int4 per channel", 4, True, None),
+    ("int4 per channel, noconvert", 4, True, "conversion"),
+    ("int4 per channel, noload", 4, True, "load"),
+    ("int4 per channel, pipeline only", 4, True, "product"),
+    ("int8 per channel", 8, True, None), ("int8 per channel, noconvert", 8, True, "conversion"),
+    ("int8 per channel, noload", 8, True, "load"),
+    ("int8 per channel, pipeline only", 8, True, "product"))
 
 
 def bound_rows(k: int, n: int, m: int) -> list[dict]:
     """The `bounds` rows of one shape: the kernel with the dispatch's tiles, as it is and with
     parts taken out (BOUND_PROBES)."""
     rows = []
-    for probe, bits, per_channel, convert in BOUND_PROBES:
-        with qw.conversions_removed(not convert):
+    for probe, bits, per_channel, removed in BOUND_PROBES:
+        with qw.parts_removed(removed):
             row = time_product("wgmma", bits, k, n, m, group=k if per_channel else None)
         rows.append(row | {"probe": probe})
     return rows

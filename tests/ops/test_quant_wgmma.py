@@ -222,9 +222,10 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-def test_noconvert_probe_takes_the_conversion_out(monkeypatch):
-    """The bounds probe's kernels lower without the pair conversions' PTX (their constants:
-    INT4's bf16x2 136, INT8's top-bit mask), and the kernel has them again afterwards."""
+def test_bound_probes_take_their_parts_out(monkeypatch):
+    """The bounds probes' kernels lower without the pair conversions' PTX (their constants:
+    INT4's bf16x2 136, INT8's top-bit mask) or, pipeline only, without any wgmma; the kernel
+    has them again afterwards."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
     m, k, n = 16, 512, 128
 
@@ -237,9 +238,19 @@ def test_noconvert_probe_takes_the_conversion_out(monkeypatch):
         return fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
 
     for bits, instruction in ((4, "0x43084308"), (8, "0xff7fff7f")):
-        with qw.conversions_removed():
+        with qw.parts_removed("conversion"):
             assert instruction not in lowered(bits)
-        assert instruction in lowered(bits)
+        with qw.parts_removed("load"):  # a constant tile: the wgmmas stay
+            text = lowered(bits)
+            assert "wgmma.mma_async" in text and instruction not in text
+        with qw.parts_removed("product"):  # the pipeline alone: no wgmma, no conversion
+            text = lowered(bits)
+            assert "wgmma.mma_async" not in text and instruction not in text
+        text = lowered(bits)
+        assert "wgmma.mma_async" in text and instruction in text
+    with pytest.raises(ValueError, match="not one of"):
+        with qw.parts_removed("everything"):
+            pass
 
 
 def random_case(bits, m, k, n, group, asymmetric, seed=0):

@@ -165,6 +165,25 @@ def test_summarize_trace_counts_stream_kernels_once():
     assert "busy" in text and "host work" in text
 
 
+def test_multi_step_rounds_without_the_unrolled_form(tmp_path):
+    """--nomulti_step_unrolled times (and checks) the device-loop rounds only."""
+    out = tmp_path / "decode.json"
+    args = ["--model=tiny-llama31", "--batch=2", "--context=16", "--prefill=", "--variants=base",
+            "--dtype=float32", "--steps=2", "--runs=1", "--loop_steps=0", "--greedy_steps=2",
+            "--greedy_batch=2", "--greedy_context=24", "--page_size=8", "--nocalibrate",
+            "--nohf", "--multi_step=2", "--nomulti_step_unrolled", f"--json_out={out}"]
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_decode", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    (row,) = res["decode"]
+    assert row["multi_step_s"] > 0 and row["multi_steps"] == 2
+    assert "multi_step_unrolled_s" not in row and "unrolled" not in proc.stdout
+    assert set(res["greedy_check"]["tiny-llama31"]["results"]) == {"base+multi_step"}
+    assert res["greedy_check"]["tiny-llama31"]["results"]["base+multi_step"]["equal"] is True
+
+
 def test_bench_decode_runs_end_to_end(tmp_path):
     out = tmp_path / "decode.json"
     args = ["--model=tiny-llama31", "--batch=3", "--context=24", "--prefill=16",

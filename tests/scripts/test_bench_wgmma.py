@@ -59,6 +59,8 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     # bounds: a bf16 row, then the kernel as it is and with parts taken out
     assert [(r["probe"], r["bits"], r["group"]) for r in probes] == [
         ("int4 grouped", 4, 128), ("int4 per channel", 4, 1024),
-        ("int4 per channel, noconvert", 4, 1024), ("int8 per channel", 8, 1024),
-        ("int8 per channel, noconvert", 8, 1024)]
+        ("int4 per channel, noconvert", 4, 1024), ("int4 per channel, noload", 4, 1024),
+        ("int4 per channel, pipeline only", 4, 1024), ("int8 per channel", 8, 1024),
+        ("int8 per channel, noconvert", 8, 1024), ("int8 per channel, noload", 8, 1024),
+        ("int8 per channel, pipeline only", 8, 1024)]
     assert all("needs a Hopper GPU" in r["dev_error"] for r in probes)
