@@ -27,8 +27,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   group scale on every weight), and INT4 / INT8 per channel with the code conversion taken
   out (`noconvert`: each loaded 32-bit word used as bf16 pairs as it is), with no code tile
   loaded (`noload`: a constant tile multiplies x; the pipeline and the wgmmas), and with no
-  wgmma at all (`pipeline only`: the TMA copies and barrier waits, nothing else); the rows' M
-  shows how the tensor work scales.
+  wgmma at all (`pipeline only`: the TMA copies and barrier waits, nothing else), and INT4 per
+  channel in steps of 256 and 512 K (fewer steps per code); the rows' M shows how the tensor
+  work scales.
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
 needs a Hopper GPU; elsewhere every row records why it did not run.
@@ -160,23 +161,39 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
     return row
 
 
-BOUND_PROBES = (  # (probe, bits, per channel, what is taken out: ops.quant_wgmma.parts_removed)
-    ("int4 grouped", 4, False, None), ("int4 per channel", 4, True, None),
-    ("int4 per channel, noconvert", 4, True, "conversion"),
-    ("int4 per channel, noload", 4, True, "load"),
-    ("int4 per channel, pipeline only", 4, True, "product"),
-    ("int8 per channel", 8, True, None), ("int8 per channel, noconvert", 8, True, "conversion"),
-    ("int8 per channel, noload", 8, True, "load"),
-    ("int8 per channel, pipeline only", 8, True, "product"))
+BOUND_PROBES = (  # (probe, bits, per channel, what is taken out: ops.quant_wgmma.parts_removed,
+    #                  changes to the dispatch's tiles)
+    ("int4 grouped", 4, False, None, {}), ("int4 per channel", 4, True, None, {}),
+    ("int4 per channel, noconvert", 4, True, "conversion", {}),
+    ("int4 per channel, noload", 4, True, "load", {}),
+    ("int4 per channel, pipeline only", 4, True, "product", {}),
+    # wider steps (fewer barriers and copies per code; INT4 in groups of 128 cannot have them
+    # yet: a step lies in one group)
+    ("int4 per channel, 256-K steps", 4, True, None, {"block_k": 256}),
+    ("int4 per channel, 512-K steps", 4, True, None, {"block_k": 512, "stages": 2}),
+    ("int8 per channel", 8, True, None, {}),
+    ("int8 per channel, noconvert", 8, True, "conversion", {}),
+    ("int8 per channel, noload", 8, True, "load", {}),
+    ("int8 per channel, pipeline only", 8, True, "product", {}))
 
 
 def bound_rows(k: int, n: int, m: int) -> list[dict]:
-    """The `bounds` rows of one shape: the kernel with the dispatch's tiles, as it is and with
-    parts taken out (BOUND_PROBES)."""
+    """The `bounds` rows of one shape: the kernel with the dispatch's tiles, as it is, with
+    parts taken out and with wider steps (BOUND_PROBES; a probe whose tiles the shape does not
+    take is recorded with the reason)."""
     rows = []
-    for probe, bits, per_channel, removed in BOUND_PROBES:
+    for probe, bits, per_channel, removed, changes in BOUND_PROBES:
+        group = k if per_channel else None
+        cfg = dataclasses.replace(qw.wgmma_config(bits, m, k, n, group or FLAGS.group_size),
+                                  **changes)
+        if not qw.supports(bits, m, k, n, group or FLAGS.group_size, jnp.bfloat16,
+                           jnp.bfloat16, cfg):
+            rows.append(dict(mode="time", impl="wgmma", bits=bits, M=m, K=k, N=n,
+                             group=group or FLAGS.group_size, probe=probe,
+                             error=f"the tiles {cfg} do not take {m}x{k}x{n}"))
+            continue
         with qw.parts_removed(removed):
-            row = time_product("wgmma", bits, k, n, m, group=k if per_channel else None)
+            row = time_product("wgmma", bits, k, n, m, cfg if changes else None, group=group)
         rows.append(row | {"probe": probe})
     return rows
 
@@ -185,7 +202,8 @@ def report(row: dict, bf16_us: dict) -> None:
     key = (row["K"], row["N"], row["M"])
     if "error" in row or "dev_error" in row:
         print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<3} {row.get('impl', 'check'):<6} "
-              f"int{row['bits']}: {row.get('error') or row.get('dev_error')}")
+              f"int{row['bits']} {row.get('probe', '')}: "
+              f"{row.get('error') or row.get('dev_error')}")
         return
     if row["mode"] == "check":
         print(f"check int{row['bits']} M={row['M']} {row['K']}x{row['N']} g{row['group']} "
