@@ -183,17 +183,14 @@ def bound_rows(k: int, n: int, m: int) -> list[dict]:
     take is recorded with the reason)."""
     rows = []
     for probe, bits, per_channel, removed, changes in BOUND_PROBES:
-        group = k if per_channel else None
-        cfg = dataclasses.replace(qw.wgmma_config(bits, m, k, n, group or FLAGS.group_size),
-                                  **changes)
-        if not qw.supports(bits, m, k, n, group or FLAGS.group_size, jnp.bfloat16,
-                           jnp.bfloat16, cfg):
-            rows.append(dict(mode="time", impl="wgmma", bits=bits, M=m, K=k, N=n,
-                             group=group or FLAGS.group_size, probe=probe,
-                             error=f"the tiles {cfg} do not take {m}x{k}x{n}"))
+        group = k if per_channel else FLAGS.group_size
+        cfg = dataclasses.replace(qw.wgmma_config(bits, m, k, n, group), **changes)
+        if not qw.supports(bits, m, k, n, group, jnp.bfloat16, jnp.bfloat16, cfg):
+            rows.append(dict(mode="time", impl="wgmma", bits=bits, M=m, K=k, N=n, group=group,
+                             probe=probe, error=f"the tiles {cfg} do not take {m}x{k}x{n}"))
             continue
         with qw.parts_removed(removed):
-            row = time_product("wgmma", bits, k, n, m, cfg if changes else None, group=group)
+            row = time_product("wgmma", bits, k, n, m, cfg, group=group)
         rows.append(row | {"probe": probe})
     return rows
 

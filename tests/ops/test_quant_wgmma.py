@@ -371,11 +371,10 @@ def test_float32_tiles_of_the_warp_specialized_kernel_fit_shared_memory(monkeypa
     m, k, n = 1024, 4096, 6144
     cfg = qw.wgmma_config(4, m, k, n, 128)
     assert cfg.consumers == 2 and cfg.stages == 4
-    x = jnp.ones((m, k), jnp.bfloat16)
-    w = jnp.ones((n, k // 8), jnp.int32)
-    s = jnp.ones((k // 128, n), jnp.bfloat16)
-    qw.wgmma_matmul(x, w, s, s, bits=4, group_size=128)
+    w, x = random_case(4, m, k, n, 128, True, seed=7)  # offsets: float32 partials
+    qw.wgmma_matmul(x, w.packed.T, w.scales, w.offsets, bits=4, group_size=128)
     (got, block_m, direct), = seen
     assert not direct and got.stages == 2 and got.consumers == 2
-    assert qw.smem_bytes(4, block_m, got.block_k, 2 * got.block_n, got.stages, 4) <= qw.WS_SMEM_BYTES
-    assert qw.smem_bytes(4, block_m, got.block_k, 2 * got.block_n, 3, 4) > qw.WS_SMEM_BYTES
+    columns = 2 * got.block_n
+    assert qw.smem_bytes(4, block_m, got.block_k, columns, got.stages, 4) <= qw.WS_SMEM_BYTES
+    assert qw.smem_bytes(4, block_m, got.block_k, columns, 3, 4) > qw.WS_SMEM_BYTES
