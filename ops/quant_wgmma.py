@@ -94,8 +94,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
     LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
-    padded_rows, row_tile_config, row_tiling, smem_bytes, supports, sweep_configs, wgmma_config,
-    ws_config, ws_stages)
+    group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, supports, sweep_configs,
+    wgmma_config, ws_config, ws_stages)
 
 
 def _swizzled(block_minor: int, bits: int):
@@ -284,10 +284,11 @@ def wgmma_k_order(bits: int, k: int):
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
-            steps: int, block_n: int, block_k: int, group_steps: int, stages: int, block_m: int,
-            convert: str, direct: bool, instruction: str):
+            steps: int, block_n: int, block_k: int, group_steps: int, group_count: int,
+            stages: int, block_m: int, convert: str, direct: bool, instruction: str):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
-    # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end);
+    # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
+    # step lies in one group, group_steps steps each, or spans group_count whole groups);
     # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
     # else [splits, N, MP] float32 partials; out_smem: its tile, [BM, BN] / [BN, BM]
     # (BM = block_m rows of x per program, MP / BM row tiles)
@@ -311,11 +312,20 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
         return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
 
+    def parts(w_smem, s_smem):  # the step's tile in `group_count` parts, each its group's
+        if group_count == 1:    # scale times its codes: [(bf16 [BN, width], its columns)]
+            return [(tile(w_smem, s_smem), slice(None))]
+        width = block_k // group_count
+        w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z [BN, BK]
+        cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
+        return [(group_scaled(w[:, c], s_smem[0].at[j], layout), c) for j, c in enumerate(cols)]
+
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
             if _REMOVED == "product":  # the probe: the pipeline alone
                 return
-            plgpu.wgmma(acc_ref, tile(w_smem, s_smem), x_smem.T)  # [BN, BK] @ [BK, BM]
+            for w, cols in parts(w_smem, s_smem):  # [BN, width] @ [width, BM]
+                plgpu.wgmma(acc_ref, w, x_smem.at[:, cols].T)
             plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
@@ -335,7 +345,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
     ]
     args = [w_gmem, x_gmem]
     if grouped:
-        in_specs.append(plgpu.BlockSpec((1, block_n),
+        in_specs.append(plgpu.BlockSpec((group_count, block_n),  # the step's groups' rows
                                         lambda k: ((first + k) // group_steps, nb)))
         args.append(s_gmem)
     if instruction == "mma":
@@ -373,11 +383,12 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
     [MP, N] bf16 when `direct`, else float32 partials [splits, N, MP]."""
     mp, k = xp.shape
     n = codes.shape[0]
+    steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
     kernel = functools.partial(
         _kernel, bits=bits, grouped=scales.shape[0] > 1,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
-        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
-        convert=cfg.convert, direct=direct, instruction=cfg.instruction)
+        group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
+MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced in 128-byte rows)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
 MIN_WS_UNITS = 2 * NUM_SMS  # ws_config: work units for two per SM
@@ -75,7 +76,8 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-3
     consumers, wgmma and the inline conversion; a case with four did not finish within 40 s on
     the H200, cause unknown), K of whole steps (block_k of `config`, default `wgmma_config`'s)
-    for every split, and per-channel scales or groups of whole steps."""
+    for every split, and per-channel scales, groups of whole steps or (one warpgroup with wgmma)
+    steps of whole groups of at least MIN_GROUP_PART positions (`group_parts`)."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
@@ -94,9 +96,20 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
                               and cfg.convert == "inline"):
         return False
     grouped = -(-k // group_size) > 1
+    whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
+                    and not cfg.consumers and cfg.instruction == "wgmma")
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
             and cfg.block_k >= MIN_BLOCK_K and k % (cfg.block_k * cfg.num_splits) == 0
-            and (not grouped or group_size % cfg.block_k == 0))
+            and (not grouped or group_size % cfg.block_k == 0 or whole_groups))
+
+
+def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
+    """(steps per group, groups per step) of steps of block_k positions over groups of
+    group_size (one of the two is 1; per-channel scales: (steps, 1)): a step spanning several
+    groups scales each part of its tile by its own group's scales."""
+    if group_size >= k:
+        return max(1, k // block_k), 1
+    return max(1, group_size // block_k), max(1, block_k // group_size)
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:

@@ -30,6 +30,10 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   wgmma at all (`pipeline only`: the TMA copies and barrier waits, nothing else), and INT4 per
   channel in steps of 256 and 512 K (fewer steps per code); the rows' M shows how the tensor
   work scales.
+- tiles: at each of `--tiles` (block_k/stages/block_n/splits), INT4 in groups of --group_size
+  (steps may span several groups), INT4 / INT8 per channel, and each per channel with the
+  pipeline only: how the step's width, the stages in flight and the programs bound the
+  product.
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
 needs a Hopper GPU; elsewhere every row records why it did not run.
@@ -51,7 +55,7 @@ from ops.quant_matmul import (int4_matmul, int4_matmul_reference, int8_matmul,
 from scripts import decode_profile
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep, bounds")
+flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep, bounds, tiles")
 flags.DEFINE_list("shapes", ["4096x6144", "4096x4096", "4096x28672", "14336x4096",
                              "4096x128256"], "K x N")
 flags.DEFINE_list("ms", ["1", "16", "64"], "activation rows")
@@ -62,6 +66,8 @@ flags.DEFINE_integer("queue", 3, "programs queued in the traced run")
 flags.DEFINE_bool("triton", False, "table: also time the Triton 'nk' path of the same codes")
 flags.DEFINE_bool("xla", False, "table: also time XLA's dequantize + dot of the same codes "
                   "(the path of other GPUs for many rows)")
+flags.DEFINE_list("tiles", ["128/3/128/1", "256/3/128/1", "256/4/64/4"],
+                  "tiles mode: block_k/stages/block_n/splits of each tile probed")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 
 
@@ -177,12 +183,34 @@ BOUND_PROBES = (  # (probe, bits, per channel, what is taken out: ops.quant_wgmm
     ("int8 per channel, pipeline only", 8, True, "product", {}))
 
 
-def bound_rows(k: int, n: int, m: int) -> list[dict]:
+TILE_PROBES = (  # `tiles` mode: (probe, bits, per channel, what is taken out) at each tile
+    ("int4 grouped", 4, False, None), ("int4 per channel", 4, True, None),
+    ("int4 per channel, pipeline only", 4, True, "product"),
+    ("int8 per channel", 8, True, None), ("int8 per channel, pipeline only", 8, True, "product"))
+
+
+def parse_tile(text: str) -> dict:
+    """'block_k/stages/block_n/splits' (e.g. 256/3/128/1) -> WgmmaConfig fields."""
+    try:
+        block_k, stages, block_n, splits = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise app.UsageError(f"--tiles: {text!r} is not block_k/stages/block_n/splits")
+    return dict(block_k=block_k, stages=stages, block_n=block_n, num_splits=splits)
+
+
+def tile_probes(bits_list: list[int]) -> list[tuple]:
+    """The probes of --tiles: every TILE_PROBES probe of --bits at every tile."""
+    return [(f"{probe} {tile}", bits, per_channel, removed, parse_tile(tile))
+            for tile in FLAGS.tiles for probe, bits, per_channel, removed in TILE_PROBES
+            if bits in bits_list]
+
+
+def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES) -> list[dict]:
     """The `bounds` rows of one shape: the kernel with the dispatch's tiles, as it is, with
-    parts taken out and with wider steps (BOUND_PROBES; a probe whose tiles the shape does not
-    take is recorded with the reason)."""
+    parts taken out and with wider steps (`probes`, BOUND_PROBES or `tile_probes`; a probe
+    whose tiles the shape does not take is recorded with the reason)."""
     rows = []
-    for probe, bits, per_channel, removed, changes in BOUND_PROBES:
+    for probe, bits, per_channel, removed, changes in probes:
         group = k if per_channel else FLAGS.group_size
         cfg = dataclasses.replace(qw.wgmma_config(bits, m, k, n, group), **changes)
         if not qw.supports(bits, m, k, n, group, jnp.bfloat16, jnp.bfloat16, cfg):
@@ -252,12 +280,14 @@ def main(_):
                         for name in others:
                             rows.append(time_product(name, bits, k, n, m))
                             report(rows[-1], bf16_us)
-    if "bounds" in FLAGS.modes:
+    for mode, probes in (("bounds", BOUND_PROBES), ("tiles", tile_probes(bits_list))):
+        if mode not in FLAGS.modes:
+            continue
         for k, n in shapes:
             for m in ms:
                 rows.append(time_product("bf16", 16, k, n, m))
                 report(rows[-1], bf16_us)
-                for row in bound_rows(k, n, m):
+                for row in bound_rows(k, n, m, probes):
                     rows.append(row)
                     report(row, bf16_us)
     if FLAGS.json_out:

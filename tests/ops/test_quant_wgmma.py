@@ -12,6 +12,8 @@ it takes, with and without offsets.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,7 +102,18 @@ def test_supports_and_config():
     assert not qw.supports(4, 65, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128))  # rows: more than one tile holds
     assert not qw.supports(4, 16, 4096, 4000, 128, jnp.bfloat16, jnp.bfloat16)  # N
-    assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16)  # group < step
+    assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16)  # group < 64
+    # steps spanning whole groups (of at least 64): one warpgroup with wgmma only
+    span = qw.WgmmaConfig(block_k=256, block_n=128, stages=3)
+    assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16, span)
+    for group in (64, 128):
+        assert qw.supports(4, 16, 4096, 4096, group, jnp.bfloat16, jnp.bfloat16, span)
+        assert qw.group_parts(4096, group, 256) == (1, 256 // group)
+    assert qw.group_parts(4096, 256, 128) == (2, 1) and qw.group_parts(4096, 4096, 256) == (16, 1)
+    assert not qw.supports(4, 16, 4096, 4096, 96, jnp.bfloat16, jnp.bfloat16, span)  # not whole
+    for other in (dataclasses.replace(span, instruction="mma"),
+                  dataclasses.replace(span, consumers=2, block_n=64)):
+        assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, other)
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.float32)  # f32 groups
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.float32, jnp.bfloat16)  # x dtype
     cfg = qw.wgmma_config(4, 16, 4096, 4096, 128)  # 64 column blocks: 8 splits of 4 steps
@@ -197,7 +210,8 @@ def test_elsewhere_a_clear_error():
     (8, 512, "inline", "mma", 0, 16, 0), (4, 128, "inline", "wgmma", 2, 16, 0),
     (8, 512, "inline", "wgmma", 2, 16, 0), (4, 128, "inline", "wgmma", 0, 300, 128),
     (8, 512, "inline", "wgmma", 0, 200, 256), (4, 128, "inline", "wgmma", 2, 300, 128),
-    (8, 512, "inline", "wgmma", 2, 200, 64)])
+    (8, 512, "inline", "wgmma", 2, 200, 64), (4, 64, "inline", "wgmma", 0, 16, 0),
+    (4, 64, "inline", "wgmma", 0, 300, 128)])
 def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m,
                             monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
@@ -334,6 +348,17 @@ def reference(bits, x, w):
                  id="ws-d"),
     pytest.param(8, 64, 4096, 6144, 4096, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=2), id="ws-e"),
+    # steps spanning several groups, each part of the tile its own group's scales
+    pytest.param(4, 16, 4096, 28672, 128, False,
+                 qw.WgmmaConfig(block_k=256, block_n=128, stages=3), id="span-a"),
+    pytest.param(4, 1, 4096, 4096, 64, True,
+                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=3), id="span-b"),
+    pytest.param(4, 64, 2048, 1024, 64, False,
+                 qw.WgmmaConfig(block_k=512, num_splits=2, stages=2), id="span-c"),
+    pytest.param(8, 5, 4096, 4096, 128, True,
+                 qw.WgmmaConfig(block_k=256, block_n=128, stages=2), id="span-d"),
+    pytest.param(4, 300, 4096, 4096, 64, False,
+                 qw.WgmmaConfig(block_k=128, block_m=128, stages=3), id="span-rowtiles"),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)

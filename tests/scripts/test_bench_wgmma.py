@@ -37,8 +37,8 @@ def test_sweep_configs_are_taken_by_the_kernel():
 def test_bench_wgmma_on_the_cpu(tmp_path):
     out = tmp_path / "wgmma.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds",
-         "--shapes=1024x512", "--ms=2", "--calls=1", "--queue=1", "--xla",
+        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds,tiles",
+         "--tiles=256/3/128/1,128/2/64/16", "--shapes=1024x512", "--ms=2", "--calls=1", "--queue=1", "--xla",
          f"--json_out={out}"],
         capture_output=True, text=True, timeout=300,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
@@ -46,7 +46,8 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     checks = [r for r in rows if r["mode"] == "check"]
     times = [r for r in rows if r["mode"] == "time" and "probe" not in r][:9]
-    probes = [r for r in rows if "probe" in r]
+    probes = [r for r in rows if "probe" in r and "/" not in r["probe"]]
+    tiles = [r for r in rows if "probe" in r and "/" in r["probe"]]
     assert checks and all("needs a Hopper GPU" in r["error"] for r in checks)
     assert [(r["impl"], r["bits"]) for r in times] == [
         ("bf16", 16), ("wgmma", 4), ("mma", 4), ("ws", 4), ("xla", 4), ("wgmma", 8), ("mma", 8),
@@ -69,3 +70,13 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
             assert "do not take 2x1024x512" in r["error"]
         else:
             assert "needs a Hopper GPU" in r["dev_error"]
+    # tiles: each probe at each tile; 16 splits of 128 K do not divide 1024 K
+    names = ("int4 grouped", "int4 per channel", "int4 per channel, pipeline only",
+             "int8 per channel", "int8 per channel, pipeline only")
+    assert [r["probe"] for r in tiles] == [f"{p} {t}" for t in ("256/3/128/1", "128/2/64/16")
+                                           for p in names]
+    for r in tiles:
+        if r["probe"].endswith("/16"):
+            assert "num_splits=16" in r["error"] and "do not take 2x1024x512" in r["error"]
+        else:
+            assert "block_k=256" in r["config"] and "needs a Hopper GPU" in r["dev_error"]
