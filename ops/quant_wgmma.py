@@ -93,8 +93,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
-    LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
-    group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, supports, sweep_configs,
+    LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, MIN_BLOCK_K, WS_SMEM_BYTES,
+    WgmmaConfig, group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, supports, sweep_configs,
     wgmma_config, ws_config, ws_stages)
 
 
@@ -129,21 +129,25 @@ def _int8_pairs(word, j: int):
                 "lop3.b32 s2, s0, 0xff80ff80, 0x00800080, 0x6A; sub.bf16x2 $0, s1, s2; }", word)
 
 
-PROBE_PARTS = ("conversion", "load", "product")  # what `parts_removed` can take out
-_REMOVED = None  # the part taken out while `parts_removed` is active
+PROBE_PARTS = ("conversion", "load", "product", "scatter")  # what `parts_removed` takes out
+_REMOVED: frozenset = frozenset()  # the parts taken out while `parts_removed` is active
 
 
 @contextlib.contextmanager
-def parts_removed(part: str | None):
+def parts_removed(*parts: str | None):
     """Timing probes for scripts/bench_wgmma.py's `bounds` mode (their products are garbage):
-    while active, the one-warpgroup kernels traced leave out `part` (None: nothing):
+    while active, the one-warpgroup kernels traced leave out each of `parts` (None: nothing):
     "conversion", each loaded 32-bit word taken as the bf16 pairs as it is; "load", no code
     tile loaded or converted (a constant tile multiplies x); "product", no wgmma, so nothing
-    reads the tiles and their loads go too: the pipeline alone, TMA copies and barrier waits."""
+    reads the tiles and their loads go too: the pipeline alone, TMA copies and barrier waits;
+    "scatter", the code tile's rows (block_k / 2 or block_k bytes each, K bytes apart): each
+    step reads a contiguous block of the same bytes instead, the codes taken as [N K / BK, BK]
+    (what storing them tile by tile would give)."""
     global _REMOVED
-    if part not in (None, *PROBE_PARTS):
-        raise ValueError(f"parts_removed: part {part!r}, not one of {PROBE_PARTS}")
-    real, _REMOVED = _REMOVED, part
+    for part in parts:
+        if part not in (None, *PROBE_PARTS):
+            raise ValueError(f"parts_removed: part {part!r}, not one of {PROBE_PARTS}")
+    real, _REMOVED = _REMOVED, frozenset(parts) - {None}
     try:
         yield
     finally:
@@ -158,7 +162,7 @@ def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wg
     listed in `wgmma_k_order`, and the caller permutes x's columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
-    if _REMOVED == "conversion":  # the probe: each word taken as the bf16 pairs as it is
+    if "conversion" in _REMOVED:  # the probe: each word taken as the bf16 pairs as it is
         pairs = lambda word, j: word  # noqa: E731
     shape = (block_n, block_k)
     target = tile_layout(instruction)
@@ -284,8 +288,9 @@ def wgmma_k_order(bits: int, k: int):
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
-            steps: int, block_n: int, block_k: int, group_steps: int, group_count: int,
-            stages: int, block_m: int, convert: str, direct: bool, instruction: str):
+            steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
+            group_count: int, stages: int, block_m: int, convert: str, direct: bool,
+            instruction: str):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
     # step lies in one group, group_steps steps each, or spans group_count whole groups);
@@ -307,7 +312,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         return plgpu.layout_cast(codes, layout).astype(jnp.bfloat16)
 
     def tile(w_smem, s_smem):  # this step's dequantized [BN, BK] bf16 tile
-        if _REMOVED == "load":  # the probe: a constant tile, nothing loaded or converted
+        if "load" in _REMOVED:  # the probe: a constant tile, nothing loaded or converted
             return plgpu.layout_cast(jnp.full((block_n, block_k), 1.0, jnp.bfloat16), layout)
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
         return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
@@ -322,7 +327,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
-            if _REMOVED == "product":  # the probe: the pipeline alone
+            if "product" in _REMOVED:  # the probe: the pipeline alone
                 return
             for w, cols in parts(w_smem, s_smem):  # [BN, width] @ [width, BM]
                 plgpu.wgmma(acc_ref, w, x_smem.at[:, cols].T)
@@ -337,9 +342,12 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, BM], all of it in every warp
         return plgpu.mma(acc, tile(w_smem, s_smem), xb)  # acc [BN, BM] f32
 
+    if "scatter" in _REMOVED:  # the probe: tile (nb, step) is block nb * k_steps + step
+        code_block = lambda k: (nb * k_steps + first + k, 0)  # noqa: E731
+    else:
+        code_block = lambda k: (nb, first + k)  # noqa: E731
     in_specs = [
-        plgpu.BlockSpec((block_n, block_k), lambda k: (nb, first + k),
-                        transforms=_swizzled(block_k, bits)),
+        plgpu.BlockSpec((block_n, block_k), code_block, transforms=_swizzled(block_k, bits)),
         plgpu.BlockSpec((block_m, block_k), lambda k: (mb, first + k),
                         transforms=_swizzled(block_k, 16)),
     ]
@@ -384,9 +392,12 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
     mp, k = xp.shape
     n = codes.shape[0]
     steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
+    if "scatter" in _REMOVED:  # the probe: the same bytes as contiguous [BN, BK] blocks
+        codes = codes.reshape(n * k // cfg.block_k, cfg.block_k)
     kernel = functools.partial(
         _kernel, bits=bits, grouped=scales.shape[0] > 1,
-        steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
+        steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
+        block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
         block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:

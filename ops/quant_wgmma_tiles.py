@@ -14,6 +14,7 @@ import jax.numpy as jnp
 BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
+WIDE_STEP_ROWS = 16  # wgmma_config: INT4 steps of 256 K up to this many (padded) rows
 MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced in 128-byte rows)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
@@ -113,23 +114,35 @@ def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """Tiles from the H200 sweep at 16 rows (docs/PERFORMANCE.md, nineteenth session): steps of
-    128 INT4 positions (capped by the group) with 3 stages, or 256 INT8 positions with 2;
-    128-column programs where that still gives about 200 programs without a split (gate/up,
-    the lm head), else 64 columns with the K splits that reach about 384 (INT4) or 256 (INT8)
-    programs, each split at least two steps. Past MAX_ROWS rows, `large_m_config`."""
+    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md, nineteenth and twenty-third
+    sessions): INT4 up to WIDE_STEP_ROWS rows in steps of 256 positions (spanning groups of
+    64 or 128) with 4 stages, K splits up to about 256 programs; else steps of 128 INT4
+    positions (capped by the group) with 3 stages, or 256 INT8 positions with 2, K splits up to
+    about 384 (INT4) or 256 (INT8) programs; each split at least two steps, and 128-column
+    programs where that still gives about 200 programs without a split (gate/up, the lm head),
+    else 64 columns. Past MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
+    block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
+    programs = max(1, n // block_n)
+    if bits == 4 and padded_rows(m) <= WIDE_STEP_ROWS and _spans(k, group_size, 256):
+        splits = 1 if programs >= 200 else k_splits(programs, k // 256, 256)
+        return WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=4)
     block_k = 128 if bits == 4 else 256
     if group_size < k:  # a step lies in one group
         block_k = min(block_k, group_size)
     block_k = max(block_k, MIN_BLOCK_K)
-    block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
     steps = max(1, k // block_k)
-    programs = max(1, n // block_n)
     splits = 1 if programs >= 200 else k_splits(programs, steps, 384 if bits == 4 else 256)
     return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
                        stages=3 if bits == 4 else 2)
+
+
+def _spans(k: int, group_size: int, block_k: int) -> bool:
+    """Steps of block_k positions fit K and the groups: per channel, groups of whole steps or
+    steps of whole groups (at least MIN_GROUP_PART positions each)."""
+    return k % block_k == 0 and (group_size >= k or group_size % block_k == 0 or (
+        block_k % group_size == 0 and group_size >= MIN_GROUP_PART))
 
 
 def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
@@ -167,7 +180,7 @@ def k_splits(programs: int, steps: int, want: int) -> int:
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
               consumers: int = 2) -> WgmmaConfig:
     """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
-    swept: `wgmma_config`'s step, 64 columns per consumer, and the fewest K splits (each at
+    swept: `wgmma_config`'s step (within one group), 64 columns per consumer, and the fewest K splits (each at
     least two steps) that give every SM at least two units. Past MAX_ROWS rows,
     `row_tile_config`'s row tiles in steps of 64 K, the most stages (up to 4) whose shared
     memory fits an SM (WS_SMEM_BYTES), and the splits that give MIN_WS_ROW_TILE_UNITS units."""
@@ -179,10 +192,12 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
                            block_m=block_m, consumers=consumers,
                            num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
                                                MIN_WS_ROW_TILE_UNITS))
-    base = wgmma_config(bits, m, k, n, group_size)
-    steps = max(1, k // base.block_k)
+    block_k = wgmma_config(bits, m, k, n, group_size).block_k
+    if group_size < k:  # a step lies in one group (this kernel's steps do not span groups)
+        block_k = max(MIN_BLOCK_K, min(block_k, group_size))
+    steps = max(1, k // block_k)
     splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
-    return WgmmaConfig(block_k=base.block_k, block_n=BLOCK_N, num_splits=splits,
+    return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, num_splits=splits,
                        stages=4 if bits == 4 else 2, consumers=consumers)
 
 

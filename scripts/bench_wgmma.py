@@ -33,7 +33,8 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
 - tiles: at each of `--tiles` (block_k/stages/block_n/splits), INT4 in groups of --group_size
   (steps may span several groups), INT4 / INT8 per channel, and each per channel with the
   pipeline only: how the step's width, the stages in flight and the programs bound the
-  product.
+  product; INT4 also with each step's codes read as one contiguous block (`contiguous tiles`:
+  the bytes a tile-by-tile layout would read; timing only).
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
 needs a Hopper GPU; elsewhere every row records why it did not run.
@@ -141,7 +142,9 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                 else:
                     cfg = config or qw.wgmma_config(bits, m, k, n, group)
                 if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
-                    cfg = dataclasses.replace(cfg, instruction="mma")
+                    cfg = dataclasses.replace(cfg, instruction="mma")  # (steps in one group)
+                    if group < k and cfg.block_k > group:
+                        cfg = dataclasses.replace(cfg, block_k=max(qw.MIN_BLOCK_K, group))
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
@@ -186,6 +189,8 @@ BOUND_PROBES = (  # (probe, bits, per channel, what is taken out: ops.quant_wgmm
 TILE_PROBES = (  # `tiles` mode: (probe, bits, per channel, what is taken out) at each tile
     ("int4 grouped", 4, False, None), ("int4 per channel", 4, True, None),
     ("int4 per channel, pipeline only", 4, True, "product"),
+    ("int4 grouped, contiguous tiles", 4, False, "scatter"),
+    ("int4 per channel, pipeline only, contiguous tiles", 4, True, ("product", "scatter")),
     ("int8 per channel", 8, True, None), ("int8 per channel, pipeline only", 8, True, "product"))
 
 
@@ -217,7 +222,7 @@ def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES) -> list[dict]:
             rows.append(dict(mode="time", impl="wgmma", bits=bits, M=m, K=k, N=n, group=group,
                              probe=probe, error=f"the tiles {cfg} do not take {m}x{k}x{n}"))
             continue
-        with qw.parts_removed(removed):
+        with qw.parts_removed(*(removed if isinstance(removed, tuple) else (removed,))):
             row = time_product("wgmma", bits, k, n, m, cfg, group=group)
         rows.append(row | {"probe": probe})
     return rows

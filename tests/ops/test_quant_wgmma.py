@@ -116,8 +116,12 @@ def test_supports_and_config():
         assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, other)
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.float32)  # f32 groups
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.float32, jnp.bfloat16)  # x dtype
-    cfg = qw.wgmma_config(4, 16, 4096, 4096, 128)  # 64 column blocks: 8 splits of 4 steps
-    assert (cfg.block_k, cfg.block_n, cfg.num_splits) == (128, 64, 8)
+    cfg = qw.wgmma_config(4, 16, 4096, 4096, 128)  # 64 column blocks: 4 splits of 4 steps
+    assert (cfg.block_k, cfg.block_n, cfg.num_splits, cfg.stages) == (256, 64, 4, 4)
+    cfg = qw.wgmma_config(4, 17, 4096, 4096, 128)  # past WIDE_STEP_ROWS: 8 splits of 4 steps
+    assert (cfg.block_k, cfg.block_n, cfg.num_splits, cfg.stages) == (128, 64, 8, 3)
+    assert qw.wgmma_config(4, 16, 4096, 4096, 64).block_k == 256  # spans 4 groups
+    assert qw.wgmma_config(4, 16, 384, 576, 128).block_k == 128  # K not of 256-K steps
     cfg = qw.wgmma_config(8, 16, 4096, 28672, 4096)  # 224 column blocks of 128: no split
     assert (cfg.block_k, cfg.block_n, cfg.num_splits) == (256, 128, 1)
     assert qw.wgmma_config(8, 16, 4096, 28736, 4096).block_n == 64  # N not a multiple of 128
@@ -262,6 +266,9 @@ def test_bound_probes_take_their_parts_out(monkeypatch):
             assert "wgmma.mma_async" not in text and instruction not in text
         text = lowered(bits)
         assert "wgmma.mma_async" in text and instruction in text
+    with qw.parts_removed("scatter", "product"):  # contiguous code blocks, the pipeline only
+        text = lowered(4)  # the codes [128, 512] read as [128 * 512 / 256, 256] (256-K steps)
+        assert "wgmma.mma_async" not in text and "256x256xi4" in text
     with pytest.raises(ValueError, match="not one of"):
         with qw.parts_removed("everything"):
             pass

@@ -38,7 +38,8 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     out = tmp_path / "wgmma.json"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds,tiles",
-         "--tiles=256/3/128/1,128/2/64/16", "--shapes=1024x512", "--ms=2", "--calls=1", "--queue=1", "--xla",
+         "--tiles=256/3/128/1,128/2/64/16", "--shapes=768x512", "--ms=2", "--calls=1",
+         "--queue=1", "--xla",
          f"--json_out={out}"],
         capture_output=True, text=True, timeout=300,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
@@ -59,24 +60,25 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     assert all("no device events" in r["dev_error"] for r in times if r["impl"] == "xla")
     # bounds: a bf16 row, then the kernel as it is and with parts taken out
     assert [(r["probe"], r["bits"], r["group"]) for r in probes] == [
-        ("int4 grouped", 4, 128), ("int4 per channel", 4, 1024),
-        ("int4 per channel, noconvert", 4, 1024), ("int4 per channel, noload", 4, 1024),
-        ("int4 per channel, pipeline only", 4, 1024), ("int4 per channel, 256-K steps", 4, 1024),
-        ("int4 per channel, 512-K steps", 4, 1024), ("int8 per channel", 8, 1024),
-        ("int8 per channel, noconvert", 8, 1024), ("int8 per channel, noload", 8, 1024),
-        ("int8 per channel, pipeline only", 8, 1024)]
-    for r in probes:  # 1024 K in 4 splits: too short for steps of 512 (a row says so)
+        ("int4 grouped", 4, 128), ("int4 per channel", 4, 768),
+        ("int4 per channel, noconvert", 4, 768), ("int4 per channel, noload", 4, 768),
+        ("int4 per channel, pipeline only", 4, 768), ("int4 per channel, 256-K steps", 4, 768),
+        ("int4 per channel, 512-K steps", 4, 768), ("int8 per channel", 8, 768),
+        ("int8 per channel, noconvert", 8, 768), ("int8 per channel, noload", 8, 768),
+        ("int8 per channel, pipeline only", 8, 768)]
+    for r in probes:  # 768 K: no whole steps of 512 (a row says so)
         if r["probe"].endswith("512-K steps"):
-            assert "do not take 2x1024x512" in r["error"]
+            assert "do not take 2x768x512" in r["error"]
         else:
             assert "needs a Hopper GPU" in r["dev_error"]
-    # tiles: each probe at each tile; 16 splits of 128 K do not divide 1024 K
+    # tiles: each probe at each tile; 16 splits of 128 K do not divide 768 K
     names = ("int4 grouped", "int4 per channel", "int4 per channel, pipeline only",
+             "int4 grouped, contiguous tiles", "int4 per channel, pipeline only, contiguous tiles",
              "int8 per channel", "int8 per channel, pipeline only")
     assert [r["probe"] for r in tiles] == [f"{p} {t}" for t in ("256/3/128/1", "128/2/64/16")
                                            for p in names]
     for r in tiles:
         if r["probe"].endswith("/16"):
-            assert "num_splits=16" in r["error"] and "do not take 2x1024x512" in r["error"]
+            assert "num_splits=16" in r["error"] and "do not take 2x768x512" in r["error"]
         else:
             assert "block_k=256" in r["config"] and "needs a Hopper GPU" in r["dev_error"]
