@@ -94,8 +94,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
     LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, MIN_BLOCK_K, WS_SMEM_BYTES,
-    WgmmaConfig, group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, supports, sweep_configs,
-    wgmma_config, ws_config, ws_stages)
+    WgmmaConfig, group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, supports,
+    sweep_configs, wgmma_config, ws_config, ws_stages)
 
 
 def _swizzled(block_minor: int, bits: int):
