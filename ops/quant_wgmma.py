@@ -39,8 +39,12 @@ z = 8 / 128; INT4 words [N, K/8] enter as jnp.int4 [N, K], the same bytes (a bit
 comparison.
 
 Scales and offsets. Weight w = s (c - z) (+ o' with asymmetric codes, o' = o + z s). Group
-scales (groups of whole steps) multiply the dequantized tile in bf16 before the wgmma: exactly
-the bf16 rounding of s (c - z) that the reference (`int4_matmul_reference`) makes. Per-channel
+scales multiply the dequantized tile in bf16 before the wgmma: exactly the bf16 rounding of
+s (c - z) that the reference (`int4_matmul_reference`) makes. A step lies in one group, or
+spans several whole ones (of at least MIN_GROUP_PART positions: INT4 decode steps are 256
+wide, its groups 128): then each part of the tile, its group's columns, gets its own scales
+and its own wgmma into the same accumulator (`group_parts`); the K order permutes columns
+within 32 (INT4) or 16 (INT8), so a part's columns hold its group's positions. Per-channel
 scales multiply the accumulator once, at the end. Offsets add o' times the activations' group
 sums after the kernel (an [M, G] @ [G, N] product in XLA).
 
@@ -95,7 +99,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
     LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, MIN_BLOCK_K, WS_SMEM_BYTES,
     WgmmaConfig, group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, supports,
-    sweep_configs, wgmma_config, ws_config, ws_stages)
+    sweep_configs, wgmma_config, ws_balance, ws_config, ws_stages)
 
 
 def _swizzled(block_minor: int, bits: int):

@@ -149,10 +149,24 @@ def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaC
     """Tiles past MAX_ROWS rows, from the H200 sweeps at 128 and 1024 rows (docs/
     PERFORMANCE.md, twenty-first and twenty-second sessions): from LARGE_M_ROWS rows on the
     warp-specialized kernel's 256-row tiles (`ws_config`: two consumers of 64 columns sharing
-    each x tile), else the one-warpgroup row tiles of `row_tile_config`."""
-    if m >= LARGE_M_ROWS:
-        return ws_config(bits, m, k, n, group_size)
-    return row_tile_config(m, k, n, group_size)
+    each x tile), or 128-row tiles of three consumers where N takes them and their units keep
+    an H200's SMs busier by a tenth (`sm_balance`; q/k/v at 1024 rows: 256 units against 192,
+    0.86x bf16 against 0.72x, twenty-third session); else the one-warpgroup row tiles of
+    `row_tile_config`."""
+    if m < LARGE_M_ROWS:
+        return row_tile_config(m, k, n, group_size)
+    two = ws_config(bits, m, k, n, group_size)
+    if n % (3 * BLOCK_N):
+        return two
+    three = ws_config(bits, m, k, n, group_size, consumers=3, block_m=128)
+    return three if ws_balance(three, m, n) >= ws_balance(two, m, n) + 0.1 else two
+
+
+def ws_balance(cfg: WgmmaConfig, m: int, n: int) -> float:
+    """The share of NUM_SMS SMs' rounds that the warp-specialized units of `cfg` fill (1.0:
+    whole rounds)."""
+    units = n // (cfg.consumers * cfg.block_n) * -(-m // cfg.block_m) * cfg.num_splits
+    return units / (-(-units // NUM_SMS) * NUM_SMS)
 
 
 def row_tile_config(m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
@@ -178,14 +192,15 @@ def k_splits(programs: int, steps: int, want: int) -> int:
 
 
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
-              consumers: int = 2) -> WgmmaConfig:
+              consumers: int = 2, block_m: int | None = None) -> WgmmaConfig:
     """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
     swept: `wgmma_config`'s step (within one group), 64 columns per consumer, and the fewest K splits (each at
     least two steps) that give every SM at least two units. Past MAX_ROWS rows,
     `row_tile_config`'s row tiles in steps of 64 K, the most stages (up to 4) whose shared
-    memory fits an SM (WS_SMEM_BYTES), and the splits that give MIN_WS_ROW_TILE_UNITS units."""
+    memory fits an SM (WS_SMEM_BYTES), and the splits that give MIN_WS_ROW_TILE_UNITS units
+    (`block_m` overrides the row tile's height)."""
     if m > MAX_ROWS:
-        block_m = row_tile_config(m, k, n, group_size).block_m
+        block_m = block_m or row_tile_config(m, k, n, group_size).block_m
         units = n // (consumers * BLOCK_N) * -(-m // block_m)
         return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N,
                            stages=ws_stages(bits, block_m, consumers * BLOCK_N),

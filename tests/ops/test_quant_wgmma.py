@@ -166,6 +166,12 @@ def test_supports_and_config():
         assert (cfg.consumers, cfg.block_m, cfg.block_k, cfg.stages) == (2, 256, 64, stages)
         assert qw.smem_bytes(bits, 256, 64, 128, stages) <= qw.WS_SMEM_BYTES
     assert not qw.wgmma_config(4, qw.LARGE_M_ROWS - 1, 4096, 4096, 128).consumers
+    # q/k/v (N = 6144 = 32 x 192): three consumers of 128 rows fill the SMs' rounds better
+    cfg = qw.wgmma_config(4, 1024, 4096, 6144, 128)  # 256 units, against 192 of 256 rows
+    assert (cfg.consumers, cfg.block_m, cfg.stages) == (3, 128, 4)
+    assert qw.ws_balance(cfg, 1024, 6144) > 0.95 > 0.75 > qw.ws_balance(
+        qw.ws_config(4, 1024, 4096, 6144, 128), 1024, 6144)
+    assert qw.wgmma_config(4, 1024, 4096, 28672, 128).consumers == 2  # N: not of 192 columns
 
 
 def test_register_layouts_follow_the_ptx_fragments():
@@ -400,9 +406,9 @@ def test_float32_tiles_of_the_warp_specialized_kernel_fit_shared_memory(monkeypa
         seen.append((cfg, block_m, direct))
         return jnp.zeros((cfg.num_splits, codes.shape[0], xp.shape[0]), jnp.float32)
     monkeypatch.setattr(ws, "ws_product", record)
-    m, k, n = 1024, 4096, 6144
+    m, k, n = 1024, 4096, 4096
     cfg = qw.wgmma_config(4, m, k, n, 128)
-    assert cfg.consumers == 2 and cfg.stages == 4
+    assert cfg.consumers == 2 and cfg.stages == 4 and cfg.block_m == 256
     w, x = random_case(4, m, k, n, 128, True, seed=7)  # offsets: float32 partials
     qw.wgmma_matmul(x, w.packed.T, w.scales, w.offsets, bits=4, group_size=128)
     (got, block_m, direct), = seen
