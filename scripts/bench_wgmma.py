@@ -36,7 +36,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   product; INT4 also with each step's codes read as one contiguous block (`contiguous tiles`:
   the bytes a tile-by-tile layout would read; timing only).
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
-program runs `--calls` products on distinct weight sets, queued `--queue` times. The kernel
+program runs `--calls` products on distinct weight sets, queued `--queue` times; kernel rows
+also print the Mosaic GPU kernel's own time (`kernel_us`: without the wrapper's XLA kernels,
+the gather of x into the K order, padding, split sums). The kernel
 needs a Hopper GPU; elsewhere every row records why it did not run.
 """
 from __future__ import annotations
@@ -244,9 +246,22 @@ def report(row: dict, bf16_us: dict) -> None:
         bf16_us[key] = row["dev_us"]
     speedup = bf16_us.get(key, float("nan")) / row["dev_us"]
     row["x_bf16"] = speedup
+    own = kernel_us(row)  # the Mosaic kernel alone, without the wrapper's XLA kernels
     print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<3} {row['impl']:<6} int{row['bits']:<2} "
-          f"{row['dev_us']:8.1f} us {row['TBps']:5.2f} TB/s x{speedup:5.2f}  "
+          f"{row['dev_us']:8.1f} us {row['TBps']:5.2f} TB/s x{speedup:5.2f}"
+          f"{f' (kernel {own:.1f} us)' if own else ''}  "
           f"{row.get('probe', '')} {row.get('config', '')}")
+
+
+def kernel_us(row: dict) -> float | None:
+    """Device microseconds per product of the row's Mosaic GPU kernel alone (from the
+    profiler's top kernels: the x gather and padding, split sums and output slices left out),
+    or None where no such kernel ran."""
+    own = [us for name, us in row.get("kernels", {}).items() if "mosaic_gpu" in name]
+    if own:
+        row["kernel_us"] = sum(own)
+        return row["kernel_us"]
+    return None
 
 
 def main(_):

@@ -82,3 +82,15 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
             assert "num_splits=16" in r["error"] and "do not take 2x768x512" in r["error"]
         else:
             assert "block_k=256" in r["config"] and "needs a Hopper GPU" in r["dev_error"]
+
+
+def test_kernel_us_leaves_the_wrappers_out():
+    """kernel_us sums the profiler's Mosaic GPU kernels of a row (in a subprocess: the script
+    defines absl flags)."""
+    code = ("from scripts.bench_wgmma import kernel_us\n"
+            "row = {'kernels': {'int4_wgmma_mosaic_gpu_kernel': 22.33, 'wrapped_gather': 1.7}}\n"
+            "print(kernel_us(row), row['kernel_us'], kernel_us({'kernels': {'gemm': 5.0}}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["22.33", "22.33", "None"]
