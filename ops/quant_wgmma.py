@@ -322,7 +322,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
         return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
 
     def parts(w_smem, s_smem):  # the step's tile in `group_count` parts, each its group's
-        if group_count == 1:    # scale times its codes: [(bf16 [BN, width], its columns)]
+        # scale times its codes: [(bf16 [BN, width], its columns)]
+        if group_count == 1 or "load" in _REMOVED:
             return [(tile(w_smem, s_smem), slice(None))]
         width = block_k // group_count
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z [BN, BK]

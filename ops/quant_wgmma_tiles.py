@@ -150,7 +150,7 @@ def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaC
     PERFORMANCE.md, twenty-first and twenty-second sessions): from LARGE_M_ROWS rows on the
     warp-specialized kernel's 256-row tiles (`ws_config`: two consumers of 64 columns sharing
     each x tile), or 128-row tiles of three consumers where N takes them and their units keep
-    an H200's SMs busier by a tenth (`sm_balance`; q/k/v at 1024 rows: 256 units against 192,
+    an H200's SMs busier by a tenth (`ws_balance`; q/k/v at 1024 rows: 256 units against 192,
     0.86x bf16 against 0.72x, twenty-third session); else the one-warpgroup row tiles of
     `row_tile_config`."""
     if m < LARGE_M_ROWS:
@@ -194,8 +194,8 @@ def k_splits(programs: int, steps: int, want: int) -> int:
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
               consumers: int = 2, block_m: int | None = None) -> WgmmaConfig:
     """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
-    swept: `wgmma_config`'s step (within one group), 64 columns per consumer, and the fewest K splits (each at
-    least two steps) that give every SM at least two units. Past MAX_ROWS rows,
+    swept: `wgmma_config`'s step (within one group), 64 columns per consumer, and the fewest K
+    splits (each at least two steps) that give every SM at least two units. Past MAX_ROWS rows,
     `row_tile_config`'s row tiles in steps of 64 K, the most stages (up to 4) whose shared
     memory fits an SM (WS_SMEM_BYTES), and the splits that give MIN_WS_ROW_TILE_UNITS units
     (`block_m` overrides the row tile's height)."""
