@@ -97,9 +97,9 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
-    LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, MIN_BLOCK_K, WS_SMEM_BYTES,
-    WgmmaConfig, group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, supports,
-    sweep_configs, wgmma_config, ws_balance, ws_config, ws_stages)
+    LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
+    group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, step_in_group,
+    supports, sweep_configs, wgmma_config, ws_balance, ws_config, ws_stages)
 
 
 def _swizzled(block_minor: int, bits: int):

@@ -125,24 +125,22 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
         return large_m_config(bits, m, k, n, group_size)
     block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
     programs = max(1, n // block_n)
-    if bits == 4 and padded_rows(m) <= WIDE_STEP_ROWS and _spans(k, group_size, 256):
+    if bits == 4 and padded_rows(m) <= WIDE_STEP_ROWS:  # 256-K steps, where the kernel takes them
         splits = 1 if programs >= 200 else k_splits(programs, k // 256, 256)
-        return WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=4)
-    block_k = 128 if bits == 4 else 256
-    if group_size < k:  # a step lies in one group
-        block_k = min(block_k, group_size)
-    block_k = max(block_k, MIN_BLOCK_K)
+        wide = WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=4)
+        if supports(bits, m, k, n, group_size, jnp.bfloat16, jnp.bfloat16, wide):
+            return wide
+    block_k = step_in_group(128 if bits == 4 else 256, k, group_size)
     steps = max(1, k // block_k)
     splits = 1 if programs >= 200 else k_splits(programs, steps, 384 if bits == 4 else 256)
     return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
                        stages=3 if bits == 4 else 2)
 
 
-def _spans(k: int, group_size: int, block_k: int) -> bool:
-    """Steps of block_k positions fit K and the groups: per channel, groups of whole steps or
-    steps of whole groups (at least MIN_GROUP_PART positions each)."""
-    return k % block_k == 0 and (group_size >= k or group_size % block_k == 0 or (
-        block_k % group_size == 0 and group_size >= MIN_GROUP_PART))
+def step_in_group(block_k: int, k: int, group_size: int) -> int:
+    """block_k capped by the group (a step that lies in one group; per-channel scales: no cap),
+    and at least MIN_BLOCK_K."""
+    return max(MIN_BLOCK_K, block_k if group_size >= k else min(block_k, group_size))
 
 
 def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
@@ -175,8 +173,7 @@ def row_tile_config(m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
     SM), else of 128 rows in steps of 128 K (capped by the group) with the K splits that give
     about one program per SM."""
     block_m, block_k = (256, 64) if m >= LARGE_M_ROWS else (128, 128)
-    if group_size < k:
-        block_k = max(min(block_k, group_size), MIN_BLOCK_K)
+    block_k = step_in_group(block_k, k, group_size)
     programs = n // BLOCK_N * -(-m // block_m)
     return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, stages=2, block_m=block_m,
                        num_splits=k_splits(programs, max(1, k // block_k), NUM_SMS))
@@ -207,9 +204,8 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
                            block_m=block_m, consumers=consumers,
                            num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
                                                MIN_WS_ROW_TILE_UNITS))
-    block_k = wgmma_config(bits, m, k, n, group_size).block_k
-    if group_size < k:  # a step lies in one group (this kernel's steps do not span groups)
-        block_k = max(MIN_BLOCK_K, min(block_k, group_size))
+    # within one group: this kernel's steps do not span groups
+    block_k = step_in_group(wgmma_config(bits, m, k, n, group_size).block_k, k, group_size)
     steps = max(1, k // block_k)
     splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
     return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, num_splits=splits,

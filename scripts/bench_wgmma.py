@@ -144,9 +144,8 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                 else:
                     cfg = config or qw.wgmma_config(bits, m, k, n, group)
                 if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
-                    cfg = dataclasses.replace(cfg, instruction="mma")  # (steps in one group)
-                    if group < k and cfg.block_k > group:
-                        cfg = dataclasses.replace(cfg, block_k=max(qw.MIN_BLOCK_K, group))
+                    cfg = dataclasses.replace(  # (its steps lie in one group)
+                        cfg, instruction="mma", block_k=qw.step_in_group(cfg.block_k, k, group))
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
@@ -174,26 +173,26 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
 
 BOUND_PROBES = (  # (probe, bits, per channel, what is taken out: ops.quant_wgmma.parts_removed,
     #                  changes to the dispatch's tiles)
-    ("int4 grouped", 4, False, None, {}), ("int4 per channel", 4, True, None, {}),
-    ("int4 per channel, noconvert", 4, True, "conversion", {}),
-    ("int4 per channel, noload", 4, True, "load", {}),
-    ("int4 per channel, pipeline only", 4, True, "product", {}),
-    # wider steps (fewer barriers and copies per code; INT4 in groups of 128 cannot have them
-    # yet: a step lies in one group)
-    ("int4 per channel, 256-K steps", 4, True, None, {"block_k": 256}),
-    ("int4 per channel, 512-K steps", 4, True, None, {"block_k": 512, "stages": 2}),
-    ("int8 per channel", 8, True, None, {}),
-    ("int8 per channel, noconvert", 8, True, "conversion", {}),
-    ("int8 per channel, noload", 8, True, "load", {}),
-    ("int8 per channel, pipeline only", 8, True, "product", {}))
+    ("int4 grouped", 4, False, (), {}), ("int4 per channel", 4, True, (), {}),
+    ("int4 per channel, noconvert", 4, True, ("conversion",), {}),
+    ("int4 per channel, noload", 4, True, ("load",), {}),
+    ("int4 per channel, pipeline only", 4, True, ("product",), {}),
+    # wider steps (fewer barriers and copies per code; per channel, so that the probes do not
+    # depend on the dispatch's steps over groups)
+    ("int4 per channel, 256-K steps", 4, True, (), {"block_k": 256}),
+    ("int4 per channel, 512-K steps", 4, True, (), {"block_k": 512, "stages": 2}),
+    ("int8 per channel", 8, True, (), {}),
+    ("int8 per channel, noconvert", 8, True, ("conversion",), {}),
+    ("int8 per channel, noload", 8, True, ("load",), {}),
+    ("int8 per channel, pipeline only", 8, True, ("product",), {}))
 
 
 TILE_PROBES = (  # `tiles` mode: (probe, bits, per channel, what is taken out) at each tile
-    ("int4 grouped", 4, False, None), ("int4 per channel", 4, True, None),
-    ("int4 per channel, pipeline only", 4, True, "product"),
-    ("int4 grouped, contiguous tiles", 4, False, "scatter"),
+    ("int4 grouped", 4, False, ()), ("int4 per channel", 4, True, ()),
+    ("int4 per channel, pipeline only", 4, True, ("product",)),
+    ("int4 grouped, contiguous tiles", 4, False, ("scatter",)),
     ("int4 per channel, pipeline only, contiguous tiles", 4, True, ("product", "scatter")),
-    ("int8 per channel", 8, True, None), ("int8 per channel, pipeline only", 8, True, "product"))
+    ("int8 per channel", 8, True, ()), ("int8 per channel, pipeline only", 8, True, ("product",)))
 
 
 def parse_tile(text: str) -> dict:
@@ -224,7 +223,7 @@ def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES) -> list[dict]:
             rows.append(dict(mode="time", impl="wgmma", bits=bits, M=m, K=k, N=n, group=group,
                              probe=probe, error=f"the tiles {cfg} do not take {m}x{k}x{n}"))
             continue
-        with qw.parts_removed(*(removed if isinstance(removed, tuple) else (removed,))):
+        with qw.parts_removed(*removed):
             row = time_product("wgmma", bits, k, n, m, cfg, group=group)
         rows.append(row | {"probe": probe})
     return rows
