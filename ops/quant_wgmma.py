@@ -49,8 +49,10 @@ scales multiply the accumulator once, at the end. Offsets add o' times the activ
 sums after the kernel (an [M, G] @ [G, N] product in XLA).
 
 Output: with one K split (and no offsets) the program writes its bf16 tile transposed, straight
-into y [MP, N]; with more, float32 partials [splits, N, MP] that one XLA fusion sums and
-transposes.
+into y [M, N]; x is not padded to whole row tiles either: TMA reads zeros past x's last row and
+drops the stores past y's (the one-warpgroup kernel, for fewer than 8 rows or a multiple of 8;
+the padding and slice were XLA kernels of 1.2-1.9 us each at one row). With more splits, float32 partials [splits, N, MP] of x padded to
+MP rows, that one XLA fusion sums and transposes.
 
 `instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default: on the H200 it is
 within 5% of wgmma, docs/PERFORMANCE.md): the same pipeline and conversion, multiplied by the
@@ -392,8 +394,10 @@ def available() -> bool:
 
 def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaConfig,
                    direct: bool, block_m: int):
-    """`_kernel` over xp [MP, K] (MP a multiple of block_m) and the codes [N, K]: the product
-    [MP, N] bf16 when `direct`, else float32 partials [splits, N, MP]."""
+    """`_kernel` over xp [MP, K] and the codes [N, K]: the product [MP, N] bf16 when `direct`,
+    else float32 partials [splits, N, MP] (MP a multiple of block_m). With `direct`, MP may be
+    fewer than 8 rows or any multiple of 8: the last row tile's copies run past x and y, and
+    TMA reads zeros there and drops the stores."""
     mp, k = xp.shape
     n = codes.shape[0]
     steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
@@ -413,7 +417,7 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
         tile = plgpu.SMEM((cfg.block_n, block_m), jnp.float32)
     return plgpu.kernel(
-        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits, mp // block_m),
+        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits, -(-mp // block_m)),
         grid_names=("n", "s", "m"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
     )(xp, codes, scales)
 
@@ -444,12 +448,16 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         xk = jnp.take(x, jnp.asarray(wgmma_k_order(bits, k)), axis=1)
     else:
         xk = x
-    xp = jnp.pad(xk, ((0, mp - m), (0, 0)))  # [MP, K]
     if bits == 4:  # the same bytes: nibble j of word w is K position 8w + j
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int4).reshape(n, k)
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
     direct = cfg.direct and cfg.num_splits == 1 and offsets is None
+    # one warpgroup writing y itself: no padding of x nor slice of y (the bounds of the copies
+    # stand for them; Mosaic's 8-row TMA tiling takes fewer than 8 rows or whole multiples);
+    # else x padded to whole row tiles [MP, K]
+    ragged = direct and not cfg.consumers and (m < 8 or m % 8 == 0)
+    xp = xk if ragged else jnp.pad(xk, ((0, mp - m), (0, 0)))
     if cfg.consumers and cfg.block_m and not direct:  # float32 output tiles: fewer stages fit
         stages = ws_stages(bits, block_m, cfg.consumers * cfg.block_n, cfg.block_k, out_bytes=4)
         if not stages:
@@ -465,7 +473,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         out = _one_warpgroup(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
                              direct=direct, block_m=block_m)
     if direct:
-        return out[:m]
+        return out if ragged else out[:m]
     y = out.sum(axis=0)[:, :m].T  # [M, N] float32
     if offsets is not None:  # o' = o + z s, times each group's sum of x
         xs = x.astype(jnp.float32)

@@ -246,6 +246,29 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
+@pytest.mark.parametrize("m,config,padded", [
+    (3, qw.WgmmaConfig(block_k=128, block_n=128, stages=2), False),  # direct: y [3, N] itself
+    (200, qw.WgmmaConfig(block_k=128, block_m=128, stages=2), False),  # row tiles, direct
+    (300, qw.WgmmaConfig(block_k=128, block_m=128, stages=2), True),  # 300: not of 8 rows
+    (3, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2), True)])  # float32 partials
+def test_direct_outputs_need_no_padding(m, config, padded, monkeypatch):
+    """A direct output of fewer than 8 rows or a multiple of 8 lowers without XLA's pad of x
+    and slice of y (the copies' bounds stand for them); other row counts and float32 partials
+    keep x padded to whole tiles."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    k, n = 512, 256
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k // 8), jnp.int32)
+    s = jax.ShapeDtypeStruct((k // 128, n), jnp.bfloat16)
+    fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=4, group_size=128,
+                                                 config=config))
+    text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert ("stablehlo.pad" in text) == padded
+    assert ("stablehlo.slice" in text) == padded
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
 def test_bound_probes_take_their_parts_out(monkeypatch):
     """The bounds probes' kernels lower without the pair conversions' PTX (their constants:
     INT4's bf16x2 136, INT8's top-bit mask) or, pipeline only, without any wgmma; the kernel
@@ -372,6 +395,13 @@ def reference(bits, x, w):
                  qw.WgmmaConfig(block_k=256, block_n=128, stages=2), id="span-d"),
     pytest.param(4, 300, 4096, 4096, 64, False,
                  qw.WgmmaConfig(block_k=128, block_m=128, stages=3), id="span-rowtiles"),
+    # direct outputs of fewer rows than the tile: x unpadded, y unsliced (TMA's bounds)
+    pytest.param(4, 1, 4096, 28672, 128, False, None, id="ragged-a"),
+    pytest.param(8, 3, 4096, 28672, 4096, False, None, id="ragged-b"),
+    pytest.param(4, 5, 1024, 512, 128, False,
+                 qw.WgmmaConfig(block_k=256, block_n=128, stages=2), id="ragged-c"),
+    pytest.param(4, 200, 2048, 1024, 128, False,
+                 qw.WgmmaConfig(block_k=64, block_m=128, stages=3), id="ragged-rowtiles"),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)
