@@ -46,13 +46,18 @@ wide, its groups 128): then each part of the tile, its group's columns, gets its
 and its own wgmma into the same accumulator (`group_parts`); the K order permutes columns
 within 32 (INT4) or 16 (INT8), so a part's columns hold its group's positions. Per-channel
 scales multiply the accumulator once, at the end. Offsets add o' times the activations' group
-sums after the kernel (an [M, G] @ [G, N] product in XLA).
+sums after the kernel (an [M, G] @ [G, N] product in XLA). INT4 groups under the inline
+conversion take their offsets in the kernel instead (`offsets_in_kernel`): the conversion gives
+the codes c themselves (a subtraction of 128 in place of 136), and each group part becomes
+s c + o, the reference's dequantized weight, before its wgmma; the output is then direct like a
+symmetric one's, and the XLA kernels of the group sums, their product and the add are gone.
 
-Output: with one K split (and no offsets) the program writes its bf16 tile transposed, straight
-into y [M, N]; x is not padded to whole row tiles either: TMA reads zeros past x's last row and
-drops the stores past y's (the one-warpgroup kernel, for fewer than 8 rows or a multiple of 8;
-the padding and slice were XLA kernels of 1.2-1.9 us each at one row). With more splits, float32 partials [splits, N, MP] of x padded to
-MP rows, that one XLA fusion sums and transposes.
+Output: with one K split (and no offsets after the kernel) the program writes its bf16 tile
+transposed, straight into y [M, N]; x is not padded to whole row tiles either: TMA reads zeros
+past x's last row and drops the stores past y's (the one-warpgroup kernel, for fewer than 8
+rows or a multiple of 8; the padding and slice were XLA kernels of 1.2-1.9 us each at one row).
+With more splits, float32 partials [splits, N, MP] of x padded to MP rows, that one XLA fusion
+sums and transposes.
 
 `instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default: on the H200 it is
 within 5% of wgmma, docs/PERFORMANCE.md): the same pipeline and conversion, multiplied by the
@@ -115,13 +120,15 @@ def _asm(code: str, word):
     return mgpu_utils.inline_ptx(code, word, result_types=ir.IntegerType.get_signless(32))
 
 
-def _int4_pairs(word, j: int):
-    """bf16x2 (c_j - 8, c_{j+4} - 8) of nibbles j and j + 4 of a 32-bit word of eight codes:
-    a shift, one LOP3 (nibbles under bf16 128.0's exponent: 128 + c) and one bf16x2
-    subtraction of 136, all exact."""
+def _int4_pairs(word, j: int, zero: int = 8):
+    """bf16x2 (c_j - zero, c_{j+4} - zero) of nibbles j and j + 4 of a 32-bit word of eight
+    codes (zero 8: symmetric codes; 0: the codes themselves, for offsets): a shift, one LOP3
+    (nibbles under bf16 128.0's exponent: 128 + c) and one bf16x2 subtraction of 128 + zero,
+    all exact."""
     shift = f"shr.u32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
+    bias = 0x4300 + zero  # bf16 128 + zero (the mantissa's unit is 1 between 128 and 256)
     return _asm("{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-                "mov.b32 k, 0x43084308; sub.bf16x2 $0, t, k; }", word)
+                f"mov.b32 k, {bias << 16 | bias:#010x}; sub.bf16x2 $0, t, k; }}", word)
 
 
 def _int8_pairs(word, j: int):
@@ -160,14 +167,20 @@ def parts_removed(*parts: str | None):
         _REMOVED = real
 
 
-def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma"):
+def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma",
+                   unsigned: bool = False):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
-    [BN, BK] in `tile_layout(instruction)`, each register converted in place, with no shuffle
-    between threads. What moves is the K order: register j of a loaded word holds the codes
-    listed in `wgmma_k_order`, and the caller permutes x's columns to match."""
+    [BN, BK] (`unsigned`, INT4 only: c itself) in `tile_layout(instruction)`, each register
+    converted in place, with no shuffle between threads. What moves is the K order: register
+    j of a loaded word holds the codes listed in `wgmma_k_order`, and the caller permutes x's
+    columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
+    if unsigned:
+        if bits != 4:
+            raise ValueError("_codes_to_bf16: unsigned codes are for INT4")
+        pairs = functools.partial(_int4_pairs, zero=0)
     if "conversion" in _REMOVED:  # the probe: each word taken as the bf16 pairs as it is
         pairs = lambda word, j: word  # noqa: E731
     shape = (block_n, block_k)
@@ -248,11 +261,14 @@ def register_relabeling(src, dst, shape: tuple[int, ...]) -> dict:
     return out
 
 
-def group_scaled(w, s_row_ref, layout):
+def group_scaled(w, s_row_ref, layout, o_row_ref=None):
     """The dequantized tile w [BN, BK] times its step's group scale per row, from s_row_ref
-    [BN] (shared memory) loaded in `layout`'s row layout: the bf16 rounding of s (c - z)."""
-    s = plgpu.load(s_row_ref, layout=layout.reduce(1))
-    return w * jax.lax.broadcast_in_dim(s, w.shape, [0])
+    [BN] (shared memory) loaded in `layout`'s row layout: the bf16 rounding of s (c - z);
+    with o_row_ref (w the codes c themselves), plus the group's offset per row: s c + o."""
+    rows = lambda ref: jax.lax.broadcast_in_dim(  # noqa: E731  [BN] -> [BN, BK]
+        plgpu.load(ref, layout=layout.reduce(1)), w.shape, [0])
+    w = w * rows(s_row_ref)
+    return w if o_row_ref is None else w + rows(o_row_ref)
 
 
 def channel_scaled(acc, s_ref):
@@ -293,44 +309,49 @@ def wgmma_k_order(bits: int, k: int):
     return (np.arange(0, k, span)[:, None] + q[None, :]).reshape(-1).astype(np.int32)
 
 
-def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
+def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
             instruction: str):
     # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
     # step lies in one group, group_steps steps each, or spans group_count whole groups);
-    # out_gmem: `direct` [MP, N] bf16 (one split: the product itself, in the output's layout),
-    # else [splits, N, MP] float32 partials; out_smem: its tile, [BM, BN] / [BN, BM]
-    # (BM = block_m rows of x per program, MP / BM row tiles)
+    # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
+    # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split: the product
+    # itself, in the output's layout), else [splits, N, MP] float32 partials; out_smem: its
+    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles)
+    o_gmem, out_gmem, out_smem = refs if offsets else (None, *refs)
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
     mb = jax.lax.axis_index("m")
     first = split * steps  # this program's first K step
-    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction)
+    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction, unsigned=offsets)
     layout = tile_layout(instruction)
 
-    def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z in `layout`
+    def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z (c: offsets) in `layout`
         if convert == "inline":
             return inline(codes)
         sign = jnp.asarray(-2 ** (bits - 1), jnp.int4 if bits == 4 else jnp.int8)  # top bit
         codes = codes ^ sign  # c - z, signed
         return plgpu.layout_cast(codes, layout).astype(jnp.bfloat16)
 
+    def scaled(w, s_smem, j):  # w [BN, width]: the codes of the step's group j, scaled
+        return group_scaled(w, s_smem[0].at[j], layout, s_smem[1].at[j] if offsets else None)
+
     def tile(w_smem, s_smem):  # this step's dequantized [BN, BK] bf16 tile
         if "load" in _REMOVED:  # the probe: a constant tile, nothing loaded or converted
             return plgpu.layout_cast(jnp.full((block_n, block_k), 1.0, jnp.bfloat16), layout)
-        w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z
-        return group_scaled(w, s_smem[0].at[0], layout) if grouped else w
+        w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z (c: offsets)
+        return scaled(w, s_smem, 0) if grouped else w
 
     def parts(w_smem, s_smem):  # the step's tile in `group_count` parts, each its group's
-        # scale times its codes: [(bf16 [BN, width], its columns)]
+        # scale times its codes (plus offsets): [(bf16 [BN, width], its columns)]
         if group_count == 1 or "load" in _REMOVED:
             return [(tile(w_smem, s_smem), slice(None))]
         width = block_k // group_count
-        w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z [BN, BK]
+        w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z (c: offsets) [BN, BK]
         cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
-        return [(group_scaled(w[:, c], s_smem[0].at[j], layout), c) for j, c in enumerate(cols)]
+        return [(scaled(w[:, c], s_smem, j), c) for j, c in enumerate(cols)]
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
@@ -359,10 +380,11 @@ def _kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: b
                         transforms=_swizzled(block_k, 16)),
     ]
     args = [w_gmem, x_gmem]
-    if grouped:
-        in_specs.append(plgpu.BlockSpec((group_count, block_n),  # the step's groups' rows
-                                        lambda k: ((first + k) // group_steps, nb)))
-        args.append(s_gmem)
+    if grouped:  # the step's groups' rows of the scales (and offsets)
+        for ref in (s_gmem, o_gmem) if offsets else (s_gmem,):
+            in_specs.append(plgpu.BlockSpec((group_count, block_n),
+                                            lambda k: ((first + k) // group_steps, nb)))
+            args.append(ref)
     if instruction == "mma":
         rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
         zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
@@ -392,19 +414,20 @@ def available() -> bool:
     return os.environ.get("PALLASITE_WGMMA", "").lower() != "off" and on_hopper()
 
 
-def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaConfig,
-                   direct: bool, block_m: int):
-    """`_kernel` over xp [MP, K] and the codes [N, K]: the product [MP, N] bf16 when `direct`,
-    else float32 partials [splits, N, MP] (MP a multiple of block_m). With `direct`, MP may be
-    fewer than 8 rows or any multiple of 8: the last row tile's copies run past x and y, and
-    TMA reads zeros there and drops the stores."""
+def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
+                   cfg: WgmmaConfig, direct: bool, block_m: int):
+    """`_kernel` over xp [MP, K] and the codes [N, K] (with offsets [G, N]: added in the
+    kernel, `offsets_in_kernel`): the product [MP, N] bf16 when `direct`, else float32 partials
+    [splits, N, MP] (MP a multiple of block_m). With `direct`, MP may be fewer than 8 rows or
+    any multiple of 8: the last row tile's copies run past x and y, and TMA reads zeros there
+    and drops the stores."""
     mp, k = xp.shape
     n = codes.shape[0]
     steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
     if "scatter" in _REMOVED:  # the probe: the same bytes as contiguous [BN, BK] blocks
         codes = codes.reshape(n * k // cfg.block_k, cfg.block_k)
     kernel = functools.partial(
-        _kernel, bits=bits, grouped=scales.shape[0] > 1,
+        _kernel, bits=bits, grouped=scales.shape[0] > 1, offsets=offsets is not None,
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
@@ -419,7 +442,16 @@ def _one_warpgroup(xp, codes, scales, *, bits: int, group_size: int, cfg: WgmmaC
     return plgpu.kernel(
         kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits, -(-mp // block_m)),
         grid_names=("n", "s", "m"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
-    )(xp, codes, scales)
+    )(xp, codes, scales, *(() if offsets is None else (offsets,)))
+
+
+def offsets_in_kernel(bits: int, groups: int, dtype, cfg: WgmmaConfig) -> bool:
+    """Whether the one-warpgroup kernel adds offsets of `dtype` itself (s c + o per group
+    part, in bf16: the reference's dequantized weight): bf16 offsets of INT4 groups under the
+    inline conversion (which then gives c itself). Elsewhere (INT8, per channel, the
+    warp-specialized kernel) XLA adds o' times the activations' group sums after the kernel."""
+    return (bits == 4 and groups > 1 and dtype == jnp.bfloat16 and cfg.convert == "inline"
+            and not cfg.consumers)
 
 
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
@@ -452,7 +484,8 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int4).reshape(n, k)
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
-    direct = cfg.direct and cfg.num_splits == 1 and offsets is None
+    in_kernel = offsets is not None and offsets_in_kernel(bits, groups, offsets.dtype, cfg)
+    direct = cfg.direct and cfg.num_splits == 1 and (offsets is None or in_kernel)
     # one warpgroup writing y itself: no padding of x nor slice of y (the bounds of the copies
     # stand for them; Mosaic's 8-row TMA tiling takes fewer than 8 rows or whole multiples);
     # else x padded to whole row tiles [MP, K]
@@ -470,12 +503,12 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         out = ws_product(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
                          block_m=block_m, direct=direct)
     else:
-        out = _one_warpgroup(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
-                             direct=direct, block_m=block_m)
+        out = _one_warpgroup(xp, codes, scales, offsets if in_kernel else None, bits=bits,
+                             group_size=group_size, cfg=cfg, direct=direct, block_m=block_m)
     if direct:
         return out if ragged else out[:m]
     y = out.sum(axis=0)[:, :m].T  # [M, N] float32
-    if offsets is not None:  # o' = o + z s, times each group's sum of x
+    if offsets is not None and not in_kernel:  # o' = o + z s, times each group's sum of x
         xs = x.astype(jnp.float32)
         xsum = jnp.pad(xs, ((0, 0), (0, groups * group_size - k))).reshape(m, groups, -1)
         o = offsets.astype(jnp.float32) + 2 ** (bits - 1) * scales.astype(jnp.float32)

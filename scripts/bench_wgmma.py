@@ -35,6 +35,8 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   pipeline only: how the step's width, the stages in flight and the programs bound the
   product; INT4 also with each step's codes read as one contiguous block (`contiguous tiles`:
   the bytes a tile-by-tile layout would read; timing only).
+With --asymmetric the timed codes carry offsets (zero points, the RTN / GPTQ / AWQ default):
+INT4 groups add them inside the kernel, the other forms in XLA after it.
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times; kernel rows
 also print the Mosaic GPU kernel's own time (`kernel_us`: without the wrapper's XLA kernels,
@@ -71,6 +73,8 @@ flags.DEFINE_bool("xla", False, "table: also time XLA's dequantize + dot of the 
                   "(the path of other GPUs for many rows)")
 flags.DEFINE_list("tiles", ["128/3/128/1", "256/3/128/1", "256/4/64/4"],
                   "tiles mode: block_k/stages/block_n/splits of each tile probed")
+flags.DEFINE_bool("asymmetric", False, "time the codes with offsets (zero points): INT4 groups "
+                  "add them in the kernel, the other forms after it in XLA")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 
 
@@ -132,10 +136,11 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
             nbytes = 2 * k * n
             fn, args = (lambda xs, ws: tuple(jnp.dot(xs[c], ws[c]) for c in range(calls))), (xs, ws)
         else:
-            sets = [codes_and_scales(bits, k, n, group, jax.random.key(300 + c))
-                    for c in range(calls)]
-            ws, ss = tuple(a[0] for a in sets), tuple(a[1] for a in sets)
-            nbytes = k * n * bits // 8 + 2 * ss[0].size
+            sets = [codes_and_scales(bits, k, n, group, jax.random.key(300 + c),
+                                     FLAGS.asymmetric) for c in range(calls)]
+            ws, ss = tuple(a[0] for a in sets), tuple(a[1:] for a in sets)  # (scales, offsets)
+            nbytes = k * n * bits // 8 + 2 * ss[0][0].size * (2 if FLAGS.asymmetric else 1)
+            row["asymmetric"] = FLAGS.asymmetric
             if name in ("wgmma", "mma", "ws", "wg1"):
                 if name == "ws":  # the warp-specialized persistent kernel
                     cfg = config or qw.ws_config(bits, m, k, n, group)
@@ -148,13 +153,13 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                         cfg, instruction="mma", block_k=qw.step_in_group(cfg.block_k, k, group))
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
-                    xs[c], ws[c], ss[c], bits=bits, group_size=group, config=cfg)
+                    xs[c], ws[c], *ss[c], bits=bits, group_size=group, config=cfg)
                     for c in range(calls))
             else:  # triton (traced below with PALLASITE_WGMMA=off) or xla (the reference)
                 product = int4_matmul if bits == 4 else int8_matmul
                 impl = "reference" if name == "xla" else None
                 fn = lambda xs, ws, ss: tuple(product(  # noqa: E731
-                    xs[c], ws[c], ss[c], group_size=group, layout="nk", impl=impl)
+                    xs[c], ws[c], *ss[c], group_size=group, layout="nk", impl=impl)
                     for c in range(calls))
             args = (xs, ws, ss)
         if name == "triton":

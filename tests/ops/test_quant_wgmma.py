@@ -269,6 +269,34 @@ def test_direct_outputs_need_no_padding(m, config, padded, monkeypatch):
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
+@pytest.mark.parametrize("bits,group,config,in_kernel", [
+    (4, 128, None, True),  # decode tiles: s c + o in the kernel, the output direct
+    (4, 128, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2), True),  # split partials
+    (4, 128, qw.WgmmaConfig(block_k=128, stages=2, instruction="mma"), True),
+    (4, 128, qw.WgmmaConfig(block_k=128, stages=2, convert="mosaic"), False),
+    (4, 512, None, False),  # per channel: offsets times the sums of x, after the kernel
+    (8, 128, None, False)])  # INT8: the same, in XLA
+def test_where_the_offsets_are_added(bits, group, config, in_kernel, monkeypatch):
+    """INT4 group offsets under the inline conversion enter the kernel (its conversion then
+    subtracts 128, not 136, and no XLA product of the activations' group sums by o' follows);
+    the other forms keep that XLA product."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    m, k, n = 16, 512, 256
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
+                             jnp.int32 if bits == 4 else jnp.uint8)
+    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
+    fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=bits, group_size=group,
+                                                    config=config))
+    text = fn.trace(x, w, s, s).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert ("stablehlo.dot_general" not in text) == in_kernel
+    if bits == 4 and (config is None or config.convert == "inline"):
+        assert ("mov.b32 k, 0x43004300" in text) == in_kernel  # c itself, or c - 8
+        assert ("mov.b32 k, 0x43084308" in text) != in_kernel
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
 def test_bound_probes_take_their_parts_out(monkeypatch):
     """The bounds probes' kernels lower without the pair conversions' PTX (their constants:
     INT4's bf16x2 136, INT8's top-bit mask) or, pipeline only, without any wgmma; the kernel
@@ -402,6 +430,11 @@ def reference(bits, x, w):
                  qw.WgmmaConfig(block_k=256, block_n=128, stages=2), id="ragged-c"),
     pytest.param(4, 200, 2048, 1024, 128, False,
                  qw.WgmmaConfig(block_k=64, block_m=128, stages=3), id="ragged-rowtiles"),
+    # INT4 group offsets added in the kernel (s c + o): decode's tiles, direct and split
+    pytest.param(4, 16, 4096, 28672, 128, True, None, id="offsets-a"),
+    pytest.param(4, 16, 14336, 4096, 128, True, None, id="offsets-b"),
+    pytest.param(4, 1, 4096, 6144, 128, True, None, id="offsets-c"),
+    pytest.param(4, 64, 4096, 4096, 64, True, None, id="offsets-d"),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)
