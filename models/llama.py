@@ -16,7 +16,7 @@ from flax import nnx
 from configs.model import ModelConfig
 from engine.kv_cache import KVCache
 from ops import gemv as gemv_ops
-from ops.matmul import TransposedWeight, linear
+from ops.matmul import TransposedWeight, device_k_order, linear, reorder_k
 from ops.paged_attention import step_attention
 from ops.rms_norm import rms_norm, rms_scale
 from ops.rope_kv import rope_and_write_kv
@@ -222,7 +222,7 @@ class DecoderLayer(nnx.Module):
         def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ code scales)
             w = layer.kernel.get_value()
             return gemv_ops.fused_gemv(x, w.w_t, scales=w.scales, offsets=w.offsets,
-                                       group_size=w.group_size or None, **kw)
+                                       group_size=w.group_size or None, k_order=w.k_order, **kw)
 
         qkv = product(x, attn.qkv_proj, norm_weight=self.input_layernorm.weight[...],
                       eps=cfg.rms_norm_eps,
@@ -332,10 +332,14 @@ def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
     return cfg.replace(fused_projections=True), model
 
 
-def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM
+def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str | None = None
                        ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Stores each layer's q/k/v, o, gate/up and down kernels transposed, [out, in]
     (ops.matmul.TransposedWeight), in place, for ops/gemv.py's fused decode kernel.
+
+    Codes are stored along `in` in `k_order` (TransposedWeight.k_order): None picks this
+    device's order per weight (ops.matmul.device_k_order: "wgmma" on a Hopper GPU, whose
+    kernel then reads x without a gather; "natural" elsewhere).
 
     Returns (cfg with gemv_layers=True, the same model object). Needs fused projections
     (fuse_projections first) and float or quantized kernels (QuantizedWeight.transposed: INT8
@@ -357,14 +361,17 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM
                 raise ValueError(f"transpose_for_gemv: {type(kernel).__name__} kernels cannot be "
                                  "stored transposed")
             try:
-                jax.eval_shape(kernel.transposed)
+                jax.eval_shape(lambda: reorder_k(kernel.transposed(), k_order or "natural"))
             except ValueError as e:
                 raise ValueError(f"transpose_for_gemv: {e}") from None
     for layer in model.layers:
         for lin in _gemv_linears(layer):
             kernel = lin.kernel.get_value()
-            lin.kernel = nnx.Param(TransposedWeight(jnp.asarray(kernel).T) if isinstance(
-                kernel, jax.Array | np.ndarray) else kernel.transposed())
+            if isinstance(kernel, jax.Array | np.ndarray):
+                lin.kernel = nnx.Param(TransposedWeight(jnp.asarray(kernel).T))
+                continue
+            weight = kernel.transposed()
+            lin.kernel = nnx.Param(reorder_k(weight, k_order or device_k_order(weight)))
     return cfg.replace(gemv_layers=True), model
 
 

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops import quant_wgmma
 from ops.matmul import CODE_ZEROS, INT4_PER_WORD, code_bits, dequantize_rows
 from ops.ptx import fma
 from ops.quant_gemv import NIBBLE_POSITIONS, mantissa_codes
@@ -139,10 +140,35 @@ def _code_values(word, bits: int, interpret: bool) -> list:
 CODE_FACTORS = {8: (X_SCALE,) * 4, 4: tuple(2.0 ** (23 - p) for p in NIBBLE_POSITIONS)}
 
 
+def _x_words(kw, bits: int, k_order: str) -> list:
+    """The x words (bf16 pairs) that the K positions of code words kw [BW] multiply, one [BW]
+    index array per pair, in the order of `_in_word_order`: natural, the pairs P/2 kw + i
+    (P positions per word); "wgmma" (ops.quant_wgmma.stored_k_positions), in each block of
+    K_ORDER_SPAN positions the pairs t + 4i of word t (INT4: words t = 0..3 of 32 positions;
+    INT8: of 16, t the word's index with its two bits swapped)."""
+    per_word = 32 // bits
+    if k_order == "natural" or bits == 16:
+        return [per_word // 2 * kw + i for i in range(per_word // 2)]
+    words = 4  # code words per block, both widths
+    block, t = kw // words, kw % words
+    if bits == 8:
+        t = t % 2 * 2 + t // 2
+    pairs = quant_wgmma.K_ORDER_SPAN[bits] // 2
+    return [pairs * block + t + 4 * i for i in range(per_word // 2)]
+
+
+def _in_word_order(values: list, bits: int, k_order: str) -> list:
+    """The x values of `_x_words` (pair i's low then high half: 2i + h) in the order of the
+    word's K positions. "wgmma" INT4: nibble 4h + j holds pair j's half h."""
+    if k_order == "natural" or bits != 4:
+        return values
+    return [values[2 * (n % 4) + n // 4] for n in range(len(values))]
+
+
 def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, block_n: int,
                  block_w: int, has_norm: bool, eps: float, gated: bool, bits: int,
                  group_size: int, asymmetric: bool, has_bias: bool, has_residual: bool,
-                 prefetch: bool, interpret: bool):
+                 prefetch: bool, interpret: bool, k_order: str = "natural"):
     # x_ref: [M, K/2] int32 (bf16 pairs); w_ref: [N, K/P] int32, P = 32 / bits K positions per
     # word (bf16 pairs, four uint8 codes, or eight int4 codes; position P w + j in slot j);
     # N = 2 n_out when gated. refs: (nw_ref [1, K/2] int32 norm weight pairs), (s_ref [G, N]
@@ -177,7 +203,7 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, 
             for r in row_sets)
         gs = per_group(s_ref) if grouped else None
         go = per_group(o_ref) if grouped and asymmetric else None
-        x_cols = [per_word // 2 * kw + i for i in range(per_word // 2)]  # x words of a word
+        x_cols = _x_words(kw, bits, k_order)  # x words of a word
         norm = tuple(_load_row(nw_ref, 0, c, kw_ok) for c in x_cols) if has_norm else None
         xs = tuple(tuple(_load_row(x_ref, i, c, kw_ok) for c in x_cols) for i in range(m))
         return words, gs, go, norm, xs
@@ -192,11 +218,11 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, 
             tile, nxt = load_tile(t), None
         words, gs, go, norm, xs = tile
         weights = [_code_values(w, bits, interpret) for w in words]  # [BN, BW] per position
-        if has_norm:
-            nws = [v for w in norm for v in _halves(w)]  # [BW] per position j
+        if has_norm:  # [BW] per position j
+            nws = _in_word_order([v for w in norm for v in _halves(w)], bits, k_order)
         out = []
         for (accs, sq, xsum), x_words in zip(rows_, xs):
-            xv = [v for w in x_words for v in _halves(w)]  # [BW] per position j
+            xv = _in_word_order([v for w in x_words for v in _halves(w)], bits, k_order)
             if has_norm:
                 for v in xv:
                     sq = fma(v, v, sq, interpret)
@@ -266,10 +292,13 @@ def _gemv_kernel(x_ref, w_ref, *refs, m: int, n_out: int, k: int, k_words: int, 
 
 
 def _check(x, w_t, norm_weight, gated: bool, bias, residual, scales=None, offsets=None,
-           group_size: int | None = None) -> tuple[int, int]:
-    """Raises ValueError naming the operand whose shape does not fit; returns (n_out, the
-    group size: K when per channel)."""
+           group_size: int | None = None, k_order: str = "natural") -> tuple[int, int]:
+    """Raises ValueError naming the operand whose shape does not fit (or the K order that
+    does not); returns (n_out, the group size: K when per channel)."""
     bits = code_bits(w_t)
+    if k_order not in quant_wgmma.K_ORDERS or (k_order != "natural" and bits is None):
+        raise ValueError(f"gemv: k_order {k_order!r} must be one of {quant_wgmma.K_ORDERS}, "
+                         "and 'natural' for bf16 weights")
     words = INT4_PER_WORD if bits == 4 else 1
     if x.ndim != 2 or w_t.ndim != 2 or w_t.shape[1] * words != x.shape[1]:
         layout = "[N, K/8] (INT4 words)" if bits == 4 else "[N, K]"
@@ -320,15 +349,16 @@ def _kernel_refusal(x, w_t, group_size: int) -> str | None:
 
 def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
          residual=None, scales=None, offsets=None, group_size: int | None = None,
-         config: GemvConfig | None = None, interpret: bool = False):
+         config: GemvConfig | None = None, interpret: bool = False, k_order: str = "natural"):
     """The Pallas kernel: x [M, K] @ W^T with the options of the module docstring -> [M, N]
     ([M, N/2] when gated) in x's dtype. x bf16; w_t [N, K] bf16 (K even), or codes with scales
     [G, N] (ops.matmul.TransposedWeight): uint8 [N, K] INT8 (K a multiple of 4) or int32
     [N, K/8] INT4 words, in groups of group_size K positions (None: per channel, G = 1), with
-    offsets [G, N] when asymmetric. norm_weight [K]: RMSNorm of x first (eps); bias [N];
+    offsets [G, N] when asymmetric, along K in `k_order` (TransposedWeight.k_order: the kernel
+    reads x's words in the codes' order). norm_weight [K]: RMSNorm of x first (eps); bias [N];
     residual [M, N or N/2]: added to the output."""
     n_out, group_size = _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets,
-                               group_size)
+                               group_size, k_order)
     refusal = _kernel_refusal(x, w_t, group_size)
     if refusal:
         raise ValueError(refusal)
@@ -351,7 +381,7 @@ def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bi
         block_w=block_w, has_norm=norm_weight is not None, eps=float(eps), gated=gated,
         bits=bits, group_size=group_size, asymmetric=offsets is not None,
         has_bias=bias is not None, has_residual=residual is not None, prefetch=cfg.prefetch,
-        interpret=interpret)
+        interpret=interpret, k_order=k_order)
     full = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(n_out, cfg.block_n),), in_specs=[full(a.shape) for a in args],
@@ -364,13 +394,19 @@ def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bi
 
 def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False,
                    bias=None, residual=None, scales=None, offsets=None,
-                   group_size: int | None = None):
+                   group_size: int | None = None, k_order: str = "natural"):
     """`gemv` in jnp: float32 sums and products (at jax's default matmul precision, like the
     model's other products: TF32 on a GPU unless jax.default_matmul_precision says 'highest';
     exact on the CPU, where an explicit HIGHEST made the product 6x slower), rounded to x's dtype
-    at the end. Codes are dequantized to float32 first (ops.matmul.dequantize_rows)."""
+    at the end. Codes are dequantized to float32 first (ops.matmul.dequantize_rows); codes in
+    another `k_order` meet x (and the norm's weight) permuted to their stored order."""
     _, group_size = _check(x, w_t, norm_weight, gated, bias, residual, scales, offsets,
-                           group_size)
+                           group_size, k_order)
+    stored = quant_wgmma.stored_k_positions(code_bits(w_t), x.shape[1], k_order)
+    if stored is not None:
+        x = jnp.take(x, jnp.asarray(stored), axis=1)
+        if norm_weight is not None:
+            norm_weight = jnp.take(norm_weight, jnp.asarray(stored))
     h = x.astype(jnp.float32)
     if norm_weight is not None:
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
@@ -389,7 +425,7 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
 
 def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
                residual=None, scales=None, offsets=None, group_size: int | None = None,
-               impl: str | None = None):
+               impl: str | None = None, k_order: str = "natural"):
     """`gemv`'s function, dispatched. impl None: PALLASITE_GEMV if set, else the kernel on a GPU
     when x is bf16 with M <= MAX_ROWS and w_t bf16 or codes that fit it, the reference
     otherwise; or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
@@ -401,7 +437,7 @@ def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = Fal
     if impl not in IMPLS:
         raise ValueError(f"fused_gemv: impl {impl!r} must be None or one of {IMPLS}")
     kw = dict(norm_weight=norm_weight, eps=eps, gated=gated, bias=bias, residual=residual,
-              scales=scales, offsets=offsets, group_size=group_size)
+              scales=scales, offsets=offsets, group_size=group_size, k_order=k_order)
     if impl == "reference":
         return gemv_reference(x, w_t, **kw)
     return gemv(x, w_t, interpret=impl == "pallas_interpret", **kw)

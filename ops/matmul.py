@@ -14,11 +14,14 @@ ops/quant_matmul.py's tensor-core kernels over the same words (layout "nk") on a
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ops import quant_wgmma
 from ops.quant_matmul import int4_matmul, int8_matmul, resolve_impl
 
 # Quantized weight type -> function (x, weight) -> x @ dequantize(weight).
@@ -48,18 +51,82 @@ class TransposedWeight:
     w_t is uint8 [out, in] (INT8) or int32 [out, in / 8] (INT4, eight codes per word along in),
     scales (and offsets) keep their [G, out] layout, G = ceil(in / group_size); the value of
     code c is scales * (c - zero), or scales * c + offsets when asymmetric.
+
+    k_order: how the codes lie along `in`: "natural" (column q is input q), or "wgmma" (stored
+    column q is input ops.quant_wgmma.stored_k_positions(...)[q]: reordered by `reorder_k` for
+    the Hopper kernel, which then reads x as it is; every other product permutes x to match).
     """
 
     w_t: jax.Array  # [out, in], or [out, in / 8] int32 INT4 words
     scales: jax.Array | None = None  # [G, out]
     offsets: jax.Array | None = None  # [G, out] (asymmetric codes) or None
     group_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: per channel
+    k_order: str = dataclasses.field(default="natural", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
         """The weight's logical shape [in, out]."""
         words = INT4_PER_WORD if code_bits(self.w_t) == 4 else 1
         return self.w_t.shape[1] * words, self.w_t.shape[0]
+
+
+def stored_inputs(weight: TransposedWeight) -> np.ndarray | None:
+    """The input position that each stored column of the weight's codes multiplies (numpy
+    int32 [in]), None in natural order: x[..., stored_inputs] meets the codes as stored."""
+    bits = code_bits(weight.w_t)
+    if weight.k_order == "natural" or bits is None:
+        return None
+    return quant_wgmma.stored_k_positions(bits, weight.shape[0], weight.k_order)
+
+
+def reorder_k(weight: TransposedWeight, k_order: str) -> TransposedWeight:
+    """The same weight with its codes stored along `in` in `k_order` (see TransposedWeight):
+    a permutation within blocks of ops.quant_wgmma.K_ORDER_SPAN inputs, done once (at load
+    time; the Marlin kernels' repacking is the same idea). Raises ValueError for float weights,
+    for groups that are not whole blocks and for an unknown order."""
+    bits = code_bits(weight.w_t)
+    if bits is None or weight.scales is None:
+        raise ValueError("reorder_k: float weights keep the natural order (codes only)")
+    k, n = weight.shape
+    span = quant_wgmma.K_ORDER_SPAN[bits]
+    if k_order != "natural" and weight.group_size and weight.group_size < k and (
+            weight.group_size % span):
+        raise ValueError(f"reorder_k: groups of {weight.group_size} are not whole blocks of "
+                         f"{span} inputs (k_order {k_order!r} permutes within them)")
+    if k_order == weight.k_order:
+        return weight
+    codes = unpack_rows(weight.w_t)  # [N, K] as stored
+    old = stored_inputs(weight)
+    if old is not None:  # back to natural order first: natural column old[q] <- stored q
+        codes = jnp.zeros_like(codes).at[:, old].set(codes)
+    new = quant_wgmma.stored_k_positions(bits, k, k_order)
+    if new is not None:  # stored column q <- natural column new[q]
+        codes = jnp.take(codes, jnp.asarray(new), axis=1)
+    if bits == 4:
+        shifts = (4 * jnp.arange(INT4_PER_WORD, dtype=jnp.uint32))[None, None, :]
+        nibbles = codes.astype(jnp.uint32).reshape(n, k // INT4_PER_WORD, INT4_PER_WORD)
+        w_t = jax.lax.bitcast_convert_type(jnp.sum(nibbles << shifts, axis=2, dtype=jnp.uint32),
+                                           jnp.int32)
+    else:
+        w_t = codes.astype(jnp.uint8)
+    return dataclasses.replace(weight, w_t=w_t, k_order=k_order)
+
+
+def device_k_order(weight: TransposedWeight) -> str:
+    """The K order in which this device's decode products read the weight's codes fastest:
+    "wgmma" where the Hopper kernel (ops/quant_wgmma.py) takes them at 16 rows (it then skips
+    its gather of x, 1.5-2.4 us per product on the H200), else "natural". PALLASITE_K_ORDER=
+    natural keeps the natural order everywhere (for A/B timing)."""
+    bits = code_bits(weight.w_t)
+    if (bits is None or weight.scales is None or not quant_wgmma.available()
+            or os.environ.get("PALLASITE_K_ORDER", "").lower() == "natural"):
+        return "natural"
+    k, n = weight.shape
+    group = weight.group_size or k
+    if group < k and group % quant_wgmma.K_ORDER_SPAN[bits]:
+        return "natural"
+    takes = quant_wgmma.supports(bits, 16, k, n, group, jnp.bfloat16, weight.scales.dtype)
+    return "wgmma" if takes else "natural"
 
 
 def unpack_rows(w_t: jax.Array) -> jax.Array:
@@ -106,6 +173,9 @@ def coded_product(x: jax.Array, weight: TransposedWeight) -> jax.Array:
     *lead, k = x.shape
     x2 = x.reshape(-1, k)  # [M, K]
     w = weight
+    stored = stored_inputs(w)
+    if stored is not None:  # x's columns in the codes' stored order
+        x2 = jnp.take(x2, jnp.asarray(stored), axis=1)
     groups = w.scales.shape[0]
     if groups > 1 and x2.shape[0] > GROUPED_PRODUCT_MAX_ROWS:
         dense = dequantize_rows(w.w_t, w.scales, w.offsets, w.group_size).astype(x.dtype)
@@ -137,7 +207,8 @@ def transposed_codes_product(x: jax.Array, weight: TransposedWeight) -> jax.Arra
     bits = code_bits(weight.w_t)
     product = int4_matmul if bits == 4 else int8_matmul
     return product(x, weight.w_t, weight.scales, weight.offsets,
-                   group_size=weight.group_size or x.shape[-1], layout="nk")
+                   group_size=weight.group_size or x.shape[-1], layout="nk",
+                   k_order=weight.k_order)
 
 
 def register_quantized_matmul(weight_type: type, fn: Callable) -> None:

@@ -337,8 +337,13 @@ def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
 
 
 def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl, config,
-                      layout="kn"):
+                      layout="kn", k_order="natural"):
     k, n = _check(name, bits, x, w, scales, offsets, group_size, perm, config, layout)
+    if k_order != "natural" and (layout != "nk" or perm is not None):
+        raise ValueError(f"{name}: k_order {k_order!r} is for codes stored [N, K] (layout 'nk') "
+                         f"without act-order perm; got layout {layout!r}"
+                         + (" and a perm" if perm is not None else ""))
+    stored = quant_wgmma.stored_k_positions(bits, k, k_order)  # None: natural order
     stored_nk = layout == "nk"
     resolved = resolve_impl(name, impl)
     lead = x.shape[:-1]
@@ -349,8 +354,11 @@ def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl,
             and quant_wgmma.supports(bits, m, k, n, group_size, x.dtype, scales.dtype)):
         if perm is not None:
             x2 = jnp.take(x2, perm, axis=1)  # stored row order (act-order)
-        out = quant_wgmma.wgmma_matmul(x2, w, scales, offsets, bits=bits, group_size=group_size)
+        out = quant_wgmma.wgmma_matmul(x2, w, scales, offsets, bits=bits, group_size=group_size,
+                                       k_order=k_order)
         return out.reshape(*lead, n)
+    if stored is not None:  # the other paths read the codes as if in natural order
+        x2 = jnp.take(x2, jnp.asarray(stored), axis=1)
     if config is None and resolved == "pallas" and impl is None and m > 0:
         config = matmul_config(bits, m, k, n, group_size, stored_nk)
         if config is None:
@@ -374,7 +382,8 @@ def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl,
 def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
                 offsets: jax.Array | None = None, *, group_size: int,
                 perm: jax.Array | None = None, impl: str | None = None,
-                config: MatmulConfig | None = None, layout: str = "kn") -> jax.Array:
+                config: MatmulConfig | None = None, layout: str = "kn",
+                k_order: str = "natural") -> jax.Array:
     """W4A16: x [..., K] @ the int4 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
 
     packed: int32 [K/8, N] (layout int4_k8 of quant/qtensor.py), or with layout "nk" the same
@@ -385,15 +394,19 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
     impl: None (PALLASITE_MATMUL, else Pallas on GPU with the XLA fallback of `matmul_config`,
     the reference elsewhere), 'pallas', 'pallas_interpret' (CPU tests) or 'reference'.
     config overrides the tuning heuristic `matmul_config`.
+    k_order (layout "nk"): "natural", or "wgmma" for codes reordered along K for the Hopper
+    kernel (ops.matmul.reorder_k; ops.quant_wgmma.stored_k_positions): that kernel takes x as
+    it is, the other paths permute x's columns to match.
     """
     return _quantized_matmul("int4_matmul", 4, x, packed, scales, offsets, group_size, perm,
-                             impl, config, layout)
+                             impl, config, layout, k_order)
 
 
 def int8_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
                 offsets: jax.Array | None = None, *, group_size: int,
                 perm: jax.Array | None = None, impl: str | None = None,
-                config: MatmulConfig | None = None, layout: str = "kn") -> jax.Array:
+                config: MatmulConfig | None = None, layout: str = "kn",
+                k_order: str = "natural") -> jax.Array:
     """W8A16: x [..., K] @ the int8 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
 
     codes: uint8 [K, N] (layout int8_kn; "nk": stored transposed, [N, K]); without offsets
@@ -401,7 +414,7 @@ def int8_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
     group_size >= 1).
     """
     return _quantized_matmul("int8_matmul", 8, x, codes, scales, offsets, group_size, perm,
-                             impl, config, layout)
+                             impl, config, layout, k_order)
 
 
 # ---------------------------------------------------------------------------------------------

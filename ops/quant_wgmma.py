@@ -30,7 +30,9 @@ WGMMA_UPCAST_4X / _2X); wgmma's A fragment wants, per thread, bf16 pairs at colu
 (2t + 8j, 2t + 8j + 1) (t = lane mod 4), so the library's conversion shuffles codes between
 lanes. But the order of K inside a product is free: `_codes_to_bf16` turns each loaded word in
 place into the registers the fragment needs and calls them columns 2t + 8j + h, and the caller
-permutes x's columns the same way (`wgmma_k_order`; a small XLA gather of x). Per pair of codes:
+permutes x's columns the same way (`wgmma_k_order`; a small XLA gather of x), unless the codes
+are stored in that order (`stored_k_positions`, k_order "wgmma": ops.matmul.reorder_k at load
+time, like Marlin's repacking), when x enters as it is. Per pair of codes:
 INT4 a shift, one LOP3 (nibbles j and j + 4 under bf16 128.0's exponent: 128 + c) and one bf16x2
 subtraction of 136; INT8 a PRMT, an AND, a LOP3 and a bf16x2 subtraction (the byte's top bit
 handled through the exponent: c - 128 exactly). Codes are our unsigned ones with zero point
@@ -309,6 +311,26 @@ def wgmma_k_order(bits: int, k: int):
     return (np.arange(0, k, span)[:, None] + q[None, :]).reshape(-1).astype(np.int32)
 
 
+K_ORDERS = ("natural", "wgmma")  # how stored [N, K] codes lie along K (TransposedWeight.k_order)
+K_ORDER_SPAN = {4: 32, 8: 16}  # bits -> the K block within which `wgmma_k_order` permutes
+
+
+def stored_k_positions(bits: int, k: int, k_order: str) -> np.ndarray | None:
+    """The K position of x that stored column q of codes in `k_order` multiplies, for q in
+    0..K-1 (numpy int32 [K]); None for "natural" (q itself). "wgmma": the codes reordered
+    (ops.matmul.reorder_k) so that column c of this kernel's dequantized tile is K position c:
+    stored column wgmma_k_order[c] holds position c, x enters the kernel as it is, and any other
+    product of those codes takes x[:, positions] first. The permutation stays within blocks of
+    K_ORDER_SPAN positions, so groups (of whole blocks) keep their scales."""
+    if k_order not in K_ORDERS:
+        raise ValueError(f"k_order {k_order!r} must be one of {K_ORDERS}")
+    if k_order == "natural":
+        return None
+    if k % K_ORDER_SPAN[bits]:
+        raise ValueError(f"k_order 'wgmma': K = {k} is not a multiple of {K_ORDER_SPAN[bits]}")
+    return np.argsort(wgmma_k_order(bits, k)).astype(np.int32)
+
+
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
@@ -455,11 +477,11 @@ def offsets_in_kernel(bits: int, groups: int, dtype, cfg: WgmmaConfig) -> bool:
 
 
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
-                 config: WgmmaConfig | None = None):
-    """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]) with bf16
-    scales (and offsets) [G, N] -> [M, N] bf16, float32 accumulation, on a Hopper GPU. Callers
-    check `supports` first; this raises ValueError naming the shapes otherwise, or saying that
-    the backend is not a Hopper GPU."""
+                 config: WgmmaConfig | None = None, k_order: str = "natural"):
+    """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]; along K
+    in `k_order`, see `stored_k_positions`) with bf16 scales (and offsets) [G, N] -> [M, N]
+    bf16, float32 accumulation, on a Hopper GPU. Callers check `supports` first; this raises
+    ValueError naming the shapes otherwise, or saying that the backend is not a Hopper GPU."""
     m, k = x.shape
     n = w_t.shape[0]
     cfg = config or wgmma_config(bits, m, k, n, group_size)
@@ -476,10 +498,13 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
                          f"is {jax.default_backend()} ({jax.devices()[0].device_kind})")
     groups = scales.shape[0]
     block_m, mp = row_tiling(m, cfg)
-    if cfg.convert == "inline":  # the K order of the dequantized tiles' columns
-        xk = jnp.take(x, jnp.asarray(wgmma_k_order(bits, k)), axis=1)
-    else:
-        xk = x
+    # x's column c multiplies the tile's column c: stored column `cols[c]` of the codes (the
+    # inline conversion's K order), which holds K position `stored[cols[c]]`
+    cols = wgmma_k_order(bits, k) if cfg.convert == "inline" else np.arange(k)
+    stored = stored_k_positions(bits, k, k_order)
+    positions = cols if stored is None else stored[cols]
+    same = np.array_equal(positions, np.arange(k))  # "wgmma" codes under the inline conversion
+    xk = x if same else jnp.take(x, jnp.asarray(positions, np.int32), axis=1)
     if bits == 4:  # the same bytes: nibble j of word w is K position 8w + j
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int4).reshape(n, k)
     else:

@@ -42,15 +42,18 @@ def count_gemv_calls(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("base,method,group", [
-    (TINY_QWEN2, None, 0), (TINY_LLAMA31, "int4_rtn", 32)])
-def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group):
+@pytest.mark.parametrize("base,method,group,k_order", [
+    (TINY_QWEN2, None, 0, None), (TINY_LLAMA31, "int4_rtn", 32, None),
+    (TINY_LLAMA31, "int4_rtn", 32, "wgmma"), (TINY_LLAMA31, "int8", 0, "wgmma")])
+def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group, k_order):
     """float32 products (a GPU's default is TF32), two prompts: decode at two rows, then one
     (the fused path once the shorter is done), prefill chunks (XLA's). Float weights on Qwen2's
     layout (one KV head for four query heads, a q/k/v bias, a tied head; the bf16 test below
     runs Llama 3.1's), and INT4 codes (asymmetric: scales and offsets per group of 32) stored
     [out, in] against the same quantized model as fused. (INT8 codes: the kernel and `linear`
-    in tests/ops/test_gemv.py, an INT8 checkpoint end to end in tests/quant/test_scripts_quant.py.)"""
+    in tests/ops/test_gemv.py, an INT8 checkpoint end to end in tests/quant/test_scripts_quant.py.)
+    k_order "wgmma": the codes reordered along K for the Hopper kernel (INT4 and INT8), which
+    every product here (the fused one included) reads through x permuted to match."""
     cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
     if method:
         model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128),
@@ -62,10 +65,12 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
         want = generate(model, cfg, prompts, params)
         calls = count_gemv_calls(monkeypatch)
         jax.clear_caches()
-        cfg_t, model = transpose_for_gemv(cfg, model)
+        cfg_t, model = transpose_for_gemv(cfg, model, k_order)
         assert cfg_t.gemv_layers and not cfg.gemv_layers
         weight = model.layers[0].mlp.gate_up_proj.kernel.get_value()
         if method:
+            assert weight.k_order == (k_order or "natural")  # a CPU: natural by default
+        if method == "int4_rtn":
             k = weight.shape[0]
             assert weight.w_t.dtype == jnp.int32 and weight.w_t.shape[1] == k // 8
             assert weight.scales.shape == weight.offsets.shape == (-(-k // group),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ops.gemv import GemvConfig, fused_gemv, gemv, gemv_reference
-from ops.matmul import TransposedWeight, linear
+from ops.matmul import TransposedWeight, linear, reorder_k
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas" if ON_GPU else "pallas_interpret"
@@ -260,3 +260,27 @@ def test_linear_over_transposed_codes(variant, m, impl, monkeypatch):
     with jax.default_matmul_precision("highest"):
         got = np.asarray(linear(x32, weight), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("m,k,n,variant,config", [
+    (1, 256, 64, "int4_g64_norm_residual", GemvConfig(8, 128, 4, 1)),
+    (2, 384, 70, "int4_g128_asym_gated", GemvConfig(8, 128, 4, 1, prefetch=True)),
+    (1, 160, 48, "int4_g32_norm_bias", None),
+    (1, 256, 64, "int8_norm_residual", GemvConfig(8, 64, 4, 1)),
+    (3, 176, 40, "asym_gated_residual", GemvConfig(8, 32, 4, 1))])
+def test_codes_in_the_wgmma_k_order(m, k, n, variant, config):
+    """Codes reordered along K for the Hopper kernel (ops.matmul.reorder_k, k_order "wgmma"):
+    the kernel reads x's words (and the norm weight's) in the codes' order and computes the
+    same function, against float64 of the natural codes; so does the reference."""
+    x, w_t, kw = operands(m * 77 + k + n, m, k, n, variant)
+    want = float64_want(x, w_t, **kw)
+    natural = TransposedWeight(w_t, kw["scales"], kw.get("offsets"), kw.get("group_size", k))
+    w = reorder_k(natural, "wgmma")
+    assert w.k_order == "wgmma" and not np.array_equal(np.asarray(w.w_t), np.asarray(w_t))
+    kw = kw | dict(scales=w.scales, offsets=w.offsets)
+    out = gemv(x, w.w_t, config=config, interpret=not ON_GPU, k_order="wgmma", **kw)
+    check(out, want)
+    with jax.default_matmul_precision("highest"):
+        check(gemv_reference(x, w.w_t, k_order="wgmma", **kw), want)
+    with pytest.raises(ValueError, match="k_order 'wgmma' must be one of .* 'natural' for bf16"):
+        gemv(x, jnp.ones((n, k), jnp.bfloat16), k_order="wgmma", interpret=True)
