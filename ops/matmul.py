@@ -95,13 +95,13 @@ def reorder_k(weight: TransposedWeight, k_order: str) -> TransposedWeight:
                          f"{span} inputs (k_order {k_order!r} permutes within them)")
     if k_order == weight.k_order:
         return weight
-    codes = unpack_rows(weight.w_t)  # [N, K] as stored
+    # new stored column q <- natural position new[q], which the old order stores at column
+    # where[new[q]] (where: the inverse of the old positions)
     old = stored_inputs(weight)
-    if old is not None:  # back to natural order first: natural column old[q] <- stored q
-        codes = jnp.zeros_like(codes).at[:, old].set(codes)
+    where = np.arange(k) if old is None else np.argsort(old)
     new = quant_wgmma.stored_k_positions(bits, k, k_order)
-    if new is not None:  # stored column q <- natural column new[q]
-        codes = jnp.take(codes, jnp.asarray(new), axis=1)
+    columns = where if new is None else where[new]
+    codes = jnp.take(unpack_rows(weight.w_t), jnp.asarray(columns, np.int32), axis=1)  # [N, K]
     if bits == 4:
         shifts = (4 * jnp.arange(INT4_PER_WORD, dtype=jnp.uint32))[None, None, :]
         nibbles = codes.astype(jnp.uint32).reshape(n, k // INT4_PER_WORD, INT4_PER_WORD)

@@ -335,7 +335,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
             instruction: str):
-    # x_gmem [MP, K] bf16 (columns in `wgmma_k_order`); w_gmem [N, K] int4 / int8 codes;
+    # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
+    # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
     # step lies in one group, group_steps steps each, or spans group_count whole groups);
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its

@@ -75,7 +75,8 @@ def test_reordered_codes_are_the_same_weight(bits, k, n, group, asymmetric):
                              np.float32)
             got = np.asarray(product(xb, w.w_t, w.scales, w.offsets, k_order="wgmma", **args),
                              np.float32)
-            np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+            # bf16 outputs of the same sums in another order: about one rounding apart
+            np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())
 
 
 def test_reorder_refuses_what_it_cannot_store():
