@@ -122,17 +122,14 @@ def _asm(code: str, word):
     return mgpu_utils.inline_ptx(code, word, result_types=ir.IntegerType.get_signless(32))
 
 
-def _int4_pairs(word, j: int, zero: int | None = 8):
+def _int4_pairs(word, j: int, zero: int = 8):
     """bf16x2 (c_j - zero, c_{j+4} - zero) of nibbles j and j + 4 of a 32-bit word of eight
     codes (zero 8: symmetric codes; 0: the codes themselves, for offsets): a shift, one LOP3
     (nibbles under bf16 128.0's exponent: 128 + c) and one bf16x2 subtraction of 128 + zero,
-    all exact; zero None: the LOP3's 128 + c as it is (the "fold" form)."""
+    all exact."""
     shift = f"shr.u32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
-    lop3 = "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-    if zero is None:
-        return _asm("{ .reg .b32 t; " + shift + lop3 + "mov.b32 $0, t; }", word)
     bias = 0x4300 + zero  # bf16 128 + zero (the mantissa's unit is 1 between 128 and 256)
-    return _asm("{ .reg .b32 t, k; " + shift + lop3 +
+    return _asm("{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
                 f"mov.b32 k, {bias << 16 | bias:#010x}; sub.bf16x2 $0, t, k; }}", word)
 
 
@@ -173,20 +170,19 @@ def parts_removed(*parts: str | None):
 
 
 def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma",
-                   unsigned: bool = False, biased: bool = False):
+                   unsigned: bool = False):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
-    [BN, BK] (INT4 only: `unsigned`, c itself; `biased`, 128 + c) in
-    `tile_layout(instruction)`, each register
+    [BN, BK] (`unsigned`, INT4 only: c itself) in `tile_layout(instruction)`, each register
     converted in place, with no shuffle between threads. What moves is the K order: register
     j of a loaded word holds the codes listed in `wgmma_k_order`, and the caller permutes x's
     columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
-    if unsigned or biased:
+    if unsigned:
         if bits != 4:
-            raise ValueError("_codes_to_bf16: unsigned or biased codes are for INT4")
-        pairs = functools.partial(_int4_pairs, zero=None if biased else 0)
+            raise ValueError("_codes_to_bf16: unsigned codes are for INT4")
+        pairs = functools.partial(_int4_pairs, zero=0)
     if "conversion" in _REMOVED:  # the probe: each word taken as the bf16 pairs as it is
         pairs = lambda word, j: word  # noqa: E731
     shape = (block_n, block_k)
@@ -267,32 +263,6 @@ def register_relabeling(src, dst, shape: tuple[int, ...]) -> dict:
     return out
 
 
-def rows_repeated(block_n: int, block_m: int):
-    """An inline Mosaic GPU function: a float32 sum [64, BM] (WGMMA layout) whose rows are all
-    the same (x's group sums, from a tile of ones) -> [block_n, BM], the same registers for
-    every 64-row tile (nothing computed or moved)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=plgpu.ShapeDtypeStruct(
-        (block_n, block_m), jnp.float32, layout=plgpu.Layout.WGMMA))
-    def repeat(_, sums):
-        regs = np.concatenate([sums.registers] * (block_n // 64), axis=0)
-        return mgpu.FragmentedArray(_registers=regs, _layout=sums.layout, _is_signed=None)
-    return repeat
-
-
-def fold_group(acc, product, xsum, s_row_ref, o_row_ref=None):
-    """The "fold" form's sum after one group's wgmmas: acc [BN, BM] float32 (WGMMA layout)
-    plus s (x . (128 + c)) + o' sum(x), for the group's product of x with the biased codes
-    (`product` [BN, BM]) and x's group sums (`xsum`, the same layout), with o' = o - 128 s
-    (offsets from o_row_ref) or -(128 + 8) s (symmetric): x . (s c + o), or x . s (c - 8),
-    in float32 from the bf16 scales (and offsets) of s_row_ref [BN] in shared memory."""
-    row = lambda ref: plgpu.load(  # noqa: E731  [BN] bf16 -> float32
-        ref, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-    s = row(s_row_ref)
-    low = row(o_row_ref) - 128.0 * s if o_row_ref is not None else -136.0 * s
-    rows = lambda v: jax.lax.broadcast_in_dim(v, acc.shape, [0])  # noqa: E731
-    return acc + rows(s) * product + rows(low) * xsum
-
-
 def group_scaled(w, s_row_ref, layout, o_row_ref=None):
     """The dequantized tile w [BN, BK] times its step's group scale per row, from s_row_ref
     [BN] (shared memory) loaded in `layout`'s row layout: the bf16 rounding of s (c - z);
@@ -364,7 +334,7 @@ def stored_k_positions(bits: int, k: int, k_order: str) -> np.ndarray | None:
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
-            instruction: str, fold: bool = False):
+            instruction: str):
     # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
     # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
@@ -372,15 +342,13 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
     # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split: the product
     # itself, in the output's layout), else [splits, N, MP] float32 partials; out_smem: its
-    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles);
-    # `fold` (INT4 groups): the tile is 128 + c, each group's scale and offset enter the sum
+    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles)
     o_gmem, out_gmem, out_smem = refs if offsets else (None, *refs)
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
     mb = jax.lax.axis_index("m")
     first = split * steps  # this program's first K step
-    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction,
-                                    unsigned=offsets and not fold, biased=fold)
+    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction, unsigned=offsets)
     layout = tile_layout(instruction)
 
     def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z (c: offsets) in `layout`
@@ -420,28 +388,6 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
                             max_concurrent_steps=stages)(*args)
         return acc_ref[...]
 
-    def fold_step(_, w_smem, x_smem, *rest):  # fold: the float32 sum is the carry
-        *s_smem, acc = rest
-        if "product" in _REMOVED:  # the probe: the pipeline alone
-            return acc
-        t = inline(plgpu.load(w_smem, layout=upcast))  # bf16 128 + c [BN, BK]
-        width = block_k // group_count
-        for j in range(group_count):  # per group: x . t and x's sums, then s and o' folded
-            cols = slice(j * width, (j + 1) * width)
-            part, x_part = (t, x_smem.T) if group_count == 1 else (t[:, cols],
-                                                                 x_smem.at[:, cols].T)
-
-            def products(product_ref, xsum_ref):
-                plgpu.wgmma(product_ref, part, x_part)  # [BN, width] @ [width, BM]
-                plgpu.wgmma(xsum_ref, ones, x_part)  # [64, width] of ones: x's group sums
-                plgpu.wgmma_wait(0)
-                return product_ref[...], xsum_ref[...]
-            product, xsum = pl.run_scoped(products, plgpu.ACC((block_n, block_m), jnp.float32),
-                                          plgpu.ACC((64, block_m), jnp.float32))
-            acc = fold_group(acc, product, repeat(xsum), s_smem[0].at[j],
-                             s_smem[1].at[j] if offsets else None)
-        return acc
-
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
         *s_smem, acc = rest
         xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, BM], all of it in every warp
@@ -462,15 +408,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
             in_specs.append(plgpu.BlockSpec((group_count, block_n),
                                             lambda k: ((first + k) // group_steps, nb)))
             args.append(ref)
-    if fold:
-        ones = plgpu.layout_cast(jnp.full((64, block_k // group_count), 1.0, jnp.bfloat16),
-                                 plgpu.Layout.WGMMA)
-        repeat = rows_repeated(block_n, block_m)
-        zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
-                                  plgpu.Layout.WGMMA)
-        acc = plgpu.emit_pipeline(fold_step, grid=(steps,), in_specs=in_specs,
-                                  max_concurrent_steps=stages, init_carry=zeros)(*args)
-    elif instruction == "mma":
+    if instruction == "mma":
         rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
         zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
                                   plgpu.Layout.WGMMA)
@@ -516,8 +454,7 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
-        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction,
-        fold=cfg.fold)
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,

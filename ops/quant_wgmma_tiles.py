@@ -38,9 +38,6 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
-    # INT4 groups, one warpgroup, wgmma: multiply the LOP3's 128 + c as it is and fold each
-    # group's scale and offset into the float32 sum after its wgmma (quant_wgmma's "fold")
-    fold: bool = False
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -81,8 +78,7 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     consumers, wgmma and the inline conversion; a case with four did not finish within 40 s on
     the H200, cause unknown), K of whole steps (block_k of `config`, default `wgmma_config`'s)
     for every split, and per-channel scales, groups of whole steps or (one warpgroup with wgmma)
-    steps of whole groups of at least MIN_GROUP_PART positions (`group_parts`); `fold` only
-    for INT4 groups in one row tile under one warpgroup's wgmma and the inline conversion."""
+    steps of whole groups of at least MIN_GROUP_PART positions (`group_parts`)."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
@@ -101,9 +97,6 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
                               and cfg.convert == "inline"):
         return False
     grouped = -(-k // group_size) > 1
-    if cfg.fold and not (bits == 4 and grouped and cfg.instruction == "wgmma"
-                         and cfg.convert == "inline" and not cfg.consumers and not cfg.block_m):
-        return False
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
                     and not cfg.consumers and cfg.instruction == "wgmma")
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16

@@ -119,8 +119,8 @@ def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
 def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                  group: int | None = None) -> dict:
     """Device microseconds per product of `name`: bf16 (XLA), wgmma (the kernel, `config` or the
-    dispatch's tiles), mma / ws / wg1 / fold (its mma.sync, warp-specialized, one-warpgroup
-    row-tile and fold forms: WgmmaConfig.fold), triton
+    dispatch's tiles), mma / ws / wg1 (its mma.sync, warp-specialized and one-warpgroup
+    row-tile forms), triton
     (ops/quant_matmul.py's "nk" path) or xla (its dequantize + dot); `group` overrides
     `group_of`."""
     calls = FLAGS.calls
@@ -141,15 +141,13 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
             ws, ss = tuple(a[0] for a in sets), tuple(a[1:] for a in sets)  # (scales, offsets)
             nbytes = k * n * bits // 8 + 2 * ss[0][0].size * (2 if FLAGS.asymmetric else 1)
             row["asymmetric"] = FLAGS.asymmetric
-            if name in ("wgmma", "mma", "ws", "wg1", "fold"):
+            if name in ("wgmma", "mma", "ws", "wg1"):
                 if name == "ws":  # the warp-specialized persistent kernel
                     cfg = config or qw.ws_config(bits, m, k, n, group)
                 elif name == "wg1":  # one warpgroup per program in row tiles
                     cfg = config or qw.row_tile_config(m, k, n, group)
                 else:
                     cfg = config or qw.wgmma_config(bits, m, k, n, group)
-                if name == "fold":  # the same tiles, scales and offsets in the float32 sum
-                    cfg = dataclasses.replace(cfg, fold=True)
                 if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
                     cfg = dataclasses.replace(  # (its steps lie in one group)
                         cfg, instruction="mma", block_k=qw.step_in_group(cfg.block_k, k, group))
@@ -301,11 +299,7 @@ def main(_):
                         group = group_of(bits, k)  # `wg1` where the dispatch takes `ws`'s
                         form = ("wg1" if qw.wgmma_config(bits, m, k, n, group).consumers
                                 else "ws")
-                        fold = dataclasses.replace(qw.wgmma_config(bits, m, k, n, group),
-                                                   fold=True)
-                        others = (["fold"] if qw.supports(bits, m, k, n, group, jnp.bfloat16,
-                                                          jnp.bfloat16, fold) else []) + (
-                            ["mma"] if qw.padded_rows(m) <= qw.MAX_MMA_ROWS else []) + [
+                        others = (["mma"] if qw.padded_rows(m) <= qw.MAX_MMA_ROWS else []) + [
                             form] + [peer for peer in ("triton", "xla") if FLAGS[peer].value]
                         for name in others:
                             rows.append(time_product(name, bits, k, n, m))

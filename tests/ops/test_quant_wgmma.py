@@ -297,43 +297,6 @@ def test_where_the_offsets_are_added(bits, group, config, in_kernel, monkeypatch
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("m,k,group,config,asymmetric", [
-    (16, 1024, 128, qw.WgmmaConfig(block_k=256, block_n=128, fold=True), True),  # 2 parts
-    (1, 1024, 128, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2, fold=True), False),
-    (5, 2048, 64, qw.WgmmaConfig(block_k=256, stages=3, fold=True), True),  # 4 parts
-    (16, 1024, 256, qw.WgmmaConfig(block_k=128, stages=2, fold=True), True)])  # 2 steps a group
-def test_fold_lowers_without_the_subtraction(m, k, group, config, asymmetric, monkeypatch):
-    """The fold form lowers for an H200: its conversion is the shift and LOP3 alone (no bf16x2
-    subtraction, no scale or offset on the tile), the offsets enter the kernel (no XLA product
-    of x's group sums follows), and one tile of ones per step gives x's group sums."""
-    monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    n = 256
-    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((n, k // 8), jnp.int32)
-    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    assert qw.supports(4, m, k, n, group, jnp.bfloat16, jnp.bfloat16, config)
-    fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(
-        x, w, s, o if asymmetric else None, bits=4, group_size=group, config=config))
-    text = fn.trace(x, w, s, s).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "lop3.b32 t, t, 0x000F000F, 0x43004300" in text
-    assert "sub.bf16x2" not in text and "stablehlo.dot_general" not in text
-
-
-def test_fold_is_for_int4_groups_in_one_row_tile():
-    """supports refuses the fold form where it has no meaning: INT8, per-channel scales, row
-    tiles, mma.sync, the library's conversion and the warp-specialized kernel."""
-    fold = qw.WgmmaConfig(block_k=128, fold=True)
-    assert qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, fold)
-    refused = [(8, 16, 128, fold), (4, 16, 4096, fold),
-               (4, 300, 128, dataclasses.replace(fold, block_m=128)),
-               (4, 16, 128, dataclasses.replace(fold, instruction="mma")),
-               (4, 16, 128, dataclasses.replace(fold, convert="mosaic")),
-               (4, 16, 128, dataclasses.replace(fold, consumers=2))]
-    for bits, m, group, cfg in refused:
-        assert not qw.supports(bits, m, 4096, 4096, group, jnp.bfloat16, jnp.bfloat16, cfg), cfg
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
 def test_bound_probes_take_their_parts_out(monkeypatch):
     """The bounds probes' kernels lower without the pair conversions' PTX (their constants:
     INT4's bf16x2 136, INT8's top-bit mask) or, pipeline only, without any wgmma; the kernel
@@ -472,17 +435,6 @@ def reference(bits, x, w):
     pytest.param(4, 16, 14336, 4096, 128, True, None, id="offsets-b"),
     pytest.param(4, 1, 4096, 6144, 128, True, None, id="offsets-c"),
     pytest.param(4, 64, 4096, 4096, 64, True, None, id="offsets-d"),
-    # the fold form: 128 + c times x, each group's scale and offset folded into the sum
-    pytest.param(4, 16, 4096, 28672, 128, True,
-                 qw.WgmmaConfig(block_k=256, block_n=128, fold=True), id="fold-a"),
-    pytest.param(4, 16, 14336, 4096, 128, True,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, fold=True), id="fold-b"),
-    pytest.param(4, 1, 4096, 6144, 128, False,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, fold=True), id="fold-c"),
-    pytest.param(4, 64, 4096, 4096, 64, True,
-                 qw.WgmmaConfig(block_k=128, stages=3, fold=True), id="fold-d"),
-    pytest.param(4, 5, 2048, 1024, 256, True,
-                 qw.WgmmaConfig(block_k=128, block_n=128, stages=2, fold=True), id="fold-e"),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)
