@@ -53,18 +53,13 @@ conversion take their offsets in the kernel instead (`offsets_in_kernel`): the c
 the codes c themselves (a subtraction of 128 in place of 136), and each group part becomes
 s c + o, the reference's dequantized weight, before its wgmma; the output is then direct like a
 symmetric one's, and the XLA kernels of the group sums, their product and the add are gone.
-Under wgmma that takes one pass per pair of codes (`_group_codes_to_bf16`): the LOP3 gives
-t = 128 + c, one bf16x2 FMA t s + (-128 s) the rounding of s c (exact before it: the same value
-as the subtraction then the product) and one addition the offset, four instructions a pair at
-most where the subtraction, product and sum took five.
 
 Output: with one K split (and no offsets after the kernel) the program writes its bf16 tile
 transposed, straight into y [M, N]; x is not padded to whole row tiles either: TMA reads zeros
 past x's last row and drops the stores past y's (the one-warpgroup kernel, for fewer than 8
 rows or a multiple of 8; the padding and slice were XLA kernels of 1.2-1.9 us each at one row).
 With more splits, float32 partials [splits, N, MP] of x padded to MP rows, that one XLA fusion
-sums and transposes. (Partials stored [splits, M, N], so that XLA's sum needs no transpose,
-measured no faster end to end on the H200: docs/PERFORMANCE.md, twenty-fifth session.)
+sums and transposes.
 
 `instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default: on the H200 it is
 within 5% of wgmma, docs/PERFORMANCE.md): the same pipeline and conversion, multiplied by the
@@ -136,20 +131,6 @@ def _int4_pairs(word, j: int, zero: int = 8):
     bias = 0x4300 + zero  # bf16 128 + zero (the mantissa's unit is 1 between 128 and 256)
     return _asm("{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
                 f"mov.b32 k, {bias << 16 | bias:#010x}; sub.bf16x2 $0, t, k; }}", word)
-
-
-def _int4_group_pairs(word, j: int, scale, low, offset):
-    """bf16x2 s c + o of nibbles j and j + 4 of a 32-bit word of eight codes (offsets in the
-    kernel): the LOP3 of `_int4_pairs` gives t = 128 + c, one bf16x2 FMA t s + (-128 s) gives
-    the rounding of s c (t s - 128 s is s c exactly, rounded once: what the subtraction of 128
-    and the product gave), and one bf16x2 addition of the offset; `scale`, `low` (-128 s) and
-    `offset` are the pairs (s, s), (-128 s, -128 s), (o, o) of the codes' row, as 32-bit
-    registers. One instruction per pair fewer than the subtraction, product and sum."""
-    shift = f"shr.u32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
-    return mgpu_utils.inline_ptx(
-        "{ .reg .b32 t; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-        "fma.rn.bf16x2 t, t, $2, $3; add.rn.bf16x2 $0, t, $4; }", word, scale, low, offset,
-        result_types=ir.IntegerType.get_signless(32))
 
 
 def _int8_pairs(word, j: int):
@@ -224,39 +205,6 @@ def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wg
             for j in range(per_word // 2):  # WGMMA registers per loaded word
                 new = (idx[0], idx[1] * (per_word // 2) + j) + idx[2:ndim]
                 out[relabel[new] if relabel else new] = mgpu_utils.bitcast(pairs(word, j), vec)
-        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
-    return upcast, convert
-
-
-def _group_codes_to_bf16(block_n: int, block_k: int, parts: int):
-    """An inline Mosaic GPU function for INT4 groups with offsets in the kernel (wgmma):
-    (the code tile [BN, BK] as loaded, then per group part p of the tile's `parts` (its
-    BK / parts columns) three bf16 [BN, 8] WGMMA arrays: s, -128 s and o broadcast along the
-    row) -> bf16 s c + o [BN, BK] in the WGMMA layout, each register made by
-    `_int4_group_pairs` from the register of its row in its part's arrays. The same values as
-    `_codes_to_bf16(..., unsigned=True)` followed by `group_scaled`, in fewer instructions."""
-    upcast = plgpu.Layout.WGMMA_UPCAST_4X
-    shape = (block_n, block_k)
-    layout = plgpu.Layout.WGMMA.to_mgpu()
-    tiles_per_part = block_k // parts // 8  # 8-column register tiles per part
-    rows_type = (plgpu.Layout.WGMMA,) * (3 * parts)
-
-    @plgpu.inline_mgpu(arg_types=(upcast, *rows_type), return_type=plgpu.ShapeDtypeStruct(
-        shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
-    def convert(_, codes, *rows):
-        i32 = ir.IntegerType.get_signless(32)
-        vec = ir.VectorType.get((2,), ir.BF16Type.get())
-        out = np.empty(layout.registers_shape(shape), dtype=object)
-        ndim = out.ndim
-        as_word = functools.cache(lambda a, idx: mgpu_utils.bitcast(rows[a].registers[idx], i32))
-        for idx, reg in np.ndenumerate(codes.registers):
-            word = mgpu_utils.bitcast(reg, i32)
-            for j in range(4):  # WGMMA registers per loaded word
-                new = (idx[0], idx[1] * 4 + j) + idx[2:ndim]
-                part = new[1] // tiles_per_part
-                row = (new[0], 0) + new[2:]  # the register of this row in a [BN, 8] array
-                scale, low, offset = (as_word(3 * part + a, row) for a in range(3))
-                out[new] = mgpu_utils.bitcast(_int4_group_pairs(word, j, scale, low, offset), vec)
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
     return upcast, convert
 
@@ -419,29 +367,13 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z (c: offsets)
         return scaled(w, s_smem, 0) if grouped else w
 
-    # offsets in the kernel under wgmma: conversion, scale and offset in one pass per pair
-    fused = offsets and instruction == "wgmma" and not _REMOVED & {"conversion", "load"}
-    if fused:
-        fused_upcast, fused_convert = _group_codes_to_bf16(block_n, block_k, group_count)
-
-    def row_tile(ref, factor=None):  # [BN] of shared memory -> [BN, 8] WGMMA, along the row
-        row = plgpu.load(ref, layout=layout.reduce(1))
-        row = row if factor is None else row * factor
-        return jax.lax.broadcast_in_dim(row, (block_n, 8), [0])
-
     def parts(w_smem, s_smem):  # the step's tile in `group_count` parts, each its group's
         # scale times its codes (plus offsets): [(bf16 [BN, width], its columns)]
-        width = block_k // group_count
-        cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
-        if fused:  # rows: per part s, -128 s and o
-            rows = [row_tile(ref.at[j], factor) for j in range(group_count)
-                    for ref, factor in ((s_smem[0], None), (s_smem[0], -128.0),
-                                        (s_smem[1], None))]
-            w = fused_convert(plgpu.load(w_smem, layout=fused_upcast), *rows)  # s c + o
-            return [(w, slice(None))] if group_count == 1 else [(w[:, c], c) for c in cols]
         if group_count == 1 or "load" in _REMOVED:
             return [(tile(w_smem, s_smem), slice(None))]
+        width = block_k // group_count
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z (c: offsets) [BN, BK]
+        cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
         return [(scaled(w[:, c], s_smem, j), c) for j, c in enumerate(cols)]
 
     def compute(acc_ref):
