@@ -35,6 +35,12 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   pipeline only: how the step's width, the stages in flight and the programs bound the
   product; INT4 also with each step's codes read as one contiguous block (`contiguous tiles`:
   the bytes a tile-by-tile layout would read; timing only).
+- run: no timing: the kernel's product of each shape, bits and M (the dispatch's tiles, or
+  `--run_tile`), `--calls` times in one program queued `--queue` times, without jax's
+  profiler: a fixed kernel set for Nsight Compute's replays, e.g.
+  `ncu --kernel-name regex:wgmma --launch-skip 2 --launch-count 1 --section
+  ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python -m scripts.bench_wgmma
+  --modes=run --shapes=4096x28672 --ms=16 --bits=4 --asymmetric`.
 With --asymmetric the timed codes carry offsets (zero points, the RTN / GPTQ / AWQ default):
 INT4 groups add them inside the kernel, the other forms in XLA after it.
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
@@ -60,7 +66,7 @@ from ops.quant_matmul import (int4_matmul, int4_matmul_reference, int8_matmul,
 from scripts import decode_profile
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep, bounds, tiles")
+flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep, bounds, tiles, run")
 flags.DEFINE_list("shapes", ["4096x6144", "4096x4096", "4096x28672", "14336x4096",
                              "4096x128256"], "K x N")
 flags.DEFINE_list("ms", ["1", "16", "64"], "activation rows")
@@ -75,6 +81,7 @@ flags.DEFINE_list("tiles", ["128/3/128/1", "256/3/128/1", "256/4/64/4"],
                   "tiles mode: block_k/stages/block_n/splits of each tile probed")
 flags.DEFINE_bool("asymmetric", False, "time the codes with offsets (zero points): INT4 groups "
                   "add them in the kernel, the other forms after it in XLA")
+flags.DEFINE_string("run_tile", "", "run: block_k/stages/block_n/splits (else the dispatch's)")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 
 
@@ -268,6 +275,29 @@ def kernel_us(row: dict) -> float | None:
     return None
 
 
+def run_product(bits: int, k: int, n: int, m: int) -> dict:
+    """`run` mode: the kernel's product on fixed random codes, --calls times per program,
+    --queue programs, waited for; the row says what ran (or why it did not)."""
+    group = group_of(bits, k)
+    cfg = qw.wgmma_config(bits, m, k, n, group)
+    if FLAGS.run_tile:
+        cfg = dataclasses.replace(cfg, **parse_tile(FLAGS.run_tile))
+    row = dict(mode="run", bits=bits, M=m, K=k, N=n, group=group, config=str(cfg),
+               asymmetric=FLAGS.asymmetric)
+    key = jax.random.key(m + k + n + bits)
+    w_t, s, o = codes_and_scales(bits, k, n, group, key, FLAGS.asymmetric)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (m, k)).astype(jnp.bfloat16)
+    fn = jax.jit(lambda x, w, s, o: [qw.wgmma_matmul(
+        x, w, s, o, bits=bits, group_size=group, config=cfg) for _ in range(FLAGS.calls)])
+    try:
+        outs = [fn(x, w_t, s, o) for _ in range(FLAGS.queue)]
+        jax.block_until_ready(outs)
+        row["kernels_run"] = FLAGS.calls * FLAGS.queue
+    except Exception as e:  # recorded with the reason (no Hopper GPU, say)
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def main(_):
     shapes = [tuple(int(v) for v in s.split("x")) for s in FLAGS.shapes]
     ms = [int(m) for m in FLAGS.ms]
@@ -304,6 +334,14 @@ def main(_):
                         for name in others:
                             rows.append(time_product(name, bits, k, n, m))
                             report(rows[-1], bf16_us)
+    if "run" in FLAGS.modes:
+        for k, n in shapes:
+            for m in ms:
+                for bits in bits_list:
+                    row = run_product(bits, k, n, m)
+                    rows.append(row)
+                    print(f"run int{bits} M={m} {k}x{n}: "
+                          f"{row.get('error') or row['kernels_run']} {row['config']}")
     for mode, probes in (("bounds", BOUND_PROBES), ("tiles", tile_probes(bits_list))):
         if mode not in FLAGS.modes:
             continue

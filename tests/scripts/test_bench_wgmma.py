@@ -37,7 +37,7 @@ def test_sweep_configs_are_taken_by_the_kernel():
 def test_bench_wgmma_on_the_cpu(tmp_path):
     out = tmp_path / "wgmma.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds,tiles",
+        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds,tiles,run",
          "--tiles=256/3/128/1,128/2/64/16", "--shapes=768x512", "--ms=2", "--calls=1",
          "--queue=1", "--xla",
          f"--json_out={out}"],
@@ -50,6 +50,9 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     probes = [r for r in rows if "probe" in r and "/" not in r["probe"]]
     tiles = [r for r in rows if "probe" in r and "/" in r["probe"]]
     assert checks and all("needs a Hopper GPU" in r["error"] for r in checks)
+    runs = [r for r in rows if r["mode"] == "run"]  # the Nsight Compute target: why not here
+    assert len(runs) == 2 and all("needs a Hopper GPU" in r["error"] for r in runs)
+    assert all("WgmmaConfig(" in r["config"] for r in runs)
     assert [(r["impl"], r["bits"]) for r in times] == [
         ("bf16", 16), ("wgmma", 4), ("mma", 4), ("ws", 4), ("xla", 4), ("wgmma", 8), ("mma", 8),
         ("ws", 8), ("xla", 8)]
