@@ -36,8 +36,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   product; INT4 also with each step's codes read as one contiguous block (`contiguous tiles`:
   the bytes a tile-by-tile layout would read; timing only).
 - run: no timing: the kernel's product of each shape, bits and M (the dispatch's tiles, or
-  `--run_tile`), `--calls` times in one program queued `--queue` times, without jax's
-  profiler: a fixed kernel set for Nsight Compute's replays, e.g.
+  `--run_tile`), launched `--calls` x `--queue` times from the host (one jitted product: XLA
+  cannot merge them), without jax's profiler: a fixed kernel set for Nsight Compute's
+  replays, e.g.
   `ncu --kernel-name regex:wgmma --launch-skip 2 --launch-count 1 --section
   ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python -m scripts.bench_wgmma
   --modes=run --shapes=4096x28672 --ms=16 --bits=4 --asymmetric`.
@@ -105,12 +106,19 @@ def group_of(bits: int, k: int) -> int:
     return FLAGS.group_size if bits == 4 else k
 
 
-def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
-    row = dict(mode="check", bits=bits, M=m, K=k, N=n, group=group, asymmetric=asymmetric,
-               config=str(config or qw.wgmma_config(bits, m, k, n, group)))
+def fixed_case(bits: int, m: int, k: int, n: int, group: int, asymmetric: bool):
+    """x [M, K] bf16 and the codes, scales and offsets of `codes_and_scales`, seeded by the
+    shape (the same case on every run): (x, w_t, s, o)."""
     key = jax.random.key(m + k + n + bits)
     w_t, s, o = codes_and_scales(bits, k, n, group, key, asymmetric)
     x = jax.random.normal(jax.random.fold_in(key, 1), (m, k)).astype(jnp.bfloat16)
+    return x, w_t, s, o
+
+
+def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
+    row = dict(mode="check", bits=bits, M=m, K=k, N=n, group=group, asymmetric=asymmetric,
+               config=str(config or qw.wgmma_config(bits, m, k, n, group)))
+    x, w_t, s, o = fixed_case(bits, m, k, n, group, asymmetric)
     try:
         y = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=bits, group_size=group,
                                                        config=config))(x, w_t, s, o)
@@ -276,21 +284,19 @@ def kernel_us(row: dict) -> float | None:
 
 
 def run_product(bits: int, k: int, n: int, m: int) -> dict:
-    """`run` mode: the kernel's product on fixed random codes, --calls times per program,
-    --queue programs, waited for; the row says what ran (or why it did not)."""
+    """`run` mode: the kernel's product on fixed random codes, launched --calls x --queue
+    times, waited for; the row says what ran (or why it did not)."""
     group = group_of(bits, k)
     cfg = qw.wgmma_config(bits, m, k, n, group)
     if FLAGS.run_tile:
         cfg = dataclasses.replace(cfg, **parse_tile(FLAGS.run_tile))
     row = dict(mode="run", bits=bits, M=m, K=k, N=n, group=group, config=str(cfg),
                asymmetric=FLAGS.asymmetric)
-    key = jax.random.key(m + k + n + bits)
-    w_t, s, o = codes_and_scales(bits, k, n, group, key, FLAGS.asymmetric)
-    x = jax.random.normal(jax.random.fold_in(key, 1), (m, k)).astype(jnp.bfloat16)
-    fn = jax.jit(lambda x, w, s, o: [qw.wgmma_matmul(
-        x, w, s, o, bits=bits, group_size=group, config=cfg) for _ in range(FLAGS.calls)])
+    x, w_t, s, o = fixed_case(bits, m, k, n, group, FLAGS.asymmetric)
+    fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=bits, group_size=group,
+                                                    config=cfg))
     try:
-        outs = [fn(x, w_t, s, o) for _ in range(FLAGS.queue)]
+        outs = [fn(x, w_t, s, o) for _ in range(FLAGS.calls * FLAGS.queue)]
         jax.block_until_ready(outs)
         row["kernels_run"] = FLAGS.calls * FLAGS.queue
     except Exception as e:  # recorded with the reason (no Hopper GPU, say)
