@@ -30,11 +30,13 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   wgmma at all (`pipeline only`: the TMA copies and barrier waits, nothing else), and INT4 per
   channel in steps of 256 and 512 K (fewer steps per code); the rows' M shows how the tensor
   work scales.
-- tiles: at each of `--tiles` (block_k/stages/block_n/splits), INT4 in groups of --group_size
+- tiles: at each of `--tiles` (block_k/stages/block_n/splits, `-` for the dispatch's value,
+  then any name=value of WgmmaConfig's integer fields: 256/4/128/1/chunks=4/carry=1, or
+  -/-/-/-/chunks=2 for the dispatch's tiles in two parts a step), INT4 in groups of --group_size
   (steps may span several groups), INT4 / INT8 per channel, and each per channel with the
   pipeline only: how the step's width, the stages in flight and the programs bound the
   product; INT4 also with each step's codes read as one contiguous block (`contiguous tiles`:
-  the bytes a tile-by-tile layout would read; timing only).
+  the bytes a tile-by-tile layout would read; timing only); `--tile_probes` keeps some of them.
 - run: no timing: the kernel's product of each shape, bits and M (the dispatch's tiles, or
   `--run_tile`), launched `--calls` x `--queue` times from the host (one jitted product: XLA
   cannot merge them), without jax's profiler: a fixed kernel set for Nsight Compute's
@@ -79,10 +81,15 @@ flags.DEFINE_bool("triton", False, "table: also time the Triton 'nk' path of the
 flags.DEFINE_bool("xla", False, "table: also time XLA's dequantize + dot of the same codes "
                   "(the path of other GPUs for many rows)")
 flags.DEFINE_list("tiles", ["128/3/128/1", "256/3/128/1", "256/4/64/4"],
-                  "tiles mode: block_k/stages/block_n/splits of each tile probed")
+                  "tiles mode: block_k/stages/block_n/splits[/name=value...] of each tile "
+                  "probed ('-': the dispatch's)")
+flags.DEFINE_list("tile_probes", [], "tiles mode: only these probes (e.g. 'int4 grouped'); "
+                  "empty: all")
 flags.DEFINE_bool("asymmetric", False, "time the codes with offsets (zero points): INT4 groups "
                   "add them in the kernel, the other forms after it in XLA")
 flags.DEFINE_string("run_tile", "", "run: block_k/stages/block_n/splits (else the dispatch's)")
+flags.DEFINE_list("run_removed", [], "run: parts the kernel leaves out (timing probes, garbage "
+                  "products): any of conversion, load, product, scatter")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 
 
@@ -215,20 +222,43 @@ TILE_PROBES = (  # `tiles` mode: (probe, bits, per channel, what is taken out) a
     ("int8 per channel", 8, True, ()), ("int8 per channel, pipeline only", 8, True, ("product",)))
 
 
+TILE_FIELDS = ("block_k", "stages", "block_n", "num_splits")  # a tile's four numbers, in order
+EXTRA_TILE_FIELDS = ("chunks", "carry", "block_m")  # its name=value fields after them
+
+
 def parse_tile(text: str) -> dict:
-    """'block_k/stages/block_n/splits' (e.g. 256/3/128/1) -> WgmmaConfig fields."""
+    """'block_k/stages/block_n/splits[/name=value...]' (e.g. 256/3/128/1 or
+    -/-/-/-/chunks=4/carry=1; '-' keeps the dispatch's value) -> the WgmmaConfig fields it
+    changes."""
+    fields = text.split("/")
+    usage = (f"--tiles: {text!r} is not block_k/stages/block_n/splits[/name=value...] "
+             f"(integers or '-'; names {', '.join(EXTRA_TILE_FIELDS)})")
+    if len(fields) < 4:
+        raise app.UsageError(usage)
+    out = {}
     try:
-        block_k, stages, block_n, splits = (int(v) for v in text.split("/"))
+        for name, value in zip(TILE_FIELDS, fields[:4]):
+            if value != "-":
+                out[name] = int(value)
+        for extra in fields[4:]:
+            name, _, value = extra.partition("=")
+            if name not in EXTRA_TILE_FIELDS:
+                raise ValueError(name)
+            out[name] = bool(int(value)) if name == "carry" else int(value)
     except ValueError:
-        raise app.UsageError(f"--tiles: {text!r} is not block_k/stages/block_n/splits")
-    return dict(block_k=block_k, stages=stages, block_n=block_n, num_splits=splits)
+        raise app.UsageError(usage)
+    return out
 
 
 def tile_probes(bits_list: list[int]) -> list[tuple]:
     """The probes of --tiles: every TILE_PROBES probe of --bits at every tile."""
+    unknown = set(FLAGS.tile_probes) - {probe for probe, *_ in TILE_PROBES}
+    if unknown:
+        raise app.UsageError(f"--tile_probes: {sorted(unknown)} not among "
+                             f"{[probe for probe, *_ in TILE_PROBES]}")
     return [(f"{probe} {tile}", bits, per_channel, removed, parse_tile(tile))
             for tile in FLAGS.tiles for probe, bits, per_channel, removed in TILE_PROBES
-            if bits in bits_list]
+            if bits in bits_list and (not FLAGS.tile_probes or probe in FLAGS.tile_probes)]
 
 
 def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES) -> list[dict]:
@@ -291,12 +321,13 @@ def run_product(bits: int, k: int, n: int, m: int) -> dict:
     if FLAGS.run_tile:
         cfg = dataclasses.replace(cfg, **parse_tile(FLAGS.run_tile))
     row = dict(mode="run", bits=bits, M=m, K=k, N=n, group=group, config=str(cfg),
-               asymmetric=FLAGS.asymmetric)
+               asymmetric=FLAGS.asymmetric, removed=list(FLAGS.run_removed))
     x, w_t, s, o = fixed_case(bits, m, k, n, group, FLAGS.asymmetric)
     fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=bits, group_size=group,
                                                     config=cfg))
     try:
-        outs = [fn(x, w_t, s, o) for _ in range(FLAGS.calls * FLAGS.queue)]
+        with qw.parts_removed(*FLAGS.run_removed):  # traced on the first call
+            outs = [fn(x, w_t, s, o) for _ in range(FLAGS.calls * FLAGS.queue)]
         jax.block_until_ready(outs)
         row["kernels_run"] = FLAGS.calls * FLAGS.queue
     except Exception as e:  # recorded with the reason (no Hopper GPU, say)
@@ -309,6 +340,9 @@ def main(_):
     ms = [int(m) for m in FLAGS.ms]
     bits_list = [int(b) for b in FLAGS.bits]
     rows, bf16_us = [], {}
+    unknown = sorted(set(FLAGS.run_removed) - set(qw.PROBE_PARTS))
+    if unknown:
+        raise app.UsageError(f"--run_removed: {unknown} not among {list(qw.PROBE_PARTS)}")
     print(f"device: {jax.devices()[0].device_kind}; Hopper kernel available: {qw.available()}")
     if "check" in FLAGS.modes:
         for bits, m, k, n, group, cfg, asym in (

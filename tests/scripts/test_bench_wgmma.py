@@ -39,7 +39,7 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds,tiles,run",
          "--tiles=256/3/128/1,128/2/64/16", "--shapes=768x512", "--ms=2", "--calls=1",
-         "--queue=1", "--xla",
+         "--queue=1", "--xla", "--run_removed=product",
          f"--json_out={out}"],
         capture_output=True, text=True, timeout=300,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
@@ -53,6 +53,7 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     runs = [r for r in rows if r["mode"] == "run"]  # the Nsight Compute target: why not here
     assert len(runs) == 2 and all("needs a Hopper GPU" in r["error"] for r in runs)
     assert all("WgmmaConfig(" in r["config"] for r in runs)
+    assert all(r["removed"] == ["product"] for r in runs)
     assert [(r["impl"], r["bits"]) for r in times] == [
         ("bf16", 16), ("wgmma", 4), ("mma", 4), ("ws", 4), ("xla", 4), ("wgmma", 8), ("mma", 8),
         ("ws", 8), ("xla", 8)]
@@ -97,3 +98,36 @@ def test_kernel_us_leaves_the_wrappers_out():
                           timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["22.33", "22.33", "None"]
+
+
+def test_bench_wgmma_names_an_unknown_removed_part():
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=run", "--run_removed=math"],
+        capture_output=True, text=True, timeout=120,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode != 0 and "--run_removed" in proc.stderr and "math" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_wgmma_tiles_change_the_dispatch_tiles(tmp_path):
+    """--tiles: '-' keeps the dispatch's value, name=value sets WgmmaConfig's other integer
+    fields (the parts of a step, carry); --tile_probes keeps the probes named; a malformed tile
+    or an unknown probe is a usage error naming the flag."""
+    out = tmp_path / "tiles.json"
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=tiles", "--bits=4",
+         "--tiles=-/-/-/-/chunks=2,-/2/-/-/chunks=4/carry=1", "--tile_probes=int4 grouped",
+         "--shapes=768x512", "--ms=2", "--calls=1", "--queue=1", f"--json_out={out}"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tiles = [r for r in json.loads(out.read_text())["rows"] if "probe" in r]
+    assert [r["probe"] for r in tiles] == ["int4 grouped -/-/-/-/chunks=2",
+                                           "int4 grouped -/2/-/-/chunks=4/carry=1"]
+    assert "chunks=2, carry=False" in tiles[0]["config"] and "stages=4" in tiles[0]["config"]
+    assert "chunks=4, carry=True" in tiles[1]["config"] and "stages=2" in tiles[1]["config"]
+    for bad, flag in (("--tiles=256/4/128", "--tiles"), ("--tiles=-/-/-/-/lanes=2", "--tiles"),
+                      ("--tile_probes=int4 fast", "--tile_probes")):
+        proc = subprocess.run([sys.executable, "-m", "scripts.bench_wgmma", "--modes=tiles",
+                               bad], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode != 0 and flag in proc.stderr and "Traceback" not in proc.stderr
