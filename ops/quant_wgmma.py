@@ -107,7 +107,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
     LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
-    chunk_parts, group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, step_in_group,
+    group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, step_in_group,
     supports, sweep_configs, wgmma_config, ws_balance, ws_config, ws_stages)
 
 
@@ -170,14 +170,13 @@ def parts_removed(*parts: str | None):
 
 
 def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma",
-                   unsigned: bool = False, part: tuple[int, int] | None = None):
+                   unsigned: bool = False):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
     [BN, BK] (`unsigned`, INT4 only: c itself) in `tile_layout(instruction)`, each register
     converted in place, with no shuffle between threads. What moves is the K order: register
     j of a loaded word holds the codes listed in `wgmma_k_order`, and the caller permutes x's
-    columns to match. `part` (start, width), instruction "wgmma" only: the columns
-    start..start + width - 1 of the tile alone, [BN, width] (only their words converted)."""
+    columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
     if unsigned:
@@ -186,12 +185,7 @@ def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wg
         pairs = functools.partial(_int4_pairs, zero=0)
     if "conversion" in _REMOVED:  # the probe: each word taken as the bf16 pairs as it is
         pairs = lambda word, j: word  # noqa: E731
-    start, width = part or (0, block_k)
-    span = 4 * per_word  # the tile's columns of one loaded word
-    if part and (instruction != "wgmma" or start % span or width % span):
-        raise ValueError(f"_codes_to_bf16: part {part} needs wgmma and bounds of whole words "
-                         f"({span} columns)")
-    shape = (block_n, width)
+    shape = (block_n, block_k)
     target = tile_layout(instruction)
     layout = target.to_mgpu()
     # instruction="mma": the same values in the same threads, registers under mma.sync's A
@@ -206,13 +200,10 @@ def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wg
         vec = ir.VectorType.get((2,), ir.BF16Type.get())
         out = np.empty(layout.registers_shape(shape), dtype=object)
         ndim = len(mgpu.WGMMA_LAYOUT.registers_shape(shape))
-        first, last = start // 8, (start + width) // 8  # the part's 8-column registers
         for idx, reg in np.ndenumerate(codes.registers):
-            if not first <= idx[1] * (per_word // 2) < last:  # a word of another part
-                continue
             word = mgpu_utils.bitcast(reg, i32)
             for j in range(per_word // 2):  # WGMMA registers per loaded word
-                new = (idx[0], idx[1] * (per_word // 2) + j - first) + idx[2:ndim]
+                new = (idx[0], idx[1] * (per_word // 2) + j) + idx[2:ndim]
                 out[relabel[new] if relabel else new] = mgpu_utils.bitcast(pairs(word, j), vec)
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
     return upcast, convert
@@ -343,7 +334,7 @@ def stored_k_positions(bits: int, k: int, k_order: str) -> np.ndarray | None:
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
-            instruction: str, chunks: int = 1, carry: bool = False):
+            instruction: str):
     # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
     # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
@@ -351,8 +342,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
     # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split: the product
     # itself, in the output's layout), else [splits, N, MP] float32 partials; out_smem: its
-    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles);
-    # chunks: the parts of a step (chunk_parts, 1: the groups' parts of the whole tile)
+    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles)
     o_gmem, out_gmem, out_smem = refs if offsets else (None, *refs)
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
@@ -386,40 +376,16 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
         cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
         return [(scaled(w[:, c], s_smem, j), c) for j, c in enumerate(cols)]
 
-    width = block_k // chunks
-    converts = [_codes_to_bf16(bits, block_n, block_k, instruction, unsigned=offsets,
-                               part=(p * width, width))[1] for p in range(chunks)] if (
-        chunks > 1) else []
-    per_group = block_k // group_count  # a group's columns of the step
-
-    def chunked(w_smem, s_smem, before=lambda p: None):  # yields the step's parts one at a
-        # time, (bf16 [BN, width], its columns), each multiplied by the caller before the next
-        # is converted; `before(p)` runs ahead of part p's conversion
-        codes = plgpu.load(w_smem, layout=upcast)
-        for p, part_of in enumerate(converts):
-            before(p)
-            w = part_of(codes)  # c - z (c: offsets) [BN, width]
-            cols = slice(p * width, (p + 1) * width)
-            yield (scaled(w, s_smem, p * width // per_group) if grouped else w), cols
-
     def compute(acc_ref):
-        def wait_for_part(p):  # carry: part p's registers may still be read by the previous
-            # step's wgmmas of part p, the oldest of the (one per part) groups in flight
-            plgpu.wgmma_wait(chunks - 1)
-
         def step(_, w_smem, x_smem, *s_smem):
             if "product" in _REMOVED:  # the probe: the pipeline alone
                 return
-            products = (chunked(w_smem, s_smem, wait_for_part if carry else lambda p: None)
-                        if chunks > 1 and "load" not in _REMOVED else parts(w_smem, s_smem))
-            for w, cols in products:  # [BN, width] @ [width, BM]
+            for w, cols in parts(w_smem, s_smem):  # [BN, width] @ [width, BM]
                 plgpu.wgmma(acc_ref, w, x_smem.at[:, cols].T)
-            if not carry:
-                plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(0)
 
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs,
                             max_concurrent_steps=stages)(*args)
-        plgpu.wgmma_wait(0)
         return acc_ref[...]
 
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
@@ -434,8 +400,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     in_specs = [
         plgpu.BlockSpec((block_n, block_k), code_block, transforms=_swizzled(block_k, bits)),
         plgpu.BlockSpec((block_m, block_k), lambda k: (mb, first + k),
-                        transforms=_swizzled(block_k, 16), delay_release=int(carry)),
-    ]  # carry: x's slot is read by wgmmas still in flight when its step ends
+                        transforms=_swizzled(block_k, 16)),
+    ]
     args = [w_gmem, x_gmem]
     if grouped:  # the step's groups' rows of the scales (and offsets)
         for ref in (s_gmem, o_gmem) if offsets else (s_gmem,):
@@ -488,9 +454,7 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
-        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction,
-        chunks=chunk_parts(k, group_size, cfg) if cfg.chunks > 1 or cfg.carry else 1,
-        carry=cfg.carry)
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,

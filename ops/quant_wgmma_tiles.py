@@ -38,12 +38,6 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
-    # K parts of a step converted and multiplied in turn, so that the tensor cores multiply one
-    # part while the next is converted (at least one per group a step spans; `chunk_parts`)
-    chunks: int = 1
-    # with chunks: the step's last part's wgmmas left in flight into the next step (waited on
-    # before that part's registers are written again; x's slot released one step late)
-    carry: bool = False
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -99,8 +93,6 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
         return False
-    if (cfg.chunks > 1 or cfg.carry) and chunk_parts(k, group_size, cfg) is None:
-        return False
     if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
                               and cfg.convert == "inline"):
         return False
@@ -119,21 +111,6 @@ def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
     if group_size >= k:
         return max(1, k // block_k), 1
     return max(1, group_size // block_k), max(1, block_k // group_size)
-
-
-def chunk_parts(k: int, group_size: int, cfg: WgmmaConfig) -> int | None:
-    """The parts of a step of `cfg`: the most of cfg.chunks and the groups it spans, each a
-    whole part of one group of at least MIN_GROUP_PART positions; None where cfg's chunks do
-    not divide its steps so (or need what only the one-warpgroup wgmma kernel with the inline
-    conversion gives; `carry` needs two parts and two stages)."""
-    groups = group_parts(k, group_size, cfg.block_k)[1]
-    parts = max(cfg.chunks, groups)
-    if (cfg.chunks < 1 or cfg.block_k % parts or parts % groups
-            or cfg.block_k // parts < MIN_GROUP_PART or cfg.consumers
-            or cfg.instruction != "wgmma" or cfg.convert != "inline"
-            or (cfg.carry and (parts < 2 or cfg.stages < 2))):
-        return None
-    return parts
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:

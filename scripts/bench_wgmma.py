@@ -31,8 +31,8 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   channel in steps of 256 and 512 K (fewer steps per code); the rows' M shows how the tensor
   work scales.
 - tiles: at each of `--tiles` (block_k/stages/block_n/splits, `-` for the dispatch's value,
-  then any name=value of WgmmaConfig's integer fields: 256/4/128/1/chunks=4/carry=1, or
-  -/-/-/-/chunks=2 for the dispatch's tiles in two parts a step), INT4 in groups of --group_size
+  then block_m=R or consumers=C: 256/4/128/1/block_m=8, or -/2/-/-/block_m=8 for the
+  dispatch's tiles with two stages in row tiles of 8), INT4 in groups of --group_size
   (steps may span several groups), INT4 / INT8 per channel, and each per channel with the
   pipeline only: how the step's width, the stages in flight and the programs bound the
   product; INT4 also with each step's codes read as one contiguous block (`contiguous tiles`:
@@ -223,13 +223,12 @@ TILE_PROBES = (  # `tiles` mode: (probe, bits, per channel, what is taken out) a
 
 
 TILE_FIELDS = ("block_k", "stages", "block_n", "num_splits")  # a tile's four numbers, in order
-EXTRA_TILE_FIELDS = ("chunks", "carry", "block_m")  # its name=value fields after them
+EXTRA_TILE_FIELDS = ("block_m", "consumers")  # its name=value fields after them
 
 
 def parse_tile(text: str) -> dict:
-    """'block_k/stages/block_n/splits[/name=value...]' (e.g. 256/3/128/1 or
-    -/-/-/-/chunks=4/carry=1; '-' keeps the dispatch's value) -> the WgmmaConfig fields it
-    changes."""
+    """'block_k/stages/block_n/splits[/name=value...]' (e.g. 256/3/128/1 or -/2/-/-/block_m=8;
+    '-' keeps the dispatch's value) -> the WgmmaConfig fields it changes."""
     fields = text.split("/")
     usage = (f"--tiles: {text!r} is not block_k/stages/block_n/splits[/name=value...] "
              f"(integers or '-'; names {', '.join(EXTRA_TILE_FIELDS)})")
@@ -244,7 +243,7 @@ def parse_tile(text: str) -> dict:
             name, _, value = extra.partition("=")
             if name not in EXTRA_TILE_FIELDS:
                 raise ValueError(name)
-            out[name] = bool(int(value)) if name == "carry" else int(value)
+            out[name] = int(value)
     except ValueError:
         raise app.UsageError(usage)
     return out

@@ -245,51 +245,6 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
 
 
-def test_chunk_parts_of_a_step():
-    """A step's parts: the most of `chunks` and the groups it spans, each within one group and
-    at least 64 positions wide; one-warpgroup wgmma with the inline conversion only; `carry`
-    needs two parts and two stages."""
-    cfg = qw.WgmmaConfig(block_k=256, block_n=128, stages=4)
-    part = lambda group, **changes: qw.chunk_parts(  # noqa: E731
-        4096, group, dataclasses.replace(cfg, **changes))
-    assert part(128) == 2 and part(4096) == 1  # the groups' parts; per channel: one
-    assert part(128, chunks=4) == 4 and part(4096, chunks=4) == 4 and part(64, chunks=2) == 4
-    assert part(4096, chunks=8) is None  # 32-position parts
-    assert part(4096, chunks=3) is None  # not whole
-    assert part(4096, chunks=2, carry=True) == 2 and part(4096, carry=True) is None
-    assert part(128, chunks=2, carry=True, stages=1) is None
-    for other in (dict(instruction="mma"), dict(convert="mosaic"),
-                  dict(consumers=2, block_n=64)):
-        assert part(4096, chunks=2, **other) is None
-        assert not qw.supports(4, 16, 4096, 4096, 4096, jnp.bfloat16, jnp.bfloat16,
-                               dataclasses.replace(cfg, chunks=2, **other))
-    assert qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
-                       dataclasses.replace(cfg, chunks=4, carry=True))
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("bits,group,offsets,chunks,carry", [
-    (4, 128, True, 4, False), (4, 128, True, 4, True), (4, 4096, False, 2, True),
-    (8, 4096, False, 4, False), (8, 4096, False, 4, True)])
-def test_chunked_steps_lower_for_an_h200(bits, group, offsets, chunks, carry, monkeypatch):
-    """Steps converted and multiplied in parts lower for an H200; with `carry` the parts'
-    wgmmas stay in flight across steps, each part waiting for all but chunks - 1 groups (the
-    previous step's wgmmas of the registers it writes), and without it each step waits for
-    all of them."""
-    monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    k, n, m = 512, 128, 16
-    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
-                             jnp.int32 if bits == 4 else jnp.uint8)
-    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    cfg = qw.WgmmaConfig(block_k=256, block_n=128, stages=2, chunks=chunks, carry=carry)
-    fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o if offsets else None, bits=bits,
-                                                    group_size=group, config=cfg))
-    text = fn.trace(x, w, s, s).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "wgmma.wait_group.sync.aligned 0;" in text
-    assert (f"wgmma.wait_group.sync.aligned {chunks - 1};" in text) == carry
-
-
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
 @pytest.mark.parametrize("m,config,padded", [
     (3, qw.WgmmaConfig(block_k=128, block_n=128, stages=2), False),  # direct: y [3, N] itself
@@ -468,24 +423,6 @@ def reference(bits, x, w):
                  qw.WgmmaConfig(block_k=256, block_n=128, stages=2), id="span-d"),
     pytest.param(4, 300, 4096, 4096, 64, False,
                  qw.WgmmaConfig(block_k=128, block_m=128, stages=3), id="span-rowtiles"),
-    # steps converted and multiplied in parts (chunks), their wgmmas left in flight (carry)
-    pytest.param(4, 16, 4096, 28672, 128, True,
-                 qw.WgmmaConfig(block_k=256, block_n=128, stages=4, chunks=4), id="chunks-a"),
-    pytest.param(4, 5, 4096, 4096, 64, False,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=3, chunks=4), id="chunks-b"),
-    pytest.param(8, 16, 4096, 4096, 4096, True,
-                 qw.WgmmaConfig(block_k=256, block_n=128, stages=2, chunks=4), id="chunks-c"),
-    pytest.param(4, 16, 4096, 28672, 128, True,
-                 qw.WgmmaConfig(block_k=256, block_n=128, stages=4, chunks=4, carry=True),
-                 id="carry-a"),
-    pytest.param(4, 64, 14336, 4096, 128, False,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=4, chunks=2, carry=True),
-                 id="carry-b"),
-    pytest.param(8, 3, 4096, 6144, 4096, False,
-                 qw.WgmmaConfig(block_k=256, stages=2, chunks=4, carry=True), id="carry-c"),
-    pytest.param(4, 1, 4096, 4096, 4096, False,
-                 qw.WgmmaConfig(block_k=256, num_splits=2, stages=3, chunks=4, carry=True),
-                 id="carry-d"),
     # direct outputs of fewer rows than the tile: x unpadded, y unsliced (TMA's bounds)
     pytest.param(4, 1, 4096, 28672, 128, False, None, id="ragged-a"),
     pytest.param(8, 3, 4096, 28672, 4096, False, None, id="ragged-b"),
