@@ -6,16 +6,21 @@
 Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fused gate+up
 4096x28672, down 14336x4096, lm head 4096x128256) at M = 1 ... 1024 rows of bf16 activations.
 - calib: the card's copy bandwidth (bytes read + written over time) in the same run.
-- bench: per shape and M: XLA's bf16 dot (the peer), int4 / int8 through the kernel, through
-  XLA's dequantize + dot (the reference, the large-M fallback) and through the dispatch of
-  `matmul_config` (the faster of the two as the heuristic picks it), and jax's Mosaic GPU
-  `hopper_mixed_type_matmul_mgpu` (int8 x bf16, per-channel scales applied after) where it runs,
-  and up to `--nk_max_m` rows the products over weights stored [N, K] (`--gemv_layers`'s
-  layout) that such a model runs: bf16 (`bf16_nk`), INT8 codes with per-channel scales
-  (`int8_nk`) and INT4 words with group scales (`int4_nk`); one row ops/gemv.py's kernel, more
-  rows XLA's dot over the transposed weight (bf16) or the "nk" layout of
-  ops/quant_matmul.py's kernels (codes).
-  TB/s = weight bytes read (packed codes + scales) over time; speedup = bf16 time / time.
+- bench: per shape and M: XLA's bf16 dot (the peer), then for codes stored [K, N] (--kn)
+  int4 / int8 through the Triton kernel, through XLA's dequantize + dot (the reference, the
+  large-M fallback) and through the dispatch of `matmul_config` (the faster of the two as the
+  heuristic picks it), jax's Mosaic GPU `hopper_mixed_type_matmul_mgpu` (int8 x bf16,
+  per-channel scales applied after) where it runs, and up to `--nk_max_m` rows (all by
+  default) the products over weights stored [N, K] that the model runs (`--gemv_layers`'s
+  layout, codes in this device's K order): bf16 (`bf16_nk`), INT8 codes with per-channel
+  scales (`int8_nk`) and INT4 words with group scales (`int4_nk`, offsets with --asymmetric);
+  one row ops/gemv.py's kernel, more rows XLA's dot over the transposed weight (bf16) or
+  ops/quant_matmul.py's layout "nk" (codes: the Hopper kernel of ops/quant_wgmma.py where it
+  takes the shape). Ends with a markdown table of the peer, INT4 / INT8 in the model's layout
+  and the Mosaic peer (device times with --device_times). Issue 6's table:
+    python -m scripts.bench_matmul --nokn --asymmetric --device_times --json_out=m.json
+  TB/s = weight bytes read (packed codes, scales, offsets) over time; speedup = bf16 time /
+  time.
 - sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
   the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
   The decode sweep (about 9 to 12 configs per shape, M and bits; a few minutes on an H200):
@@ -41,8 +46,9 @@ import jax.numpy as jnp
 from absl import app, flags
 
 
+from ops import quant_wgmma
 from ops.gemv import gemv, gemv_config
-from ops.matmul import TransposedWeight, linear
+from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
 from scripts import decode_profile, timing
@@ -59,9 +65,14 @@ flags.DEFINE_integer("queue", 3, "programs queued before one sync")
 flags.DEFINE_integer("runs", 3, "timed repetitions (median)")
 flags.DEFINE_integer("mgpu_max_m", 1 << 30, "time jax's hopper_mixed_type_matmul_mgpu (int8) "
                      "up to this M")
-flags.DEFINE_integer("nk_max_m", 1, "time the products over transposed bf16, INT8 and INT4 "
-                     "weights (bf16_nk, int8_nk, int4_nk) up to this M: ops/gemv.py at one "
-                     "row, ops/quant_matmul.py's layout 'nk' (codes) or XLA (bf16) past it")
+flags.DEFINE_integer("nk_max_m", 1 << 30, "time the products over transposed bf16, INT8 and "
+                     "INT4 weights (bf16_nk, int8_nk, int4_nk: the model's layout) up to this "
+                     "M: ops/gemv.py at one row, what `linear` runs past it (ops/quant_matmul.py's "
+                     "layout 'nk' for codes: the Hopper kernel where it takes them; XLA for bf16)")
+flags.DEFINE_bool("kn", True, "also time the codes stored [K, N] (the Triton kernels of "
+                  "ops/quant_matmul.py and XLA's dequantize + dot)")
+flags.DEFINE_bool("asymmetric", False, "INT4 codes with offsets (zero points; the RTN / GPTQ / "
+                  "AWQ default) instead of symmetric codes")
 flags.DEFINE_enum("variants", "all", ["all", "dispatch"], "all: kernel and XLA dequant at every "
                   "M; dispatch: only what matmul_config picks")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
@@ -100,20 +111,30 @@ def num_sets(set_bytes: int) -> int:
 
 
 def make_weights(bits: int, k: int, n: int, group: int, sets: int, key):
-    """Random packed codes (never zeros) and scales for `sets` weight sets."""
+    """Random packed codes (never zeros), scales and, for INT4 with --asymmetric, offsets (else
+    None) for `sets` weight sets: (codes, scales, offsets), a tuple of `sets` arrays each."""
     k1, k2 = jax.random.split(key)
-    packed, scales = [], []
+    packed, scales, offsets = [], [], []
     for i in range(sets):  # separate arrays: a slice of a stacked array is copied before a dot
-        ka, kb = jax.random.split(jax.random.fold_in(k1, i))
+        ka, kb, ko = jax.random.split(jax.random.fold_in(k1, i), 3)
         if bits == 4:
             packed.append(jax.lax.bitcast_convert_type(
                 jax.random.bits(ka, (k // 8, n), jnp.uint32), jnp.int32))
         else:
             packed.append(jax.random.bits(ka, (k, n), jnp.uint8))
-        scales.append(jax.random.uniform(kb, (-(-k // group), n), jnp.float32, 0.001,
+        groups = -(-k // group)
+        scales.append(jax.random.uniform(kb, (groups, n), jnp.float32, 0.001,
                                          0.01).astype(jnp.bfloat16))
+        offsets.append((jax.random.normal(ko, (groups, n)) * 0.01).astype(jnp.bfloat16)
+                       if bits == 4 and FLAGS.asymmetric else None)
     del k2
-    return tuple(packed), tuple(scales)
+    return tuple(packed), tuple(scales), tuple(offsets)
+
+
+def weight_bytes(bits: int, k: int, n: int, group: int) -> int:
+    """Bytes a product reads of the weight: packed codes, scales and (--asymmetric) offsets."""
+    tables = 2 if bits == 4 and FLAGS.asymmetric else 1
+    return k * n * bits // 8 + 2 * tables * -(-k // group) * n
 
 
 def mgpu_fn(k: int, n: int, m: int):
@@ -132,6 +153,9 @@ def mgpu_fn(k: int, n: int, m: int):
 
 
 def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[dict]:
+    """Every row of one shape K x N at each of `ms`: the bf16 peer, then per --bits the codes
+    stored [K, N] (`bench_kn`, with --kn or `sweep`) and the Mosaic GPU int8 peer, then the
+    model's layout (`bench_nk`, up to --nk_max_m rows)."""
     rows = []
     calls = FLAGS.calls
     bf16_sets = num_sets(2 * k * n)
@@ -140,144 +164,182 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
     for m in ms:
         xs = tuple(jax.random.normal(jax.random.key(1000 * m + c), (m, k), jnp.bfloat16)
                    for c in range(calls))
-        base = dict(K=k, N=n, M=m)
         def bf16_prog(xs, w):
             return tuple(jnp.dot(xs[c], w[c % bf16_sets], preferred_element_type=jnp.float32)
                          .astype(jnp.bfloat16) for c in range(calls))
         t_bf16 = time_per_call(bf16_prog, (xs, wb), calls)
         dev_bf16 = device_per_call(bf16_prog, (xs, wb), calls)
-        rows.append({**base, "impl": "xla_bf16", "us": t_bf16 * 1e6,
+        rows.append({"K": k, "N": n, "M": m, "impl": "xla_bf16", "us": t_bf16 * 1e6,
                      "TBps": 2 * k * n / t_bf16 / 1e12, "speedup": 1.0, **dev_bf16})
         report(rows[-1], calib)
         for bits in map(int, FLAGS.bits):
-            group = FLAGS.group_size if bits == 4 else k
-            packed_bytes = k * n // (2 if bits == 4 else 1)
-            scale_bytes = 2 * -(-k // group) * n
-            sets = num_sets(packed_bytes + scale_bytes)
-            w, s = make_weights(bits, k, n, group, sets, jax.random.key(10 + bits))
-            fn = int4_matmul if bits == 4 else int8_matmul
-            ref = int4_matmul_reference if bits == 4 else int8_matmul_reference
-            heur = matmul_config(bits, m, k, n, group)
-            if sweep is not None:  # the heuristic's own config first, then the variants
-                variants = [(f"int{bits}_heuristic" if i == 0 else f"int{bits}_kernel",
-                             FLAGS.impl, cfg) for i, cfg in enumerate(sweep(bits, m))]
-            else:
-                variants = [(f"int{bits}_kernel", FLAGS.impl, heur),
-                            (f"int{bits}_xla", "reference", None)]
-                if FLAGS.variants == "dispatch":
-                    variants = [variants[0] if heur is not None else variants[1]]
-            by_name = {}
-            for name, impl, cfg in variants:
-                def prog(xs, w, s, impl=impl, cfg=cfg):
-                    out = []
-                    for c in range(calls):
-                        if impl == "reference":
-                            y = ref(xs[c], w[c % sets], s[c % sets], group_size=group)
-                            out.append(y.astype(jnp.bfloat16))
-                        else:
-                            out.append(fn(xs[c], w[c % sets], s[c % sets], group_size=group,
-                                          impl=impl, config=cfg))
-                    return tuple(out)
-                row = {**base, "impl": name, "bits": bits, "group": group,
-                       "config": str(cfg or "")}
-                try:
-                    t = time_per_call(prog, (xs, w, s), calls)
-                    row.update(us=t * 1e6, TBps=(packed_bytes + scale_bytes) / t / 1e12)
-                    if t_bf16:
-                        row["speedup"] = t_bf16 / t
-                    row.update(device_per_call(prog, (xs, w, s), calls))
-                    if "dev_us" in row and "dev_us" in dev_bf16:
-                        row["dev_speedup"] = dev_bf16["dev_us"] / row["dev_us"]
-                    by_name[name] = row
-                except Exception as e:  # a config the compiler rejects is reported, not fatal
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                rows.append(row)
-                report(row, calib)
-            timed = [r for r in rows if r.get("bits") == bits and r["M"] == m
-                     and r["K"] == k and r["N"] == n and "us" in r]
-            if sweep is not None and timed:  # the fastest config of this (shape, M, bits)
-                best = min(timed, key=lambda r: r["us"])
-                rows.append({**best, "impl": f"int{bits}_best"})
-                report(rows[-1], calib)
-            if sweep is None and by_name:  # what the default dispatch runs
-                pick = f"int{bits}_kernel" if heur is not None else f"int{bits}_xla"
-                if pick in by_name:
-                    rows.append({**by_name[pick], "impl": f"int{bits}", "via": pick})
-                    report(rows[-1], calib)
+            if FLAGS.kn or sweep is not None:
+                rows += bench_kn(k, n, m, bits, xs, t_bf16, dev_bf16, calib, sweep)
             if sweep is None and bits == 8 and m <= FLAGS.mgpu_max_m:
-                rows.append(bench_mgpu(k, n, m, xs, t_bf16, calib))
-            del w, s
+                rows.append(bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib))
         if sweep is None and m <= FLAGS.nk_max_m:
             rows += bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib)
     del wb
     return rows
 
 
+def timed_row(row: dict, prog, args, nbytes: int, t_bf16: float, dev_bf16: dict) -> dict:
+    """`row` with the time per product of `prog(*args)` (--calls products), the weight's TB/s
+    and the speedup over the bf16 peer (and with --device_times the device's), or the error
+    that stopped it (a config the compiler rejects is reported, not fatal)."""
+    try:
+        t = time_per_call(prog, args, FLAGS.calls)
+        row.update(us=t * 1e6, TBps=nbytes / t / 1e12, speedup=t_bf16 / t)
+        row.update(device_per_call(prog, args, FLAGS.calls))
+        if "dev_us" in row and "dev_us" in dev_bf16:
+            row["dev_speedup"] = dev_bf16["dev_us"] / row["dev_us"]
+    except Exception as e:  # recorded with the reason
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def bench_kn(k, n, m, bits, xs, t_bf16, dev_bf16, calib, sweep=None) -> list[dict]:
+    """Codes stored [K, N]: the Triton kernel of ops/quant_matmul.py with `matmul_config`'s
+    tiles and XLA's dequantize + dot (with --variants=dispatch only the one the heuristic
+    picks), then the dispatch's row (`int4` / `int8`); or every config of `sweep(bits, m)` and
+    the fastest (`int*_best`)."""
+    rows, calls = [], FLAGS.calls
+    group = FLAGS.group_size if bits == 4 else k
+    nbytes = weight_bytes(bits, k, n, group)
+    sets = num_sets(nbytes)
+    w, s, o = make_weights(bits, k, n, group, sets, jax.random.key(10 + bits))
+    fn = int4_matmul if bits == 4 else int8_matmul
+    ref = int4_matmul_reference if bits == 4 else int8_matmul_reference
+    heur = matmul_config(bits, m, k, n, group)
+    if sweep is not None:  # the heuristic's own config first, then the variants
+        variants = [(f"int{bits}_heuristic" if i == 0 else f"int{bits}_kernel",
+                     FLAGS.impl, cfg) for i, cfg in enumerate(sweep(bits, m))]
+    else:
+        variants = [(f"int{bits}_kernel", FLAGS.impl, heur),
+                    (f"int{bits}_xla", "reference", None)]
+        if FLAGS.variants == "dispatch":
+            variants = [variants[0] if heur is not None else variants[1]]
+    by_name = {}
+    for name, impl, cfg in variants:
+        def prog(xs, w, s, o, impl=impl, cfg=cfg):
+            out = []
+            for c in range(calls):
+                i = c % sets
+                if impl == "reference":
+                    out.append(ref(xs[c], w[i], s[i], o[i], group_size=group)
+                               .astype(jnp.bfloat16))
+                else:
+                    out.append(fn(xs[c], w[i], s[i], o[i], group_size=group, impl=impl,
+                                  config=cfg))
+            return tuple(out)
+        row = timed_row({"K": k, "N": n, "M": m, "impl": name, "bits": bits, "group": group,
+                         "config": str(cfg or "")}, prog, (xs, w, s, o), nbytes, t_bf16,
+                        dev_bf16)
+        if "error" not in row:
+            by_name[name] = row
+        rows.append(row)
+        report(row, calib)
+    if sweep is not None and by_name:  # the fastest config of this (shape, M, bits)
+        rows.append({**min(by_name.values(), key=lambda r: r["us"]), "impl": f"int{bits}_best"})
+        report(rows[-1], calib)
+    if sweep is None:  # what the default dispatch runs
+        pick = f"int{bits}_kernel" if heur is not None else f"int{bits}_xla"
+        if pick in by_name:
+            rows.append({**by_name[pick], "impl": f"int{bits}", "via": pick})
+            report(rows[-1], calib)
+    return rows
+
+
 NK_BITS = {"bf16_nk": 16, "int8_nk": 8, "int4_nk": 4}
 
 
+def nk_config(bits: int, m: int, k: int, n: int, group: int) -> str:
+    """What the model's product over codes stored [N, K] runs at m rows: ops/gemv.py's kernel
+    at one row, the Hopper kernel where it takes the shape (its tiles), else the Triton "nk"
+    path's config or XLA's dequantize + dot."""
+    if m == 1:
+        return str(gemv_config(False, False, bits))
+    if bits == 16:
+        return "xla"
+    if quant_wgmma.available() and quant_wgmma.supports(bits, m, k, n, group, jnp.bfloat16,
+                                                        jnp.bfloat16):
+        return f"wgmma {quant_wgmma.wgmma_config(bits, m, k, n, group)}"
+    return str(matmul_config(bits, m, k, n, group, stored_nk=True) or "xla_dequantize")
+
+
 def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
-    """The products over weights stored transposed, [N, K] (`--gemv_layers`'s layout): bf16
+    """The products over weights stored transposed, [N, K] (the model's layout with
+    `--gemv_layers`, codes in the K order this device reads fastest, `device_k_order`): bf16
     (`bf16_nk`), INT8 codes with per-channel scales (`int8_nk`) and INT4 words with
-    --group_size scales (`int4_nk`). One row: ops/gemv.py's kernel; more: what `linear` runs
-    for such a weight on a GPU (XLA's dot for bf16, ops/quant_matmul.py's layout "nk" for codes,
-    with its dispatch)."""
+    --group_size scales (`int4_nk`; offsets with --asymmetric). One row: ops/gemv.py's kernel;
+    more: what `linear` runs for such a weight (XLA's dot for bf16; for codes
+    ops/quant_matmul.py's layout "nk": the Hopper kernel of ops/quant_wgmma.py where it takes
+    the shape)."""
     rows = []
     calls, sets = FLAGS.calls, num_sets(k * n)
     interpret = FLAGS.impl == "pallas_interpret"
     for name, bits in NK_BITS.items():
+        if bits != 16 and str(bits) not in FLAGS.bits:
+            continue
         group = FLAGS.group_size if bits == 4 else k
-        config = (gemv_config(False, False, bits) if m == 1 else "xla" if bits == 16 else
-                  matmul_config(bits, m, k, n, group, stored_nk=True) or "xla_dequantize")
-        row = {"K": k, "N": n, "M": m, "impl": name, "bits": bits, "group": group,
-               "config": str(config)}
         if bits == 16:
-            w = tuple(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.bfloat16)
-                      for i in range(sets))
-            s, nbytes = (None,) * sets, 2 * k * n
-        else:  # make_weights' codes [K/8, N] / [K, N], stored transposed (TransposedWeight)
-            packed, s = make_weights(bits, k, n, group, sets, jax.random.key(70 + bits))
-            w = tuple(a.T for a in packed)
-            nbytes = k * n * bits // 8 + 2 * s[0].size
+            weights = tuple(TransposedWeight(jax.random.normal(jax.random.key(70 + i), (n, k),
+                                                               jnp.bfloat16))
+                            for i in range(sets))
+            nbytes = 2 * k * n
+        else:  # make_weights' codes [K/8, N] / [K, N], stored transposed; random codes, so
+            # any K order holds the same kind of data
+            packed, s, o = make_weights(bits, k, n, group, sets, jax.random.key(70 + bits))
+            weights = [TransposedWeight(a.T, si, oi, group if group < k else 0)
+                       for a, si, oi in zip(packed, s, o)]
+            order = device_k_order(weights[0])
+            weights = tuple(dataclasses.replace(w, k_order=order) for w in weights)
+            nbytes = weight_bytes(bits, k, n, group)
+        row = {"K": k, "N": n, "M": m, "impl": name, "bits": bits, "group": group,
+               "config": nk_config(bits, m, k, n, group), "k_order": weights[0].k_order}
 
-        def prog(xs, w, s, group=group, bits=bits):
-            if m == 1:
-                return tuple(gemv(xs[c], w[c % sets], scales=s[c % sets], group_size=group,
-                                  interpret=interpret) for c in range(calls))
-            if bits == 16:
-                return tuple(linear(xs[c], TransposedWeight(w[c % sets])) for c in range(calls))
-            product = int4_matmul if bits == 4 else int8_matmul
-            return tuple(product(xs[c], w[c % sets], s[c % sets], group_size=group, layout="nk",
-                                 impl="pallas_interpret" if interpret else None)
-                         for c in range(calls))
-        try:
-            t = time_per_call(prog, (xs, w, s), calls)
-            row.update(us=t * 1e6, TBps=nbytes / t / 1e12, speedup=t_bf16 / t)
-            row.update(device_per_call(prog, (xs, w, s), calls))
-            if "dev_us" in row and "dev_us" in dev_bf16:
-                row["dev_speedup"] = dev_bf16["dev_us"] / row["dev_us"]
-        except Exception as e:  # recorded with the reason
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        report(row, calib)
-        rows.append(row)
+        def prog(xs, weights, group=group, bits=bits):
+            out = []
+            for c in range(calls):
+                w = weights[c % sets]
+                if m == 1:
+                    out.append(gemv(xs[c], w.w_t, scales=w.scales, offsets=w.offsets,
+                                    group_size=group if bits != 16 else None,
+                                    k_order=w.k_order, interpret=interpret))
+                elif bits == 16:
+                    out.append(linear(xs[c], w))
+                else:
+                    product = int4_matmul if bits == 4 else int8_matmul
+                    out.append(product(xs[c], w.w_t, w.scales, w.offsets, group_size=group,
+                                       layout="nk", k_order=w.k_order,
+                                       impl="pallas_interpret" if interpret else None))
+            return tuple(out)
+        rows.append(timed_row(row, prog, (xs, weights), nbytes, t_bf16, dev_bf16))
+        report(rows[-1], calib)
     return rows
 
 
-def bench_mgpu(k, n, m, xs, t_bf16, calib) -> dict:
-    row = {"K": k, "N": n, "M": m, "impl": "mgpu_int8_peer", "bits": 8}
+def bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib) -> dict:
+    """jax's Mosaic GPU int8 x bf16 kernel (`mgpu_fn`; per-channel scales applied after), or
+    the reason it did not run, recorded as n/a."""
+    calls, sets = FLAGS.calls, num_sets(k * n)
+    wt = tuple(jax.random.bits(jax.random.key(50 + i), (n, k), jnp.uint8).astype(jnp.int8)
+               for i in range(sets))
+    s = tuple(jax.random.uniform(jax.random.key(60 + i), (1, n), jnp.float32, 0.001, 0.01)
+              for i in range(sets))
     try:
-        calls = FLAGS.calls
-        sets = num_sets(k * n)
-        wt = tuple(jax.random.bits(jax.random.key(50 + i), (n, k), jnp.uint8).astype(jnp.int8)
-                   for i in range(sets))
-        s = tuple(jax.random.uniform(jax.random.key(60 + i), (1, n), jnp.float32, 0.001, 0.01)
-                  for i in range(sets))
         fn = mgpu_fn(k, n, m)
-        t = time_per_call(lambda xs, wt, s: tuple(
-            fn(xs[c], wt[c % sets], s[c % sets]) for c in range(calls)), (xs, wt, s), calls)
-        row.update(us=t * 1e6, TBps=(k * n + 4 * n) / t / 1e12, speedup=t_bf16 / t)
-    except Exception as e:  # recorded as n/a with the reason
-        row["error"] = f"n/a: {type(e).__name__}: {str(e)[:300]}"
+    except Exception as e:  # no such module in this jax
+        fn, reason = None, f"n/a: {type(e).__name__}: {str(e)[:300]}"
+    row = {"K": k, "N": n, "M": m, "impl": "mgpu_int8_peer", "bits": 8}
+    if fn is None:
+        row["error"] = reason
+    else:
+        row = timed_row(row, lambda xs, wt, s: tuple(
+            fn(xs[c], wt[c % sets], s[c % sets]) for c in range(calls)), (xs, wt, s),
+            k * n + 4 * n, t_bf16, dev_bf16)
+        if "error" in row:
+            row["error"] = "n/a: " + row["error"]
     report(row, calib)
     return row
 
@@ -293,6 +355,44 @@ def report(row: dict, calib: dict) -> None:
     print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<5} {row['impl']:<16} {row['us']:9.1f} us "
           f"{row['TBps']:5.2f} TB/s ({frac:4.0%} of copy) x{row.get('speedup', float('nan')):5.2f}"
           f"{dev}  {row.get('config', '') or row.get('via', '')}")
+
+
+def product_us(row: dict | None) -> float | None:
+    """The row's time per product: the device's (--device_times) where it has one, else the
+    wall clock's; None for a missing or failed row."""
+    if row is None or "error" in row:
+        return None
+    return row.get("dev_us", row["us"])
+
+
+def summary_table(rows: list[dict], calib: dict) -> str:
+    """Markdown: per shape and M the bf16 peer (with the bf16 weight's copy floor), INT4 and
+    INT8 in the model's layout (`int*_nk`; the [K, N] dispatch where those did not run): time,
+    TB/s of weight bytes and speedup over the peer, and the Mosaic GPU int8 peer."""
+    def fmt(row, peer_us):
+        us = product_us(row)
+        if us is None:
+            return "- | - | -"
+        tbps = row["TBps"] * row["us"] / us  # the same bytes over this time
+        frac = f" ({tbps / calib['copy_TBps']:.0%})" if calib else ""
+        return f"{us:.1f} | {tbps:.2f}{frac} | {peer_us / us:.2f}x"
+    lines = ["| K x N | M | bf16 us (floor) | INT4 us | INT4 TB/s (% copy) | INT4 x bf16 | "
+             "INT8 us | INT8 TB/s (% copy) | INT8 x bf16 | Mosaic int8 us (x bf16) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by_key = {(r["K"], r["N"], r["M"], r["impl"]): r for r in rows}
+    for k, n, m in dict.fromkeys((r["K"], r["N"], r["M"]) for r in rows):
+        peer_us = product_us(by_key.get((k, n, m, "xla_bf16")))
+        if peer_us is None:
+            continue
+        floor = f" ({2 * k * n / calib['copy_TBps'] / 1e6:.1f})" if calib else ""
+        cells = [f"{k}x{n}", str(m), f"{peer_us:.1f}{floor}"]
+        for bits in (4, 8):
+            row = by_key.get((k, n, m, f"int{bits}_nk")) or by_key.get((k, n, m, f"int{bits}"))
+            cells.append(fmt(row, peer_us))
+        mgpu_us = product_us(by_key.get((k, n, m, "mgpu_int8_peer")))
+        cells.append("-" if mgpu_us is None else f"{mgpu_us:.1f} ({peer_us / mgpu_us:.2f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:
@@ -344,9 +444,16 @@ def main(_):
             return out
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib, sweep=sweep)
+            write_json(rows, calib)
     if "bench" in FLAGS.modes:
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib)
+            write_json(rows, calib)
+        print(summary_table(rows, calib))
+
+
+def write_json(rows: list[dict], calib: dict) -> None:
+    """--json_out: every row so far (rewritten after each shape: a run cut short keeps them)."""
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"calib": calib, "device": jax.devices()[0].device_kind,

@@ -38,29 +38,57 @@ def test_device_time_without_device_events(tmp_path):
     assert "no device events" in out["dev_error"]
 
 
-def test_bench_matmul_rows(tmp_path):
-    """The bf16 peer, the kernel and the dispatch row (the heuristic's config) of one shape,
-    then the products over transposed bf16, INT8 and INT4 weights: ops/gemv.py's kernel at one
-    row, XLA's dot and the "nk" layout of ops/quant_matmul.py at two."""
+def run_bench(tmp_path, *flags: str) -> tuple[list[dict], str]:
+    """scripts.bench_matmul in interpret mode on the CPU: (its JSON rows, its stdout)."""
     out = tmp_path / "matmul.json"
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_matmul", "--impl=pallas_interpret",
-         "--modes=bench", "--shapes=256x128", "--ms=1,2", "--nk_max_m=2", "--bits=4",
-         "--calls=2", "--queue=1",
-         "--runs=1", "--mgpu_max_m=0", "--variants=dispatch", "--device_times",
-         f"--json_out={out}"],
+         "--modes=bench", "--shapes=256x128", "--ms=1,2", "--calls=2", "--queue=1",
+         "--runs=1", "--mgpu_max_m=0", "--variants=dispatch", f"--json_out={out}", *flags],
         capture_output=True, text=True, timeout=300,
         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    names = ["xla_bf16", "int4_kernel", "int4", "bf16_nk", "int8_nk", "int4_nk"]
-    assert [r["impl"] for r in rows] == names * 2 and [r["M"] for r in rows] == [1] * 6 + [2] * 6
-    for m, (bf16, kernel, dispatch, *nk) in ((1, rows[:6]), (2, rows[6:])):
+    return json.loads(out.read_text())["rows"], proc.stdout
+
+
+def test_bench_matmul_rows(tmp_path):
+    """The bf16 peer, the kernel and the dispatch row (the heuristic's config) of one shape,
+    then the products over transposed bf16 and INT4 weights: ops/gemv.py's kernel at one
+    row, XLA's dot and the "nk" layout of ops/quant_matmul.py at two."""
+    rows, _ = run_bench(tmp_path, "--bits=4", "--device_times")
+    names = ["xla_bf16", "int4_kernel", "int4", "bf16_nk", "int4_nk"]
+    assert [r["impl"] for r in rows] == names * 2 and [r["M"] for r in rows] == [1] * 5 + [2] * 5
+    for m, (bf16, kernel, dispatch, *nk) in ((1, rows[:5]), (2, rows[5:])):
         assert all(r["TBps"] > 0 and "error" not in r for r in nk)
         assert kernel["config"] == str(matmul_config(4, m, 256, 128, 128))
         assert dispatch["via"] == "int4_kernel" and dispatch["us"] == kernel["us"] > 0
-    assert [r["config"] for r in rows[3:6]] == [str(gemv_config(False, False, b))
-                                                for b in (16, 8, 4)]
-    assert [r["config"] for r in rows[9:]] == ["xla"] + [
-        str(matmul_config(b, 2, 256, 128, g, stored_nk=True)) for b, g in ((8, 256), (4, 128))]
+    assert [r["config"] for r in rows[3:5]] == [str(gemv_config(False, False, b))
+                                                for b in (16, 4)]
+    assert [r["config"] for r in rows[8:]] == ["xla", str(matmul_config(4, 2, 256, 128, 128,
+                                                                         stored_nk=True))]
+    assert all(r["k_order"] == "natural" for r in rows if r["impl"].endswith("_nk"))
     assert all("no device events" in r["dev_error"] for r in rows)
+
+
+def test_bench_matmul_model_layout_table(tmp_path):
+    """--nokn: only the peer and the model's layout; --asymmetric INT4 counts its offsets in
+    the bytes read; the closing markdown table holds every (shape, M) with the rows' times."""
+    rows, stdout = run_bench(tmp_path, "--nokn", "--asymmetric", "--bits=4,8")
+    names = ["xla_bf16", "bf16_nk", "int8_nk", "int4_nk"]
+    assert [r["impl"] for r in rows] == names * 2
+    for r in rows:
+        assert "error" not in r and r["us"] > 0
+    int4 = [r for r in rows if r["impl"] == "int4_nk"]
+    codes, tables = 256 * 128 // 2, 2 * 2 * (256 // 128) * 128  # scales and offsets
+    assert all(r["TBps"] == pytest.approx((codes + tables) / r["us"] / 1e6) for r in int4)
+    table = stdout[stdout.index("| K x N |"):].splitlines()
+    assert len(table) == 2 + 2  # header, rule, M = 1 and 2
+    for line, m in zip(table[2:], (1, 2)):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        by = {r["impl"]: r for r in rows if r["M"] == m}
+        assert cells[:2] == ["256x128", str(m)]
+        assert float(cells[2]) == pytest.approx(by["xla_bf16"]["us"], abs=0.05)
+        assert float(cells[3]) == pytest.approx(by["int4_nk"]["us"], abs=0.05)
+        assert cells[5] == f"{by['xla_bf16']['us'] / by['int4_nk']['us']:.2f}x"
+        assert float(cells[6]) == pytest.approx(by["int8_nk"]["us"], abs=0.05)
+        assert cells[-1] == "-"  # no Mosaic peer (--mgpu_max_m=0)
