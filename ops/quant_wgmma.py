@@ -469,12 +469,11 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
 
 
 def offsets_in_kernel(bits: int, groups: int, dtype, cfg: WgmmaConfig) -> bool:
-    """Whether the one-warpgroup kernel adds offsets of `dtype` itself (s c + o per group
-    part, in bf16: the reference's dequantized weight): bf16 offsets of INT4 groups under the
-    inline conversion (which then gives c itself). Elsewhere (INT8, per channel, the
-    warp-specialized kernel) XLA adds o' times the activations' group sums after the kernel."""
-    return (bits == 4 and groups > 1 and dtype == jnp.bfloat16 and cfg.convert == "inline"
-            and not cfg.consumers)
+    """Whether the kernel (one warpgroup or warp-specialized) adds offsets of `dtype` itself
+    (s c + o per group part, in bf16: the reference's dequantized weight): bf16 offsets of INT4
+    groups under the inline conversion (which then gives c itself). Elsewhere (INT8, per
+    channel) XLA adds o' times the activations' group sums after the kernel."""
+    return bits == 4 and groups > 1 and dtype == jnp.bfloat16 and cfg.convert == "inline"
 
 
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
@@ -526,8 +525,8 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         cfg = dataclasses.replace(cfg, stages=min(cfg.stages, stages))
     if cfg.consumers:  # several warpgroups per SM sharing each x tile
         from ops.quant_wgmma_ws import ws_product  # it imports this module
-        out = ws_product(xp, codes, scales, bits=bits, group_size=group_size, cfg=cfg,
-                         block_m=block_m, direct=direct)
+        out = ws_product(xp, codes, scales, offsets if in_kernel else None, bits=bits,
+                         group_size=group_size, cfg=cfg, block_m=block_m, direct=direct)
     else:
         out = _one_warpgroup(xp, codes, scales, offsets if in_kernel else None, bits=bits,
                              group_size=group_size, cfg=cfg, direct=direct, block_m=block_m)

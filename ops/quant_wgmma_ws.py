@@ -12,9 +12,11 @@ One program per SM (`grid` = the SM count), each of C + 1 warpgroups:
 
 The programs walk the work units (a C * block_n column tile times a row tile times one of
 `num_splits` K ranges) in turn (`plgpu.nd_loop`); a unit's pipeline starts and drains inside
-the unit. With one split (and no offsets) each consumer writes its bf16 tile of the product
-[MP, N] itself, transposed on its way through shared memory; with more, float32 partials
-[splits, N, MP], which ops.quant_wgmma.wgmma_matmul sums.
+the unit. With one split each consumer writes its bf16 tile of the product [MP, N] itself,
+transposed on its way through shared memory; with more, float32 partials [splits, N, MP], which
+ops.quant_wgmma.wgmma_matmul sums. INT4 group offsets are added in the kernel, as in the
+one-warpgroup kernel (s c + o per step, the steps lying in one group): at 1024 rows the XLA
+path they took before (float32 partials, the group sums' product) cost 1.6x the product.
 
 Why (docs/PERFORMANCE.md, twentieth session): INT4 on the one-warpgroup kernel reads at about
 2.1-2.4 TB/s however its instructions, its tensor op or its stage depth change. What is left
@@ -41,24 +43,28 @@ from ops import quant_wgmma as qw
 MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (the rest go to consumers)
 
 
-def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped: bool,
+def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
                steps: int, block_n: int, block_k: int, group_steps: int, stages: int,
                block_m: int, consumers: int, splits: int, row_tiles: int, units: int,
                direct: bool):
     # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N];
-    # out_gmem: `direct` [MP, N] bf16 (one split), else [splits, N, MP] float32 partials;
-    # out_smem: each consumer's tile, [consumers, BM, block_n] bf16 / [consumers, block_n, BM]
-    # float32 (BM = block_m rows of x per unit, MP / BM row tiles)
+    # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
+    # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split), else
+    # [splits, N, MP] float32 partials; out_smem: each consumer's tile, [consumers, BM,
+    # block_n] bf16 / [consumers, block_n, BM] float32 (BM = block_m rows of x per unit, MP / BM
+    # row tiles)
+    o_gmem, out_gmem, out_smem = refs if offsets else (None, *refs)
     wg = lax.axis_index("wg")
     cta_n = consumers * block_n
-    upcast, inline = qw._codes_to_bf16(bits, block_n, block_k)
+    upcast, inline = qw._codes_to_bf16(bits, block_n, block_k, unsigned=offsets)
+    tables = (s_gmem, o_gmem) if offsets else (s_gmem,) if grouped else ()  # per step
 
     def get_pipeline(body, context, first):
         specs = [plgpu.BlockSpec((cta_n, block_k), lambda k: (0, k),
                                  transforms=qw._swizzled(block_k, bits)),
                  plgpu.BlockSpec((block_m, block_k), lambda k: (0, k),
                                  transforms=qw._swizzled(block_k, 16))]
-        if grouped:  # this step's group scales of the tile's columns
+        for _ in tables:  # this step's group scales (and offsets) of the tile's columns
             specs.append(plgpu.BlockSpec((1, cta_n), lambda k: ((first + k) // group_steps, 0)))
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
@@ -69,9 +75,7 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
         cols = pl.ds(nb * cta_n, cta_n)
         ks = pl.ds(split * steps * block_k, steps * block_k)
         refs = [w_gmem.at[cols, ks], x_gmem.at[pl.ds(mb * block_m, block_m), ks]]
-        if grouped:
-            refs.append(s_gmem.at[:, cols])
-        return refs
+        return refs + [t.at[:, cols] for t in tables]
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations depend on the specs only)
 
@@ -103,9 +107,10 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem, *, bits: int, grouped
 
             def body(_, w_smem, x_smem, *rest):
                 *s_smem, acc_ref = rest
-                w = inline(plgpu.load(w_smem.at[rows], layout=upcast))  # bf16 c - z
+                w = inline(plgpu.load(w_smem.at[rows], layout=upcast))  # bf16 c - z (c: offsets)
                 if grouped:
-                    w = qw.group_scaled(w, s_smem[0].at[0, rows], plgpu.Layout.WGMMA)
+                    w = qw.group_scaled(w, s_smem[0].at[0, rows], plgpu.Layout.WGMMA,
+                                        s_smem[1].at[0, rows] if offsets else None)
                 plgpu.wgmma(acc_ref, w, x_smem.T)  # [block_n, BK] @ [BK, BM]
                 plgpu.wgmma_wait(0)
                 return acc_ref
@@ -120,17 +125,18 @@ def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def ws_product(xp, codes, scales, *, bits: int, group_size: int, cfg: qw.WgmmaConfig,
-               block_m: int, direct: bool):
+def ws_product(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
+               cfg: qw.WgmmaConfig, block_m: int, direct: bool):
     """xp [MP, K] (columns in wgmma_k_order, MP a multiple of block_m) times the codes [N, K]
-    (jnp.int4 / int8) with scales [G, N], by the warp-specialized kernel: the product [MP, N]
+    (jnp.int4 / int8) with scales [G, N] (and INT4 group offsets [G, N], added in the kernel:
+    `ops.quant_wgmma.offsets_in_kernel`), by the warp-specialized kernel: the product [MP, N]
     bf16 when `direct` (one split), else float32 partials [splits, N, MP]."""
     mp, k = xp.shape
     n = codes.shape[0]
     row_tiles = mp // block_m
     units = n // (cfg.consumers * cfg.block_n) * row_tiles * cfg.num_splits
     kernel = functools.partial(
-        _ws_kernel, bits=bits, grouped=scales.shape[0] > 1,
+        _ws_kernel, bits=bits, grouped=scales.shape[0] > 1, offsets=offsets is not None,
         steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
         consumers=cfg.consumers, splits=cfg.num_splits, row_tiles=row_tiles, units=units,
@@ -145,4 +151,5 @@ def ws_product(xp, codes, scales, *, bits: int, group_size: int, cfg: qw.WgmmaCo
     return plgpu.kernel(
         kernel, out_type=out_type, grid=(min(sm_count(), units),), grid_names=("sm",),
         num_threads=cfg.consumers + 1, thread_name="wg", scratch_types=[tile],
-        kernel_name=f"int{bits}_wgmma_ws")(xp, codes, scales)
+        kernel_name=f"int{bits}_wgmma_ws")(xp, codes, scales,
+                                           *(() if offsets is None else (offsets,)))

@@ -274,6 +274,9 @@ def test_direct_outputs_need_no_padding(m, config, padded, monkeypatch):
     (4, 128, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2), True),  # split partials
     (4, 128, qw.WgmmaConfig(block_k=128, stages=2, instruction="mma"), True),
     (4, 128, qw.WgmmaConfig(block_k=128, stages=2, convert="mosaic"), False),
+    (4, 128, qw.WgmmaConfig(block_k=128, stages=2, consumers=2), True),  # warp-specialized
+    (4, 128, qw.WgmmaConfig(block_k=64, stages=2, consumers=2, num_splits=2), True),
+    (4, 128, qw.WgmmaConfig(block_k=64, stages=2, consumers=2, block_m=64), True),  # row tiles
     (4, 512, None, False),  # per channel: offsets times the sums of x, after the kernel
     (8, 128, None, False)])  # INT8: the same, in XLA
 def test_where_the_offsets_are_added(bits, group, config, in_kernel, monkeypatch):
@@ -401,6 +404,14 @@ def reference(bits, x, w):
                  qw.WgmmaConfig(block_k=128, block_m=128, stages=2, num_splits=2, consumers=3),
                  id="rowtiles-ws-splits"),
     pytest.param(8, 600, 4096, 4096, 4096, False, None, id="rowtiles-ws-int8"),  # the dispatch
+    pytest.param(4, 1000, 4096, 4096, 128, True,  # offsets in the warp-specialized kernel
+                 qw.WgmmaConfig(block_k=64, block_m=256, stages=4, consumers=2),
+                 id="rowtiles-ws-offsets"),
+    pytest.param(4, 200, 2048, 1536, 64, True,
+                 qw.WgmmaConfig(block_k=64, block_m=128, stages=2, num_splits=2, consumers=3),
+                 id="rowtiles-ws-offsets-splits"),
+    pytest.param(4, 16, 4096, 4096, 128, True,
+                 qw.WgmmaConfig(block_k=128, stages=3, consumers=2), id="ws-offsets"),
     # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     pytest.param(4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128),
                  id="ws-a"),
