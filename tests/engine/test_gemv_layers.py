@@ -22,7 +22,7 @@ from configs.model import TINY_LLAMA31, TINY_QWEN2
 from engine.request import SamplingParams
 from models.llama import fuse_projections, transpose_for_gemv
 from models.weights import model_from_pure_dict
-from ops.matmul import dequantize_rows
+from ops.matmul import TransposedWeight, dequantize_rows
 from quant.model import QuantConfig, quantize_model
 from quant.qtensor import QuantizedWeight, dequantize, make_quantized_weight
 from tests.engine.test_fused_kernels import (ENGINE_CFG, assert_same_generations, generate,
@@ -42,10 +42,11 @@ def count_gemv_calls(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("base,method,group,k_order", [
-    (TINY_QWEN2, None, 0, None), (TINY_LLAMA31, "int4_rtn", 32, None),
-    (TINY_LLAMA31, "int4_rtn", 32, "wgmma"), (TINY_LLAMA31, "int8", 0, "wgmma")])
-def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group, k_order):
+@pytest.mark.parametrize("base,method,group,k_order,head", [
+    (TINY_QWEN2, None, 0, None, False), (TINY_LLAMA31, "int4_rtn", 32, None, False),
+    (TINY_LLAMA31, "int4_rtn", 32, "wgmma", True), (TINY_LLAMA31, "int8", 0, "wgmma", False)])
+def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group, k_order,
+                                                head):
     """float32 products (a GPU's default is TF32), two prompts: decode at two rows, then one
     (the fused path once the shorter is done), prefill chunks (XLA's). Float weights on Qwen2's
     layout (one KV head for four query heads, a q/k/v bias, a tied head; the bf16 test below
@@ -53,11 +54,13 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     [out, in] against the same quantized model as fused. (INT8 codes: the kernel and `linear`
     in tests/ops/test_gemv.py, an INT8 checkpoint end to end in tests/quant/test_scripts_quant.py.)
     k_order "wgmma": the codes reordered along K for the Hopper kernel (INT4 and INT8), which
-    every product here (the fused one included) reads through x permuted to match."""
+    every product here (the fused one included) reads through x permuted to match. `head`:
+    the untied output head quantized too (QuantConfig.lm_head), stored transposed like the
+    layers; a float head keeps its layout."""
     cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
     if method:
-        model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128),
-                               progress=False)
+        model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128,
+                                                       lm_head=head), progress=False)
     cfg, model = fuse_projections(cfg, model)
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
     params = [params, dataclasses.replace(params, max_tokens=10)]
@@ -75,6 +78,12 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
             assert weight.w_t.dtype == jnp.int32 and weight.w_t.shape[1] == k // 8
             assert weight.scales.shape == weight.offsets.shape == (-(-k // group),
                                                                     weight.shape[1])
+        if not cfg.tie_word_embeddings:
+            out_head = model.lm_head.kernel.get_value()
+            assert isinstance(out_head, TransposedWeight) == head
+            if head:
+                assert out_head.k_order == k_order and out_head.shape == (cfg.hidden_size,
+                                                                          cfg.vocab_size)
         got = generate(model, cfg_t, prompts, params)
     assert calls.get(1, 0) > 0 and max(calls) <= ops.gemv.MAX_ROWS
     assert_same_generations(got, want, rtol=1e-5)
