@@ -470,23 +470,29 @@ def test_linear_dispatches_transposed_codes_to_the_kernel():
 
 
 def test_float32_tiles_of_the_warp_specialized_kernel_fit_shared_memory(monkeypatch):
-    """With offsets (or K splits) the warp-specialized row tiles write float32 partials, twice
-    the bytes of the bf16 output: wgmma_matmul lowers the stages until they fit an SM."""
+    """With K splits the warp-specialized row tiles write float32 partials, twice the bytes of
+    the bf16 output: wgmma_matmul lowers the stages until they fit an SM. INT4 offsets enter
+    the kernel (s c + o), so with one split the output stays bf16 and direct, 4 stages."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
     import ops.quant_wgmma_ws as ws
     seen = []
 
-    def record(xp, codes, scales, *, cfg, block_m, direct, **_):
-        seen.append((cfg, block_m, direct))
+    def record(xp, codes, scales, offsets=None, *, cfg, block_m, direct, **_):
+        seen.append((cfg, block_m, direct, offsets is not None))
+        if direct:
+            return jnp.zeros((xp.shape[0], codes.shape[0]), jnp.bfloat16)
         return jnp.zeros((cfg.num_splits, codes.shape[0], xp.shape[0]), jnp.float32)
     monkeypatch.setattr(ws, "ws_product", record)
     m, k, n = 1024, 4096, 4096
     cfg = qw.wgmma_config(4, m, k, n, 128)
     assert cfg.consumers == 2 and cfg.stages == 4 and cfg.block_m == 256
-    w, x = random_case(4, m, k, n, 128, True, seed=7)  # offsets: float32 partials
+    w, x = random_case(4, m, k, n, 128, True, seed=7)
     qw.wgmma_matmul(x, w.packed.T, w.scales, w.offsets, bits=4, group_size=128)
-    (got, block_m, direct), = seen
-    assert not direct and got.stages == 2 and got.consumers == 2
+    qw.wgmma_matmul(x, w.packed.T, w.scales, w.offsets, bits=4, group_size=128,
+                    config=dataclasses.replace(cfg, num_splits=2))  # float32 partials
+    (direct_cfg, _, direct, offsets_in), (got, block_m, split_direct, _) = seen
+    assert direct and offsets_in and direct_cfg.stages == 4
+    assert not split_direct and got.stages == 2 and got.consumers == 2
     columns = 2 * got.block_n
     assert qw.smem_bytes(4, block_m, got.block_k, columns, got.stages, 4) <= qw.WS_SMEM_BYTES
     assert qw.smem_bytes(4, block_m, got.block_k, columns, 3, 4) > qw.WS_SMEM_BYTES
