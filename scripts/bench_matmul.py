@@ -327,19 +327,17 @@ def bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib) -> dict:
                for i in range(sets))
     s = tuple(jax.random.uniform(jax.random.key(60 + i), (1, n), jnp.float32, 0.001, 0.01)
               for i in range(sets))
+    row = {"K": k, "N": n, "M": m, "impl": "mgpu_int8_peer", "bits": 8}
     try:
         fn = mgpu_fn(k, n, m)
     except Exception as e:  # no such module in this jax
-        fn, reason = None, f"n/a: {type(e).__name__}: {str(e)[:300]}"
-    row = {"K": k, "N": n, "M": m, "impl": "mgpu_int8_peer", "bits": 8}
-    if fn is None:
-        row["error"] = reason
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     else:
         row = timed_row(row, lambda xs, wt, s: tuple(
             fn(xs[c], wt[c % sets], s[c % sets]) for c in range(calls)), (xs, wt, s),
             k * n + 4 * n, t_bf16, dev_bf16)
-        if "error" in row:
-            row["error"] = "n/a: " + row["error"]
+    if "error" in row:
+        row["error"] = "n/a: " + row["error"]
     report(row, calib)
     return row
 
