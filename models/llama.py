@@ -168,12 +168,17 @@ class MLP(nnx.Module):
 
     def down(self, gate_up):
         """down_proj(SiLU(gate) x up) of project_gate_up's output."""
-        if isinstance(gate_up, tuple):
-            gate, up = gate_up
-        else:
-            i = gate_up.shape[-1] // 2
-            gate, up = gate_up[:, :i], gate_up[:, i:]
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(gated_activation(gate_up))
+
+
+def gated_activation(gate_up):
+    """SiLU(gate) x up [N, I] of (gate [N, I], up [N, I]) or of the fused [N, 2 I]."""
+    if isinstance(gate_up, tuple):
+        gate, up = gate_up
+    else:
+        i = gate_up.shape[-1] // 2
+        gate, up = gate_up[:, :i], gate_up[:, i:]
+    return jax.nn.silu(gate) * up
 
 
 def normed_product(norm: RMSNorm, x: jax.Array, project, fold: bool):
@@ -217,7 +222,8 @@ class DecoderLayer(nnx.Module):
                   inv_freq: np.ndarray):
         """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of at most
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
-        and residuals inside them, around RoPE + KV write and attention."""
+        and residuals inside them, around RoPE + KV write and attention; gate/up apart where
+        ops.gemv.gated_apart says the Hopper kernel is faster (INT4)."""
         attn, mlp = self.self_attn, self.mlp
         def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ code scales)
             w = layer.kernel.get_value()
@@ -230,8 +236,13 @@ class DecoderLayer(nnx.Module):
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
                                                        inv_freq)
         x = product(heads, attn.o_proj, residual=x)
-        act = product(x, mlp.gate_up_proj, norm_weight=self.post_attention_layernorm.weight[...],
-                      eps=cfg.rms_norm_eps, gated=True)  # SiLU(gate) x up
+        gate_up = mlp.gate_up_proj.kernel.get_value()
+        if gemv_ops.gated_apart(gate_up.w_t, gate_up.scales, gate_up.group_size, x.shape[0]):
+            # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
+            act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x)))
+        else:
+            act = product(x, mlp.gate_up_proj, gated=True, eps=cfg.rms_norm_eps,
+                          norm_weight=self.post_attention_layernorm.weight[...])  # SiLU(g) x up
         x = product(act, mlp.down_proj, residual=x)
         return x, k_pages, v_pages
 

@@ -254,13 +254,11 @@ NK_BITS = {"bf16_nk": 16, "int8_nk": 8, "int4_nk": 4}
 
 
 def nk_config(bits: int, m: int, k: int, n: int, group: int) -> str:
-    """What the model's product over codes stored [N, K] runs at m rows: ops/gemv.py's kernel
-    at one row, the Hopper kernel where it takes the shape (its tiles), else the Triton "nk"
-    path's config or XLA's dequantize + dot."""
-    if m == 1:
-        return str(gemv_config(False, False, bits))
+    """What `linear` runs over a weight stored [N, K] at m rows: for codes the Hopper kernel
+    where it takes the shape (its tiles), else the Triton "nk" path's config or XLA's
+    dequantize + dot; for bf16 ops/gemv.py's kernel at one row, XLA's dot past it."""
     if bits == 16:
-        return "xla"
+        return str(gemv_config(False, False, bits)) if m == 1 else "xla"
     if quant_wgmma.available() and quant_wgmma.supports(bits, m, k, n, group, jnp.bfloat16,
                                                         jnp.bfloat16):
         return f"wgmma {quant_wgmma.wgmma_config(bits, m, k, n, group)}"
@@ -271,10 +269,11 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
     """The products over weights stored transposed, [N, K] (the model's layout with
     `--gemv_layers`, codes in the K order this device reads fastest, `device_k_order`): bf16
     (`bf16_nk`), INT8 codes with per-channel scales (`int8_nk`) and INT4 words with
-    --group_size scales (`int4_nk`; offsets with --asymmetric). One row: ops/gemv.py's kernel;
-    more: what `linear` runs for such a weight (XLA's dot for bf16; for codes
-    ops/quant_matmul.py's layout "nk": the Hopper kernel of ops/quant_wgmma.py where it takes
-    the shape)."""
+    --group_size scales (`int4_nk`; offsets with --asymmetric): what `linear` runs for such a
+    weight (for codes ops/quant_matmul.py's layout "nk": the Hopper kernel of ops/quant_wgmma.py
+    where it takes the shape; for bf16 XLA's dot, ops/gemv.py's kernel at one row). At one row
+    codes also run ops/gemv.py's kernel (`int4_gemv`, `int8_gemv`: the model's fused decode
+    product, here without its norm or residual)."""
     rows = []
     calls, sets = FLAGS.calls, num_sets(k * n)
     interpret = FLAGS.impl == "pallas_interpret"
@@ -295,27 +294,33 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
             order = device_k_order(weights[0])
             weights = tuple(dataclasses.replace(w, k_order=order) for w in weights)
             nbytes = weight_bytes(bits, k, n, group)
-        row = {"K": k, "N": n, "M": m, "impl": name, "bits": bits, "group": group,
-               "config": nk_config(bits, m, k, n, group), "k_order": weights[0].k_order}
+        kinds = [(name, m == 1 and bits == 16)]  # (row name, through ops/gemv.py)
+        if m == 1 and bits != 16:
+            kinds.append((f"int{bits}_gemv", True))
+        for impl, through_gemv in kinds:
+            config = (str(gemv_config(False, False, bits)) if through_gemv
+                      else nk_config(bits, m, k, n, group))
+            row = {"K": k, "N": n, "M": m, "impl": impl, "bits": bits, "group": group,
+                   "config": config, "k_order": weights[0].k_order}
 
-        def prog(xs, weights, group=group, bits=bits):
-            out = []
-            for c in range(calls):
-                w = weights[c % sets]
-                if m == 1:
-                    out.append(gemv(xs[c], w.w_t, scales=w.scales, offsets=w.offsets,
-                                    group_size=group if bits != 16 else None,
-                                    k_order=w.k_order, interpret=interpret))
-                elif bits == 16:
-                    out.append(linear(xs[c], w))
-                else:
-                    product = int4_matmul if bits == 4 else int8_matmul
-                    out.append(product(xs[c], w.w_t, w.scales, w.offsets, group_size=group,
-                                       layout="nk", k_order=w.k_order,
-                                       impl="pallas_interpret" if interpret else None))
-            return tuple(out)
-        rows.append(timed_row(row, prog, (xs, weights), nbytes, t_bf16, dev_bf16))
-        report(rows[-1], calib)
+            def prog(xs, weights, group=group, bits=bits, through_gemv=through_gemv):
+                out = []
+                for c in range(calls):
+                    w = weights[c % sets]
+                    if through_gemv:
+                        out.append(gemv(xs[c], w.w_t, scales=w.scales, offsets=w.offsets,
+                                        group_size=group if bits != 16 else None,
+                                        k_order=w.k_order, interpret=interpret))
+                    elif bits == 16:
+                        out.append(linear(xs[c], w))
+                    else:
+                        product = int4_matmul if bits == 4 else int8_matmul
+                        out.append(product(xs[c], w.w_t, w.scales, w.offsets,
+                                           group_size=group, layout="nk", k_order=w.k_order,
+                                           impl="pallas_interpret" if interpret else None))
+                return tuple(out)
+            rows.append(timed_row(row, prog, (xs, weights), nbytes, t_bf16, dev_bf16))
+            report(rows[-1], calib)
     return rows
 
 

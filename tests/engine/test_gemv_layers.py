@@ -42,11 +42,13 @@ def count_gemv_calls(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("base,method,group,k_order,head", [
-    (TINY_QWEN2, None, 0, None, False), (TINY_LLAMA31, "int4_rtn", 32, None, False),
-    (TINY_LLAMA31, "int4_rtn", 32, "wgmma", True), (TINY_LLAMA31, "int8", 0, "wgmma", False)])
+@pytest.mark.parametrize("base,method,group,k_order,head,gated", [
+    (TINY_QWEN2, None, 0, None, False, ""), (TINY_LLAMA31, "int4_rtn", 32, None, False, ""),
+    (TINY_LLAMA31, "int4_rtn", 32, "wgmma", True, ""),
+    (TINY_LLAMA31, "int4_rtn", 32, "wgmma", False, "apart"),
+    (TINY_LLAMA31, "int8", 0, "wgmma", False, "")])
 def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group, k_order,
-                                                head):
+                                                head, gated):
     """float32 products (a GPU's default is TF32), two prompts: decode at two rows, then one
     (the fused path once the shorter is done), prefill chunks (XLA's). Float weights on Qwen2's
     layout (one KV head for four query heads, a q/k/v bias, a tied head; the bf16 test below
@@ -56,7 +58,11 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     k_order "wgmma": the codes reordered along K for the Hopper kernel (INT4 and INT8), which
     every product here (the fused one included) reads through x permuted to match. `head`:
     the untied output head quantized too (QuantConfig.lm_head), stored transposed like the
-    layers; a float head keeps its layout."""
+    layers; a float head keeps its layout. `gated` "apart" (PALLASITE_GEMV_GATED): gate/up at
+    one row as norm, `linear` and SiLU x up (what an H200 runs for INT4), three fused
+    products a layer."""
+    if gated:
+        monkeypatch.setenv("PALLASITE_GEMV_GATED", gated)
     cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
     if method:
         model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128,
@@ -86,7 +92,29 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
                                                                           cfg.vocab_size)
         got = generate(model, cfg_t, prompts, params)
     assert calls.get(1, 0) > 0 and max(calls) <= ops.gemv.MAX_ROWS
+    if gated:  # three fused products per layer at one row, not four
+        assert calls[1] % (3 * cfg.num_layers) == 0
     assert_same_generations(got, want, rtol=1e-5)
+
+
+def test_gated_apart_choice(monkeypatch):
+    """The default: fused without a Hopper GPU, and for float weights or INT8 codes; the
+    override picks either way and names a bad value."""
+    words = jnp.zeros((256, 64), jnp.int32)  # INT4 [N, K/8]
+    scales = jnp.ones((4, 256), jnp.bfloat16)
+    monkeypatch.delenv("PALLASITE_GEMV_GATED", raising=False)
+    assert ops.gemv.gated_apart(words, scales, 128, 1) == (
+        ops.quant_wgmma.available()
+        and ops.quant_wgmma.supports(4, 1, 512, 256, 128, jnp.bfloat16, jnp.bfloat16))
+    assert not ops.gemv.gated_apart(jnp.zeros((256, 512), jnp.uint8), scales[:1], 0, 1)
+    assert not ops.gemv.gated_apart(jnp.zeros((256, 512), jnp.bfloat16), None, 0, 1)
+    monkeypatch.setenv("PALLASITE_GEMV_GATED", "apart")
+    assert ops.gemv.gated_apart(jnp.zeros((256, 512), jnp.uint8), scales[:1], 0, 1)
+    monkeypatch.setenv("PALLASITE_GEMV_GATED", "Fused")
+    assert not ops.gemv.gated_apart(words, scales, 128, 1)
+    monkeypatch.setenv("PALLASITE_GEMV_GATED", "split")
+    with pytest.raises(ValueError, match="PALLASITE_GEMV_GATED='split'"):
+        ops.gemv.gated_apart(words, scales, 128, 1)
 
 
 def test_bf16_kernel_matches_the_reference(monkeypatch):
@@ -162,7 +190,7 @@ def test_transpose_errors_leave_the_model_whole():
 @pytest.mark.skipif(not ops.quant_wgmma.available(), reason="needs a Hopper GPU (wgmma)")
 def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     """A bf16 model with INT4 codes (groups of 128) stored transposed, shapes the Hopper kernel
-    takes: decode steps of two and three rows run ops/quant_wgmma.py in one row tile, the
+    takes: decode steps of one (gate/up) to three rows run ops/quant_wgmma.py in one row tile, the
     prefill of a 90-token prompt in row tiles, and give the greedy tokens of the Triton "nk"
     and XLA paths (PALLASITE_WGMMA=off), log-probabilities within bf16 rounding."""
     cfg = TINY_LLAMA31.replace(hidden_size=256, intermediate_size=512, num_heads=4,
@@ -183,7 +211,8 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     # whole prompts in one prefill step (the default test engine's chunks are 16 tokens)
     engine_cfg = dataclasses.replace(ENGINE_CFG, max_model_len=128, max_num_batched_tokens=128)
     got = generate(model, cfg, prompts, params, engine_cfg)
-    assert rows and min(rows) >= 2 and max(rows) > ops.quant_wgmma.MAX_ROWS  # row tiles
+    # (one row: gate/up, ops.gemv.gated_apart; the other one-row products run ops/gemv.py)
+    assert rows and max(rows) > ops.quant_wgmma.MAX_ROWS  # row tiles
     assert any(r <= ops.quant_wgmma.MAX_ROWS for r in rows)  # decode steps: one tile
     monkeypatch.setenv("PALLASITE_WGMMA", "off")
     jax.clear_caches()

@@ -53,20 +53,22 @@ def run_bench(tmp_path, *flags: str) -> tuple[list[dict], str]:
 
 def test_bench_matmul_rows(tmp_path):
     """The bf16 peer, the kernel and the dispatch row (the heuristic's config) of one shape,
-    then the products over transposed bf16 and INT4 weights: ops/gemv.py's kernel at one
-    row, XLA's dot and the "nk" layout of ops/quant_matmul.py at two."""
+    then the products over transposed bf16 and INT4 weights: what `linear` runs (bf16:
+    ops/gemv.py's kernel at one row, XLA's dot at two; INT4: the "nk" layout of
+    ops/quant_matmul.py), and at one row ops/gemv.py's kernel over the codes too."""
     rows, _ = run_bench(tmp_path, "--bits=4", "--device_times")
     names = ["xla_bf16", "int4_kernel", "int4", "bf16_nk", "int4_nk"]
-    assert [r["impl"] for r in rows] == names * 2 and [r["M"] for r in rows] == [1] * 5 + [2] * 5
-    for m, (bf16, kernel, dispatch, *nk) in ((1, rows[:5]), (2, rows[5:])):
+    assert [r["impl"] for r in rows] == names + ["int4_gemv"] + names
+    assert [r["M"] for r in rows] == [1] * 6 + [2] * 5
+    for m, (bf16, kernel, dispatch, *nk) in ((1, rows[:6]), (2, rows[6:])):
         assert all(r["TBps"] > 0 and "error" not in r for r in nk)
         assert kernel["config"] == str(matmul_config(4, m, 256, 128, 128))
         assert dispatch["via"] == "int4_kernel" and dispatch["us"] == kernel["us"] > 0
-    assert [r["config"] for r in rows[3:5]] == [str(gemv_config(False, False, b))
-                                                for b in (16, 4)]
-    assert [r["config"] for r in rows[8:]] == ["xla", str(matmul_config(4, 2, 256, 128, 128,
-                                                                         stored_nk=True))]
-    assert all(r["k_order"] == "natural" for r in rows if r["impl"].endswith("_nk"))
+    nk_cfg = lambda m: str(matmul_config(4, m, 256, 128, 128, stored_nk=True))  # noqa: E731
+    assert [r["config"] for r in rows[3:6]] == [str(gemv_config(False, False, 16)), nk_cfg(1),
+                                                str(gemv_config(False, False, 4))]
+    assert [r["config"] for r in rows[9:]] == ["xla", nk_cfg(2)]
+    assert all(r["k_order"] == "natural" for r in rows if r["impl"].endswith(("_nk", "_gemv")))
     assert all("no device events" in r["dev_error"] for r in rows)
 
 
@@ -75,10 +77,11 @@ def test_bench_matmul_model_layout_table(tmp_path):
     the bytes read; the closing markdown table holds every (shape, M) with the rows' times."""
     rows, stdout = run_bench(tmp_path, "--nokn", "--asymmetric", "--bits=4,8")
     names = ["xla_bf16", "bf16_nk", "int8_nk", "int4_nk"]
-    assert [r["impl"] for r in rows] == names * 2
+    assert [r["impl"] for r in rows] == (names[:3] + ["int8_gemv", "int4_nk", "int4_gemv"]
+                                         + names)  # one row: ops/gemv.py over codes too
     for r in rows:
         assert "error" not in r and r["us"] > 0
-    int4 = [r for r in rows if r["impl"] == "int4_nk"]
+    int4 = [r for r in rows if r["impl"] in ("int4_nk", "int4_gemv")]
     codes, tables = 256 * 128 // 2, 2 * 2 * (256 // 128) * 128  # scales and offsets
     assert all(r["TBps"] == pytest.approx((codes + tables) / r["us"] / 1e6) for r in int4)
     table = stdout[stdout.index("| K x N |"):].splitlines()
