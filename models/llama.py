@@ -236,9 +236,7 @@ class DecoderLayer(nnx.Module):
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
                                                        inv_freq)
         x = product(heads, attn.o_proj, residual=x)
-        gate_up = mlp.gate_up_proj.kernel.get_value()
-        if gemv_ops.gated_apart(gate_up.w_t, gate_up.scales, gate_up.group_size, x.shape[0],
-                                x.dtype):
+        if gemv_ops.gated_apart(mlp.gate_up_proj.kernel.get_value(), x.shape[0], x.dtype):
             # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
             act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x)))
         else:

@@ -426,25 +426,26 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
 GATED_APART_BITS = (4,)  # gate/up at one row runs apart (`gated_apart`) for these codes
 
 
-def gated_apart(w_t, scales, group_size: int | None, rows: int, x_dtype=jnp.bfloat16) -> bool:
-    """Whether the model should run its gate/up product of `rows` rows of x_dtype apart
-    (RMSNorm, then `linear`: the Hopper kernel of ops/quant_wgmma.py, then SiLU x up) instead of
-    fused here. True for INT4 codes (GATED_APART_BITS) that the Hopper kernel takes: on the H200
-    it reads llama3.1-8b's gate/up codes at 71% of copy (22.5 us) where this kernel reads them
-    at 51% (31.4 us), and a batch-1 INT4 step took 2.342 ms apart against 2.612 fused
-    (docs/PERFORMANCE.md, twenty-eighth session). INT8's two kernels differ by about what the
-    extra norm and SiLU kernels cost, so INT8 and bf16 stay fused.
-    PALLASITE_GEMV_GATED = "fused" | "apart" overrides (A/B)."""
+def gated_apart(weight, rows: int, x_dtype=jnp.bfloat16) -> bool:
+    """Whether the model should run its gate/up product (`weight`, an ops.matmul.
+    TransposedWeight) of `rows` rows of x_dtype apart (RMSNorm, then `linear`: the Hopper kernel
+    of ops/quant_wgmma.py, then SiLU x up) instead of fused here. True for INT4 codes
+    (GATED_APART_BITS) that the Hopper kernel takes: on the H200 it reads llama3.1-8b's gate/up
+    codes at 71% of copy (22.5 us) where this kernel reads them at 51% (31.4 us), and a batch-1
+    INT4 step took 2.342 ms apart against 2.612 fused (docs/PERFORMANCE.md, twenty-eighth
+    session). INT8's two kernels differ by about what the extra norm and SiLU kernels cost, so
+    INT8 and bf16 stay fused. PALLASITE_GEMV_GATED = "fused" | "apart" overrides (A/B)."""
     choice = os.environ.get("PALLASITE_GEMV_GATED", "").lower()
     if choice not in ("", "fused", "apart"):
         raise ValueError(f"PALLASITE_GEMV_GATED={choice!r}: must be 'fused' or 'apart'")
     if choice:
         return choice == "apart"
-    bits = code_bits(w_t)
-    if bits not in GATED_APART_BITS or scales is None or not quant_wgmma.available():
+    bits = code_bits(weight.w_t)
+    if bits not in GATED_APART_BITS or weight.scales is None or not quant_wgmma.available():
         return False
-    n, k = w_t.shape[0], w_t.shape[1] * INT4_PER_WORD
-    return quant_wgmma.supports(bits, rows, k, n, group_size or k, x_dtype, scales.dtype)
+    k, n = weight.shape
+    return quant_wgmma.supports(bits, rows, k, n, weight.group_size or k, x_dtype,
+                                weight.scales.dtype)
 
 
 def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,

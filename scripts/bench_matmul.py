@@ -254,11 +254,11 @@ NK_BITS = {"bf16_nk": 16, "int8_nk": 8, "int4_nk": 4}
 
 
 def nk_config(bits: int, m: int, k: int, n: int, group: int) -> str:
-    """What `linear` runs over a weight stored [N, K] at m rows: for codes the Hopper kernel
-    where it takes the shape (its tiles), else the Triton "nk" path's config or XLA's
-    dequantize + dot; for bf16 ops/gemv.py's kernel at one row, XLA's dot past it."""
+    """What `linear` runs over a weight stored [N, K] at m rows (past one row for bf16, where
+    bench_nk runs ops/gemv.py): for codes the Hopper kernel where it takes the shape (its
+    tiles), else the Triton "nk" path's config or XLA's dequantize + dot; XLA's dot for bf16."""
     if bits == 16:
-        return str(gemv_config(False, False, bits)) if m == 1 else "xla"
+        return "xla"
     if quant_wgmma.available() and quant_wgmma.supports(bits, m, k, n, group, jnp.bfloat16,
                                                         jnp.bfloat16):
         return f"wgmma {quant_wgmma.wgmma_config(bits, m, k, n, group)}"

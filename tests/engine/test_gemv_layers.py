@@ -30,16 +30,19 @@ from tests.engine.test_fused_kernels import (ENGINE_CFG, assert_same_generations
 from tests.engine.weights import unit_scale_pure_dict
 
 
-def count_gemv_calls(monkeypatch) -> dict:
-    """Counts fused_gemv calls by number of rows (traced calls: once per program)."""
+def count_gemv_calls(monkeypatch) -> tuple[dict, dict]:
+    """Counts fused_gemv calls by number of rows (traced calls: once per program): (all calls,
+    the gated ones)."""
     calls: dict[int, int] = {}
+    gated: dict[int, int] = {}
     inner = ops.gemv.fused_gemv
 
     def counted(x, *args, **kwargs):
-        calls[x.shape[0]] = calls.get(x.shape[0], 0) + 1
+        for counts in (calls, gated) if kwargs.get("gated") else (calls,):
+            counts[x.shape[0]] = counts.get(x.shape[0], 0) + 1
         return inner(x, *args, **kwargs)
     monkeypatch.setattr(ops.gemv, "fused_gemv", counted)
-    return calls
+    return calls, gated
 
 
 @pytest.mark.parametrize("base,method,group,k_order,head,gated", [
@@ -71,7 +74,7 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     params = [params, dataclasses.replace(params, max_tokens=10)]
     with jax.default_matmul_precision("highest"):
         want = generate(model, cfg, prompts, params)
-        calls = count_gemv_calls(monkeypatch)
+        calls, gated_calls = count_gemv_calls(monkeypatch)
         jax.clear_caches()
         cfg_t, model = transpose_for_gemv(cfg, model, k_order)
         assert cfg_t.gemv_layers and not cfg.gemv_layers
@@ -91,29 +94,30 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
                                                                           cfg.vocab_size)
         got = generate(model, cfg_t, prompts, params)
     assert calls.get(1, 0) > 0 and max(calls) <= ops.gemv.MAX_ROWS
-    if gated:  # three fused products per layer at one row, not four
-        assert calls[1] % (3 * cfg.num_layers) == 0
+    assert bool(gated_calls.get(1)) == (not gated)  # apart: gate/up never fused
     assert_same_generations(got, want, rtol=1e-5)
 
 
 def test_gated_apart_choice(monkeypatch):
     """The default: fused without a Hopper GPU, and for float weights or INT8 codes; the
-    override picks either way and names a bad value."""
-    words = jnp.zeros((256, 64), jnp.int32)  # INT4 [N, K/8]
-    scales = jnp.ones((4, 256), jnp.bfloat16)
+    override picks either way and names a bad value. (Only shapes and dtypes are read.)"""
+    spec = jax.ShapeDtypeStruct
+    scales = spec((4, 256), jnp.bfloat16)
+    int4 = TransposedWeight(spec((256, 64), jnp.int32), scales, None, 128)  # [N, K/8] words
+    int8 = TransposedWeight(spec((256, 512), jnp.uint8), spec((1, 256), jnp.bfloat16))
+    bf16 = TransposedWeight(spec((256, 512), jnp.bfloat16))
     monkeypatch.delenv("PALLASITE_GEMV_GATED", raising=False)
-    assert ops.gemv.gated_apart(words, scales, 128, 1) == (
+    assert ops.gemv.gated_apart(int4, 1) == (
         ops.quant_wgmma.available()
         and ops.quant_wgmma.supports(4, 1, 512, 256, 128, jnp.bfloat16, jnp.bfloat16))
-    assert not ops.gemv.gated_apart(jnp.zeros((256, 512), jnp.uint8), scales[:1], 0, 1)
-    assert not ops.gemv.gated_apart(jnp.zeros((256, 512), jnp.bfloat16), None, 0, 1)
+    assert not ops.gemv.gated_apart(int8, 1) and not ops.gemv.gated_apart(bf16, 1)
     monkeypatch.setenv("PALLASITE_GEMV_GATED", "apart")
-    assert ops.gemv.gated_apart(jnp.zeros((256, 512), jnp.uint8), scales[:1], 0, 1)
+    assert ops.gemv.gated_apart(int8, 1)
     monkeypatch.setenv("PALLASITE_GEMV_GATED", "Fused")
-    assert not ops.gemv.gated_apart(words, scales, 128, 1)
+    assert not ops.gemv.gated_apart(int4, 1)
     monkeypatch.setenv("PALLASITE_GEMV_GATED", "split")
     with pytest.raises(ValueError, match="PALLASITE_GEMV_GATED='split'"):
-        ops.gemv.gated_apart(words, scales, 128, 1)
+        ops.gemv.gated_apart(int4, 1)
 
 
 def test_bf16_kernel_matches_the_reference(monkeypatch):
@@ -130,7 +134,7 @@ def test_bf16_kernel_matches_the_reference(monkeypatch):
     params = [params, dataclasses.replace(params, max_tokens=9)]  # one row for 5 steps
     want = generate(model, cfg, prompts, params)
     monkeypatch.setenv("PALLASITE_GEMV", "pallas_interpret")
-    calls = count_gemv_calls(monkeypatch)
+    calls, _ = count_gemv_calls(monkeypatch)
     jax.clear_caches()
     got = generate(model, cfg, prompts, params)
     assert calls.get(1, 0) > 0
@@ -189,8 +193,8 @@ def test_transpose_errors_leave_the_model_whole():
 @pytest.mark.skipif(not ops.quant_wgmma.available(), reason="needs a Hopper GPU (wgmma)")
 def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     """A bf16 model with INT4 codes (groups of 128) stored transposed, shapes the Hopper kernel
-    takes: decode steps of one (gate/up) to three rows run ops/quant_wgmma.py in one row tile, the
-    prefill of a 90-token prompt in row tiles, and give the greedy tokens of the Triton "nk"
+    takes: decode steps of one (gate/up) to three rows run ops/quant_wgmma.py in one row tile,
+    the prefill of a 90-token prompt in row tiles, and give the greedy tokens of the Triton "nk"
     and XLA paths (PALLASITE_WGMMA=off), log-probabilities within bf16 rounding."""
     cfg = TINY_LLAMA31.replace(hidden_size=256, intermediate_size=512, num_heads=4,
                                num_kv_heads=2, head_dim=64)
