@@ -6,6 +6,7 @@ cache and step metadata in, logits and the new cache out; nothing is stored on t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -222,8 +223,8 @@ class DecoderLayer(nnx.Module):
                   inv_freq: np.ndarray):
         """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of at most
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
-        and residuals inside them, around RoPE + KV write and attention; gate/up apart where
-        ops.gemv.gated_apart says the Hopper kernel is faster (INT4)."""
+        and residuals inside them, around RoPE + KV write and attention; gate/up (and down)
+        apart where ops.gemv.runs_apart says the Hopper kernel is faster (INT4 gate/up)."""
         attn, mlp = self.self_attn, self.mlp
         def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ code scales)
             w = layer.kernel.get_value()
@@ -236,12 +237,15 @@ class DecoderLayer(nnx.Module):
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
                                                        inv_freq)
         x = product(heads, attn.o_proj, residual=x)
-        if gemv_ops.gated_apart(mlp.gate_up_proj.kernel.get_value(), x.shape[0], x.dtype):
+        apart = functools.partial(gemv_ops.runs_apart, rows=x.shape[0], x_dtype=x.dtype)
+        if apart(mlp.gate_up_proj.kernel.get_value(), product="gated"):
             # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
             act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x)))
         else:
             act = product(x, mlp.gate_up_proj, gated=True, eps=cfg.rms_norm_eps,
                           norm_weight=self.post_attention_layernorm.weight[...])  # SiLU(g) x up
+        if apart(mlp.down_proj.kernel.get_value(), product="down"):
+            return x + mlp.down_proj(act), k_pages, v_pages  # XLA's split-K sum adds x
         x = product(act, mlp.down_proj, residual=x)
         return x, k_pages, v_pages
 

@@ -423,25 +423,31 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
     return y.astype(x.dtype)
 
 
-GATED_APART_BITS = (4,)  # gate/up at one row runs apart (`gated_apart`) for these codes
+APART_BITS = {"gated": (4,), "down": ()}  # codes whose product runs apart at one row (`runs_apart`)
+APART_ENV = {"gated": "PALLASITE_GEMV_GATED", "down": "PALLASITE_GEMV_DOWN"}
 
 
-def gated_apart(weight, rows: int, x_dtype=jnp.bfloat16) -> bool:
-    """Whether the model should run its gate/up product (`weight`, an ops.matmul.
-    TransposedWeight) of `rows` rows of x_dtype apart (RMSNorm, then `linear`: the Hopper kernel
-    of ops/quant_wgmma.py, then SiLU x up) instead of fused here. True for INT4 codes
-    (GATED_APART_BITS) that the Hopper kernel takes: on the H200 it reads llama3.1-8b's gate/up
-    codes at 71% of copy (22.5 us) where this kernel reads them at 51% (31.4 us), and a batch-1
-    INT4 step took 2.342 ms apart against 2.612 fused (docs/PERFORMANCE.md, twenty-eighth
-    session). INT8's two kernels differ by about what the extra norm and SiLU kernels cost, so
-    INT8 and bf16 stay fused. PALLASITE_GEMV_GATED = "fused" | "apart" overrides (A/B)."""
-    choice = os.environ.get("PALLASITE_GEMV_GATED", "").lower()
+def runs_apart(weight, rows: int, x_dtype=jnp.bfloat16, product: str = "gated") -> bool:
+    """Whether the model should run a one-row product (`weight`, an ops.matmul.TransposedWeight,
+    of `rows` rows of x_dtype) apart, through `linear` (the Hopper kernel of ops/quant_wgmma.py),
+    instead of fused here. `product`: "gated" (gate/up: RMSNorm, the product, SiLU x up) or
+    "down" (the product, then the residual added in XLA, where the split-K sum takes it).
+    True for the codes of APART_BITS[product] that the Hopper kernel takes. Gate/up: INT4 (on
+    the H200 it reads llama3.1-8b's gate/up codes at 71% of copy, 22.5 us, where this kernel
+    reads them at 51%, 31.4 us; a batch-1 INT4 step took 2.342 ms apart against 2.612 fused:
+    docs/PERFORMANCE.md, twenty-eighth session); INT8's two kernels differ by about what the
+    extra norm and SiLU kernels cost, so INT8 and bf16 stay fused. Down: none yet (the A/B is in
+    docs/PERFORMANCE.md). APART_ENV[product] = "fused" | "apart" overrides (A/B)."""
+    if product not in APART_BITS:
+        raise ValueError(f"runs_apart: product {product!r} must be one of {tuple(APART_BITS)}")
+    name = APART_ENV[product]
+    choice = os.environ.get(name, "").lower()
     if choice not in ("", "fused", "apart"):
-        raise ValueError(f"PALLASITE_GEMV_GATED={choice!r}: must be 'fused' or 'apart'")
+        raise ValueError(f"{name}={choice!r}: must be 'fused' or 'apart'")
     if choice:
         return choice == "apart"
     bits = code_bits(weight.w_t)
-    if bits not in GATED_APART_BITS or weight.scales is None or not quant_wgmma.available():
+    if bits not in APART_BITS[product] or weight.scales is None or not quant_wgmma.available():
         return False
     k, n = weight.shape
     return quant_wgmma.supports(bits, rows, k, n, weight.group_size or k, x_dtype,

@@ -47,7 +47,7 @@ from absl import app, flags
 
 
 from ops import quant_wgmma
-from ops.gemv import gemv, gemv_config
+from ops.gemv import GemvConfig, gemv, gemv_config
 from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
@@ -75,6 +75,9 @@ flags.DEFINE_bool("asymmetric", False, "INT4 codes with offsets (zero points; th
                   "AWQ default) instead of symmetric codes")
 flags.DEFINE_enum("variants", "all", ["all", "dispatch"], "all: kernel and XLA dequant at every "
                   "M; dispatch: only what matmul_config picks")
+flags.DEFINE_list("gemv_tiles", [], "at one row, also time ops/gemv.py's kernel over the codes "
+                  "with each of these tiles, block_n/block_k/warps (e.g. 8/1024/2; a sweep of "
+                  "the plain product's CODE_TILES), besides its own tile")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
                   "busy time per product (see the module docstring).")
@@ -294,23 +297,23 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
             order = device_k_order(weights[0])
             weights = tuple(dataclasses.replace(w, k_order=order) for w in weights)
             nbytes = weight_bytes(bits, k, n, group)
-        kinds = [(name, m == 1 and bits == 16)]  # (row name, through ops/gemv.py)
+        # (row name, ops/gemv.py's tile or None: what `linear` runs)
+        kinds = [(name, gemv_config(False, False) if m == 1 and bits == 16 else None)]
         if m == 1 and bits != 16:
-            kinds.append((f"int{bits}_gemv", True))
-        for impl, through_gemv in kinds:
-            config = (str(gemv_config(False, False, bits)) if through_gemv
-                      else nk_config(bits, m, k, n, group))
+            kinds += [(f"int{bits}_gemv", tile) for tile in gemv_tiles(bits)]
+        for impl, tile in kinds:
+            config = str(tile) if tile else nk_config(bits, m, k, n, group)
             row = {"K": k, "N": n, "M": m, "impl": impl, "bits": bits, "group": group,
                    "config": config, "k_order": weights[0].k_order}
 
-            def prog(xs, weights, group=group, bits=bits, through_gemv=through_gemv):
+            def prog(xs, weights, group=group, bits=bits, tile=tile):
                 out = []
                 for c in range(calls):
                     w = weights[c % sets]
-                    if through_gemv:
+                    if tile:
                         out.append(gemv(xs[c], w.w_t, scales=w.scales, offsets=w.offsets,
                                         group_size=group if bits != 16 else None,
-                                        k_order=w.k_order, interpret=interpret))
+                                        k_order=w.k_order, config=tile, interpret=interpret))
                     elif bits == 16:
                         out.append(linear(xs[c], w))
                     else:
@@ -322,6 +325,20 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
             rows.append(timed_row(row, prog, (xs, weights), nbytes, t_bf16, dev_bf16))
             report(rows[-1], calib)
     return rows
+
+
+def gemv_tiles(bits: int) -> list[GemvConfig]:
+    """ops/gemv.py's tile for a plain product of codes (o, down), then --gemv_tiles'."""
+    own = gemv_config(False, False, bits)
+    tiles = [own]
+    for spec in FLAGS.gemv_tiles:
+        try:
+            block_n, block_k, warps = (int(v) for v in spec.split("/"))
+        except ValueError:
+            raise app.UsageError(f"--gemv_tiles: {spec!r} is not block_n/block_k/warps")
+        tiles.append(dataclasses.replace(own, block_n=block_n, block_k=block_k,
+                                         num_warps=warps))
+    return tiles
 
 
 def bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib) -> dict:

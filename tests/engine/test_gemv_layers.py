@@ -10,6 +10,7 @@ interpreted against that reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,25 +33,29 @@ from tests.engine.weights import unit_scale_pure_dict
 
 def count_gemv_calls(monkeypatch) -> tuple[dict, dict]:
     """Counts fused_gemv calls by number of rows (traced calls: once per program): (all calls,
-    the gated ones)."""
+    {kind: calls}) with kind "gated" (gate/up) or "down" (a residual added to a product whose
+    input is wider than the residual: the MLP's down)."""
     calls: dict[int, int] = {}
-    gated: dict[int, int] = {}
+    kinds: dict[str, dict[int, int]] = {"gated": {}, "down": {}}
     inner = ops.gemv.fused_gemv
 
     def counted(x, *args, **kwargs):
-        for counts in (calls, gated) if kwargs.get("gated") else (calls,):
+        residual = kwargs.get("residual")
+        kind = ("gated" if kwargs.get("gated") else "down"
+                if residual is not None and x.shape[1] > residual.shape[1] else None)
+        for counts in (calls, kinds[kind]) if kind else (calls,):
             counts[x.shape[0]] = counts.get(x.shape[0], 0) + 1
         return inner(x, *args, **kwargs)
     monkeypatch.setattr(ops.gemv, "fused_gemv", counted)
-    return calls, gated
+    return calls, kinds
 
 
-@pytest.mark.parametrize("base,method,group,k_order,head,gated", [
-    (TINY_QWEN2, None, 0, None, False, ""), (TINY_LLAMA31, "int4_rtn", 32, None, False, ""),
-    (TINY_LLAMA31, "int4_rtn", 32, "wgmma", True, "apart"),
-    (TINY_LLAMA31, "int8", 0, "wgmma", False, "")])
+@pytest.mark.parametrize("base,method,group,k_order,head,apart", [
+    (TINY_QWEN2, None, 0, None, False, False), (TINY_LLAMA31, "int4_rtn", 32, None, False, False),
+    (TINY_LLAMA31, "int4_rtn", 32, "wgmma", True, True),
+    (TINY_LLAMA31, "int8", 0, "wgmma", False, False)])
 def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group, k_order,
-                                                head, gated):
+                                                head, apart):
     """float32 products (a GPU's default is TF32), two prompts: decode at two rows, then one
     (the fused path once the shorter is done), prefill chunks (XLA's). Float weights on Qwen2's
     layout (one KV head for four query heads, a q/k/v bias, a tied head; the bf16 test below
@@ -60,11 +65,12 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     k_order "wgmma": the codes reordered along K for the Hopper kernel (INT4 and INT8), which
     every product here (the fused one included) reads through x permuted to match. `head`:
     the untied output head quantized too (QuantConfig.lm_head), stored transposed like the
-    layers; a float head keeps its layout. `gated` "apart" (PALLASITE_GEMV_GATED): gate/up at
-    one row as norm, `linear` and SiLU x up (what an H200 runs for INT4), three fused
-    products a layer."""
-    if gated:
-        monkeypatch.setenv("PALLASITE_GEMV_GATED", gated)
+    layers; a float head keeps its layout. `apart` (PALLASITE_GEMV_GATED and _DOWN): gate/up
+    at one row as norm, `linear` and SiLU x up (what an H200 runs for INT4), and down as
+    `linear` then the residual added: two fused products a layer."""
+    if apart:
+        monkeypatch.setenv("PALLASITE_GEMV_GATED", "apart")
+        monkeypatch.setenv("PALLASITE_GEMV_DOWN", "apart")
     cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
     if method:
         model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128,
@@ -74,7 +80,7 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     params = [params, dataclasses.replace(params, max_tokens=10)]
     with jax.default_matmul_precision("highest"):
         want = generate(model, cfg, prompts, params)
-        calls, gated_calls = count_gemv_calls(monkeypatch)
+        calls, kinds = count_gemv_calls(monkeypatch)
         jax.clear_caches()
         cfg_t, model = transpose_for_gemv(cfg, model, k_order)
         assert cfg_t.gemv_layers and not cfg.gemv_layers
@@ -94,30 +100,37 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
                                                                           cfg.vocab_size)
         got = generate(model, cfg_t, prompts, params)
     assert calls.get(1, 0) > 0 and max(calls) <= ops.gemv.MAX_ROWS
-    assert bool(gated_calls.get(1)) == (not gated)  # apart: gate/up never fused
+    for kind in ("gated", "down"):  # apart: never fused
+        assert bool(kinds[kind].get(1)) == (not apart), kind
     assert_same_generations(got, want, rtol=1e-5)
 
 
-def test_gated_apart_choice(monkeypatch):
-    """The default: fused without a Hopper GPU, and for float weights or INT8 codes; the
-    override picks either way and names a bad value. (Only shapes and dtypes are read.)"""
+@pytest.mark.parametrize("product", ["gated", "down"])
+def test_runs_apart_choice(monkeypatch, product):
+    """The default: fused without a Hopper GPU, for float weights and INT8 codes, and for down;
+    INT4 gate/up apart where the Hopper kernel takes it. The override picks either way and
+    names a bad value; so does a bad product. (Only shapes and dtypes are read.)"""
     spec = jax.ShapeDtypeStruct
     scales = spec((4, 256), jnp.bfloat16)
     int4 = TransposedWeight(spec((256, 64), jnp.int32), scales, None, 128)  # [N, K/8] words
     int8 = TransposedWeight(spec((256, 512), jnp.uint8), spec((1, 256), jnp.bfloat16))
     bf16 = TransposedWeight(spec((256, 512), jnp.bfloat16))
-    monkeypatch.delenv("PALLASITE_GEMV_GATED", raising=False)
-    assert ops.gemv.gated_apart(int4, 1) == (
-        ops.quant_wgmma.available()
+    env = ops.gemv.APART_ENV[product]
+    monkeypatch.delenv(env, raising=False)
+    apart = functools.partial(ops.gemv.runs_apart, rows=1, product=product)
+    assert apart(int4) == (
+        product == "gated" and ops.quant_wgmma.available()
         and ops.quant_wgmma.supports(4, 1, 512, 256, 128, jnp.bfloat16, jnp.bfloat16))
-    assert not ops.gemv.gated_apart(int8, 1) and not ops.gemv.gated_apart(bf16, 1)
-    monkeypatch.setenv("PALLASITE_GEMV_GATED", "apart")
-    assert ops.gemv.gated_apart(int8, 1)
-    monkeypatch.setenv("PALLASITE_GEMV_GATED", "Fused")
-    assert not ops.gemv.gated_apart(int4, 1)
-    monkeypatch.setenv("PALLASITE_GEMV_GATED", "split")
-    with pytest.raises(ValueError, match="PALLASITE_GEMV_GATED='split'"):
-        ops.gemv.gated_apart(int4, 1)
+    assert not apart(int8) and not apart(bf16)
+    monkeypatch.setenv(env, "apart")
+    assert apart(int8)
+    monkeypatch.setenv(env, "Fused")
+    assert not apart(int4)
+    monkeypatch.setenv(env, "split")
+    with pytest.raises(ValueError, match=f"{env}='split'"):
+        apart(int4)
+    with pytest.raises(ValueError, match="product 'o'"):
+        ops.gemv.runs_apart(int4, 1, product="o")
 
 
 def test_bf16_kernel_matches_the_reference(monkeypatch):

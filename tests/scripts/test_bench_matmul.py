@@ -2,6 +2,7 @@
 takes from a profile (scripts/decode_profile.py). No timing is asserted."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -55,19 +56,22 @@ def test_bench_matmul_rows(tmp_path):
     """The bf16 peer, the kernel and the dispatch row (the heuristic's config) of one shape,
     then the products over transposed bf16 and INT4 weights: what `linear` runs (bf16:
     ops/gemv.py's kernel at one row, XLA's dot at two; INT4: the "nk" layout of
-    ops/quant_matmul.py), and at one row ops/gemv.py's kernel over the codes too."""
-    rows, _ = run_bench(tmp_path, "--bits=4", "--device_times")
+    ops/quant_matmul.py), and at one row ops/gemv.py's kernel over the codes too, with its own
+    tile and --gemv_tiles'."""
+    rows, _ = run_bench(tmp_path, "--bits=4", "--device_times", "--gemv_tiles=4/512/2")
     names = ["xla_bf16", "int4_kernel", "int4", "bf16_nk", "int4_nk"]
-    assert [r["impl"] for r in rows] == names + ["int4_gemv"] + names
-    assert [r["M"] for r in rows] == [1] * 6 + [2] * 5
-    for m, (bf16, kernel, dispatch, *nk) in ((1, rows[:6]), (2, rows[6:])):
+    assert [r["impl"] for r in rows] == names + ["int4_gemv"] * 2 + names
+    assert [r["M"] for r in rows] == [1] * 7 + [2] * 5
+    for m, (bf16, kernel, dispatch, *nk) in ((1, rows[:7]), (2, rows[7:])):
         assert all(r["TBps"] > 0 and "error" not in r for r in nk)
         assert kernel["config"] == str(matmul_config(4, m, 256, 128, 128))
         assert dispatch["via"] == "int4_kernel" and dispatch["us"] == kernel["us"] > 0
     nk_cfg = lambda m: str(matmul_config(4, m, 256, 128, 128, stored_nk=True))  # noqa: E731
-    assert [r["config"] for r in rows[3:6]] == [str(gemv_config(False, False, 16)), nk_cfg(1),
-                                                str(gemv_config(False, False, 4))]
-    assert [r["config"] for r in rows[9:]] == ["xla", nk_cfg(2)]
+    own = gemv_config(False, False, 4)
+    swept = dataclasses.replace(own, block_n=4, block_k=512, num_warps=2)
+    assert [r["config"] for r in rows[3:7]] == [str(gemv_config(False, False, 16)), nk_cfg(1),
+                                                str(own), str(swept)]
+    assert [r["config"] for r in rows[10:]] == ["xla", nk_cfg(2)]
     assert all(r["k_order"] == "natural" for r in rows if r["impl"].endswith(("_nk", "_gemv")))
     assert all("no device events" in r["dev_error"] for r in rows)
 
