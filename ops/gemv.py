@@ -76,18 +76,20 @@ class GemvConfig:
     prefetch: bool = False  # each loop step loads the next K tile before its own math
 
 
-def gemv_config(gated: bool, norm: bool, bits: int = 16) -> GemvConfig:
+def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConfig:
     """Tiles for one row on an H200, from device-time sweeps on the four Llama-3.1-8B layer
-    products (docs/PERFORMANCE.md: sixteenth session for bf16, eighteenth for codes). bf16:
-    gated (gate/up) [4 columns of each half, 256 K] without prefetch; normed (q/k/v) [8, 512];
-    plain products (o, down) [4, 1024] with prefetch; 4 warps each. (num_stages changed nothing:
-    Triton does not pipeline this loop, hence the explicit prefetch.) INT8 and INT4 codes
-    (`bits`) take wider column blocks, [block_n, block_k (K positions), warps]: see
-    CODE_TILES."""
+    products (docs/PERFORMANCE.md: sixteenth session for bf16, eighteenth and twenty-ninth for
+    codes). bf16: gated (gate/up) [4 columns of each half, 256 K] without prefetch; normed
+    (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with prefetch; 4 warps each.
+    (num_stages changed nothing: Triton does not pipeline this loop, hence the explicit
+    prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks, [block_n, block_k (K
+    positions), warps]: see CODE_TILES; a plain product of at most SHORT_K positions (`k`: o)
+    takes the "short" tile."""
     if bits != 16:
-        kind = "gated" if gated else "norm" if norm else "plain"
+        kind = "gated" if gated else "norm" if norm else "short" if k <= SHORT_K else "plain"
         block_n, block_k, warps = CODE_TILES[bits][kind]
-        return GemvConfig(block_n, block_k, warps, num_stages=1, prefetch=kind == "plain")
+        return GemvConfig(block_n, block_k, warps, num_stages=1,
+                          prefetch=kind in ("plain", "short"))
     if gated:
         return GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3)
     if norm:
@@ -96,9 +98,14 @@ def gemv_config(gated: bool, norm: bool, bits: int = 16) -> GemvConfig:
 
 
 # (block_n, block_k, num_warps) per bits and product kind: the fastest of 27 tiles each on the
-# H200 (eighteenth session; plain = o and down with prefetch, the down product's choice for INT4)
-CODE_TILES = {8: {"gated": (8, 512, 4), "norm": (16, 1024, 8), "plain": (8, 1024, 2)},
-              4: {"gated": (8, 1024, 2), "norm": (16, 2048, 4), "plain": (16, 1024, 4)}}
+# H200 (eighteenth session; plain = o and down with prefetch, the down product's choice for
+# INT4), and of 36 for the plain products (twenty-ninth session: short = o, K <= SHORT_K; INT8 o
+# 6.98 us in [16, 1024, 8] against 7.43 in down's [8, 1024, 2]; INT4's best is the same for both)
+SHORT_K = 4096
+CODE_TILES = {8: {"gated": (8, 512, 4), "norm": (16, 1024, 8), "plain": (8, 1024, 2),
+                  "short": (16, 1024, 8)},
+              4: {"gated": (8, 1024, 2), "norm": (16, 2048, 4), "plain": (16, 1024, 4),
+                  "short": (16, 1024, 4)}}
 
 
 def _words(a):
@@ -374,7 +381,7 @@ def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bi
         args.append(bias.reshape(1, -1))
     if residual is not None:
         args.append(residual)
-    cfg = config or gemv_config(gated, norm_weight is not None, bits)
+    cfg = config or gemv_config(gated, norm_weight is not None, bits, k)
     block_w = max(cfg.block_k // per_word, 1)
     kernel = functools.partial(
         _gemv_kernel, m=m, n_out=n_out, k=k, k_words=k // per_word, block_n=cfg.block_n,

@@ -298,9 +298,9 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
             weights = tuple(dataclasses.replace(w, k_order=order) for w in weights)
             nbytes = weight_bytes(bits, k, n, group)
         # (row name, ops/gemv.py's tile or None: what `linear` runs)
-        kinds = [(name, gemv_config(False, False) if m == 1 and bits == 16 else None)]
+        kinds = [(name, gemv_config(False, False, 16, k) if m == 1 and bits == 16 else None)]
         if m == 1 and bits != 16:
-            kinds += [(f"int{bits}_gemv", tile) for tile in gemv_tiles(bits)]
+            kinds += [(f"int{bits}_gemv", tile) for tile in gemv_tiles(bits, k)]
         for impl, tile in kinds:
             config = str(tile) if tile else nk_config(bits, m, k, n, group)
             row = {"K": k, "N": n, "M": m, "impl": impl, "bits": bits, "group": group,
@@ -327,9 +327,10 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
     return rows
 
 
-def gemv_tiles(bits: int) -> list[GemvConfig]:
-    """ops/gemv.py's tile for a plain product of codes (o, down), then --gemv_tiles'."""
-    own = gemv_config(False, False, bits)
+def gemv_tiles(bits: int, k: int) -> list[GemvConfig]:
+    """ops/gemv.py's tile for a plain product of codes (o, down) over k positions, then
+    --gemv_tiles'."""
+    own = gemv_config(False, False, bits, k)
     tiles = [own]
     for spec in FLAGS.gemv_tiles:
         try:

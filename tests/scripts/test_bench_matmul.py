@@ -67,7 +67,7 @@ def test_bench_matmul_rows(tmp_path):
         assert kernel["config"] == str(matmul_config(4, m, 256, 128, 128))
         assert dispatch["via"] == "int4_kernel" and dispatch["us"] == kernel["us"] > 0
     nk_cfg = lambda m: str(matmul_config(4, m, 256, 128, 128, stored_nk=True))  # noqa: E731
-    own = gemv_config(False, False, 4)
+    own = gemv_config(False, False, 4, 256)
     swept = dataclasses.replace(own, block_n=4, block_k=512, num_warps=2)
     assert [r["config"] for r in rows[3:7]] == [str(gemv_config(False, False, 16)), nk_cfg(1),
                                                 str(own), str(swept)]
