@@ -236,8 +236,11 @@ class DecoderLayer(nnx.Module):
                       bias=None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[...])
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
                                                        inv_freq)
-        x = product(heads, attn.o_proj, residual=x)
         apart = functools.partial(gemv_ops.runs_apart, rows=x.shape[0], x_dtype=x.dtype)
+        if apart(attn.o_proj.kernel.get_value(), product="o"):
+            x = x + attn.o_proj(heads)  # XLA's split-K sum adds x
+        else:
+            x = product(heads, attn.o_proj, residual=x)
         if apart(mlp.gate_up_proj.kernel.get_value(), product="gated"):
             # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
             act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x)))

@@ -430,15 +430,16 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
     return y.astype(x.dtype)
 
 
-APART_BITS = {"gated": (4,), "down": ()}  # codes whose product runs apart at one row (`runs_apart`)
-APART_ENV = {"gated": "PALLASITE_GEMV_GATED", "down": "PALLASITE_GEMV_DOWN"}
+APART_BITS = {"gated": (4,), "o": (), "down": ()}  # codes whose product runs apart at one row
+APART_ENV = {"gated": "PALLASITE_GEMV_GATED", "o": "PALLASITE_GEMV_O",
+             "down": "PALLASITE_GEMV_DOWN"}
 
 
 def runs_apart(weight, rows: int, x_dtype=jnp.bfloat16, product: str = "gated") -> bool:
     """Whether the model should run a one-row product (`weight`, an ops.matmul.TransposedWeight,
     of `rows` rows of x_dtype) apart, through `linear` (the Hopper kernel of ops/quant_wgmma.py),
     instead of fused here. `product`: "gated" (gate/up: RMSNorm, the product, SiLU x up) or
-    "down" (the product, then the residual added in XLA, where the split-K sum takes it).
+    "o" or "down" (the product, then the residual added in XLA, where the split-K sum takes it).
     True for the codes of APART_BITS[product] that the Hopper kernel takes. Gate/up: INT4 (on
     the H200 it reads llama3.1-8b's gate/up codes at 71% of copy, 22.5 us, where this kernel
     reads them at 51%, 31.4 us; a batch-1 INT4 step took 2.342 ms apart against 2.612 fused:

@@ -33,16 +33,16 @@ from tests.engine.weights import unit_scale_pure_dict
 
 def count_gemv_calls(monkeypatch) -> tuple[dict, dict]:
     """Counts fused_gemv calls by number of rows (traced calls: once per program): (all calls,
-    {kind: calls}) with kind "gated" (gate/up) or "down" (a residual added to a product whose
-    input is wider than the residual: the MLP's down)."""
+    {kind: calls}) with kind "gated" (gate/up), "down" (a residual added to a product whose
+    input is wider than the residual: the MLP's down) or "o" (the other residual product)."""
     calls: dict[int, int] = {}
-    kinds: dict[str, dict[int, int]] = {"gated": {}, "down": {}}
+    kinds: dict[str, dict[int, int]] = {"gated": {}, "o": {}, "down": {}}
     inner = ops.gemv.fused_gemv
 
     def counted(x, *args, **kwargs):
         residual = kwargs.get("residual")
-        kind = ("gated" if kwargs.get("gated") else "down"
-                if residual is not None and x.shape[1] > residual.shape[1] else None)
+        kind = ("gated" if kwargs.get("gated") else None if residual is None
+                else "down" if x.shape[1] > residual.shape[1] else "o")
         for counts in (calls, kinds[kind]) if kind else (calls,):
             counts[x.shape[0]] = counts.get(x.shape[0], 0) + 1
         return inner(x, *args, **kwargs)
@@ -65,12 +65,12 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     k_order "wgmma": the codes reordered along K for the Hopper kernel (INT4 and INT8), which
     every product here (the fused one included) reads through x permuted to match. `head`:
     the untied output head quantized too (QuantConfig.lm_head), stored transposed like the
-    layers; a float head keeps its layout. `apart` (PALLASITE_GEMV_GATED and _DOWN): gate/up
-    at one row as norm, `linear` and SiLU x up (what an H200 runs for INT4), and down as
-    `linear` then the residual added: two fused products a layer."""
+    layers; a float head keeps its layout. `apart` (ops.gemv.APART_ENV all "apart"): gate/up
+    at one row as norm, `linear` and SiLU x up (what an H200 runs for INT4), o and down as
+    `linear` then the residual added: only q/k/v fused."""
     if apart:
-        monkeypatch.setenv("PALLASITE_GEMV_GATED", "apart")
-        monkeypatch.setenv("PALLASITE_GEMV_DOWN", "apart")
+        for name in ops.gemv.APART_ENV.values():
+            monkeypatch.setenv(name, "apart")
     cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
     if method:
         model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128,
@@ -100,12 +100,12 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
                                                                           cfg.vocab_size)
         got = generate(model, cfg_t, prompts, params)
     assert calls.get(1, 0) > 0 and max(calls) <= ops.gemv.MAX_ROWS
-    for kind in ("gated", "down"):  # apart: never fused
+    for kind in ("gated", "o", "down"):  # apart: never fused
         assert bool(kinds[kind].get(1)) == (not apart), kind
     assert_same_generations(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("product", ["gated", "down"])
+@pytest.mark.parametrize("product", ["gated", "o", "down"])
 def test_runs_apart_choice(monkeypatch, product):
     """The default: fused without a Hopper GPU, for float weights and INT8 codes, and for down;
     INT4 gate/up apart where the Hopper kernel takes it. The override picks either way and
@@ -129,8 +129,8 @@ def test_runs_apart_choice(monkeypatch, product):
     monkeypatch.setenv(env, "split")
     with pytest.raises(ValueError, match=f"{env}='split'"):
         apart(int4)
-    with pytest.raises(ValueError, match="product 'o'"):
-        ops.gemv.runs_apart(int4, 1, product="o")
+    with pytest.raises(ValueError, match="product 'qkv'"):
+        ops.gemv.runs_apart(int4, 1, product="qkv")
 
 
 def test_bf16_kernel_matches_the_reference(monkeypatch):
