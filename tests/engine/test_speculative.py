@@ -398,8 +398,8 @@ def chi_square_p_value(samples: np.ndarray, probs: np.ndarray) -> float:
 def test_engine_sampling_distribution_matches_the_target(small_vocab_models, temperature, top_p):
     """Over 1536 seeded requests, the first three tokens (t1 from the prefill, t2 and t3 from
     draft speculation with k = 2) fit the target's exact distribution (chi-square on t2, t3 and
-    the pair (t2, t3)); so does plain sampling at the first setting, which checks the reference
-    itself (once: the suite's time)."""
+    the pair (t2, t3)). t1 comes from plain sampling of the prefill, which checks the
+    reference itself (a plain engine's t2 and t3 once ran too; cut for the suite's time)."""
     target, draft, steps = small_vocab_models
     joint = exact_joint(target, temperature, top_p)
     p1 = joint.sum((1, 2))
@@ -414,8 +414,6 @@ def test_engine_sampling_distribution_matches_the_target(small_vocab_models, tem
                              top_p=top_p, seed=i) for i in range(NUM_REQUESTS)]
     engines = {"speculative": LLMEngine(SMALL_VOCAB, target, None, engine_cfg, spec,
                                         (SMALL_DRAFT, draft))}
-    if (temperature, top_p) == (0.8, 1.0):
-        engines["plain"] = LLMEngine(SMALL_VOCAB, target, None, engine_cfg)
     for engine in engines.values():  # one compiled program per shape for all engines
         engine.runner.share_programs(steps.setdefault("target", engine.runner))
         if engine.draft is not None:
