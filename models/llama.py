@@ -223,8 +223,9 @@ class DecoderLayer(nnx.Module):
                   inv_freq: np.ndarray):
         """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of at most
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
-        and residuals inside them, around RoPE + KV write and attention; gate/up (and down)
-        apart where ops.gemv.runs_apart says the Hopper kernel is faster (INT4 gate/up)."""
+        and residuals inside them, around RoPE + KV write and attention; gate/up, o and down
+        apart where ops.gemv.runs_apart says the Hopper kernel is faster (INT4 gate/up and
+        down)."""
         attn, mlp = self.self_attn, self.mlp
         def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ code scales)
             w = layer.kernel.get_value()

@@ -430,7 +430,7 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
     return y.astype(x.dtype)
 
 
-APART_BITS = {"gated": (4,), "o": (), "down": ()}  # codes whose product runs apart at one row
+APART_BITS = {"gated": (4,), "o": (), "down": (4,)}  # codes whose product runs apart at one row
 APART_ENV = {"gated": "PALLASITE_GEMV_GATED", "o": "PALLASITE_GEMV_O",
              "down": "PALLASITE_GEMV_DOWN"}
 
@@ -442,10 +442,12 @@ def runs_apart(weight, rows: int, x_dtype=jnp.bfloat16, product: str = "gated") 
     "o" or "down" (the product, then the residual added in XLA, where the split-K sum takes it).
     True for the codes of APART_BITS[product] that the Hopper kernel takes. Gate/up: INT4 (on
     the H200 it reads llama3.1-8b's gate/up codes at 71% of copy, 22.5 us, where this kernel
-    reads them at 51%, 31.4 us; a batch-1 INT4 step took 2.342 ms apart against 2.612 fused:
-    docs/PERFORMANCE.md, twenty-eighth session); INT8's two kernels differ by about what the
-    extra norm and SiLU kernels cost, so INT8 and bf16 stay fused. Down: none yet (the A/B is in
-    docs/PERFORMANCE.md). APART_ENV[product] = "fused" | "apart" overrides (A/B)."""
+    reads them at 51%, 31.4 us; docs/PERFORMANCE.md, twenty-eighth session); INT8's two kernels
+    differ by about what the extra norm and SiLU kernels cost, so INT8 and bf16 stay fused.
+    Down: INT4 (a batch-1 INT4 step's device busy time 2.193 ms apart against 2.278 fused; INT8
+    apart was slower end to end, 3.301 against 3.104 ms). o: none (o apart too added 18 us of
+    device time a step; twenty-ninth session). APART_ENV[product] = "fused" | "apart"
+    overrides (A/B)."""
     if product not in APART_BITS:
         raise ValueError(f"runs_apart: product {product!r} must be one of {tuple(APART_BITS)}")
     name = APART_ENV[product]

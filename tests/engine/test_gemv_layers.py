@@ -107,9 +107,9 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
 
 @pytest.mark.parametrize("product", ["gated", "o", "down"])
 def test_runs_apart_choice(monkeypatch, product):
-    """The default: fused without a Hopper GPU, for float weights and INT8 codes, and for down;
-    INT4 gate/up apart where the Hopper kernel takes it. The override picks either way and
-    names a bad value; so does a bad product. (Only shapes and dtypes are read.)"""
+    """The default: fused without a Hopper GPU, for float weights and INT8 codes, and for o;
+    INT4 gate/up and down apart where the Hopper kernel takes them. The override picks either
+    way and names a bad value; so does a bad product. (Only shapes and dtypes are read.)"""
     spec = jax.ShapeDtypeStruct
     scales = spec((4, 256), jnp.bfloat16)
     int4 = TransposedWeight(spec((256, 64), jnp.int32), scales, None, 128)  # [N, K/8] words
@@ -119,7 +119,7 @@ def test_runs_apart_choice(monkeypatch, product):
     monkeypatch.delenv(env, raising=False)
     apart = functools.partial(ops.gemv.runs_apart, rows=1, product=product)
     assert apart(int4) == (
-        product == "gated" and ops.quant_wgmma.available()
+        product != "o" and ops.quant_wgmma.available()
         and ops.quant_wgmma.supports(4, 1, 512, 256, 128, jnp.bfloat16, jnp.bfloat16))
     assert not apart(int8) and not apart(bf16)
     monkeypatch.setenv(env, "apart")
@@ -227,7 +227,7 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     # whole prompts in one prefill step (the default test engine's chunks are 16 tokens)
     engine_cfg = dataclasses.replace(ENGINE_CFG, max_model_len=128, max_num_batched_tokens=128)
     got = generate(model, cfg, prompts, params, engine_cfg)
-    # (one row: gate/up, ops.gemv.gated_apart; the other one-row products run ops/gemv.py)
+    # (one row: gate/up and down, ops.gemv.runs_apart; the other one-row products run ops/gemv.py)
     assert rows and max(rows) > ops.quant_wgmma.MAX_ROWS  # row tiles
     assert any(r <= ops.quant_wgmma.MAX_ROWS for r in rows)  # decode steps: one tile
     monkeypatch.setenv("PALLASITE_WGMMA", "off")
