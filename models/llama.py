@@ -238,20 +238,20 @@ class DecoderLayer(nnx.Module):
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
                                                        inv_freq)
         apart = functools.partial(gemv_ops.runs_apart, rows=x.shape[0], x_dtype=x.dtype)
-        if apart(attn.o_proj.kernel.get_value(), product="o"):
-            x = x + attn.o_proj(heads)  # XLA's split-K sum adds x
-        else:
-            x = product(heads, attn.o_proj, residual=x)
+
+        def plus_residual(h, layer, kind):  # x + h @ layer, fused or apart (XLA adds x)
+            if apart(layer.kernel.get_value(), product=kind):
+                return x + layer(h)
+            return product(h, layer, residual=x)
+
+        x = plus_residual(heads, attn.o_proj, "o")
         if apart(mlp.gate_up_proj.kernel.get_value(), product="gated"):
             # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
             act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x)))
         else:
             act = product(x, mlp.gate_up_proj, gated=True, eps=cfg.rms_norm_eps,
                           norm_weight=self.post_attention_layernorm.weight[...])  # SiLU(g) x up
-        if apart(mlp.down_proj.kernel.get_value(), product="down"):
-            return x + mlp.down_proj(act), k_pages, v_pages  # XLA's split-K sum adds x
-        x = product(act, mlp.down_proj, residual=x)
-        return x, k_pages, v_pages
+        return plus_residual(act, mlp.down_proj, "down"), k_pages, v_pages
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -227,7 +227,7 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     # whole prompts in one prefill step (the default test engine's chunks are 16 tokens)
     engine_cfg = dataclasses.replace(ENGINE_CFG, max_model_len=128, max_num_batched_tokens=128)
     got = generate(model, cfg, prompts, params, engine_cfg)
-    # (one row: gate/up and down, ops.gemv.runs_apart; the other one-row products run ops/gemv.py)
+    # (one row: gate/up and down, ops.gemv.runs_apart; the other one-row products: ops/gemv.py)
     assert rows and max(rows) > ops.quant_wgmma.MAX_ROWS  # row tiles
     assert any(r <= ops.quant_wgmma.MAX_ROWS for r in rows)  # decode steps: one tile
     monkeypatch.setenv("PALLASITE_WGMMA", "off")
