@@ -20,7 +20,10 @@ Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fu
   and the Mosaic peer (device times with --device_times). Issue 6's table:
     python -m scripts.bench_matmul --nokn --asymmetric --device_times --json_out=m.json
   TB/s = weight bytes read (packed codes, scales, offsets) over time; speedup = bf16 time /
-  time.
+  time. --read_floor adds, per shape, XLA reading each form's bytes and nothing else
+  (scripts/read_floor.py; rows read_bf16 / read_int8 / read_int4, M = 0) and the table's
+  "bound" columns: bf16 product / INT4 (INT8) read floor, what a product of no fixed cost
+  beyond a plain read could reach.
 - sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
   the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
   The decode sweep (about 9 to 12 configs per shape, M and bits; a few minutes on an H200):
@@ -52,6 +55,7 @@ from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
 from scripts import decode_profile, timing
+from scripts.read_floor import read_floor
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "bench"], "calib, bench, sweep")
@@ -82,6 +86,9 @@ flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
                   "busy time per product (see the module docstring).")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
+flags.DEFINE_bool("read_floor", False, "per shape, also time XLA reading each weight's bytes "
+                  "alone (scripts/read_floor.py: read_bf16, read_int8, read_int4 rows, M=0), "
+                  "and print each form's speedup bound, bf16 product / read floor")
 
 def time_per_call(fn, args, calls: int) -> float:
     """Seconds per product: `fn(*args)` runs `calls` of them (see the module docstring)."""
@@ -164,6 +171,8 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
     bf16_sets = num_sets(2 * k * n)
     wb = tuple(jax.random.normal(jax.random.key(100 + i), (k, n), jnp.bfloat16)
                for i in range(bf16_sets))
+    if FLAGS.read_floor:
+        rows += bench_read_floors(k, n, calib)
     for m in ms:
         xs = tuple(jax.random.normal(jax.random.key(1000 * m + c), (m, k), jnp.bfloat16)
                    for c in range(calls))
@@ -183,6 +192,24 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
         if sweep is None and m <= FLAGS.nk_max_m:
             rows += bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib)
     del wb
+    return rows
+
+
+def bench_read_floors(k: int, n: int, calib: dict) -> list[dict]:
+    """The read floor (scripts/read_floor.py) of the bf16 weight and of the codes of each
+    --bits (with scales, and INT4 offsets with --asymmetric): rows `read_bf16` / `read_int8` /
+    `read_int4` with M = 0 (they hold for every M)."""
+    def time_fn(prog, args):
+        return {"us": time_per_call(prog, args, FLAGS.calls) * 1e6,
+                **device_per_call(prog, args, FLAGS.calls)}
+    forms = [("bf16", 2 * k * n)] + [
+        (f"int{b}", weight_bytes(b, k, n, FLAGS.group_size if b == 4 else k))
+        for b in map(int, FLAGS.bits)]
+    rows = []
+    for name, nbytes in forms:
+        rows.append({"K": k, "N": n, "M": 0, "weight_bytes": nbytes,
+                     **read_floor(name, nbytes, FLAGS.calls, time_fn)})
+        report(rows[-1], calib)
     return rows
 
 
@@ -389,7 +416,8 @@ def product_us(row: dict | None) -> float | None:
 def summary_table(rows: list[dict], calib: dict) -> str:
     """Markdown: per shape and M the bf16 peer (with the bf16 weight's copy floor), INT4 and
     INT8 in the model's layout (`int*_nk`; the [K, N] dispatch where those did not run): time,
-    TB/s of weight bytes and speedup over the peer, and the Mosaic GPU int8 peer."""
+    TB/s of weight bytes and speedup over the peer, the Mosaic GPU int8 peer, and with
+    --read_floor each form's read floor and the peer's time over it (the speedup bound)."""
     def fmt(row, peer_us):
         us = product_us(row)
         if us is None:
@@ -397,11 +425,13 @@ def summary_table(rows: list[dict], calib: dict) -> str:
         tbps = row["TBps"] * row["us"] / us  # the same bytes over this time
         frac = f" ({tbps / calib['copy_TBps']:.0%})" if calib else ""
         return f"{us:.1f} | {tbps:.2f}{frac} | {peer_us / us:.2f}x"
+    reads = [b for b in (4, 8) if any(r["impl"] == f"read_int{b}" for r in rows)]
     lines = ["| K x N | M | bf16 us (floor) | INT4 us | INT4 TB/s (% copy) | INT4 x bf16 | "
-             "INT8 us | INT8 TB/s (% copy) | INT8 x bf16 | Mosaic int8 us (x bf16) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "INT8 us | INT8 TB/s (% copy) | INT8 x bf16 | Mosaic int8 us (x bf16) |"
+             + "".join(f" INT{b} read us (bound) |" for b in reads),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(reads)]
     by_key = {(r["K"], r["N"], r["M"], r["impl"]): r for r in rows}
-    for k, n, m in dict.fromkeys((r["K"], r["N"], r["M"]) for r in rows):
+    for k, n, m in dict.fromkeys((r["K"], r["N"], r["M"]) for r in rows if r["M"]):
         peer_us = product_us(by_key.get((k, n, m, "xla_bf16")))
         if peer_us is None:
             continue
@@ -412,6 +442,9 @@ def summary_table(rows: list[dict], calib: dict) -> str:
             cells.append(fmt(row, peer_us))
         mgpu_us = product_us(by_key.get((k, n, m, "mgpu_int8_peer")))
         cells.append("-" if mgpu_us is None else f"{mgpu_us:.1f} ({peer_us / mgpu_us:.2f}x)")
+        for bits in reads:
+            read_us = product_us(by_key.get((k, n, 0, f"read_int{bits}")))
+            cells.append("-" if read_us is None else f"{read_us:.1f} ({peer_us / read_us:.2f}x)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -9,11 +9,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ops.gemv import gemv_config
 from ops.quant_matmul import matmul_config
 from scripts import decode_profile
+from scripts.read_floor import READ_FORMS, read_program, word_rows
 
 
 def test_device_time_is_busy_time_per_call(monkeypatch, tmp_path):
@@ -78,15 +80,23 @@ def test_bench_matmul_rows(tmp_path):
 
 def test_bench_matmul_model_layout_table(tmp_path):
     """--nokn: only the peer and the model's layout; --asymmetric INT4 counts its offsets in
-    the bytes read; the closing markdown table holds every (shape, M) with the rows' times."""
-    rows, stdout = run_bench(tmp_path, "--nokn", "--asymmetric", "--bits=4,8")
+    the bytes read; --read_floor times a read of each form's bytes first (M = 0); the closing
+    markdown table holds every (shape, M) with the rows' times and the peer over each floor."""
+    rows, stdout = run_bench(tmp_path, "--nokn", "--asymmetric", "--bits=4,8", "--read_floor")
+    reads, rows = rows[:3], rows[3:]
+    codes, tables = 256 * 128 // 2, 2 * 2 * (256 // 128) * 128  # scales and offsets
+    assert [(r["impl"], r["M"], r["weight_bytes"]) for r in reads] == [
+        ("read_bf16", 0, 2 * 256 * 128), ("read_int4", 0, codes + tables),
+        ("read_int8", 0, 256 * 128 + 2 * 128)]
+    for r in reads:  # whole rows of words: at most one row more than the weight's bytes
+        assert r["weight_bytes"] <= r["bytes"] < r["weight_bytes"] + 4 * 4096
+        assert r["form"] in ("rows256", "rows4096", "cols4096") and r["us"] > 0
     names = ["xla_bf16", "bf16_nk", "int8_nk", "int4_nk"]
     assert [r["impl"] for r in rows] == (names[:3] + ["int8_gemv", "int4_nk", "int4_gemv"]
                                          + names)  # one row: ops/gemv.py over codes too
     for r in rows:
         assert "error" not in r and r["us"] > 0
     int4 = [r for r in rows if r["impl"] in ("int4_nk", "int4_gemv")]
-    codes, tables = 256 * 128 // 2, 2 * 2 * (256 // 128) * 128  # scales and offsets
     assert all(r["TBps"] == pytest.approx((codes + tables) / r["us"] / 1e6) for r in int4)
     table = stdout[stdout.index("| K x N |"):].splitlines()
     assert len(table) == 2 + 2  # header, rule, M = 1 and 2
@@ -98,4 +108,23 @@ def test_bench_matmul_model_layout_table(tmp_path):
         assert float(cells[3]) == pytest.approx(by["int4_nk"]["us"], abs=0.05)
         assert cells[5] == f"{by['xla_bf16']['us'] / by['int4_nk']['us']:.2f}x"
         assert float(cells[6]) == pytest.approx(by["int8_nk"]["us"], abs=0.05)
-        assert cells[-1] == "-"  # no Mosaic peer (--mgpu_max_m=0)
+        assert cells[-3] == "-"  # no Mosaic peer (--mgpu_max_m=0)
+        for cell, read in zip(cells[-2:], reads[1:]):  # INT4, INT8: floor (bf16 / floor)
+            assert cell == f"{read['us']:.1f} ({by['xla_bf16']['us'] / read['us']:.2f}x)"
+
+
+@pytest.mark.parametrize("form", READ_FORMS)
+def test_read_program_reads_every_word(form):
+    """Each read form's program sums exactly the words of its arrays (modulo 2^32), on fresh
+    random words: every byte of the weight's size is read."""
+    _, words, axis = form
+    rows = word_rows(3 * 4 * words + 5, words)
+    assert rows == 4  # 3 rows and 5 bytes round up to 4 rows
+    arrays = tuple(jax.random.bits(jax.random.key(i), (rows, words), jnp.uint32)
+                   for i in range(2))
+    out = jax.jit(read_program(2, axis))(arrays)
+    for a, o in zip(arrays, out):
+        want = np.asarray(a).astype(np.uint64).sum(axis=axis) % (1 << 32)
+        np.testing.assert_array_equal(np.asarray(o).astype(np.uint64), want)
+    with pytest.raises(ValueError, match="nbytes"):
+        word_rows(0, words)
