@@ -58,8 +58,8 @@ Output: with one K split (and no offsets after the kernel) the program writes it
 transposed, straight into y [M, N]; x is not padded to whole row tiles either: TMA reads zeros
 past x's last row and drops the stores past y's (the one-warpgroup kernel, for fewer than 8
 rows or a multiple of 8; the padding and slice were XLA kernels of 1.2-1.9 us each at one row).
-With more splits, float32 partials [splits, N, MP] of x padded to MP rows, that one XLA fusion
-sums and transposes.
+With more splits, float32 partials [splits, N, MP] (MP: whole row tiles), that one XLA fusion
+sums, slices to M rows and transposes; x is not padded for them either (same rows).
 
 `instruction="mma"` (up to MAX_MMA_ROWS rows; not the dispatch's default: on the H200 it is
 within 5% of wgmma, docs/PERFORMANCE.md): the same pipeline and conversion, multiplied by the
@@ -438,13 +438,14 @@ def available() -> bool:
 
 
 def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
-                   cfg: WgmmaConfig, direct: bool, block_m: int):
-    """`_kernel` over xp [MP, K] and the codes [N, K] (with offsets [G, N]: added in the
+                   cfg: WgmmaConfig, direct: bool, block_m: int, out_rows: int):
+    """`_kernel` over xp [M, K] and the codes [N, K] (with offsets [G, N]: added in the
     kernel, `offsets_in_kernel`): the product [MP, N] bf16 when `direct`, else float32 partials
-    [splits, N, MP] (MP a multiple of block_m). With `direct`, MP may be fewer than 8 rows or
-    any multiple of 8: the last row tile's copies run past x and y, and TMA reads zeros there
-    and drops the stores."""
-    mp, k = xp.shape
+    [splits, N, MP] (MP = out_rows, a multiple of block_m for partials). xp may hold fewer rows
+    than MP when it has fewer than 8 or a multiple of 8: the last row tile's copies run past
+    x, and TMA reads zeros there; a direct MP may likewise be M itself, and TMA drops the
+    stores past y's rows."""
+    mp, k = out_rows, xp.shape[1]
     n = codes.shape[0]
     steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
     if "scatter" in _REMOVED:  # the probe: the same bytes as contiguous [BN, BK] blocks
@@ -511,10 +512,10 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
     in_kernel = offsets is not None and offsets_in_kernel(bits, groups, offsets.dtype, cfg)
     direct = cfg.direct and cfg.num_splits == 1 and (offsets is None or in_kernel)
-    # one warpgroup writing y itself: no padding of x nor slice of y (the bounds of the copies
-    # stand for them; Mosaic's 8-row TMA tiling takes fewer than 8 rows or whole multiples);
-    # else x padded to whole row tiles [MP, K]
-    ragged = direct and not cfg.consumers and (m < 8 or m % 8 == 0)
+    # one warpgroup: x not padded (TMA reads zeros past its rows; Mosaic's 8-row TMA tiling
+    # takes fewer than 8 rows or whole multiples), and a direct y not sliced (the stores past
+    # its rows are dropped); else x padded to whole row tiles [MP, K]
+    ragged = not cfg.consumers and (m < 8 or m % 8 == 0)
     xp = xk if ragged else jnp.pad(xk, ((0, mp - m), (0, 0)))
     if cfg.consumers and cfg.block_m and not direct:  # float32 output tiles: fewer stages fit
         stages = ws_stages(bits, block_m, cfg.consumers * cfg.block_n, cfg.block_k, out_bytes=4)
@@ -529,7 +530,8 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
                          group_size=group_size, cfg=cfg, block_m=block_m, direct=direct)
     else:
         out = _one_warpgroup(xp, codes, scales, offsets if in_kernel else None, bits=bits,
-                             group_size=group_size, cfg=cfg, direct=direct, block_m=block_m)
+                             group_size=group_size, cfg=cfg, direct=direct, block_m=block_m,
+                             out_rows=m if direct and ragged else mp)
     if direct:
         return out if ragged else out[:m]
     y = out.sum(axis=0)[:, :m].T  # [M, N] float32

@@ -412,27 +412,23 @@ def test_engine_sampling_distribution_matches_the_target(small_vocab_models, tem
     spec = SpecConfig("draft", num_speculative_tokens=2, max_batch=WAVE)
     params = [SamplingParams(max_tokens=4, ignore_eos=True, temperature=temperature,
                              top_p=top_p, seed=i) for i in range(NUM_REQUESTS)]
-    engines = {"speculative": LLMEngine(SMALL_VOCAB, target, None, engine_cfg, spec,
-                                        (SMALL_DRAFT, draft))}
-    for engine in engines.values():  # one compiled program per shape for all engines
-        engine.runner.share_programs(steps.setdefault("target", engine.runner))
-        if engine.draft is not None:
-            engine.draft.runner.share_programs(steps.setdefault("draft", engine.draft.runner))
+    engine = LLMEngine(SMALL_VOCAB, target, None, engine_cfg, spec, (SMALL_DRAFT, draft))
+    # one compiled program per shape across this test's parameters
+    engine.runner.share_programs(steps.setdefault("target", engine.runner))
+    engine.draft.runner.share_programs(steps.setdefault("draft", engine.draft.runner))
     v = SMALL_VOCAB.vocab_size
-    for name, engine in engines.items():
-        outs = np.asarray([o.output_ids[:3] for start in range(0, NUM_REQUESTS, WAVE)
-                           for o in engine.generate([PROMPT] * WAVE,
-                                                    params[start:start + WAVE])])
-        check_all_free(engine)
-        for label, samples, probs in (
-                ("t1", outs[:, 0], p1),
-                ("t2", outs[:, 1], joint.sum((0, 2))),
-                ("t3", outs[:, 2], joint.sum((0, 1))),
-                ("(t2, t3)", outs[:, 1] * v + outs[:, 2], joint.sum(0).reshape(-1))):
-            p_value = chi_square_p_value(samples, probs)
-            assert p_value > 1e-4, (name, label, p_value)
+    outs = np.asarray([o.output_ids[:3] for start in range(0, NUM_REQUESTS, WAVE)
+                       for o in engine.generate([PROMPT] * WAVE, params[start:start + WAVE])])
+    check_all_free(engine)
+    for label, samples, probs in (
+            ("t1", outs[:, 0], p1),
+            ("t2", outs[:, 1], joint.sum((0, 2))),
+            ("t3", outs[:, 2], joint.sum((0, 1))),
+            ("(t2, t3)", outs[:, 1] * v + outs[:, 2], joint.sum(0).reshape(-1))):
+        p_value = chi_square_p_value(samples, probs)
+        assert p_value > 1e-4, (label, p_value)
     # The draft disagrees with the target often enough to exercise acceptance and rejection.
-    stats_ = engines["speculative"].spec_stats
+    stats_ = engine.spec_stats
     check_stats_add_up(stats_)
     assert stats_.num_drafts >= NUM_REQUESTS
     assert 0.15 < stats_.acceptance_rate < 0.9, stats_.as_dict()
