@@ -29,7 +29,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   loaded (`noload`: a constant tile multiplies x; the pipeline and the wgmmas), and with no
   wgmma at all (`pipeline only`: the TMA copies and barrier waits, nothing else), and INT4 per
   channel in steps of 256 and 512 K (fewer steps per code); the rows' M shows how the tensor
-  work scales.
+  work scales. Per shape first `read_int4` / `read_int8` (M = 0): XLA reading the per-channel
+  codes' bytes and nothing else (scripts/read_floor.py), the floor a pipeline-only row is
+  measured against.
 - tiles: at each of `--tiles` (block_k/stages/block_n/splits, `-` for the dispatch's value,
   then block_m=R or consumers=C: 256/4/128/1/block_m=8, or -/2/-/-/block_m=8 for the
   dispatch's tiles with two stages in row tiles of 8), INT4 in groups of --group_size
@@ -67,6 +69,7 @@ from ops import quant_wgmma as qw
 from ops.quant_matmul import (int4_matmul, int4_matmul_reference, int8_matmul,
                               int8_matmul_reference)
 from scripts import decode_profile
+from scripts.read_floor import read_floor
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["check", "table"], "check, table, sweep, bounds, tiles, run")
@@ -278,6 +281,24 @@ def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES) -> list[dict]:
     return rows
 
 
+def read_rows(k: int, n: int, bits_list: list[int]) -> list[dict]:
+    """`bounds`: XLA reading the bytes of per-channel INT4 / INT8 codes and scales and nothing
+    else (scripts/read_floor.py; rows `read_int4` / `read_int8`, M = 0), to set beside the
+    `pipeline only` probes on the same machine."""
+    def time_fn(prog, args):  # the device's time per read where the profiler has one
+        dev = decode_profile.device_time_per_call(prog, args, FLAGS.calls, FLAGS.queue)
+        return {"us": dev["dev_us"], **dev} if "dev_us" in dev else {}
+    rows = []
+    for bits in bits_list:
+        row = dict(mode="time", bits=bits, M=0, K=k, N=n, group=k)
+        try:
+            row |= read_floor(f"int{bits}", k * n * bits // 8 + 2 * n, FLAGS.calls, time_fn)
+        except RuntimeError as e:  # no device times here (a CPU)
+            row |= {"impl": f"read_int{bits}", "error": str(e)}
+        rows.append(row)
+    return rows
+
+
 def report(row: dict, bf16_us: dict) -> None:
     key = (row["K"], row["N"], row["M"])
     if "error" in row or "dev_error" in row:
@@ -385,6 +406,10 @@ def main(_):
         if mode not in FLAGS.modes:
             continue
         for k, n in shapes:
+            if mode == "bounds":
+                for row in read_rows(k, n, bits_list):
+                    rows.append(row)
+                    report(row, bf16_us)
             for m in ms:
                 rows.append(time_product("bf16", 16, k, n, m))
                 report(rows[-1], bf16_us)

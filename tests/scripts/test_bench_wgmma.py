@@ -62,7 +62,11 @@ def test_bench_wgmma_on_the_cpu(tmp_path):
     assert all("needs a Hopper GPU" in r["dev_error"] for r in times[1:]
                if r["impl"] != "xla")
     assert all("no device events" in r["dev_error"] for r in times if r["impl"] == "xla")
-    # bounds: a bf16 row, then the kernel as it is and with parts taken out
+    # bounds: per shape XLA's read of the per-channel codes' bytes (no device times here),
+    # then per M a bf16 row, then the kernel as it is and with parts taken out
+    reads = [r for r in rows if r.get("impl", "").startswith("read_")]
+    assert [(r["impl"], r["M"]) for r in reads] == [("read_int4", 0), ("read_int8", 0)]
+    assert all("no reduction form ran" in r["error"] for r in reads)
     assert [(r["probe"], r["bits"], r["group"]) for r in probes] == [
         ("int4 grouped", 4, 128), ("int4 per channel", 4, 768),
         ("int4 per channel, noconvert", 4, 768), ("int4 per channel, noload", 4, 768),
