@@ -55,6 +55,7 @@ from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
 from scripts import decode_profile, timing
+from scripts.matmul_report import report, summary_table
 from scripts.read_floor import read_floor
 
 FLAGS = flags.FLAGS
@@ -390,63 +391,6 @@ def bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib) -> dict:
         row["error"] = "n/a: " + row["error"]
     report(row, calib)
     return row
-
-
-def report(row: dict, calib: dict) -> None:
-    if "error" in row:
-        print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<5} {row['impl']:<16} {row['error']}")
-        return
-    frac = row["TBps"] / calib["copy_TBps"] if calib else float("nan")
-    row["frac_copy"] = frac
-    dev = (f" | dev {row['dev_us']:7.1f} us x{row.get('dev_speedup', 1.0):5.2f}"
-           if "dev_us" in row else "")
-    print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<5} {row['impl']:<16} {row['us']:9.1f} us "
-          f"{row['TBps']:5.2f} TB/s ({frac:4.0%} of copy) x{row.get('speedup', float('nan')):5.2f}"
-          f"{dev}  {row.get('config', '') or row.get('via', '')}")
-
-
-def product_us(row: dict | None) -> float | None:
-    """The row's time per product: the device's (--device_times) where it has one, else the
-    wall clock's; None for a missing or failed row."""
-    if row is None or "error" in row:
-        return None
-    return row.get("dev_us", row["us"])
-
-
-def summary_table(rows: list[dict], calib: dict) -> str:
-    """Markdown: per shape and M the bf16 peer (with the bf16 weight's copy floor), INT4 and
-    INT8 in the model's layout (`int*_nk`; the [K, N] dispatch where those did not run): time,
-    TB/s of weight bytes and speedup over the peer, the Mosaic GPU int8 peer, and with
-    --read_floor each form's read floor and the peer's time over it (the speedup bound)."""
-    def fmt(row, peer_us):
-        us = product_us(row)
-        if us is None:
-            return "- | - | -"
-        tbps = row["TBps"] * row["us"] / us  # the same bytes over this time
-        frac = f" ({tbps / calib['copy_TBps']:.0%})" if calib else ""
-        return f"{us:.1f} | {tbps:.2f}{frac} | {peer_us / us:.2f}x"
-    reads = [b for b in (4, 8) if any(r["impl"] == f"read_int{b}" for r in rows)]
-    lines = ["| K x N | M | bf16 us (floor) | INT4 us | INT4 TB/s (% copy) | INT4 x bf16 | "
-             "INT8 us | INT8 TB/s (% copy) | INT8 x bf16 | Mosaic int8 us (x bf16) |"
-             + "".join(f" INT{b} read us (bound) |" for b in reads),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(reads)]
-    by_key = {(r["K"], r["N"], r["M"], r["impl"]): r for r in rows}
-    for k, n, m in dict.fromkeys((r["K"], r["N"], r["M"]) for r in rows if r["M"]):
-        peer_us = product_us(by_key.get((k, n, m, "xla_bf16")))
-        if peer_us is None:
-            continue
-        floor = f" ({2 * k * n / calib['copy_TBps'] / 1e6:.1f})" if calib else ""
-        cells = [f"{k}x{n}", str(m), f"{peer_us:.1f}{floor}"]
-        for bits in (4, 8):
-            row = by_key.get((k, n, m, f"int{bits}_nk")) or by_key.get((k, n, m, f"int{bits}"))
-            cells.append(fmt(row, peer_us))
-        mgpu_us = product_us(by_key.get((k, n, m, "mgpu_int8_peer")))
-        cells.append("-" if mgpu_us is None else f"{mgpu_us:.1f} ({peer_us / mgpu_us:.2f}x)")
-        for bits in reads:
-            read_us = product_us(by_key.get((k, n, 0, f"read_int{bits}")))
-            cells.append("-" if read_us is None else f"{read_us:.1f} ({peer_us / read_us:.2f}x)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:
