@@ -12,9 +12,9 @@ times that denominator the way bench_matmul times its products: XLA's sum of a u
 exactly the weight's bytes (codes, scales, offsets), `calls` distinct arrays per jitted program,
 each reduced on its own; several reduction forms, the fastest kept. On an H200 XLA's reductions
 read large arrays at 4.3-4.6 TB/s (docs/PERFORMANCE.md, thirtieth session), at or above the
-copy rate, so this is a floor a product kernel could approach, not
-one it must stay above: a kernel that reads better than XLA's reduction could beat it, which is
-why bench_matmul prints it beside the products instead of asserting anything with it.
+copy rate, so this is a floor a product kernel could approach, not one it must stay above: a
+kernel that reads better than XLA's reduction could beat it, which is why bench_matmul prints
+it beside the products instead of asserting anything with it.
 """
 from __future__ import annotations
 
