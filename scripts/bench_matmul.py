@@ -169,11 +169,11 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
     model's layout (`bench_nk`, up to --nk_max_m rows)."""
     rows = []
     calls = FLAGS.calls
+    if FLAGS.read_floor:  # before the peer's weights exist: one set of arrays at a time
+        rows += bench_read_floors(k, n, calib)
     bf16_sets = num_sets(2 * k * n)
     wb = tuple(jax.random.normal(jax.random.key(100 + i), (k, n), jnp.bfloat16)
                for i in range(bf16_sets))
-    if FLAGS.read_floor:
-        rows += bench_read_floors(k, n, calib)
     for m in ms:
         xs = tuple(jax.random.normal(jax.random.key(1000 * m + c), (m, k), jnp.bfloat16)
                    for c in range(calls))
