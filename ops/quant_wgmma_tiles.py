@@ -37,6 +37,7 @@ class WgmmaConfig:
     direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
+    chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
 
 
@@ -77,8 +78,8 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-3
     consumers, wgmma and the inline conversion; a case with four did not finish within 40 s on
     the H200, cause unknown), K of whole steps (block_k of `config`, default `wgmma_config`'s)
-    for every split, and per-channel scales, groups of whole steps or (one warpgroup with wgmma)
-    steps of whole groups of at least MIN_GROUP_PART positions (`group_parts`)."""
+    for every split, and per-channel scales, groups of whole steps or (wgmma) steps of whole
+    groups of at least MIN_GROUP_PART positions (`group_parts`)."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
@@ -98,7 +99,7 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     grouped = -(-k // group_size) > 1
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
-                    and not cfg.consumers and cfg.instruction == "wgmma")
+                    and cfg.instruction == "wgmma")
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
             and cfg.block_k >= MIN_BLOCK_K and k % (cfg.block_k * cfg.num_splits) == 0
             and (not grouped or group_size % cfg.block_k == 0 or whole_groups))
@@ -191,8 +192,9 @@ def k_splits(programs: int, steps: int, want: int) -> int:
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
               consumers: int = 2, block_m: int | None = None) -> WgmmaConfig:
     """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
-    swept: `wgmma_config`'s step (within one group), 64 columns per consumer, and the fewest K
-    splits (each at least two steps) that give every SM at least two units. Past MAX_ROWS rows,
+    swept: `wgmma_config`'s step (INT4: 256 positions, spanning groups), 64 columns per
+    consumer, and the fewest K splits (each at least two steps) that give every SM at least
+    two units. Past MAX_ROWS rows,
     `row_tile_config`'s row tiles in steps of 64 K, the most stages (up to 4) whose shared
     memory fits an SM (WS_SMEM_BYTES), and the splits that give MIN_WS_ROW_TILE_UNITS units
     (`block_m` overrides the row tile's height)."""
@@ -204,8 +206,7 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
                            block_m=block_m, consumers=consumers,
                            num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
                                                MIN_WS_ROW_TILE_UNITS))
-    # within one group: this kernel's steps do not span groups
-    block_k = step_in_group(wgmma_config(bits, m, k, n, group_size).block_k, k, group_size)
+    block_k = wgmma_config(bits, m, k, n, group_size).block_k  # INT4: steps spanning groups
     steps = max(1, k // block_k)
     splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
     return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, num_splits=splits,

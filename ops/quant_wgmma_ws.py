@@ -44,10 +44,11 @@ MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (the rest go
 
 
 def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
-               steps: int, block_n: int, block_k: int, group_steps: int, stages: int,
-               block_m: int, consumers: int, splits: int, row_tiles: int, units: int,
-               direct: bool):
-    # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N];
+               steps: int, block_n: int, block_k: int, group_steps: int, group_count: int,
+               stages: int, block_m: int, consumers: int, splits: int, row_tiles: int,
+               units: int, direct: bool, chained: bool):
+    # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N]
+    # (a step lies in one group, group_steps steps each, or spans group_count whole groups);
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
     # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split), else
     # [splits, N, MP] float32 partials; out_smem: each consumer's tile, [consumers, BM,
@@ -59,17 +60,18 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets:
     upcast, inline = qw._codes_to_bf16(bits, block_n, block_k, unsigned=offsets)
     tables = (s_gmem, o_gmem) if offsets else (s_gmem,) if grouped else ()  # per step
 
-    def get_pipeline(body, context, first):
+    def get_pipeline(body, context, first, state=None):
         specs = [plgpu.BlockSpec((cta_n, block_k), lambda k: (0, k),
                                  transforms=qw._swizzled(block_k, bits)),
                  plgpu.BlockSpec((block_m, block_k), lambda k: (0, k),
                                  transforms=qw._swizzled(block_k, 16))]
-        for _ in tables:  # this step's group scales (and offsets) of the tile's columns
-            specs.append(plgpu.BlockSpec((1, cta_n), lambda k: ((first + k) // group_steps, 0)))
+        for _ in tables:  # this step's groups' scales (and offsets) of the tile's columns
+            specs.append(plgpu.BlockSpec((group_count, cta_n),
+                                         lambda k: ((first + k) // group_steps, 0)))
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
             wg_axis="wg", num_compute_wgs=consumers, max_concurrent_steps=stages,
-            compute_context=context)
+            compute_context=context, pipeline_state=state)
 
     def views(nb, mb, split):  # a unit's slices of the inputs
         cols = pl.ds(nb * cta_n, cta_n)
@@ -87,6 +89,12 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets:
         def _unit(info):
             (u,) = info.index
             split, tile = u % splits, u // splits
+            state = None  # chained: the copies run on into the SM's next unit (no drain)
+            if chained:
+                last = info.local_index == info.num_local_steps - 1
+                state = jnp.where(info.local_index == 0, plgpu.PipelinePipeline.START,
+                                  jnp.where(last, plgpu.PipelinePipeline.STOP,
+                                            plgpu.PipelinePipeline.STEADY)).astype(jnp.int32)
             mb, nb = tile % row_tiles, tile // row_tiles
             rows = pl.ds(wg * block_n, block_n)  # this consumer's rows of the code tile
             out_cols = pl.ds(nb * cta_n + wg * block_n, block_n)
@@ -108,16 +116,29 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets:
             def body(_, w_smem, x_smem, *rest):
                 *s_smem, acc_ref = rest
                 w = inline(plgpu.load(w_smem.at[rows], layout=upcast))  # bf16 c - z (c: offsets)
-                if grouped:
-                    w = qw.group_scaled(w, s_smem[0].at[0, rows], plgpu.Layout.WGMMA,
-                                        s_smem[1].at[0, rows] if offsets else None)
-                plgpu.wgmma(acc_ref, w, x_smem.T)  # [block_n, BK] @ [BK, BM]
+                width = block_k // group_count
+                for j in range(group_count):  # each group part: [block_n, width] @ [width, BM]
+                    cols = slice(j * width, (j + 1) * width) if group_count > 1 else slice(None)
+                    part = w if group_count == 1 else w[:, cols]
+                    if grouped:
+                        part = qw.group_scaled(part, s_smem[0].at[j, rows], plgpu.Layout.WGMMA,
+                                               s_smem[1].at[j, rows] if offsets else None)
+                    plgpu.wgmma(acc_ref, part, x_smem.at[:, cols].T)
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            get_pipeline(body, context, split * steps)(*views(nb, mb, split),
-                                                       allocations=allocs)
+            get_pipeline(body, context, split * steps, state)(*views(nb, mb, split),
+                                                              allocations=allocs)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def ws_chained(cfg: qw.WgmmaConfig, units: int, steps: int) -> bool:
+    """Whether the units of one SM run as one chained pipeline (`cfg.chained`): the TMA
+    warpgroup fetches the next unit's first steps while the consumers finish, multiply and
+    store the last unit's (Pallas's pipeline states START / STEADY / STOP), instead of a
+    pipeline that fills and drains inside every unit. Needs whole rounds of stages per unit
+    and at least two units per SM (the grid shrinks to units / 2 SMs where there are fewer)."""
+    return cfg.chained and steps % cfg.stages == 0 and units >= 2
 
 
 def sm_count() -> int:
@@ -135,12 +156,16 @@ def ws_product(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
     n = codes.shape[0]
     row_tiles = mp // block_m
     units = n // (cfg.consumers * cfg.block_n) * row_tiles * cfg.num_splits
+    group_steps, group_count = qw.group_parts(k, group_size, cfg.block_k)
+    steps = k // cfg.block_k // cfg.num_splits
+    chained = ws_chained(cfg, units, steps)
+    programs = min(sm_count(), units // 2 if chained else units)
     kernel = functools.partial(
         _ws_kernel, bits=bits, grouped=scales.shape[0] > 1, offsets=offsets is not None,
-        steps=k // cfg.block_k // cfg.num_splits, block_n=cfg.block_n, block_k=cfg.block_k,
-        group_steps=max(1, group_size // cfg.block_k), stages=cfg.stages, block_m=block_m,
+        steps=steps, block_n=cfg.block_n, block_k=cfg.block_k,
+        group_steps=group_steps, group_count=group_count, stages=cfg.stages, block_m=block_m,
         consumers=cfg.consumers, splits=cfg.num_splits, row_tiles=row_tiles, units=units,
-        direct=direct)
+        direct=direct, chained=chained)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((cfg.consumers, block_m, cfg.block_n), jnp.bfloat16,
@@ -149,7 +174,7 @@ def ws_product(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
         tile = plgpu.SMEM((cfg.consumers, cfg.block_n, block_m), jnp.float32)
     return plgpu.kernel(
-        kernel, out_type=out_type, grid=(min(sm_count(), units),), grid_names=("sm",),
+        kernel, out_type=out_type, grid=(programs,), grid_names=("sm",),
         num_threads=cfg.consumers + 1, thread_name="wg", scratch_types=[tile],
         kernel_name=f"int{bits}_wgmma_ws")(xp, codes, scales,
                                            *(() if offsets is None else (offsets,)))

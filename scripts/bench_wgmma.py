@@ -80,6 +80,11 @@ flags.DEFINE_list("bits", ["4", "8"], "weight bits")
 flags.DEFINE_integer("group_size", 128, "INT4 group size (INT8 is per channel)")
 flags.DEFINE_integer("calls", 8, "products (distinct weight sets) per program")
 flags.DEFINE_integer("queue", 3, "programs queued in the traced run")
+WS_FORMS = ("ws", "ws3", "wsc", "ws3c")  # warp-specialized: 2 / 3 consumers, c: chained
+flags.DEFINE_list("forms", ["mma", "ws"], "table: the kernel's other forms timed after the "
+                  "dispatch's: mma, ws (two consumers; wg1 where the dispatch runs ws), ws3 "
+                  "(three consumers, where N is of 192 columns), wsc / ws3c (the same with "
+                  "each SM's units in one chained pipeline)")
 flags.DEFINE_bool("triton", False, "table: also time the Triton 'nk' path of the same codes")
 flags.DEFINE_bool("xla", False, "table: also time XLA's dequantize + dot of the same codes "
                   "(the path of other GPUs for many rows)")
@@ -144,8 +149,8 @@ def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
 def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                  group: int | None = None) -> dict:
     """Device microseconds per product of `name`: bf16 (XLA), wgmma (the kernel, `config` or the
-    dispatch's tiles), mma / ws / wg1 (its mma.sync, warp-specialized and one-warpgroup
-    row-tile forms), triton
+    dispatch's tiles), mma / ws / ws3 / wsc / ws3c / wg1 (its mma.sync, warp-specialized with
+    two or three consumers, unchained or chained, and one-warpgroup row-tile forms), triton
     (ops/quant_matmul.py's "nk" path) or xla (its dequantize + dot); `group` overrides
     `group_of`."""
     calls = FLAGS.calls
@@ -166,9 +171,11 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
             ws, ss = tuple(a[0] for a in sets), tuple(a[1:] for a in sets)  # (scales, offsets)
             nbytes = k * n * bits // 8 + 2 * ss[0][0].size * (2 if FLAGS.asymmetric else 1)
             row["asymmetric"] = FLAGS.asymmetric
-            if name in ("wgmma", "mma", "ws", "wg1"):
-                if name == "ws":  # the warp-specialized persistent kernel
-                    cfg = config or qw.ws_config(bits, m, k, n, group)
+            if name in ("wgmma", "mma", "wg1", *WS_FORMS):
+                if name in WS_FORMS:  # the warp-specialized persistent kernel
+                    cfg = config or qw.ws_config(bits, m, k, n, group,
+                                                 consumers=3 if "3" in name else 2)
+                    cfg = dataclasses.replace(cfg, chained=name.endswith("c"))
                 elif name == "wg1":  # one warpgroup per program in row tiles
                     cfg = config or qw.row_tile_config(m, k, n, group)
                 else:
@@ -226,7 +233,7 @@ TILE_PROBES = (  # `tiles` mode: (probe, bits, per channel, what is taken out) a
 
 
 TILE_FIELDS = ("block_k", "stages", "block_n", "num_splits")  # a tile's four numbers, in order
-EXTRA_TILE_FIELDS = ("block_m", "consumers")  # its name=value fields after them
+EXTRA_TILE_FIELDS = ("block_m", "consumers", "chained")  # its name=value fields after them
 
 
 def parse_tile(text: str) -> dict:
@@ -360,6 +367,8 @@ def main(_):
     ms = [int(m) for m in FLAGS.ms]
     bits_list = [int(b) for b in FLAGS.bits]
     rows, bf16_us = [], {}
+    if set(FLAGS.forms) - {"mma", *WS_FORMS}:
+        raise app.UsageError(f"--forms: {FLAGS.forms}, not among mma, {', '.join(WS_FORMS)}")
     unknown = sorted(set(FLAGS.run_removed) - set(qw.PROBE_PARTS))
     if unknown:
         raise app.UsageError(f"--run_removed: {unknown} not among {list(qw.PROBE_PARTS)}")
@@ -389,8 +398,12 @@ def main(_):
                         group = group_of(bits, k)  # `wg1` where the dispatch takes `ws`'s
                         form = ("wg1" if qw.wgmma_config(bits, m, k, n, group).consumers
                                 else "ws")
-                        others = (["mma"] if qw.padded_rows(m) <= qw.MAX_MMA_ROWS else []) + [
-                            form] + [peer for peer in ("triton", "xla") if FLAGS[peer].value]
+                        forms = {"mma": qw.padded_rows(m) <= qw.MAX_MMA_ROWS, "ws": True,
+                                 "wsc": True, "ws3": n % 192 == 0,  # 3 x 64 columns
+                                 "ws3c": n % 192 == 0}
+                        others = [form if name == "ws" else name for name in FLAGS.forms
+                                  if forms.get(name)] + [
+                            peer for peer in ("triton", "xla") if FLAGS[peer].value]
                         for name in others:
                             rows.append(time_product(name, bits, k, n, m))
                             report(rows[-1], bf16_us)

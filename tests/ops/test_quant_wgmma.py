@@ -103,7 +103,7 @@ def test_supports_and_config():
                            qw.WgmmaConfig(block_k=128))  # rows: more than one tile holds
     assert not qw.supports(4, 16, 4096, 4000, 128, jnp.bfloat16, jnp.bfloat16)  # N
     assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16)  # group < 64
-    # steps spanning whole groups (of at least 64): one warpgroup with wgmma only
+    # steps spanning whole groups (of at least 64): wgmma only (one warpgroup or several)
     span = qw.WgmmaConfig(block_k=256, block_n=128, stages=3)
     assert not qw.supports(4, 16, 4096, 4096, 32, jnp.bfloat16, jnp.bfloat16, span)
     for group in (64, 128):
@@ -111,9 +111,10 @@ def test_supports_and_config():
         assert qw.group_parts(4096, group, 256) == (1, 256 // group)
     assert qw.group_parts(4096, 256, 128) == (2, 1) and qw.group_parts(4096, 4096, 256) == (16, 1)
     assert not qw.supports(4, 16, 4096, 4096, 96, jnp.bfloat16, jnp.bfloat16, span)  # not whole
-    for other in (dataclasses.replace(span, instruction="mma"),
-                  dataclasses.replace(span, consumers=2, block_n=64)):
-        assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, other)
+    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
+                           dataclasses.replace(span, instruction="mma"))
+    assert qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
+                       dataclasses.replace(span, consumers=2, block_n=64))
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.float32)  # f32 groups
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.float32, jnp.bfloat16)  # x dtype
     cfg = qw.wgmma_config(4, 16, 4096, 4096, 128)  # 64 column blocks: 4 splits of 4 steps
@@ -143,6 +144,12 @@ def test_supports_and_config():
                                qw.WgmmaConfig(block_k=128, consumers=consumers))
     assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
+    from ops.quant_wgmma_ws import ws_chained
+    chained = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True)
+    assert ws_chained(chained, units=448, steps=16)
+    assert not ws_chained(chained, units=448, steps=14)  # not whole rounds of the 4 stages
+    assert not ws_chained(chained, units=1, steps=16)  # one unit: nothing to chain
+    assert not ws_chained(dataclasses.replace(chained, chained=False), units=448, steps=16)
     cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
     assert (cfg.consumers, cfg.block_n, cfg.num_splits) == (2, 64, 2)
     # past MAX_ROWS rows: row tiles (block_m), within wgmma's N and the accumulator's registers
@@ -221,12 +228,14 @@ def test_elsewhere_a_clear_error():
     (8, 512, "inline", "wgmma", 2, 16, 0), (4, 128, "inline", "wgmma", 0, 300, 128),
     (8, 512, "inline", "wgmma", 0, 200, 256), (4, 128, "inline", "wgmma", 2, 300, 128),
     (8, 512, "inline", "wgmma", 2, 200, 64), (4, 64, "inline", "wgmma", 0, 16, 0),
-    (4, 64, "inline", "wgmma", 0, 300, 128)])
+    (4, 64, "inline", "wgmma", 0, 300, 128), (4, 64, "inline", "wgmma", 2, 16, 0),
+    (8, 512, "inline", "wgmma", -2, 16, 0), (8, 512, "inline", "wgmma", -2, 200, 64)])
 def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m,
                             monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
     the pipeline are built in Python at this point (the Hopper check is told yes); with
-    block_m, row tiles over many activation rows."""
+    block_m, row tiles over many activation rows; consumers -2: two, chained."""
+    chained, consumers = consumers < 0, abs(consumers)
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
     k, n = 512, 128
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
@@ -236,7 +245,8 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     block_n = 128 if convert == "inline" and not consumers and block_m <= 128 else 64
     cfg = qw.WgmmaConfig(block_k=128, block_n=block_n,
                          num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
-                         instruction=instruction, consumers=consumers, block_m=block_m)
+                         instruction=instruction, consumers=consumers, block_m=block_m,
+                         chained=chained)
     fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
                                                  config=cfg))
     text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
@@ -438,6 +448,27 @@ def reference(bits, x, w):
                  qw.WgmmaConfig(block_k=256, block_n=128, stages=2), id="span-d"),
     pytest.param(4, 300, 4096, 4096, 64, False,
                  qw.WgmmaConfig(block_k=128, block_m=128, stages=3), id="span-rowtiles"),
+    pytest.param(4, 1, 4096, 28672, 128, True,  # warp-specialized, steps of two groups
+                 qw.WgmmaConfig(block_k=256, stages=4, consumers=2), id="span-ws-a"),
+    pytest.param(4, 16, 4096, 4096, 64, False,
+                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=3, consumers=2),
+                 id="span-ws-b"),
+    pytest.param(4, 5, 2048, 768, 128, True,
+                 qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=3),
+                 id="span-ws-c"),
+    # the warp-specialized kernel with each SM's units in one chained pipeline
+    pytest.param(4, 1, 4096, 28672, 128, True,
+                 qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True),
+                 id="chained-a"),
+    pytest.param(4, 3, 384, 576, 128, False,  # 3 units on one SM: START, STEADY, STOP
+                 qw.WgmmaConfig(block_k=128, stages=3, consumers=3, chained=True),
+                 id="chained-b"),
+    pytest.param(8, 16, 14336, 4096, 14336, True,
+                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=2, consumers=2,
+                                chained=True), id="chained-c"),
+    pytest.param(4, 1000, 4096, 4096, 128, True,
+                 qw.WgmmaConfig(block_k=64, block_m=256, stages=4, consumers=2, chained=True),
+                 id="chained-rowtiles"),
     # direct outputs of fewer rows than the tile: x unpadded, y unsliced (TMA's bounds)
     pytest.param(4, 1, 4096, 28672, 128, False, None, id="ragged-a"),
     pytest.param(8, 3, 4096, 28672, 4096, False, None, id="ragged-b"),
