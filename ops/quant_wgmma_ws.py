@@ -25,8 +25,18 @@ Measured on the H200: for decode (1 and 16 rows, twenty-first session) 12-35% sl
 one-warpgroup kernel, so the dispatch does not use it there; with row tiles of 256 rows
 (twenty-second session: two consumers of 64 columns share each x tile, halving the x bytes
 per product; 4 stages for INT4, 3 for INT8) 8-12% faster than the one-warpgroup row tiles at
-1024 rows, 0.72-0.97x XLA's bf16 product, and the dispatch's from LARGE_M_ROWS rows. Untried:
-chaining the units' pipelines (no drain between units).
+1024 rows, 0.72-0.97x XLA's bf16 product, and the dispatch's from LARGE_M_ROWS rows.
+
+Steps may span whole groups (INT4 decode's 256-K steps, `group_parts`), each part of the tile
+scaled by its own group as in the one-warpgroup kernel. `chained` (WgmmaConfig.chained,
+`ws_chained`): each SM's units run as one pipeline (Pallas's pipeline states START, STEADY,
+STOP), so the TMA warpgroup fetches the next unit's first steps while the consumers finish and
+store the last; where fewer than two units fall to each SM they run unchained.
+Measured on the H200 (thirty-first session, INT4 asymmetric g128, kernel us): 256-K steps
+left the form 14-25% slower than the one-warpgroup kernel at 1 and 16 rows; chained, gate/up
+28.3 -> 25.2 at one row (one-warpgroup 22.9), the lm head with three consumers 92.5 -> 86.3
+(81.2), down and q/k/v unchanged; at 1024 rows gate/up 309 -> 302, but o 46 -> 81 (128 units
+on 64 SMs: the rule that now runs it unchained). So neither is the dispatch's.
 """
 from __future__ import annotations
 
@@ -132,13 +142,15 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def ws_chained(cfg: qw.WgmmaConfig, units: int, steps: int) -> bool:
-    """Whether the units of one SM run as one chained pipeline (`cfg.chained`): the TMA
-    warpgroup fetches the next unit's first steps while the consumers finish, multiply and
-    store the last unit's (Pallas's pipeline states START / STEADY / STOP), instead of a
+def ws_chained(cfg: qw.WgmmaConfig, units: int, steps: int, sms: int) -> bool:
+    """Whether the units of each of `sms` SMs run as one chained pipeline (`cfg.chained`):
+    the TMA warpgroup fetches the next unit's first steps while the consumers finish, multiply
+    and store the last unit's (Pallas's pipeline states START / STEADY / STOP), instead of a
     pipeline that fills and drains inside every unit. Needs whole rounds of stages per unit
-    and at least two units per SM (the grid shrinks to units / 2 SMs where there are fewer)."""
-    return cfg.chained and steps % cfg.stages == 0 and units >= 2
+    and at least two units on every SM (a state cannot be both START and STOP; where fewer,
+    the units run unchained on all SMs rather than chained on half of them: o at 1024 rows,
+    128 units, took 81 us chained on 64 SMs against 46 us unchained)."""
+    return cfg.chained and steps % cfg.stages == 0 and units >= 2 * sms
 
 
 def sm_count() -> int:
@@ -158,8 +170,7 @@ def ws_product(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
     units = n // (cfg.consumers * cfg.block_n) * row_tiles * cfg.num_splits
     group_steps, group_count = qw.group_parts(k, group_size, cfg.block_k)
     steps = k // cfg.block_k // cfg.num_splits
-    chained = ws_chained(cfg, units, steps)
-    programs = min(sm_count(), units // 2 if chained else units)
+    chained = ws_chained(cfg, units, steps, sm_count())
     kernel = functools.partial(
         _ws_kernel, bits=bits, grouped=scales.shape[0] > 1, offsets=offsets is not None,
         steps=steps, block_n=cfg.block_n, block_k=cfg.block_k,
@@ -174,7 +185,7 @@ def ws_product(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
         tile = plgpu.SMEM((cfg.consumers, cfg.block_n, block_m), jnp.float32)
     return plgpu.kernel(
-        kernel, out_type=out_type, grid=(programs,), grid_names=("sm",),
+        kernel, out_type=out_type, grid=(min(sm_count(), units),), grid_names=("sm",),
         num_threads=cfg.consumers + 1, thread_name="wg", scratch_types=[tile],
         kernel_name=f"int{bits}_wgmma_ws")(xp, codes, scales,
                                            *(() if offsets is None else (offsets,)))

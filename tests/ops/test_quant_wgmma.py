@@ -146,10 +146,12 @@ def test_supports_and_config():
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
     from ops.quant_wgmma_ws import ws_chained
     chained = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True)
-    assert ws_chained(chained, units=448, steps=16)
-    assert not ws_chained(chained, units=448, steps=14)  # not whole rounds of the 4 stages
-    assert not ws_chained(chained, units=1, steps=16)  # one unit: nothing to chain
-    assert not ws_chained(dataclasses.replace(chained, chained=False), units=448, steps=16)
+    assert ws_chained(chained, units=448, steps=16, sms=132)
+    assert not ws_chained(chained, units=448, steps=14, sms=132)  # not whole rounds of stages
+    assert not ws_chained(chained, units=200, steps=16, sms=132)  # SMs with one unit
+    assert ws_chained(chained, units=3, steps=16, sms=1)
+    assert not ws_chained(dataclasses.replace(chained, chained=False), units=448, steps=16,
+                          sms=132)
     cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
     assert (cfg.consumers, cfg.block_n, cfg.num_splits) == (2, 64, 2)
     # past MAX_ROWS rows: row tiles (block_m), within wgmma's N and the accumulator's registers
@@ -456,19 +458,14 @@ def reference(bits, x, w):
     pytest.param(4, 5, 2048, 768, 128, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=3),
                  id="span-ws-c"),
-    # the warp-specialized kernel with each SM's units in one chained pipeline
+    # the warp-specialized kernel with each SM's units in one chained pipeline (at least two
+    # units on every SM: 448 and 264 units; fewer SMs in test_chained_on_few_sms)
     pytest.param(4, 1, 4096, 28672, 128, True,
-                 qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True),
+                 qw.WgmmaConfig(block_k=256, num_splits=2, stages=4, consumers=2, chained=True),
                  id="chained-a"),
-    pytest.param(4, 3, 384, 576, 128, False,  # 3 units on one SM: START, STEADY, STOP
-                 qw.WgmmaConfig(block_k=128, stages=3, consumers=3, chained=True),
-                 id="chained-b"),
-    pytest.param(8, 16, 14336, 4096, 14336, True,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=2, consumers=2,
-                                chained=True), id="chained-c"),
-    pytest.param(4, 1000, 4096, 4096, 128, True,
-                 qw.WgmmaConfig(block_k=64, block_m=256, stages=4, consumers=2, chained=True),
-                 id="chained-rowtiles"),
+    pytest.param(8, 16, 4096, 16896, 4096, True,
+                 qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=2,
+                                chained=True), id="chained-b"),
     # direct outputs of fewer rows than the tile: x unpadded, y unsliced (TMA's bounds)
     pytest.param(4, 1, 4096, 28672, 128, False, None, id="ragged-a"),
     pytest.param(8, 3, 4096, 28672, 4096, False, None, id="ragged-b"),
@@ -483,6 +480,26 @@ def reference(bits, x, w):
     pytest.param(4, 64, 4096, 4096, 64, True, None, id="offsets-d"),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
+    check_kernel(bits, m, k, n, group, asymmetric, config)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (wgmma)")
+@pytest.mark.parametrize("sms,bits,m,k,n,group,asymmetric,config", [
+    (1, 4, 3, 384, 576, 128, False,  # 3 units on one SM: START, STEADY, STOP
+     qw.WgmmaConfig(block_k=128, stages=3, consumers=3, chained=True)),
+    (2, 4, 1000, 4096, 4096, 128, True,  # row tiles, offsets: 64 units an SM
+     qw.WgmmaConfig(block_k=64, block_m=256, stages=4, consumers=2, chained=True)),
+    (2, 8, 16, 14336, 4096, 14336, True,  # K splits, per channel
+     qw.WgmmaConfig(block_k=128, num_splits=8, stages=2, consumers=2, chained=True))])
+def test_chained_on_few_sms(sms, bits, m, k, n, group, asymmetric, config, monkeypatch):
+    """Chained pipelines over many units per SM (the persistent grid cut to `sms`)."""
+    from ops import quant_wgmma_ws
+    monkeypatch.setattr(quant_wgmma_ws, "sm_count", lambda: sms)
+    check_kernel(bits, m, k, n, group, asymmetric, config)
+
+
+def check_kernel(bits, m, k, n, group, asymmetric, config):
+    """wgmma_matmul against the reference on fresh random codes."""
     w, x = random_case(bits, m, k, n, group, asymmetric, seed=m + k + n)
     out = qw.wgmma_matmul(x, w.packed.T, w.scales, w.offsets, bits=bits, group_size=group,
                           config=config)
