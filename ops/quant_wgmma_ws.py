@@ -33,7 +33,7 @@ scaled by its own group as in the one-warpgroup kernel. `chained` (WgmmaConfig.c
 STOP), so the TMA warpgroup fetches the next unit's first steps while the consumers finish and
 store the last; where fewer than two units fall to each SM they run unchained.
 Measured on the H200 (thirty-first session, INT4 asymmetric g128, kernel us): 256-K steps
-left the form 14-25% slower than the one-warpgroup kernel at 1 and 16 rows; chained, gate/up
+left the form 15-46% slower than the one-warpgroup kernel at 1 and 16 rows; chained, gate/up
 28.3 -> 25.2 at one row (one-warpgroup 22.9), the lm head with three consumers 92.5 -> 86.3
 (81.2), down and q/k/v unchanged; at 1024 rows gate/up 309 -> 302, but o 46 -> 81 (128 units
 on 64 SMs: the rule that now runs it unchained). So neither is the dispatch's.
