@@ -38,6 +38,7 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
+    x_resident: bool = False  # one warpgroup, wgmma: x's K range copied once, not every step
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
 
 
@@ -97,6 +98,10 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
                               and cfg.convert == "inline"):
         return False
+    if cfg.x_resident and (cfg.consumers or cfg.instruction != "wgmma" or smem_bytes(
+            bits, row_tiling(m, cfg)[0], cfg.block_k, cfg.block_n, cfg.stages)
+            + 2 * row_tiling(m, cfg)[0] * k // cfg.num_splits > WS_SMEM_BYTES):
+        return False  # x's whole K range must fit beside the stages
     grouped = -(-k // group_size) > 1
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
                     and cfg.instruction == "wgmma")
@@ -117,7 +122,8 @@ def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
     """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md, nineteenth and twenty-third
     sessions): INT4 up to WIDE_STEP_ROWS rows in steps of 256 positions (spanning groups of
-    64 or 128) with 4 stages, K splits up to about 256 programs; else steps of 128 INT4
+    64 or 128) with 4 stages (2 up to 8 rows without a K split: thirty-first session), K
+    splits up to about 256 programs; else steps of 128 INT4
     positions (capped by the group) with 3 stages, or 256 INT8 positions with 2, K splits up to
     about 384 (INT4) or 256 (INT8) programs; each split at least two steps, and 128-column
     programs where that still gives about 200 programs without a split (gate/up, the lm head),
@@ -128,7 +134,10 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     programs = max(1, n // block_n)
     if bits == 4 and padded_rows(m) <= WIDE_STEP_ROWS:  # 256-K steps, where the kernel takes them
         splits = 1 if programs >= 200 else k_splits(programs, k // 256, 256)
-        wide = WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=4)
+        # up to 8 rows without a split (gate/up, the lm head) two stages stream faster than
+        # four: the lm head 75.8 against 81.2 us, gate/up 22.4 against 22.8 (16 rows: equal)
+        stages = 2 if splits == 1 and padded_rows(m) == 8 else 4
+        wide = WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=stages)
         if supports(bits, m, k, n, group_size, jnp.bfloat16, jnp.bfloat16, wide):
             return wide
     block_k = step_in_group(128 if bits == 4 else 256, k, group_size)
