@@ -334,7 +334,7 @@ def stored_k_positions(bits: int, k: int, k_order: str) -> np.ndarray | None:
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
-            instruction: str, x_resident: bool = False):
+            instruction: str):
     # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
     # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
@@ -376,12 +376,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
         cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
         return [(scaled(w[:, c], s_smem, j), c) for j, c in enumerate(cols)]
 
-    def compute(acc_ref, x_all=None):  # x_all: x_resident, this program's x [BM, steps BK]
-        def step(idx, w_smem, *rest):
-            if x_all is None:
-                x_smem, *s_smem = rest
-            else:  # the step's columns of the resident x
-                x_smem, s_smem = x_all.at[:, pl.ds(idx[0] * block_k, block_k)], rest
+    def compute(acc_ref):
+        def step(_, w_smem, x_smem, *s_smem):
             if "product" in _REMOVED:  # the probe: the pipeline alone
                 return
             for w, cols in parts(w_smem, s_smem):  # [BN, width] @ [width, BM]
@@ -407,8 +403,6 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
                         transforms=_swizzled(block_k, 16)),
     ]
     args = [w_gmem, x_gmem]
-    if x_resident:  # x copied once per program (below), not with every step's codes
-        in_specs, args = in_specs[:1], args[:1]
     if grouped:  # the step's groups' rows of the scales (and offsets)
         for ref in (s_gmem, o_gmem) if offsets else (s_gmem,):
             in_specs.append(plgpu.BlockSpec((group_count, block_n),
@@ -420,19 +414,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
                                   plgpu.Layout.WGMMA)
         acc = plgpu.emit_pipeline(mma_step, grid=(steps,), in_specs=in_specs,
                                   max_concurrent_steps=stages, init_carry=zeros)(*args)
-    elif not x_resident:
-        acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
     else:
-        def resident(x_all, barrier):  # x [BM, steps BK] in shared memory for the whole K range
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(mb * block_m, block_m),
-                                              pl.ds(first * block_k, steps * block_k)],
-                                    x_all, barrier)
-            plgpu.barrier_wait(barrier)
-            return pl.run_scoped(lambda acc_ref: compute(acc_ref, x_all),
-                                 plgpu.ACC((block_n, block_m), jnp.float32))
-        acc = pl.run_scoped(resident, plgpu.SMEM((block_m, steps * block_k), jnp.bfloat16,
-                                                 transforms=_swizzled(block_k, 16)),
-                            plgpu.Barrier(num_arrivals=1))
+        acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
     cols = pl.ds(nb * block_n, block_n)
     rows = pl.ds(mb * block_m, block_m)
     if not grouped:  # per-channel scales, once per output
@@ -472,8 +455,7 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
-        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction,
-        x_resident=cfg.x_resident)
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,

@@ -38,7 +38,6 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
-    x_resident: bool = False  # one warpgroup, wgmma: x's K range copied once, not every step
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
 
 
@@ -98,10 +97,6 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
                               and cfg.convert == "inline"):
         return False
-    if cfg.x_resident and (cfg.consumers or cfg.instruction != "wgmma" or smem_bytes(
-            bits, row_tiling(m, cfg)[0], cfg.block_k, cfg.block_n, cfg.stages)
-            + 2 * row_tiling(m, cfg)[0] * k // cfg.num_splits > WS_SMEM_BYTES):
-        return False  # x's whole K range must fit beside the stages
     grouped = -(-k // group_size) > 1
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
                     and cfg.instruction == "wgmma")

@@ -148,12 +148,6 @@ def test_supports_and_config():
                                qw.WgmmaConfig(block_k=128, consumers=consumers))
     assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
-    resident = qw.WgmmaConfig(block_k=256, block_n=128, stages=2, x_resident=True)
-    assert qw.supports(4, 1, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, resident)
-    assert not qw.supports(4, 64, 14336, 4096, 128, jnp.bfloat16, jnp.bfloat16,
-                           resident)  # x's 64 x 14336 does not fit beside the stages
-    assert not qw.supports(4, 1, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16,
-                           dataclasses.replace(resident, consumers=2, block_n=64))
     from ops.quant_wgmma_ws import ws_chained
     chained = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True)
     assert ws_chained(chained, units=448, steps=16, sms=132)
@@ -275,9 +269,7 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     (3, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2), False, True),  # float32 partials
     (16, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2), False, False),  # whole tiles
     (12, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2), True, True),
-    (3, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2, consumers=2), True, True),
-    (1, qw.WgmmaConfig(block_k=128, stages=2, x_resident=True), False, False),  # x once
-    (5, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2, x_resident=True), False, True)])
+    (3, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2, consumers=2), True, True)])
 def test_direct_outputs_need_no_padding(m, config, padded, sliced, monkeypatch):
     """Fewer than 8 rows or a multiple of 8 lower without XLA's pad of x (the copies' bounds
     stand for it), and a direct output without the slice of y too; float32 partials keep
@@ -470,15 +462,6 @@ def reference(bits, x, w):
     pytest.param(4, 5, 2048, 768, 128, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=3),
                  id="span-ws-c"),
-    # x's K range copied once per program, not with every step's codes
-    pytest.param(4, 1, 4096, 28672, 128, True,
-                 qw.WgmmaConfig(block_k=256, block_n=128, stages=2, x_resident=True),
-                 id="resident-a"),
-    pytest.param(4, 3, 14336, 4096, 128, True,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=2, x_resident=True),
-                 id="resident-b"),
-    pytest.param(8, 8, 4096, 4096, 4096, False,
-                 qw.WgmmaConfig(block_k=256, stages=2, x_resident=True), id="resident-c"),
     # the warp-specialized kernel with each SM's units in one chained pipeline (at least two
     # units on every SM: 448 and 264 units; fewer SMs in test_chained_on_few_sms)
     pytest.param(4, 1, 4096, 28672, 128, True,
