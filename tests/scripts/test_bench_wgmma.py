@@ -121,15 +121,16 @@ def test_bench_wgmma_tiles_change_the_dispatch_tiles(tmp_path):
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_wgmma", "--modes=tiles", "--bits=4",
-         "--tiles=-/-/-/-,-/2/-/-/block_m=8", "--tile_probes=int4 grouped",
+         "--tiles=-/-/-/-,-/3/-/-/block_m=8", "--tile_probes=int4 grouped",
          "--shapes=768x512", "--ms=2", "--calls=1", "--queue=1", f"--json_out={out}"],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     tiles = [r for r in json.loads(out.read_text())["rows"] if "probe" in r]
     assert [r["probe"] for r in tiles] == ["int4 grouped -/-/-/-",
-                                           "int4 grouped -/2/-/-/block_m=8"]
-    assert "stages=4" in tiles[0]["config"] and "block_m=0" in tiles[0]["config"]
-    assert "stages=2" in tiles[1]["config"] and "block_m=8" in tiles[1]["config"]
+                                           "int4 grouped -/3/-/-/block_m=8"]
+    # the dispatch's at 2 rows without a K split: two stages
+    assert "stages=2" in tiles[0]["config"] and "block_m=0" in tiles[0]["config"]
+    assert "stages=3" in tiles[1]["config"] and "block_m=8" in tiles[1]["config"]
     assert all("needs a Hopper GPU" in r["dev_error"] for r in tiles)
     for bad, flag in (("--tiles=256/4/128", "--tiles"), ("--tiles=-/-/-/-/lanes=2", "--tiles"),
                       ("--tile_probes=int4 fast", "--tile_probes")):
