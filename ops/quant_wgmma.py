@@ -79,16 +79,6 @@ tile. The dispatch's from LARGE_M_ROWS rows (256-row tiles, two consumers: at 10
 0.72-0.97x XLA's bf16 product on the H200, 8-12% faster than one-warpgroup row tiles); not for
 decode (12-35% slower than this kernel at 1 and 16 rows).
 
-`pdl=True` (one warpgroup; not the dispatch's default, not yet measured): programmatic
-dependent launch. The kernel prefetches its first `stages` code tiles into L2 (TMA prefetch),
-then waits for the grid ahead (`griddepcontrol.wait`) before its pipeline reads x, and lets
-the next grid launch once its products are done (`griddepcontrol.launch_dependents`), so that
-a product's start (launch, barriers, the first tiles' DRAM latency) can overlap the kernel
-ahead's end: the fixed cost the read floors show (thirtieth session: 1.5-2.3 us a product).
-Safe because a decode step's codes are no kernel's output, and L2 is where every write lands.
-Mosaic GPU marks the module `uses_pdl`; XLA launches it so where its PDL flags are on
-(`--xla_gpu_enable_pdl`).
-
 The configuration (`WgmmaConfig`), the rule of what the kernels take (`supports`) and the tile
 choices (`wgmma_config`, `large_m_config`, `row_tile_config`, `ws_config`, the sweep's) are in
 ops/quant_wgmma_tiles.py, pure Python over shapes.
@@ -344,7 +334,7 @@ def stored_k_positions(bits: int, k: int, k_order: str) -> np.ndarray | None:
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
-            instruction: str, pdl: bool = False):
+            instruction: str):
     # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
     # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
@@ -418,11 +408,6 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
             in_specs.append(plgpu.BlockSpec((group_count, block_n),
                                             lambda k: ((first + k) // group_steps, nb)))
             args.append(ref)
-    if pdl:  # launched before the kernel ahead ends: its first code tiles into L2 meanwhile
-        for j in range(min(stages, steps)):  # (the codes are no kernel's output in a step)
-            plgpu.async_prefetch(w_gmem.at[pl.ds(nb * block_n, block_n),
-                                           pl.ds((first + j) * block_k, block_k)])
-        plgpu.griddepcontrol_wait()  # x (the kernel ahead's output) is complete from here on
     if instruction == "mma":
         rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
         zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
@@ -431,8 +416,6 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
                                   max_concurrent_steps=stages, init_carry=zeros)(*args)
     else:
         acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
-    if pdl:  # the next kernel may launch now and prefetch while this one stores
-        plgpu.griddepcontrol_launch_dependents()
     cols = pl.ds(nb * block_n, block_n)
     rows = pl.ds(mb * block_m, block_m)
     if not grouped:  # per-channel scales, once per output
@@ -472,8 +455,7 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
-        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction,
-        pdl=cfg.pdl)
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,

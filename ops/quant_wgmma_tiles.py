@@ -38,7 +38,6 @@ class WgmmaConfig:
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
-    pdl: bool = False  # one warpgroup: programmatic dependent launch (quant_wgmma's _kernel)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
 
 
@@ -96,7 +95,7 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
         return False
     if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
-                              and cfg.convert == "inline" and not cfg.pdl):
+                              and cfg.convert == "inline"):
         return False
     grouped = -(-k // group_size) > 1
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART

@@ -148,10 +148,6 @@ def test_supports_and_config():
                                qw.WgmmaConfig(block_k=128, consumers=consumers))
     assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
-    pdl = qw.WgmmaConfig(block_k=256, block_n=128, stages=2, pdl=True)
-    assert qw.supports(4, 1, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, pdl)
-    assert not qw.supports(4, 1, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16,
-                           dataclasses.replace(pdl, consumers=2, block_n=64))  # one warpgroup
     from ops.quant_wgmma_ws import ws_chained
     chained = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True)
     assert ws_chained(chained, units=448, steps=16, sms=132)
@@ -263,23 +259,6 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     assert "mosaic_gpu" in text
     assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
     assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("pdl", [False, True])
-def test_programmatic_dependent_launch_is_marked(pdl, monkeypatch):
-    """WgmmaConfig.pdl: the kernel waits for the grid ahead (griddepcontrol) after prefetching
-    its first code tiles, and its module carries Mosaic GPU's uses_pdl mark for the launch."""
-    monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    k, n = 512, 256
-    x = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((n, k // 8), jnp.int32)
-    s = jax.ShapeDtypeStruct((k // 128, n), jnp.bfloat16)
-    cfg = qw.WgmmaConfig(block_k=128, block_n=128, stages=2, pdl=pdl)
-    fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=4, group_size=128, config=cfg))
-    text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("mosaic_gpu.uses_pdl" in text) == pdl
-    assert ("griddepcontrol.wait" in text) == pdl
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
@@ -483,13 +462,6 @@ def reference(bits, x, w):
     pytest.param(4, 5, 2048, 768, 128, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=3),
                  id="span-ws-c"),
-    # programmatic dependent launch: code tiles prefetched before the wait for x
-    pytest.param(4, 1, 4096, 28672, 128, True,
-                 qw.WgmmaConfig(block_k=256, block_n=128, stages=2, pdl=True), id="pdl-a"),
-    pytest.param(4, 3, 14336, 4096, 128, True,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=4, pdl=True), id="pdl-b"),
-    pytest.param(8, 300, 4096, 4096, 4096, False,
-                 qw.WgmmaConfig(block_k=128, block_m=128, stages=2, pdl=True), id="pdl-c"),
     # the warp-specialized kernel with each SM's units in one chained pipeline (at least two
     # units on every SM: 448 and 264 units; fewer SMs in test_chained_on_few_sms)
     pytest.param(4, 1, 4096, 28672, 128, True,
