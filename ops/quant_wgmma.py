@@ -334,7 +334,7 @@ def stored_k_positions(bits: int, k: int, k_order: str) -> np.ndarray | None:
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
-            instruction: str, cluster_splits: int = 0):
+            instruction: str):
     # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
     # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
@@ -342,13 +342,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
     # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split: the product
     # itself, in the output's layout), else [splits, N, MP] float32 partials; out_smem: its
-    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles);
-    # with `cluster_splits` S (direct): the splits are one cluster ("s" its axis) and
-    # partial_smem [S - 1, BN, BM] float32 receives (in split 0) the other splits' sums
-    if offsets:
-        o_gmem, out_gmem, out_smem, *partial_smem = refs
-    else:
-        o_gmem, (out_gmem, out_smem, *partial_smem) = None, refs
+    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles)
+    o_gmem, out_gmem, out_smem = refs if offsets else (None, *refs)
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
     mb = jax.lax.axis_index("m")
@@ -423,58 +418,11 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
         acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
     cols = pl.ds(nb * block_n, block_n)
     rows = pl.ds(mb * block_m, block_m)
-    if cluster_splits:  # split 0 adds the cluster's partials and stores the product
-        acc = cluster_sum(acc, partial_smem[0], split, cluster_splits)
-
-    @pl.when(split == 0 if cluster_splits else True)
-    def _():
-        out = acc if grouped else channel_scaled(acc, s_gmem.at[0, cols])  # per channel: once
-        store_tile(out, out_smem,
-                   out_gmem.at[rows, cols] if direct else out_gmem.at[split, cols, rows], direct)
-        plgpu.wait_smem_to_gmem(0)
-
-
-def _cluster_barrier(arrive: bool = False, wait: bool = False):
-    """The thread-block cluster's barrier (every thread of every block): `arrive` with release
-    semantics (this thread's writes to shared memory are visible to the cluster's readers after
-    their wait), `wait` with acquire semantics (until every thread has arrived)."""
-    code = (("barrier.cluster.arrive.release.aligned; " if arrive else "")
-            + ("barrier.cluster.wait.acquire.aligned;" if wait else ""))
-
-    @plgpu.inline_mgpu()
-    def barrier(_):
-        mgpu_utils.inline_ptx(code, has_side_effects=True, convergent=True)
-    barrier()
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
-def _store_in_split_0(_, smem, acc):
-    """acc (WGMMA layout) into `smem` as it lies in block 0 of the cluster's only axis, through
-    a generic pointer to that block's shared memory (mapa; Pallas' stores take no cluster
-    refs)."""
-    remote = mgpu_utils.get_cluster_ref(smem, mgpu_utils.gpu.Dimension.x,
-                                        mgpu_utils.c(0, ir.IndexType.get()))
-    acc.store_untiled(remote, optimized=False)
-
-
-def cluster_sum(acc, partial_smem, split, splits: int):
-    """The sum over a cluster of `splits` blocks (one per K split, cluster axis "s") of each
-    block's float32 acc [BN, BM] (WGMMA layout), in split 0 (its return elsewhere is its own
-    acc): every other block writes its acc into split 0's partial_smem [splits - 1, BN, BM]
-    (distributed shared memory: remote stores, which do not wait on each other as remote
-    loads do) and the cluster's barrier orders them (release, acquire) before split 0 adds
-    them in split order."""
-    @pl.when(split > 0)
-    def _():
-        _store_in_split_0(partial_smem.at[split - 1], acc)
-    _cluster_barrier(arrive=True, wait=True)  # every partial is in split 0's shared memory
-
-    def total():
-        out = acc
-        for j in range(splits - 1):
-            out = out + plgpu.load(partial_smem.at[j], layout=plgpu.Layout.WGMMA)
-        return out
-    return jax.lax.cond(split == 0, total, lambda: acc)
+    if not grouped:  # per-channel scales, once per output
+        acc = channel_scaled(acc, s_gmem.at[0, cols])
+    store_tile(acc, out_smem, out_gmem.at[rows, cols] if direct else out_gmem.at[split, cols, rows],
+               direct)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def on_hopper() -> bool:
@@ -496,8 +444,7 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
     [splits, N, MP] (MP = out_rows, a multiple of block_m for partials). xp may hold fewer rows
     than MP when it has fewer than 8 or a multiple of 8: the last row tile's copies run past
     x, and TMA reads zeros there; a direct MP may likewise be M itself, and TMA drops the
-    stores past y's rows. Direct with K splits (cfg.cluster_sum): each output tile's splits
-    run as one cluster and split 0 adds their partials (`cluster_sum`)."""
+    stores past y's rows."""
     mp, k = out_rows, xp.shape[1]
     n = codes.shape[0]
     steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
@@ -508,24 +455,18 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
-        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction,
-        cluster_splits=cfg.num_splits if direct and cfg.num_splits > 1 else 0)
-    grid = dict(grid=(n // cfg.block_n, cfg.num_splits, -(-mp // block_m)),
-                grid_names=("n", "s", "m"))
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
-        scratch = [plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,
-                              transforms=_swizzled(cfg.block_n, 16))]
-        if cfg.num_splits > 1:  # the splits as one cluster; split 0 receives their sums
-            scratch.append(plgpu.SMEM((cfg.num_splits - 1, cfg.block_n, block_m), jnp.float32))
-            grid = dict(grid=(n // cfg.block_n, -(-mp // block_m)), grid_names=("n", "m"),
-                        cluster=(cfg.num_splits,), cluster_names=("s",))
+        tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,
+                          transforms=_swizzled(cfg.block_n, 16))
     else:
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
-        scratch = [plgpu.SMEM((cfg.block_n, block_m), jnp.float32)]
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
-                        kernel_name=f"int{bits}_wgmma", **grid,
-                        )(xp, codes, scales, *(() if offsets is None else (offsets,)))
+        tile = plgpu.SMEM((cfg.block_n, block_m), jnp.float32)
+    return plgpu.kernel(
+        kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits, -(-mp // block_m)),
+        grid_names=("n", "s", "m"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
+    )(xp, codes, scales, *(() if offsets is None else (offsets,)))
 
 
 def offsets_in_kernel(bits: int, groups: int, dtype, cfg: WgmmaConfig) -> bool:
@@ -570,8 +511,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     else:
         codes = jax.lax.bitcast_convert_type(w_t, jnp.int8)
     in_kernel = offsets is not None and offsets_in_kernel(bits, groups, offsets.dtype, cfg)
-    direct = (cfg.direct and (cfg.num_splits == 1 or cfg.cluster_sum)
-              and (offsets is None or in_kernel))
+    direct = cfg.direct and cfg.num_splits == 1 and (offsets is None or in_kernel)
     # one warpgroup: x not padded (TMA reads zeros past its rows; Mosaic's 8-row TMA tiling
     # takes fewer than 8 rows or whole multiples), and a direct y not sliced (the stores past
     # its rows are dropped); else x padded to whole row tiles [MP, K]

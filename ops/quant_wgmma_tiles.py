@@ -39,13 +39,9 @@ class WgmmaConfig:
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
-    # one warpgroup, 2..MAX_CLUSTER splits: the splits of an output tile run as one cluster and
-    # split 0 adds the others' float32 partials from their shared memory (no XLA sum)
-    cluster_sum: bool = False
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
-MAX_CLUSTER = 8  # the largest portable thread-block cluster (cluster_sum: one split a block)
 MAX_ACC = 64 * 256  # accumulator elements per warpgroup: 128 float32 registers per thread
 LARGE_M_ROWS = 512  # large_m_config: from here on the warp-specialized 256-row tiles
 
@@ -81,8 +77,7 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
     of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-3
     consumers, wgmma and the inline conversion; a case with four did not finish within 40 s on
-    the H200, cause unknown), `cluster_sum` with one warpgroup and 2..MAX_CLUSTER splits, K
-    of whole steps (block_k of `config`, default `wgmma_config`'s)
+    the H200, cause unknown), K of whole steps (block_k of `config`, default `wgmma_config`'s)
     for every split, and per-channel scales, groups of whole steps or (wgmma) steps of whole
     groups of at least MIN_GROUP_PART positions (`group_parts`)."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
@@ -101,8 +96,6 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
                               and cfg.convert == "inline"):
-        return False
-    if cfg.cluster_sum and (cfg.consumers or not 2 <= cfg.num_splits <= MAX_CLUSTER):
         return False
     grouped = -(-k // group_size) > 1
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART

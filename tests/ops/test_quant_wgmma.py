@@ -482,22 +482,6 @@ def reference(bits, x, w):
     pytest.param(4, 16, 14336, 4096, 128, True, None, id="offsets-b"),
     pytest.param(4, 1, 4096, 6144, 128, True, None, id="offsets-c"),
     pytest.param(4, 64, 4096, 4096, 64, True, None, id="offsets-d"),
-    # K splits summed inside the kernel: each output tile's splits one cluster
-    pytest.param(4, 1, 4096, 6144, 128, True,
-                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=4, cluster_sum=True),
-                 id="cluster-a"),
-    pytest.param(4, 16, 14336, 4096, 128, True,
-                 qw.WgmmaConfig(block_k=256, num_splits=8, stages=4, cluster_sum=True),
-                 id="cluster-b"),
-    pytest.param(8, 3, 4096, 4096, 4096, False,  # per channel: scaled once, after the sum
-                 qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, cluster_sum=True),
-                 id="cluster-c"),
-    pytest.param(4, 24, 2048, 1024, 128, False,
-                 qw.WgmmaConfig(block_k=128, num_splits=2, stages=3, cluster_sum=True,
-                                instruction="mma"), id="cluster-d"),
-    pytest.param(4, 200, 2048, 1024, 128, True,  # row tiles, 200 rows
-                 qw.WgmmaConfig(block_k=128, block_m=64, num_splits=4, stages=2,
-                                cluster_sum=True), id="cluster-e"),
 ])
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     check_kernel(bits, m, k, n, group, asymmetric, config)
