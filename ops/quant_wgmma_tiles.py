@@ -118,11 +118,10 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md, nineteenth and twenty-third
     sessions): INT4 up to WIDE_STEP_ROWS rows in steps of 256 positions (spanning groups of
     64 or 128) with 4 stages (2 up to 8 rows without a K split: thirty-first session), K
-    splits up to about 256 programs; else steps of 128 INT4
-    positions (capped by the group) with 3 stages, or 256 INT8 positions with 2, K splits up to
-    about 384 (INT4) or 256 (INT8) programs; each split at least two steps, and 128-column
-    programs where that still gives about 200 programs without a split (gate/up, the lm head),
-    else 64 columns. Past MAX_ROWS rows, `large_m_config`."""
+    splits up to about 256 programs; else steps of 128 INT4 positions (capped by the group)
+    with 3 stages, or 256 INT8 positions with 2, K splits up to about 384 (INT4) or 256
+    (INT8) programs; each split at least two steps, and 128-column programs where that still
+    gives about 200 programs without a split (gate/up, the lm head), else 64 columns. Past MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
     block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
@@ -198,10 +197,9 @@ def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
     """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
     swept: `wgmma_config`'s step (INT4: 256 positions, spanning groups), 64 columns per
     consumer, and the fewest K splits (each at least two steps) that give every SM at least
-    two units. Past MAX_ROWS rows,
-    `row_tile_config`'s row tiles in steps of 64 K, the most stages (up to 4) whose shared
-    memory fits an SM (WS_SMEM_BYTES), and the splits that give MIN_WS_ROW_TILE_UNITS units
-    (`block_m` overrides the row tile's height)."""
+    two units. Past MAX_ROWS rows, `row_tile_config`'s row tiles in steps of 64 K, the most
+    stages (up to 4) whose shared memory fits an SM (WS_SMEM_BYTES), and the splits that give
+    MIN_WS_ROW_TILE_UNITS units (`block_m` overrides the row tile's height)."""
     if m > MAX_ROWS:
         block_m = block_m or row_tile_config(m, k, n, group_size).block_m
         units = n // (consumers * BLOCK_N) * -(-m // block_m)
