@@ -273,6 +273,22 @@ def group_scaled(w, s_row_ref, layout, o_row_ref=None):
     return w if o_row_ref is None else w + rows(o_row_ref)
 
 
+def scaled_parts(w, group_count: int, layout, scales=None, offsets=None):
+    """A step's dequantized tile w [BN, BK] in `group_count` parts of its columns, each times
+    its own group's scales (plus offsets): [(bf16 [BN, BK / group_count], its columns)].
+    scales(j) / offsets(j): the [BN] shared-memory rows of part j's group (scales None:
+    per-channel scales, applied to the sum later; the parts are the codes as they are)."""
+    width = w.shape[1] // group_count
+    out = []
+    for j in range(group_count):
+        cols = slice(j * width, (j + 1) * width) if group_count > 1 else slice(None)
+        part = w[:, cols] if group_count > 1 else w
+        if scales is not None:
+            part = group_scaled(part, scales(j), layout, offsets(j) if offsets else None)
+        out.append((part, cols))
+    return out
+
+
 def channel_scaled(acc, s_ref):
     """The float32 sum acc [BN, MP] (WGMMA layout) times per-channel scales s_ref [BN] read
     from global memory once."""
@@ -358,23 +374,15 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
         codes = codes ^ sign  # c - z, signed
         return plgpu.layout_cast(codes, layout).astype(jnp.bfloat16)
 
-    def scaled(w, s_smem, j):  # w [BN, width]: the codes of the step's group j, scaled
-        return group_scaled(w, s_smem[0].at[j], layout, s_smem[1].at[j] if offsets else None)
-
-    def tile(w_smem, s_smem):  # this step's dequantized [BN, BK] bf16 tile
+    def parts(w_smem, s_smem):  # the step's dequantized tile in `group_count` parts, each
+        # its group's scale times its codes (plus offsets): [(bf16 [BN, width], its columns)]
         if "load" in _REMOVED:  # the probe: a constant tile, nothing loaded or converted
-            return plgpu.layout_cast(jnp.full((block_n, block_k), 1.0, jnp.bfloat16), layout)
-        w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z (c: offsets)
-        return scaled(w, s_smem, 0) if grouped else w
-
-    def parts(w_smem, s_smem):  # the step's tile in `group_count` parts, each its group's
-        # scale times its codes (plus offsets): [(bf16 [BN, width], its columns)]
-        if group_count == 1 or "load" in _REMOVED:
-            return [(tile(w_smem, s_smem), slice(None))]
-        width = block_k // group_count
+            return [(plgpu.layout_cast(jnp.full((block_n, block_k), 1.0, jnp.bfloat16), layout),
+                     slice(None))]
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z (c: offsets) [BN, BK]
-        cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
-        return [(scaled(w[:, c], s_smem, j), c) for j, c in enumerate(cols)]
+        return scaled_parts(w, group_count, layout,
+                            (lambda j: s_smem[0].at[j]) if grouped else None,
+                            (lambda j: s_smem[1].at[j]) if offsets else None)
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
@@ -391,7 +399,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
         *s_smem, acc = rest
         xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, BM], all of it in every warp
-        return plgpu.mma(acc, tile(w_smem, s_smem), xb)  # acc [BN, BM] f32
+        (w, _), = parts(w_smem, s_smem)  # one part: mma takes steps within one group
+        return plgpu.mma(acc, w, xb)  # acc [BN, BM] f32
 
     if "scatter" in _REMOVED:  # the probe: tile (nb, step) is block nb * k_steps + step
         code_block = lambda k: (nb * k_steps + first + k, 0)  # noqa: E731

@@ -126,13 +126,10 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets:
             def body(_, w_smem, x_smem, *rest):
                 *s_smem, acc_ref = rest
                 w = inline(plgpu.load(w_smem.at[rows], layout=upcast))  # bf16 c - z (c: offsets)
-                width = block_k // group_count
-                for j in range(group_count):  # each group part: [block_n, width] @ [width, BM]
-                    cols = slice(j * width, (j + 1) * width) if group_count > 1 else slice(None)
-                    part = w if group_count == 1 else w[:, cols]
-                    if grouped:
-                        part = qw.group_scaled(part, s_smem[0].at[j, rows], plgpu.Layout.WGMMA,
-                                               s_smem[1].at[j, rows] if offsets else None)
+                for part, cols in qw.scaled_parts(  # group parts: [block_n, width] @ [width, BM]
+                        w, group_count, plgpu.Layout.WGMMA,
+                        (lambda j: s_smem[0].at[j, rows]) if grouped else None,
+                        (lambda j: s_smem[1].at[j, rows]) if offsets else None):
                     plgpu.wgmma(acc_ref, part, x_smem.at[:, cols].T)
                 plgpu.wgmma_wait(0)
                 return acc_ref
