@@ -79,6 +79,16 @@ tile. The dispatch's from LARGE_M_ROWS rows (256-row tiles, two consumers: at 10
 0.72-0.97x XLA's bf16 product on the H200, 8-12% faster than one-warpgroup row tiles); not for
 decode (12-35% slower than this kernel at 1 and 16 rows).
 
+`fold=True` (INT4 groups, one warpgroup; not the dispatch's default, not yet measured): the
+code tile enters the wgmma as the LOP3's 128 + c as it is (a shift and a LOP3 per pair of
+codes, no subtraction, scale or offset on the tile); each group part's wgmmas go to their own
+float32 sum, and after the step's wait the part's s (x . (128 + c)) + (o - 128 s) sum(x)
+(symmetric: -136 s) is added to the carried sum (`folded`), with x's part sums from XLA
+(`part_sums`). Why (docs/PERFORMANCE.md, thirty-third session): an SM turns out one 16 KB
+step per about 1,200 cycles, near the step's issued instructions plus its wgmmas' tensor
+cycles; this form takes about a third of the issued instructions away without the tile of
+ones whose extra wgmmas cancelled the same saving in the twenty-fifth session's fold form.
+
 The configuration (`WgmmaConfig`), the rule of what the kernels take (`supports`) and the tile
 choices (`wgmma_config`, `large_m_config`, `row_tile_config`, `ws_config`, the sweep's) are in
 ops/quant_wgmma_tiles.py, pure Python over shapes.
@@ -122,14 +132,17 @@ def _asm(code: str, word):
     return mgpu_utils.inline_ptx(code, word, result_types=ir.IntegerType.get_signless(32))
 
 
-def _int4_pairs(word, j: int, zero: int = 8):
+def _int4_pairs(word, j: int, zero: int | None = 8):
     """bf16x2 (c_j - zero, c_{j+4} - zero) of nibbles j and j + 4 of a 32-bit word of eight
     codes (zero 8: symmetric codes; 0: the codes themselves, for offsets): a shift, one LOP3
     (nibbles under bf16 128.0's exponent: 128 + c) and one bf16x2 subtraction of 128 + zero,
-    all exact."""
+    all exact; zero None: the LOP3's 128 + c as it is (`WgmmaConfig.fold`)."""
     shift = f"shr.u32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
+    lop3 = "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+    if zero is None:
+        return _asm("{ .reg .b32 t; " + shift + lop3 + "mov.b32 $0, t; }", word)
     bias = 0x4300 + zero  # bf16 128 + zero (the mantissa's unit is 1 between 128 and 256)
-    return _asm("{ .reg .b32 t, k; " + shift + "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+    return _asm("{ .reg .b32 t, k; " + shift + lop3 +
                 f"mov.b32 k, {bias << 16 | bias:#010x}; sub.bf16x2 $0, t, k; }}", word)
 
 
@@ -170,19 +183,19 @@ def parts_removed(*parts: str | None):
 
 
 def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma",
-                   unsigned: bool = False):
+                   unsigned: bool = False, biased: bool = False):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
-    [BN, BK] (`unsigned`, INT4 only: c itself) in `tile_layout(instruction)`, each register
-    converted in place, with no shuffle between threads. What moves is the K order: register
-    j of a loaded word holds the codes listed in `wgmma_k_order`, and the caller permutes x's
-    columns to match."""
+    [BN, BK] (INT4 only: `unsigned`, c itself; `biased`, 128 + c) in
+    `tile_layout(instruction)`, each register converted in place, with no shuffle between
+    threads. What moves is the K order: register j of a loaded word holds the codes listed in
+    `wgmma_k_order`, and the caller permutes x's columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
-    if unsigned:
+    if unsigned or biased:
         if bits != 4:
-            raise ValueError("_codes_to_bf16: unsigned codes are for INT4")
-        pairs = functools.partial(_int4_pairs, zero=0)
+            raise ValueError("_codes_to_bf16: unsigned or biased codes are for INT4")
+        pairs = functools.partial(_int4_pairs, zero=None if biased else 0)
     if "conversion" in _REMOVED:  # the probe: each word taken as the bf16 pairs as it is
         pairs = lambda word, j: word  # noqa: E731
     shape = (block_n, block_k)
@@ -289,6 +302,22 @@ def scaled_parts(w, group_count: int, layout, scales=None, offsets=None):
     return out
 
 
+def folded(acc, product, s_row_ref, o_row_ref, xsum_col_ref):
+    """`WgmmaConfig.fold`: the float32 sum acc [BN, BM] (WGMMA layout) plus one group part's
+    s (x . (128 + c)) + o' sum(x), from `product` (x's part times the biased codes 128 + c,
+    [BN, BM] float32), the part's bf16 scales (and offsets) s_row_ref (o_row_ref) [BN] and x's
+    sums over the part's K positions xsum_col_ref [BM] float32, all in shared memory; o' =
+    o - 128 s (asymmetric) or -(128 + 8) s (symmetric): x . (s c + o) or x . s (c - 8), in
+    float32."""
+    row = lambda ref: plgpu.load(  # noqa: E731  [BN] bf16 -> float32
+        ref, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    s = row(s_row_ref)
+    low = row(o_row_ref) - 128.0 * s if o_row_ref is not None else -136.0 * s
+    xsum = plgpu.load(xsum_col_ref, layout=plgpu.Layout.WGMMA.reduce(0))  # [BM]
+    rows = lambda v: jax.lax.broadcast_in_dim(v, acc.shape, [0])  # noqa: E731
+    return acc + rows(s) * product + rows(low) * jax.lax.broadcast_in_dim(xsum, acc.shape, [1])
+
+
 def channel_scaled(acc, s_ref):
     """The float32 sum acc [BN, MP] (WGMMA layout) times per-channel scales s_ref [BN] read
     from global memory once."""
@@ -350,7 +379,7 @@ def stored_k_positions(bits: int, k: int, k_order: str) -> np.ndarray | None:
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
-            instruction: str):
+            instruction: str, fold: bool = False):
     # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
     # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
@@ -358,13 +387,21 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
     # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split: the product
     # itself, in the output's layout), else [splits, N, MP] float32 partials; out_smem: its
-    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles)
-    o_gmem, out_gmem, out_smem = refs if offsets else (None, *refs)
+    # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles).
+    # `fold` (INT4 groups): the tile is the biased codes 128 + c, and xs_gmem [K / width,
+    # row tiles x fold_block(BM)] float32 (after o_gmem) holds x's sums over each group
+    # part's width positions, each row tile's BM of them padded to 128 bytes; each
+    # part's scales and offsets enter the float32 sum after its wgmma (`folded`)
+    refs = list(refs)
+    o_gmem = refs.pop(0) if offsets else None
+    xs_gmem = refs.pop(0) if fold else None
+    out_gmem, out_smem = refs
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
     mb = jax.lax.axis_index("m")
     first = split * steps  # this program's first K step
-    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction, unsigned=offsets)
+    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction,
+                                    unsigned=offsets and not fold, biased=fold)
     layout = tile_layout(instruction)
 
     def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z (c: offsets) in `layout`
@@ -396,6 +433,26 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
                             max_concurrent_steps=stages)(*args)
         return acc_ref[...]
 
+    def fold_step(_, w_smem, x_smem, *rest):  # fold: the float32 sum is the carry
+        *tables, acc = rest  # the step's scales, (offsets,) x's part sums; [BN, BM] f32
+        if "product" in _REMOVED:  # the probe: the pipeline alone
+            return acc
+        t = inline(plgpu.load(w_smem, layout=upcast))  # bf16 128 + c [BN, BK]
+        width = block_k // group_count
+        cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
+
+        def products(*part_refs):  # each part's x . (128 + c), one wait for all of them
+            for ref, c in zip(part_refs, cols):  # [BN, width] @ [width, BM]
+                plgpu.wgmma(ref, t[:, c] if group_count > 1 else t, x_smem.at[:, c].T)
+            plgpu.wgmma_wait(0)
+            return [ref[...] for ref in part_refs]
+        sums = pl.run_scoped(products, *[plgpu.ACC((block_n, block_m), jnp.float32)]
+                             * group_count)
+        for j, product in enumerate(sums):
+            acc = folded(acc, product, tables[0].at[j], tables[1].at[j] if offsets else None,
+                         tables[-1].at[j, pl.ds(0, block_m)])
+        return acc
+
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
         *s_smem, acc = rest
         xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, BM], all of it in every warp
@@ -417,7 +474,16 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
             in_specs.append(plgpu.BlockSpec((group_count, block_n),
                                             lambda k: ((first + k) // group_steps, nb)))
             args.append(ref)
-    if instruction == "mma":
+    if fold:  # x's sums over the step's group parts, this row tile's block of them
+        in_specs.append(plgpu.BlockSpec((group_count, fold_block(block_m)),
+                                        lambda k: (first + k, mb)))
+        args.append(xs_gmem)
+    if fold:
+        zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
+                                  plgpu.Layout.WGMMA)
+        acc = plgpu.emit_pipeline(fold_step, grid=(steps,), in_specs=in_specs,
+                                  max_concurrent_steps=stages, init_carry=zeros)(*args)
+    elif instruction == "mma":
         rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
         zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
                                   plgpu.Layout.WGMMA)
@@ -432,6 +498,27 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     store_tile(acc, out_smem, out_gmem.at[rows, cols] if direct else out_gmem.at[split, cols, rows],
                direct)
     plgpu.wait_smem_to_gmem(0)
+
+
+def fold_block(block_m: int) -> int:
+    """The columns of a row tile's block of x's part sums under `WgmmaConfig.fold`: block_m
+    float32 rounded up to 128 bytes, so that every pipeline stage of the block starts where a
+    TMA copy may write (128-byte aligned shared memory; 64-byte stages failed on the H200
+    with a misaligned address)."""
+    return -(-block_m // 32) * 32
+
+
+def part_sums(xp, width: int, block_m: int, mp: int):
+    """x's sums over each run of `width` K positions for `WgmmaConfig.fold`: xp [rows, K]
+    (rows <= MP = mp) -> float32 [K / width, row tiles x fold_block(block_m)], column
+    r * fold_block(block_m) + i the sum of row r * block_m + i (zeros past xp's rows and in
+    each block's padding)."""
+    rows, k = xp.shape
+    tiles = -(-mp // block_m)
+    sums = xp.astype(jnp.float32).reshape(rows, k // width, width).sum(-1).T  # [K / width, rows]
+    sums = jnp.pad(sums, ((0, 0), (0, tiles * block_m - rows))).reshape(k // width, tiles, block_m)
+    sums = jnp.pad(sums, ((0, 0), (0, 0), (0, fold_block(block_m) - block_m)))
+    return sums.reshape(k // width, tiles * fold_block(block_m))
 
 
 def on_hopper() -> bool:
@@ -453,10 +540,13 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
     [splits, N, MP] (MP = out_rows, a multiple of block_m for partials). xp may hold fewer rows
     than MP when it has fewer than 8 or a multiple of 8: the last row tile's copies run past
     x, and TMA reads zeros there; a direct MP may likewise be M itself, and TMA drops the
-    stores past y's rows."""
+    stores past y's rows. cfg.fold: x's sums over each group part's positions enter too."""
     mp, k = out_rows, xp.shape[1]
     n = codes.shape[0]
     steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
+    extra = () if offsets is None else (offsets,)
+    if cfg.fold:  # x's sums over each group part's positions
+        extra += (part_sums(xp, cfg.block_k // groups_per_step, block_m, mp),)
     if "scatter" in _REMOVED:  # the probe: the same bytes as contiguous [BN, BK] blocks
         codes = codes.reshape(n * k // cfg.block_k, cfg.block_k)
     kernel = functools.partial(
@@ -464,7 +554,8 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
-        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction,
+        fold=cfg.fold)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,
@@ -475,7 +566,7 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
     return plgpu.kernel(
         kernel, out_type=out_type, grid=(n // cfg.block_n, cfg.num_splits, -(-mp // block_m)),
         grid_names=("n", "s", "m"), scratch_types=[tile], kernel_name=f"int{bits}_wgmma",
-    )(xp, codes, scales, *(() if offsets is None else (offsets,)))
+    )(xp, codes, scales, *extra)
 
 
 def offsets_in_kernel(bits: int, groups: int, dtype, cfg: WgmmaConfig) -> bool:

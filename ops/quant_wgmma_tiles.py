@@ -39,6 +39,7 @@ class WgmmaConfig:
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
+    fold: bool = False  # INT4 groups, one warpgroup: scales and offsets folded into the sum
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -95,9 +96,12 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
         return False
     if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
-                              and cfg.convert == "inline"):
+                              and cfg.convert == "inline" and not cfg.fold):
         return False
     grouped = -(-k // group_size) > 1
+    if cfg.fold and not (bits == 4 and grouped and cfg.instruction == "wgmma"
+                         and cfg.convert == "inline"):
+        return False
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
                     and cfg.instruction == "wgmma")
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16

@@ -110,6 +110,14 @@ def test_supports_and_config():
         assert qw.supports(4, 16, 4096, 4096, group, jnp.bfloat16, jnp.bfloat16, span)
         assert qw.group_parts(4096, group, 256) == (1, 256 // group)
     assert qw.group_parts(4096, 256, 128) == (2, 1) and qw.group_parts(4096, 4096, 256) == (16, 1)
+    # the fold form: INT4 groups, one warpgroup, wgmma and the inline conversion
+    fold = qw.WgmmaConfig(block_k=256, block_n=128, stages=2, fold=True)
+    assert qw.supports(4, 1, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, fold)
+    for bits, group, change in ((8, 128, {}), (4, 4096, {}), (4, 128, {"instruction": "mma"}),
+                                (4, 128, {"convert": "mosaic"}),
+                                (4, 128, {"consumers": 2, "block_n": 64})):
+        assert not qw.supports(bits, 1, 4096, 28672, group, jnp.bfloat16, jnp.bfloat16,
+                               dataclasses.replace(fold, **change)), (bits, group, change)
     assert not qw.supports(4, 16, 4096, 4096, 96, jnp.bfloat16, jnp.bfloat16, span)  # not whole
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                            dataclasses.replace(span, instruction="mma"))
@@ -259,6 +267,50 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     assert "mosaic_gpu" in text
     assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
     assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
+
+
+@pytest.mark.parametrize("rows,mp,block_m,width", [(1, 8, 8, 128), (16, 16, 16, 64),
+                                                 (300, 384, 128, 128), (200, 240, 40, 256)])
+def test_fold_part_sums_are_laid_out_per_row_tile(rows, mp, block_m, width):
+    """The fold form's x sums: per run of `width` positions, each row tile's block padded to
+    128 bytes, zeros past x's rows; against numpy on fresh random x."""
+    x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 1024), jnp.float32).astype(
+        jnp.bfloat16)
+    out = np.asarray(qw.part_sums(x, width, block_m, mp))
+    fb = qw.fold_block(block_m)
+    assert fb % 32 == 0 and fb >= block_m
+    assert out.shape == (1024 // width, -(-mp // block_m) * fb)
+    want = np.zeros_like(out)
+    sums = np.asarray(x, np.float32).reshape(rows, -1, width).sum(-1)  # [rows, K / width]
+    for r in range(rows):
+        want[:, r // block_m * fb + r % block_m] = sums[r]
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
+@pytest.mark.parametrize("m,group,asymmetric,config", [
+    (1, 128, True, qw.WgmmaConfig(block_k=256, block_n=128, stages=2)),  # two groups a step
+    (16, 128, False, qw.WgmmaConfig(block_k=256, num_splits=2, stages=4)),  # K splits
+    (300, 64, True, qw.WgmmaConfig(block_k=128, block_m=128, stages=2)),  # row tiles
+    (5, 256, True, qw.WgmmaConfig(block_k=128, stages=3))])  # two steps a group
+def test_fold_form_lowers_without_the_tile_arithmetic(m, group, asymmetric, config,
+                                                      monkeypatch):
+    """WgmmaConfig.fold: the codes enter the wgmma as the LOP3's 128 + c (no bf16x2
+    subtraction, scale or offset on the tile), and XLA sums x over each group part; the
+    same product without fold subtracts on the tile."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    k, n = 1024, 256
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k // 8), jnp.int32)
+    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
+    for fold in (False, True):
+        cfg = dataclasses.replace(config, fold=fold)
+        fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=4, group_size=group,
+                                                        config=cfg))
+        text = fn.trace(x, w, s, s if asymmetric else None).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        assert ("sub.bf16x2" in text) == (not fold)
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
@@ -462,6 +514,17 @@ def reference(bits, x, w):
     pytest.param(4, 5, 2048, 768, 128, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=3),
                  id="span-ws-c"),
+    # the fold form: the tile is 128 + c, each part's scale and offset folded into the sum
+    pytest.param(4, 1, 4096, 28672, 128, True,
+                 qw.WgmmaConfig(block_k=256, block_n=128, stages=2, fold=True), id="fold-a"),
+    pytest.param(4, 16, 4096, 4096, 128, False,
+                 qw.WgmmaConfig(block_k=256, num_splits=4, stages=4, fold=True), id="fold-b"),
+    pytest.param(4, 300, 2048, 1024, 64, True,
+                 qw.WgmmaConfig(block_k=128, block_m=128, stages=2, fold=True), id="fold-c"),
+    pytest.param(4, 5, 2048, 512, 256, True,
+                 qw.WgmmaConfig(block_k=128, stages=3, fold=True), id="fold-d"),
+    pytest.param(4, 64, 14336, 4096, 128, True, dataclasses.replace(
+        qw.wgmma_config(4, 64, 14336, 4096, 128), fold=True), id="fold-e"),
     # the warp-specialized kernel with each SM's units in one chained pipeline (at least two
     # units on every SM: 448 and 264 units; fewer SMs in test_chained_on_few_sms)
     pytest.param(4, 1, 4096, 28672, 128, True,
