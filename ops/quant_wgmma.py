@@ -438,12 +438,10 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
         if "product" in _REMOVED:  # the probe: the pipeline alone
             return acc
         t = inline(plgpu.load(w_smem, layout=upcast))  # bf16 128 + c [BN, BK]
-        width = block_k // group_count
-        cols = [slice(j * width, (j + 1) * width) for j in range(group_count)]
 
         def products(*part_refs):  # each part's x . (128 + c), one wait for all of them
-            for ref, c in zip(part_refs, cols):  # [BN, width] @ [width, BM]
-                plgpu.wgmma(ref, t[:, c] if group_count > 1 else t, x_smem.at[:, c].T)
+            for ref, (part, cols) in zip(part_refs, scaled_parts(t, group_count, layout)):
+                plgpu.wgmma(ref, part, x_smem.at[:, cols].T)  # [BN, width] @ [width, BM]
             plgpu.wgmma_wait(0)
             return [ref[...] for ref in part_refs]
         sums = pl.run_scoped(products, *[plgpu.ACC((block_n, block_m), jnp.float32)]
@@ -478,17 +476,13 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
         in_specs.append(plgpu.BlockSpec((group_count, fold_block(block_m)),
                                         lambda k: (first + k, mb)))
         args.append(xs_gmem)
-    if fold:
-        zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
-                                  plgpu.Layout.WGMMA)
-        acc = plgpu.emit_pipeline(fold_step, grid=(steps,), in_specs=in_specs,
-                                  max_concurrent_steps=stages, init_carry=zeros)(*args)
-    elif instruction == "mma":
+    if fold or instruction == "mma":  # the float32 sum carried through the pipeline
         rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
         zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
                                   plgpu.Layout.WGMMA)
-        acc = plgpu.emit_pipeline(mma_step, grid=(steps,), in_specs=in_specs,
-                                  max_concurrent_steps=stages, init_carry=zeros)(*args)
+        acc = plgpu.emit_pipeline(fold_step if fold else mma_step, grid=(steps,),
+                                  in_specs=in_specs, max_concurrent_steps=stages,
+                                  init_carry=zeros)(*args)
     else:
         acc = pl.run_scoped(compute, plgpu.ACC((block_n, block_m), jnp.float32))  # [BN, BM]
     cols = pl.ds(nb * block_n, block_n)

@@ -125,7 +125,8 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     splits up to about 256 programs; else steps of 128 INT4 positions (capped by the group)
     with 3 stages, or 256 INT8 positions with 2, K splits up to about 384 (INT4) or 256
     (INT8) programs; each split at least two steps, and 128-column programs where that still
-    gives about 200 programs without a split (gate/up, the lm head), else 64 columns. Past MAX_ROWS rows, `large_m_config`."""
+    gives about 200 programs without a split (gate/up, the lm head), else 64 columns. Past
+    MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
     block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
