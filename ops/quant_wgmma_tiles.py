@@ -8,6 +8,7 @@ come from wgmma (m64 programs of BLOCK_N columns, N up to MAX_BLOCK_M rows), the
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 
@@ -126,7 +127,8 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     with 3 stages, or 256 INT8 positions with 2, K splits up to about 384 (INT4) or 256
     (INT8) programs; each split at least two steps, and 128-column programs where that still
     gives about 200 programs without a split (gate/up, the lm head), else 64 columns. Past
-    MAX_ROWS rows, `large_m_config`."""
+    MAX_ROWS rows, `large_m_config`. PALLASITE_WGMMA=fold: the 256-K INT4 tiles with
+    `fold=True` where the kernel takes them (`fold_requested`)."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
     block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
@@ -137,6 +139,10 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
         # four: the lm head 75.8 against 81.2 us, gate/up 22.4 against 22.8 (16 rows: equal)
         stages = 2 if splits == 1 and padded_rows(m) == 8 else 4
         wide = WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=stages)
+        folded = dataclasses.replace(wide, fold=True)
+        if fold_requested() and supports(bits, m, k, n, group_size, jnp.bfloat16,
+                                         jnp.bfloat16, folded):
+            return folded
         if supports(bits, m, k, n, group_size, jnp.bfloat16, jnp.bfloat16, wide):
             return wide
     block_k = step_in_group(128 if bits == 4 else 256, k, group_size)
@@ -144,6 +150,12 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     splits = 1 if programs >= 200 else k_splits(programs, steps, 384 if bits == 4 else 256)
     return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
                        stages=3 if bits == 4 else 2)
+
+
+def fold_requested() -> bool:
+    """PALLASITE_WGMMA=fold: `wgmma_config` gives INT4 groups' decode tiles `fold=True` (an
+    A/B switch for end-to-end timing; the dispatch's default is the plain tile)."""
+    return os.environ.get("PALLASITE_WGMMA", "").lower() == "fold"
 
 
 def step_in_group(block_k: int, k: int, group_size: int) -> int:

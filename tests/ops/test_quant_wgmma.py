@@ -21,6 +21,7 @@ import pytest
 from ops import quant_wgmma as qw
 from ops.matmul import TransposedWeight, linear
 from ops.quant_matmul import int4_matmul_reference, int8_matmul_reference
+from ops.quant_wgmma_tiles import WIDE_STEP_ROWS
 from quant.qtensor import make_quantized_weight
 
 ON_HOPPER = qw.available()
@@ -124,6 +125,22 @@ def test_supports_and_config():
     assert qw.ws_balance(cfg, 1024, 6144) > 0.95 > 0.75 > qw.ws_balance(
         qw.ws_config(4, 1024, 4096, 6144, 128), 1024, 6144)
     assert qw.wgmma_config(4, 1024, 4096, 28672, 128).consumers == 2  # N: not of 192 columns
+
+
+def test_fold_switch_takes_the_decode_tiles_it_can(monkeypatch):
+    """PALLASITE_WGMMA=fold: INT4 groups' 256-K decode tiles get fold=True (the same tile
+    otherwise); INT8, per-channel INT4 and rows past WIDE_STEP_ROWS keep their tiles."""
+    cases = [(4, 1, 4096, 28672, 128), (4, 16, 4096, 6144, 64), (4, 4, 14336, 4096, 128),
+             (8, 1, 4096, 28672, 4096), (4, 1, 4096, 28672, 4096), (4, 32, 4096, 4096, 128)]
+    monkeypatch.delenv("PALLASITE_WGMMA", raising=False)
+    plain = [qw.wgmma_config(*case) for case in cases]
+    monkeypatch.setenv("PALLASITE_WGMMA", "fold")
+    folded = [qw.wgmma_config(*case) for case in cases]
+    for case, before, after in zip(cases, plain, folded):
+        bits, m, k, n, group = case
+        takes = bits == 4 and group < k and m <= WIDE_STEP_ROWS
+        assert after == (dataclasses.replace(before, fold=True) if takes else before), case
+        assert qw.supports(bits, m, k, n, group, jnp.bfloat16, jnp.bfloat16, after), case
 
 
 def test_errors_name_the_shapes():
