@@ -91,8 +91,9 @@ flags.DEFINE_bool("xla", False, "table: also time XLA's dequantize + dot of the 
 flags.DEFINE_list("tiles", ["128/3/128/1", "256/3/128/1", "256/4/64/4"],
                   "tiles mode: block_k/stages/block_n/splits[/name=value...] of each tile "
                   "probed ('-': the dispatch's)")
-flags.DEFINE_list("tile_probes", [], "tiles mode: only these probes (e.g. 'int4 grouped'); "
-                  "empty: all")
+flags.DEFINE_multi_string("tile_probes", [], "tiles mode: only these probes, one a flag "
+                          "(names hold commas: --tile_probes='int4 grouped' --tile_probes="
+                          "'int4 per channel, pipeline only'); none: all")
 flags.DEFINE_bool("asymmetric", False, "time the codes with offsets (zero points): INT4 groups "
                   "add them in the kernel, the other forms after it in XLA")
 flags.DEFINE_string("run_tile", "", "run: block_k/stages/block_n/splits (else the dispatch's)")

@@ -205,8 +205,8 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 items.append((stream, Finished(output)))
+        self._publish()  # first: a client that has an item sees /metrics of its step
         self._deliver(items)
-        self._publish()
 
     def _release_finished(self) -> None:
         """Forgets requests that ended without a step (aborted)."""

@@ -115,19 +115,22 @@ def test_bench_wgmma_names_an_unknown_removed_part():
 
 def test_bench_wgmma_tiles_change_the_dispatch_tiles(tmp_path):
     """--tiles: '-' keeps the dispatch's value, name=value sets block_m or consumers;
-    --tile_probes keeps the probes named; a malformed tile or an unknown probe is a usage error
+    --tile_probes (one a flag: the names hold commas) keeps the probes named; a malformed tile or an unknown probe is a usage error
     naming the flag."""
     out = tmp_path / "tiles.json"
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
         [sys.executable, "-m", "scripts.bench_wgmma", "--modes=tiles", "--bits=4",
          "--tiles=-/-/-/-,-/3/-/-/block_m=8", "--tile_probes=int4 grouped",
+         "--tile_probes=int4 per channel, pipeline only",
          "--shapes=768x512", "--ms=2", "--calls=1", "--queue=1", f"--json_out={out}"],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     tiles = [r for r in json.loads(out.read_text())["rows"] if "probe" in r]
-    assert [r["probe"] for r in tiles] == ["int4 grouped -/-/-/-",
-                                           "int4 grouped -/3/-/-/block_m=8"]
+    assert [r["probe"] for r in tiles] == [
+        "int4 grouped -/-/-/-", "int4 per channel, pipeline only -/-/-/-",
+        "int4 grouped -/3/-/-/block_m=8", "int4 per channel, pipeline only -/3/-/-/block_m=8"]
+    tiles = tiles[::2]  # int4 grouped at each tile
     # the dispatch's at 2 rows without a K split: two stages
     assert "stages=2" in tiles[0]["config"] and "block_m=0" in tiles[0]["config"]
     assert "stages=3" in tiles[1]["config"] and "block_m=8" in tiles[1]["config"]
