@@ -79,7 +79,7 @@ tile. The dispatch's from LARGE_M_ROWS rows (256-row tiles, two consumers: at 10
 0.72-0.97x XLA's bf16 product on the H200, 8-12% faster than one-warpgroup row tiles); not for
 decode (12-35% slower than this kernel at 1 and 16 rows).
 
-`fold=True` (INT4 groups, one warpgroup; not the dispatch's default, not yet measured): the
+`fold=True` (INT4 groups, one warpgroup; opt-in, `PALLASITE_WGMMA=fold` for the dispatch): the
 code tile enters the wgmma as the LOP3's 128 + c as it is (a shift and a LOP3 per pair of
 codes, no subtraction, scale or offset on the tile); each group part's wgmmas go to their own
 float32 sum, and after the step's wait the part's s (x . (128 + c)) + (o - 128 s) sum(x)
@@ -88,6 +88,9 @@ float32 sum, and after the step's wait the part's s (x . (128 + c)) + (o - 128 s
 step per about 1,200 cycles, near the step's issued instructions plus its wgmmas' tensor
 cycles; this form takes about a third of the issued instructions away without the tile of
 ones whose extra wgmmas cancelled the same saving in the twenty-fifth session's fold form.
+Measured (thirty-fourth session): its kernel is up to 8% faster (not on the lm head), but
+XLA's part sums make every whole product and the INT4 decode step slower, so the dispatch
+keeps the plain tile.
 
 The register layouts and K orders (`tile_layout`, `register_relabeling`, `wgmma_k_order`,
 `stored_k_positions`) are in ops/quant_wgmma_layout.py, pure Python and numpy.
@@ -436,7 +439,8 @@ def on_hopper() -> bool:
 
 def available() -> bool:
     """The dispatch may use the kernel: `on_hopper`, and PALLASITE_WGMMA is not 'off' (which
-    keeps the Triton "nk" paths of ops/quant_matmul.py, for A/B timing)."""
+    keeps the Triton "nk" paths of ops/quant_matmul.py, for A/B timing; 'fold' uses the kernel
+    with `wgmma_config`'s fold tiles, `fold_requested`)."""
     return os.environ.get("PALLASITE_WGMMA", "").lower() != "off" and on_hopper()
 
 
