@@ -360,21 +360,27 @@ WAVE = 64
 
 @pytest.fixture(scope="module")
 def small_vocab_models():
-    """(target, draft, shared jitted steps): random models of 16 tokens whose next-token
-    distributions are spread (neither near-uniform nor one-hot), the draft's unlike the
-    target's."""
+    """(target, draft, shared jitted steps, the target's continuation_logits): random models of
+    16 tokens whose next-token distributions are spread (neither near-uniform nor one-hot), the
+    draft's unlike the target's. The logits do not depend on the sampling parameters, so the
+    test's parametrizations share them (one reference prefill, compiled once)."""
     target = model_from_pure_dict(SMALL_VOCAB, unit_scale_pure_dict(SMALL_VOCAB, 11, final_norm=1.0))
     draft = model_from_pure_dict(SMALL_DRAFT, unit_scale_pure_dict(SMALL_DRAFT, 12, final_norm=1.0))
-    return target, draft, {}
+    return target, draft, {}, continuation_logits(target)
 
 
-def exact_joint(model, temperature: float, top_p: float) -> np.ndarray:
-    """P(t1, t2, t3) [16, 16, 16] of the first three sampled tokens after PROMPT, from the
-    model's logits for every two-token continuation (full_sequence_logits) and filtered_probs."""
+def continuation_logits(model) -> np.ndarray:
+    """The model's logits [t1, t2, len(PROMPT) + 2, 16] of PROMPT + (t1, t2) for every two-token
+    continuation (full_sequence_logits: one prefill of all 256 rows)."""
     v = SMALL_VOCAB.vocab_size
     t1, t2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
     rows = np.concatenate([np.tile(PROMPT, (v * v, 1)), t1.reshape(-1, 1), t2.reshape(-1, 1)], 1)
-    logits = full_sequence_logits(SMALL_VOCAB, model, rows).reshape(v, v, len(PROMPT) + 2, v)
+    return full_sequence_logits(SMALL_VOCAB, model, rows).reshape(v, v, len(PROMPT) + 2, v)
+
+
+def exact_joint(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """P(t1, t2, t3) [16, 16, 16] of the first three sampled tokens after PROMPT, from the
+    model's continuation_logits and filtered_probs."""
     p1 = filtered_probs(logits[0, 0, len(PROMPT) - 1], temperature, top_p)  # [16]
     p2 = filtered_probs(logits[:, 0, len(PROMPT)], temperature, top_p)  # [t1, 16]
     p3 = filtered_probs(logits[:, :, len(PROMPT) + 1], temperature, top_p)  # [t1, t2, 16]
@@ -400,8 +406,8 @@ def test_engine_sampling_distribution_matches_the_target(small_vocab_models, tem
     draft speculation with k = 2) fit the target's exact distribution (chi-square on t2, t3 and
     the pair (t2, t3)). t1 comes from plain sampling of the prefill, which checks the
     reference itself (a plain engine's t2 and t3 once ran too; cut for the suite's time)."""
-    target, draft, steps = small_vocab_models
-    joint = exact_joint(target, temperature, top_p)
+    target, draft, steps, logits = small_vocab_models
+    joint = exact_joint(logits, temperature, top_p)
     p1 = joint.sum((1, 2))
     assert 0.2 < p1.max() < 0.9  # spread, neither uniform nor one-hot
     # Waves of WAVE requests: each wave's prompts are prefilled in one step (a prefill step's
