@@ -77,7 +77,9 @@ The f32 accumulator layouts of the two instructions are the same, and so is the 
 ops/quant_wgmma_ws.py instead: a TMA warpgroup and C consumer warpgroups per SM sharing each x
 tile. The dispatch's from LARGE_M_ROWS rows (256-row tiles, two consumers: at 1024 rows
 0.72-0.97x XLA's bf16 product on the H200, 8-12% faster than one-warpgroup row tiles); not for
-decode (12-35% slower than this kernel at 1 and 16 rows).
+decode (12-35% slower than this kernel at 1 and 16 rows). With `consumer_k` its consumers split
+each step's K instead of its columns and add their sums in shared memory (no XLA sum after
+the kernel); not yet run on a GPU.
 
 `fold=True` (INT4 groups, one warpgroup; opt-in, `PALLASITE_WGMMA=fold` for the dispatch): the
 code tile enters the wgmma as the LOP3's 128 + c as it is (a shift and a LOP3 per pair of
@@ -125,7 +127,8 @@ from ops.quant_wgmma_layout import (  # noqa: F401  (callers use quant_wgmma.X)
     tile_layout, wgmma_k_order)
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
     LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
-    group_parts, padded_rows, row_tile_config, row_tiling, smem_bytes, step_in_group,
+    group_parts, padded_rows, pipeline_step, program_columns, row_tile_config, row_tiling,
+    smem_bytes, step_in_group,
     supports, sweep_configs, wgmma_config, ws_balance, ws_config, ws_stages)
 
 
@@ -526,7 +529,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     # one warpgroup: x not padded (TMA reads zeros past its rows; Mosaic's 8-row TMA tiling
     # takes fewer than 8 rows or whole multiples), and a direct y not sliced (the stores past
     # its rows are dropped); else x padded to whole row tiles [MP, K]
-    ragged = not cfg.consumers and (m < 8 or m % 8 == 0)
+    ragged = (not cfg.consumers or cfg.consumer_k) and (m < 8 or m % 8 == 0)
     xp = xk if ragged else jnp.pad(xk, ((0, mp - m), (0, 0)))
     if cfg.consumers and cfg.block_m and not direct:  # float32 output tiles: fewer stages fit
         stages = ws_stages(bits, block_m, cfg.consumers * cfg.block_n, cfg.block_k, out_bytes=4)
@@ -538,7 +541,8 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     if cfg.consumers:  # several warpgroups per SM sharing each x tile
         from ops.quant_wgmma_ws import ws_product  # it imports this module
         out = ws_product(xp, codes, scales, offsets if in_kernel else None, bits=bits,
-                         group_size=group_size, cfg=cfg, block_m=block_m, direct=direct)
+                         group_size=group_size, cfg=cfg, block_m=block_m, direct=direct,
+                         out_rows=m if direct and ragged else mp)
     else:
         out = _one_warpgroup(xp, codes, scales, offsets if in_kernel else None, bits=bits,
                              group_size=group_size, cfg=cfg, direct=direct, block_m=block_m,

@@ -20,6 +20,13 @@ MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced 
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
 MIN_WS_UNITS = 2 * NUM_SMS  # ws_config: work units for two per SM
+# Warp-specialized consumers: at most 3. With four (five warpgroups, 640 threads) a program
+# starts with at most 65536 / 640 = 102 registers a thread, but Pallas's pipeline asks each
+# consumer to grow to (512 - 40) / 4 = 118 (rounded to 112) on the assumption of a 512-register
+# budget per thread of one warpgroup: 4 x 112 + 40 = 488 > 5 x 96 (likely the reason why
+# both four-consumer cases tried, rows and `consumer_k`, never finished on the H200:
+# setmaxnreg waits for registers no warp releases; not verified beyond that arithmetic).
+MAX_CONSUMERS = 3
 # ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
 # splits: at many rows their float32 partials are as large as the output)
 MIN_WS_ROW_TILE_UNITS = 96
@@ -41,6 +48,9 @@ class WgmmaConfig:
     chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
     fold: bool = False  # INT4 groups, one warpgroup: scales and offsets folded into the sum
+    # warp-specialized: the consumers share one block_n column tile, each a block_k slice of
+    # every step (steps of consumers x block_k), their sums added in shared memory (no K split)
+    consumer_k: bool = False
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -77,11 +87,12 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     one tile or any number in tiles of block_m (a multiple of 8 up to MAX_BLOCK_M, at most
     MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
-    of the program's columns (block_n, times `consumers` for the warp-specialized kernel: 2-3
-    consumers, wgmma and the inline conversion; a case with four did not finish within 40 s on
-    the H200, cause unknown), K of whole steps (block_k of `config`, default `wgmma_config`'s)
-    for every split, and per-channel scales, groups of whole steps or (wgmma) steps of whole
-    groups of at least MIN_GROUP_PART positions (`group_parts`)."""
+    of the program's columns (`program_columns`; the warp-specialized kernel: 2-3 consumers,
+    wgmma and the inline conversion; four hung on the H200, see MAX_CONSUMERS; `consumer_k`
+    in one row tile, its steps within one group or of whole groups), K of whole steps
+    (`pipeline_step` of `config`, default `wgmma_config`'s) for every split, and per-channel
+    scales, groups of whole steps or (wgmma) steps of whole groups of at least MIN_GROUP_PART
+    positions (`group_parts`)."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
     cfg = config or wgmma_config(bits, m, k, n, group_size)
@@ -94,10 +105,13 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     if cfg.instruction not in ("wgmma", "mma") or (cfg.instruction == "mma" and (
             row_tiling(m, cfg)[0] > MAX_MMA_ROWS or cfg.convert != "inline")):
         return False
-    if cfg.block_n % BLOCK_N or n % (cfg.block_n * max(1, cfg.consumers)):
+    if cfg.block_n % BLOCK_N or n % program_columns(cfg):
         return False
-    if cfg.consumers and not (2 <= cfg.consumers <= 3 and cfg.instruction == "wgmma"
+    if cfg.consumers and not (2 <= cfg.consumers <= MAX_CONSUMERS
+                              and cfg.instruction == "wgmma"
                               and cfg.convert == "inline" and not cfg.fold):
+        return False
+    if cfg.consumer_k and not (cfg.consumers and not cfg.block_m):
         return False
     grouped = -(-k // group_size) > 1
     if cfg.fold and not (bits == 4 and grouped and cfg.instruction == "wgmma"
@@ -105,9 +119,24 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
                     and cfg.instruction == "wgmma")
+    step = pipeline_step(cfg)
+    if cfg.consumer_k and grouped and group_size % step and step % group_size:
+        return False  # a step within one group or of whole groups
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
-            and cfg.block_k >= MIN_BLOCK_K and k % (cfg.block_k * cfg.num_splits) == 0
+            and cfg.block_k >= MIN_BLOCK_K and k % (step * cfg.num_splits) == 0
             and (not grouped or group_size % cfg.block_k == 0 or whole_groups))
+
+
+def program_columns(cfg: WgmmaConfig) -> int:
+    """Output columns per program (per work unit of the warp-specialized kernel): block_n,
+    times the consumers when each takes its own block_n rows of the code tile."""
+    return cfg.block_n * (1 if cfg.consumer_k else max(1, cfg.consumers))
+
+
+def pipeline_step(cfg: WgmmaConfig) -> int:
+    """K positions per pipeline step: block_k, times the consumers under `consumer_k` (each
+    converts and multiplies its own block_k slice of the step)."""
+    return cfg.block_k * (cfg.consumers if cfg.consumer_k else 1)
 
 
 def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:

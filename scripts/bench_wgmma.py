@@ -234,7 +234,8 @@ TILE_PROBES = (  # `tiles` mode: (probe, bits, per channel, what is taken out) a
 
 
 TILE_FIELDS = ("block_k", "stages", "block_n", "num_splits")  # a tile's four numbers, in order
-EXTRA_TILE_FIELDS = ("block_m", "consumers", "chained", "fold")  # its name=value fields after them
+# its name=value fields after them
+EXTRA_TILE_FIELDS = ("block_m", "consumers", "chained", "fold", "consumer_k")
 
 
 def parse_tile(text: str) -> dict:

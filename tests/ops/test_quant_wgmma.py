@@ -88,6 +88,22 @@ def test_supports_and_config():
                                qw.WgmmaConfig(block_k=128, consumers=consumers))
     assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
+    # consumers sharing one column tile, each a slice of every step (`consumer_k`): steps of
+    # consumers x block_k, one row tile, 2-3 consumers (MAX_CONSUMERS), groups not cut by a step
+    ck = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, consumer_k=True)
+    assert qw.program_columns(ck) == 64 and qw.pipeline_step(ck) == 512
+    assert qw.program_columns(dataclasses.replace(ck, consumer_k=False)) == 128
+    assert qw.supports(4, 4, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, ck)
+    assert qw.supports(4, 4, 4096, 4160, 4096, jnp.bfloat16, jnp.bfloat16, ck)  # N of 64s
+    assert qw.supports(4, 4, 4096, 4096, 1024, jnp.bfloat16, jnp.bfloat16, ck)  # 2 steps a group
+    for bits, m, k, group, change in (
+            (4, 4, 4352, 128, {}),  # K = 17 x 256: not of 512-K steps
+            (4, 4, 4096, 128, {"consumers": 4}),  # more than MAX_CONSUMERS
+            (4, 4, 4096, 128, {"block_m": 8}),  # row tiles
+            (4, 4, 4608, 256, {"block_k": 128, "consumers": 3}),  # 384-K steps cut 256 groups
+            (4, 4, 4096, 128, {"consumers": 0})):  # no consumers to share the tile
+        assert not qw.supports(bits, m, k, 4096, group, jnp.bfloat16, jnp.bfloat16,
+                               dataclasses.replace(ck, **change)), change
     from ops.quant_wgmma_ws import ws_chained
     chained = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True)
     assert ws_chained(chained, units=448, steps=16, sms=132)
@@ -190,6 +206,31 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     assert "mosaic_gpu" in text
     assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
     assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
+@pytest.mark.parametrize("bits,m,group,asymmetric", [(4, 1, 128, True), (4, 5, 512, False),
+                                                     (8, 4, 2048, False), (8, 16, 2048, True)])
+def test_consumer_k_lowers_to_one_kernel(bits, m, group, asymmetric, monkeypatch):
+    """`consumer_k`: two consumers each take a 256-K slice of every 512-K step of one 64-column
+    tile and add their sums in shared memory, so the product is the Mosaic GPU kernel alone:
+    no K split's XLA sum; x unpadded and y unsliced for fewer than 8 rows or a multiple of 8;
+    INT4 group offsets added in the kernel (INT8's per-channel offsets after it, in XLA)."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    k, n = 2048, 256
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
+                             jnp.int32 if bits == 4 else jnp.uint8)
+    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
+    args = (x, w, s) + ((s,) if asymmetric else ())
+    cfg = qw.WgmmaConfig(block_k=256, stages=2, consumers=2, consumer_k=True)
+    fn = jax.jit(lambda *a: qw.wgmma_matmul(*a, bits=bits, group_size=group, config=cfg))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"int{bits}_wgmma_wsk" in text
+    after = asymmetric and bits == 8  # per-channel offsets: XLA's float32 path after the kernel
+    assert ("applies stablehlo.add" in text) == after  # a sum in XLA
+    if not after:  # (XLA's offset path pads and slices its own float32 arrays)
+        assert "stablehlo.pad" not in text and "stablehlo.slice" not in text
 
 
 @pytest.mark.parametrize("rows,mp,block_m,width", [(1, 8, 8, 128), (16, 16, 16, 64),
@@ -456,6 +497,20 @@ def reference(bits, x, w):
     pytest.param(8, 16, 4096, 16896, 4096, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=2,
                                 chained=True), id="chained-b"),
+    # consumers sharing one column tile, each a 256-K slice of every step, sums added in
+    # shared memory (`consumer_k`; not yet run on an H200 with two consumers)
+    pytest.param(4, 1, 4096, 4096, 128, True,
+                 qw.WgmmaConfig(block_k=256, stages=4, consumers=2, consumer_k=True),
+                 id="consumer-k-a"),
+    pytest.param(4, 16, 14336, 4096, 128, False,
+                 qw.WgmmaConfig(block_k=256, stages=3, consumers=2, consumer_k=True),
+                 id="consumer-k-b"),
+    pytest.param(8, 5, 4096, 6144, 4096, True,
+                 qw.WgmmaConfig(block_k=256, stages=2, consumers=2, consumer_k=True),
+                 id="consumer-k-c"),
+    pytest.param(4, 3, 4096, 1024, 512, True,
+                 qw.WgmmaConfig(block_k=128, stages=2, consumers=3, consumer_k=True,
+                                num_splits=2), id="consumer-k-d"),
     # direct outputs of fewer rows than the tile: x unpadded, y unsliced (TMA's bounds)
     pytest.param(4, 1, 4096, 28672, 128, False, None, id="ragged-a"),
     pytest.param(8, 3, 4096, 28672, 4096, False, None, id="ragged-b"),
