@@ -173,6 +173,20 @@ def test_elsewhere_a_clear_error():
         qw.wgmma_matmul(x, w.packed.T, w.scales, bits=4, group_size=128)
 
 
+def lowered_for_hopper(monkeypatch, bits, m, k, n, group, cfg, asymmetric=False) -> str:
+    """The StableHLO text of wgmma_matmul(config=cfg) on x [m, k] and codes [n, k] of `bits`
+    with groups of `group` (offsets too when asymmetric), lowered for CUDA with the Hopper
+    check told yes: the Mosaic GPU kernel is built in Python, no GPU needed."""
+    monkeypatch.setattr(qw, "on_hopper", lambda: True)
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
+                             jnp.int32 if bits == 4 else jnp.uint8)
+    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
+    args = (x, w, s) + ((s,) if asymmetric else ())
+    fn = jax.jit(lambda *a: qw.wgmma_matmul(*a, bits=bits, group_size=group, config=cfg))
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
 @pytest.mark.parametrize("bits,group,convert,instruction,consumers,m,block_m", [
     (4, 128, "inline", "wgmma", 0, 16, 0), (8, 256, "inline", "wgmma", 0, 16, 0),
@@ -189,20 +203,12 @@ def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, blo
     the pipeline are built in Python at this point (the Hopper check is told yes); with
     block_m, row tiles over many activation rows; consumers -2: two, chained."""
     chained, consumers = consumers < 0, abs(consumers)
-    monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    k, n = 512, 128
-    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
-                             jnp.int32 if bits == 4 else jnp.uint8)
-    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
     block_n = 128 if convert == "inline" and not consumers and block_m <= 128 else 64
     cfg = qw.WgmmaConfig(block_k=128, block_n=block_n,
                          num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
                          instruction=instruction, consumers=consumers, block_m=block_m,
                          chained=chained)
-    fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
-                                                 config=cfg))
-    text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_hopper(monkeypatch, bits, m, 512, 128, group, cfg)
     assert "mosaic_gpu" in text
     assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
     assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
@@ -216,16 +222,8 @@ def test_consumer_k_lowers_to_one_kernel(bits, m, group, asymmetric, monkeypatch
     tile and add their sums in shared memory, so the product is the Mosaic GPU kernel alone:
     no K split's XLA sum; x unpadded and y unsliced for fewer than 8 rows or a multiple of 8;
     INT4 group offsets added in the kernel (INT8's per-channel offsets after it, in XLA)."""
-    monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    k, n = 2048, 256
-    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
-                             jnp.int32 if bits == 4 else jnp.uint8)
-    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    args = (x, w, s) + ((s,) if asymmetric else ())
     cfg = qw.WgmmaConfig(block_k=256, stages=2, consumers=2, consumer_k=True)
-    fn = jax.jit(lambda *a: qw.wgmma_matmul(*a, bits=bits, group_size=group, config=cfg))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_hopper(monkeypatch, bits, m, 2048, 256, group, cfg, asymmetric)
     assert f"int{bits}_wgmma_wsk" in text
     after = asymmetric and bits == 8  # per-channel offsets: XLA's float32 path after the kernel
     assert ("applies stablehlo.add" in text) == after  # a sum in XLA
