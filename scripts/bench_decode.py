@@ -48,7 +48,7 @@ import numpy as np
 from absl import app, flags
 
 from configs.model import get_preset
-from scripts.common import fail, set_xla_flags
+from scripts.common import fail, set_xla_flags, write_json
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -111,10 +111,7 @@ FLAGS.set_default("exhaustive_gemm_search", True)
 
 def save(results: dict) -> None:
     if FLAGS.json_out:
-        tmp = FLAGS.json_out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        os.replace(tmp, FLAGS.json_out)
+        write_json(FLAGS.json_out, results)
 
 
 def run_hf_peer(results: dict) -> None:

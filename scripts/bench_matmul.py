@@ -42,7 +42,6 @@ device time over it.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +54,7 @@ from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
 from scripts import decode_profile, timing
+from scripts.common import write_json
 from scripts.matmul_report import report, summary_table
 from scripts.read_floor import read_floor
 
@@ -442,20 +442,20 @@ def main(_):
             return out
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib, sweep=sweep)
-            write_json(rows, calib)
+            save_rows(rows, calib)
     if "bench" in FLAGS.modes:
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib)
-            write_json(rows, calib)
+            save_rows(rows, calib)
         print(summary_table(rows, calib))
 
 
-def write_json(rows: list[dict], calib: dict) -> None:
-    """--json_out: every row so far (rewritten after each shape: a run cut short keeps them)."""
+def save_rows(rows: list[dict], calib: dict) -> None:
+    """--json_out: every row so far (rewritten whole after each shape: a run cut short keeps
+    them)."""
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"calib": calib, "device": jax.devices()[0].device_kind,
-                       "rows": rows}, f, indent=1)
+        write_json(FLAGS.json_out, {"calib": calib, "device": jax.devices()[0].device_kind,
+                                    "rows": rows})
 
 
 if __name__ == "__main__":

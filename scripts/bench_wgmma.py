@@ -57,7 +57,6 @@ needs a Hopper GPU; elsewhere every row records why it did not run.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -69,6 +68,7 @@ from ops import quant_wgmma as qw
 from ops.quant_matmul import (int4_matmul, int4_matmul_reference, int8_matmul,
                               int8_matmul_reference)
 from scripts import decode_profile
+from scripts.common import write_json
 from scripts.read_floor import read_floor
 
 FLAGS = flags.FLAGS
@@ -272,22 +272,21 @@ def tile_probes(bits_list: list[int]) -> list[tuple]:
             if bits in bits_list and (not FLAGS.tile_probes or probe in FLAGS.tile_probes)]
 
 
-def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES) -> list[dict]:
-    """The `bounds` rows of one shape: the kernel with the dispatch's tiles, as it is, with
-    parts taken out and with wider steps (`probes`, BOUND_PROBES or `tile_probes`; a probe
-    whose tiles the shape does not take is recorded with the reason)."""
-    rows = []
+def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES):
+    """The `bounds` rows of one shape, one at a time as each is timed: the kernel with the
+    dispatch's tiles, as it is, with parts taken out and with wider steps (`probes`,
+    BOUND_PROBES or `tile_probes`; a probe whose tiles the shape does not take is recorded
+    with the reason)."""
     for probe, bits, per_channel, removed, changes in probes:
         group = k if per_channel else FLAGS.group_size
         cfg = dataclasses.replace(qw.wgmma_config(bits, m, k, n, group), **changes)
         if not qw.supports(bits, m, k, n, group, jnp.bfloat16, jnp.bfloat16, cfg):
-            rows.append(dict(mode="time", impl="wgmma", bits=bits, M=m, K=k, N=n, group=group,
-                             probe=probe, error=f"the tiles {cfg} do not take {m}x{k}x{n}"))
+            yield dict(mode="time", impl="wgmma", bits=bits, M=m, K=k, N=n, group=group,
+                       probe=probe, error=f"the tiles {cfg} do not take {m}x{k}x{n}")
             continue
         with qw.parts_removed(*removed):
             row = time_product("wgmma", bits, k, n, m, cfg, group=group)
-        rows.append(row | {"probe": probe})
-    return rows
+        yield row | {"probe": probe}
 
 
 def read_rows(k: int, n: int, bits_list: list[int]) -> list[dict]:
@@ -375,6 +374,17 @@ def main(_):
     if unknown:
         raise app.UsageError(f"--run_removed: {unknown} not among {list(qw.PROBE_PARTS)}")
     print(f"device: {jax.devices()[0].device_kind}; Hopper kernel available: {qw.available()}")
+    run_flags = {k: str(v) for k, v in FLAGS.flag_values_dict().items()
+                 if k in ("modes", "shapes", "ms", "bits", "group_size", "calls", "queue",
+                          "triton", "xla")}
+
+    def add(row: dict, show: bool = True) -> None:  # printed, and saved as it comes
+        rows.append(row)
+        if show:
+            report(row, bf16_us)
+        if FLAGS.json_out:
+            write_json(FLAGS.json_out, {"device": jax.devices()[0].device_kind, "rows": rows,
+                                        "flags": run_flags})
     if "check" in FLAGS.modes:
         for bits, m, k, n, group, cfg, asym in (
                 (4, 16, 4096, 4096, 128, None, False), (4, 5, 4096, 4096, 128, None, True),
@@ -382,20 +392,17 @@ def main(_):
                 (8, 64, 4096, 4096, 4096, None, True), (8, 3, 4096, 6144, 128, None, False),
                 (4, 40, 1024, 512, 256, qw.WgmmaConfig(block_k=256, num_splits=2, stages=2),
                  False)):
-            rows.append(check(bits, m, k, n, group, cfg, asym))
-            report(rows[-1], bf16_us)
+            add(check(bits, m, k, n, group, cfg, asym))
     for mode in ("table", "sweep"):
         if mode not in FLAGS.modes:
             continue
         for k, n in shapes:
             for m in ms:
-                rows.append(time_product("bf16", 16, k, n, m))
-                report(rows[-1], bf16_us)
+                add(time_product("bf16", 16, k, n, m))
                 for bits in bits_list:
                     configs = [None] if mode == "table" else qw.sweep_configs(bits, k, n, m)
                     for cfg in configs:
-                        rows.append(time_product("wgmma", bits, k, n, m, cfg))
-                        report(rows[-1], bf16_us)
+                        add(time_product("wgmma", bits, k, n, m, cfg))
                     if mode == "table":  # the kernel's other forms, then the peers asked for
                         group = group_of(bits, k)  # `wg1` where the dispatch takes `ws`'s
                         form = ("wg1" if qw.wgmma_config(bits, m, k, n, group).consumers
@@ -407,14 +414,13 @@ def main(_):
                                   if forms.get(name)] + [
                             peer for peer in ("triton", "xla") if FLAGS[peer].value]
                         for name in others:
-                            rows.append(time_product(name, bits, k, n, m))
-                            report(rows[-1], bf16_us)
+                            add(time_product(name, bits, k, n, m))
     if "run" in FLAGS.modes:
         for k, n in shapes:
             for m in ms:
                 for bits in bits_list:
                     row = run_product(bits, k, n, m)
-                    rows.append(row)
+                    add(row, show=False)
                     print(f"run int{bits} M={m} {k}x{n}: "
                           f"{row.get('error') or row['kernels_run']} {row['config']}")
     for mode, probes in (("bounds", BOUND_PROBES), ("tiles", tile_probes(bits_list))):
@@ -423,20 +429,12 @@ def main(_):
         for k, n in shapes:
             if mode == "bounds":
                 for row in read_rows(k, n, bits_list):
-                    rows.append(row)
-                    report(row, bf16_us)
+                    add(row)
             for m in ms:
-                rows.append(time_product("bf16", 16, k, n, m))
-                report(rows[-1], bf16_us)
+                add(time_product("bf16", 16, k, n, m))
                 for row in bound_rows(k, n, m, probes):
-                    rows.append(row)
-                    report(row, bf16_us)
+                    add(row)
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "rows": rows,
-                       "flags": {k: str(v) for k, v in FLAGS.flag_values_dict().items()
-                                 if k in ("modes", "shapes", "ms", "bits", "group_size",
-                                          "calls", "queue", "triton", "xla")}}, f, indent=1)
         print(f"wrote {FLAGS.json_out}")
 
 

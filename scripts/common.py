@@ -1,12 +1,27 @@
 """Flags and helpers shared by the absl entry points in scripts/."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 from absl import flags
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def write_json(path: str, obj) -> None:
+    """Writes obj as JSON to `path` through a temporary file and a rename, so that a run cut
+    short (a time limit, a hung kernel) leaves the last complete file, never half of one.
+    Benchmarks call it after every row."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the dump failed: the previous file stands, no leftovers
+            os.remove(tmp)
 
 
 def define_model_flags() -> None:

@@ -133,3 +133,25 @@ def test_setup_jax_asks_xla_for_the_exhaustive_gemm_search_unless_told_not_to():
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == want, result.stdout
+
+
+def test_write_json_replaces_the_file_whole(tmp_path, monkeypatch):
+    """scripts.common.write_json: each call leaves the complete latest object and no temporary
+    file; a dump that fails half-way (an object JSON cannot hold) leaves the previous file as
+    it was."""
+    from scripts.common import write_json
+    path = str(tmp_path / "rows.json")
+    rows = []
+    for i in range(3):
+        rows.append({"row": i, "us": float(np.random.default_rng(i).uniform(1, 9))})
+        write_json(path, {"rows": rows})
+        assert json.loads(open(path).read()) == {"rows": rows}
+    assert os.listdir(tmp_path) == ["rows.json"]
+
+    class Unwritable:
+        def __str__(self):
+            raise RuntimeError("cannot be written")
+    with pytest.raises(RuntimeError, match="cannot be written"):
+        write_json(path, {"rows": rows + [{"bad": Unwritable()}]})
+    assert json.loads(open(path).read()) == {"rows": rows}  # the last whole file stands
+    assert os.listdir(tmp_path) == ["rows.json"]
