@@ -99,7 +99,7 @@ flags.DEFINE_bool("asymmetric", False, "time the codes with offsets (zero points
 flags.DEFINE_string("run_tile", "", "run: block_k/stages/block_n/splits (else the dispatch's)")
 flags.DEFINE_list("run_removed", [], "run: parts the kernel leaves out (timing probes, garbage "
                   "products): any of conversion, load, product, scatter")
-flags.DEFINE_string("json_out", "", "write all rows as JSON here")
+flags.DEFINE_string("json_out", "", "write the rows as JSON here (rewritten after every row)")
 
 
 def codes_and_scales(bits: int, k: int, n: int, group: int, key, asymmetric=False):
