@@ -67,8 +67,9 @@ MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (the rest go
 
 def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
                steps: int, block_n: int, block_k: int, group_steps: int, group_count: int,
-               group_size: int, stages: int, block_m: int, consumers: int, splits: int,
-               row_tiles: int, units: int, direct: bool, chained: bool, consumer_k: bool):
+               group_size: int, parts: int, stages: int, block_m: int, consumers: int,
+               splits: int, row_tiles: int, units: int, direct: bool, chained: bool,
+               consumer_k: bool):
     # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N]
     # (a step lies in one group, group_steps steps each, or spans group_count whole groups);
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
@@ -85,9 +86,7 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets:
     slices = consumers if consumer_k else 1  # block_k slices of a step's tiles, one a consumer
     upcast, inline = qw._codes_to_bf16(bits, block_n, block_k, unsigned=offsets)
     tables = (s_gmem, o_gmem) if offsets else (s_gmem,) if grouped else ()  # per step
-    # a consumer's slice in `parts` group parts, each `width` wide
-    parts = max(1, block_k // group_size) if grouped else 1
-    width = block_k // parts
+    width = block_k // parts  # a consumer's block_k slice in `parts` group parts
 
     def get_pipeline(body, context, first, state=None):
         specs = [plgpu.BlockSpec((cta_n, block_k), lambda k, c=c: (0, k * slices + c),
@@ -227,9 +226,9 @@ def ws_product(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
         _ws_kernel, bits=bits, grouped=scales.shape[0] > 1, offsets=offsets is not None,
         steps=steps, block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=group_steps, group_count=group_count, group_size=group_size,
-        stages=cfg.stages, block_m=block_m, consumers=cfg.consumers, splits=cfg.num_splits,
-        row_tiles=row_tiles, units=units, direct=direct, chained=chained,
-        consumer_k=cfg.consumer_k)
+        parts=qw.group_parts(k, group_size, cfg.block_k)[1], stages=cfg.stages,
+        block_m=block_m, consumers=cfg.consumers, splits=cfg.num_splits, row_tiles=row_tiles,
+        units=units, direct=direct, chained=chained, consumer_k=cfg.consumer_k)
     tiles = 1 if cfg.consumer_k else cfg.consumers  # output tiles in shared memory
     if direct:
         out_type = jax.ShapeDtypeStruct((out_rows or mp, n), jnp.bfloat16)

@@ -373,7 +373,8 @@ def main(_):
     unknown = sorted(set(FLAGS.run_removed) - set(qw.PROBE_PARTS))
     if unknown:
         raise app.UsageError(f"--run_removed: {unknown} not among {list(qw.PROBE_PARTS)}")
-    print(f"device: {jax.devices()[0].device_kind}; Hopper kernel available: {qw.available()}")
+    device = jax.devices()[0].device_kind
+    print(f"device: {device}; Hopper kernel available: {qw.available()}")
     run_flags = {k: str(v) for k, v in FLAGS.flag_values_dict().items()
                  if k in ("modes", "shapes", "ms", "bits", "group_size", "calls", "queue",
                           "triton", "xla")}
@@ -383,8 +384,7 @@ def main(_):
         if show:
             report(row, bf16_us)
         if FLAGS.json_out:
-            write_json(FLAGS.json_out, {"device": jax.devices()[0].device_kind, "rows": rows,
-                                        "flags": run_flags})
+            write_json(FLAGS.json_out, {"device": device, "rows": rows, "flags": run_flags})
     if "check" in FLAGS.modes:
         for bits, m, k, n, group, cfg, asym in (
                 (4, 16, 4096, 4096, 128, None, False), (4, 5, 4096, 4096, 128, None, True),

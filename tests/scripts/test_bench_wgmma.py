@@ -115,8 +115,8 @@ def test_bench_wgmma_names_an_unknown_removed_part():
 
 def test_bench_wgmma_tiles_change_the_dispatch_tiles(tmp_path):
     """--tiles: '-' keeps the dispatch's value, name=value sets block_m or consumers;
-    --tile_probes (one a flag: the names hold commas) keeps the probes named; a malformed tile or an unknown probe is a usage error
-    naming the flag."""
+    --tile_probes (one a flag: the names hold commas) keeps the probes named; a malformed tile
+    or an unknown probe is a usage error naming the flag."""
     out = tmp_path / "tiles.json"
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(

@@ -135,7 +135,7 @@ def test_setup_jax_asks_xla_for_the_exhaustive_gemm_search_unless_told_not_to():
         assert result.stdout.strip() == want, result.stdout
 
 
-def test_write_json_replaces_the_file_whole(tmp_path, monkeypatch):
+def test_write_json_replaces_the_file_whole(tmp_path):
     """scripts.common.write_json: each call leaves the complete latest object and no temporary
     file; a dump that fails half-way (an object JSON cannot hold) leaves the previous file as
     it was."""
