@@ -79,7 +79,7 @@ tile. The dispatch's from LARGE_M_ROWS rows (256-row tiles, two consumers: at 10
 0.72-0.97x XLA's bf16 product on the H200, 8-12% faster than one-warpgroup row tiles); not for
 decode (12-35% slower than this kernel at 1 and 16 rows). With `consumer_k` its consumers split
 each step's K instead of its columns and add their sums in shared memory (no XLA sum after
-the kernel); not yet run on a GPU.
+the kernel); correct on the H200, slower than the split tiles (not the dispatch's).
 
 `fold=True` (INT4 groups, one warpgroup; opt-in, `PALLASITE_WGMMA=fold` for the dispatch): the
 code tile enters the wgmma as the LOP3's 128 + c as it is (a shift and a LOP3 per pair of

@@ -37,7 +37,11 @@ many stages, took 17 us where two took 12.6 on down's bytes: thirty-fifth sessio
 today takes K splits and an XLA sum of their float32 partials after the kernel (1.2-1.4 us a
 product). Here two warpgroups of one program split K and sum in shared memory, at 64 SMs'
 worth of programs for N = 4096. Four consumers hung on the H200 (see
-ops.quant_wgmma_tiles.MAX_CONSUMERS); two and three: built and lowered, not yet run on a GPU.
+ops.quant_wgmma_tiles.MAX_CONSUMERS). Two and three are correct on the H200 (thirty-sixth
+session) but slower than the dispatch's K splits with their sum: on o (N = 4096) at 1-16 rows
+the INT4 kernel takes 8.4-8.9 us against 5.4-5.6 plus a 1.2-1.4 us sum (2.9-3.3 us slower,
+1.5-1.9 us net), so two consumers of one program hide little more of the compute than one
+warpgroup per SM did (docs/PERFORMANCE.md).
 
 Steps may span whole groups (INT4 decode's 256-K steps, `group_parts`), each part of the tile
 scaled by its own group as in the one-warpgroup kernel. `chained` (WgmmaConfig.chained,

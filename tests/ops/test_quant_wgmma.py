@@ -385,8 +385,8 @@ def reference(bits, x, w):
     return np.asarray(ref(x, w.packed, w.scales, w.offsets, group_size=w.group_size))
 
 
-@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (wgmma)")
-@pytest.mark.parametrize("bits,m,k,n,group,asymmetric,config", [
+# the kernel's cases on the H200: bits, rows, K, N, group, offsets, tiles (None: the dispatch's)
+HOPPER_CASES = [
     (4, 1, 4096, 6144, 128, False, None),
     (4, 3, 4096, 4096, 64, False, qw.WgmmaConfig(block_k=64, num_splits=4)),
     (4, 16, 4096, 28672, 128, False, None),
@@ -495,8 +495,8 @@ def reference(bits, x, w):
     pytest.param(8, 16, 4096, 16896, 4096, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=2,
                                 chained=True), id="chained-b"),
-    # consumers sharing one column tile, each a 256-K slice of every step, sums added in
-    # shared memory (`consumer_k`; not yet run on an H200 with two consumers)
+    # consumers sharing one column tile, each a block_k slice of every step, sums added in
+    # shared memory (`consumer_k`)
     pytest.param(4, 1, 4096, 4096, 128, True,
                  qw.WgmmaConfig(block_k=256, stages=4, consumers=2, consumer_k=True),
                  id="consumer-k-a"),
@@ -506,9 +506,12 @@ def reference(bits, x, w):
     pytest.param(8, 5, 4096, 6144, 4096, True,
                  qw.WgmmaConfig(block_k=256, stages=2, consumers=2, consumer_k=True),
                  id="consumer-k-c"),
-    pytest.param(4, 3, 4096, 1024, 512, True,
+    pytest.param(4, 3, 3072, 1024, 128, True,  # three consumers, 384-K steps of 3 groups
                  qw.WgmmaConfig(block_k=128, stages=2, consumers=3, consumer_k=True,
                                 num_splits=2), id="consumer-k-d"),
+    pytest.param(8, 16, 4096, 4096, 4096, False,  # K splits summed after the kernel
+                 qw.WgmmaConfig(block_k=256, stages=4, consumers=2, consumer_k=True,
+                                num_splits=2), id="consumer-k-e"),
     # direct outputs of fewer rows than the tile: x unpadded, y unsliced (TMA's bounds)
     pytest.param(4, 1, 4096, 28672, 128, False, None, id="ragged-a"),
     pytest.param(8, 3, 4096, 28672, 4096, False, None, id="ragged-b"),
@@ -521,7 +524,18 @@ def reference(bits, x, w):
     pytest.param(4, 16, 14336, 4096, 128, True, None, id="offsets-b"),
     pytest.param(4, 1, 4096, 6144, 128, True, None, id="offsets-c"),
     pytest.param(4, 64, 4096, 4096, 64, True, None, id="offsets-d"),
-])
+]
+
+
+@pytest.mark.parametrize("bits,m,k,n,group,asymmetric,config", HOPPER_CASES)
+def test_hopper_cases_are_supported(bits, m, k, n, group, asymmetric, config):
+    """Every H200 case is one `supports` takes (checked here on any machine: a case outside
+    the rules would only show as a ValueError on the rare runs that have a Hopper GPU)."""
+    assert qw.supports(bits, m, k, n, group, jnp.bfloat16, jnp.bfloat16, config)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (wgmma)")
+@pytest.mark.parametrize("bits,m,k,n,group,asymmetric,config", HOPPER_CASES)
 def test_kernel_against_reference(bits, m, k, n, group, asymmetric, config):
     check_kernel(bits, m, k, n, group, asymmetric, config)
 
