@@ -126,7 +126,7 @@ from ops.quant_wgmma_layout import (  # noqa: F401  (callers use quant_wgmma.X)
     K_ORDER_SPAN, K_ORDERS, element_coords, register_relabeling, stored_k_positions,
     tile_layout, wgmma_k_order)
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
-    LARGE_M_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
+    LARGE_M_ROWS, MANY_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
     group_parts, padded_rows, pipeline_step, program_columns, row_tile_config, row_tiling,
     smem_bytes, step_in_group,
     supports, sweep_configs, wgmma_config, ws_balance, ws_config, ws_stages)

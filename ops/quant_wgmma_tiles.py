@@ -16,6 +16,8 @@ BLOCK_N = 64  # wgmma's M: a program's output columns come in multiples of it
 MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 WIDE_STEP_ROWS = 16  # wgmma_config: INT4 steps of 256 K up to this many (padded) rows
+MANY_ROWS = 33  # wgmma_config: from this many rows, K splits for about 192 programs (INT4 and
+# INT8 alike) and INT8 in 64-column programs (the 64-row sweep, thirty-sixth session)
 MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced in 128-byte rows)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
@@ -155,12 +157,16 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     splits up to about 256 programs; else steps of 128 INT4 positions (capped by the group)
     with 3 stages, or 256 INT8 positions with 2, K splits up to about 384 (INT4) or 256
     (INT8) programs; each split at least two steps, and 128-column programs where that still
-    gives about 200 programs without a split (gate/up, the lm head), else 64 columns. Past
-    MAX_ROWS rows, `large_m_config`. PALLASITE_WGMMA=fold: the 256-K INT4 tiles with
+    gives about 200 programs without a split (gate/up, the lm head), else 64 columns. From
+    MANY_ROWS rows (the 64-row sweep, thirty-sixth session) the splits aim at about 192
+    programs, and INT8 takes 64-column programs up to 512 of them (gate/up; the lm head, not
+    swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`. PALLASITE_WGMMA=fold: the 256-K INT4 tiles with
     `fold=True` where the kernel takes them (`fold_requested`)."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
-    block_n = 128 if n // 128 >= 200 and n % 128 == 0 else BLOCK_N
+    many_rows = m >= MANY_ROWS
+    narrow_int8 = many_rows and bits == 8 and n // BLOCK_N <= 512
+    block_n = 128 if n // 128 >= 200 and n % 128 == 0 and not narrow_int8 else BLOCK_N
     programs = max(1, n // block_n)
     if bits == 4 and padded_rows(m) <= WIDE_STEP_ROWS:  # 256-K steps, where the kernel takes them
         splits = 1 if programs >= 200 else k_splits(programs, k // 256, 256)
@@ -175,7 +181,8 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
             return wide
     block_k = step_in_group(128 if bits == 4 else 256, k, group_size)
     steps = max(1, k // block_k)
-    splits = 1 if programs >= 200 else k_splits(programs, steps, 384 if bits == 4 else 256)
+    want = 192 if many_rows else 384 if bits == 4 else 256
+    splits = 1 if programs >= 200 else k_splits(programs, steps, want)
     return WgmmaConfig(block_k=block_k, block_n=block_n, num_splits=splits,
                        stages=3 if bits == 4 else 2)
 

@@ -70,6 +70,18 @@ def test_supports_and_config():
     cfg = qw.wgmma_config(8, 16, 4096, 28672, 4096)  # 224 column blocks of 128: no split
     assert (cfg.block_k, cfg.block_n, cfg.num_splits) == (256, 128, 1)
     assert qw.wgmma_config(8, 16, 4096, 28736, 4096).block_n == 64  # N not a multiple of 128
+    # from MANY_ROWS rows: K splits for about 192 programs, INT8 in 64-column programs
+    for bits, m, k, n, group, tiles in (
+            (4, qw.MANY_ROWS - 1, 4096, 4096, 128, (128, 64, 8)),  # 512 programs below it
+            (4, qw.MANY_ROWS, 4096, 4096, 128, (128, 64, 4)),  # o: 256 programs
+            (4, 64, 4096, 6144, 128, (128, 64, 2)),  # q/k/v: 192
+            (4, 64, 14336, 4096, 128, (128, 64, 4)),  # down: 256
+            (4, 64, 4096, 28672, 128, (128, 128, 1)),  # gate/up: 224 of 128 columns
+            (8, 64, 4096, 6144, 4096, (256, 64, 2)),
+            (8, 64, 4096, 28672, 4096, (256, 64, 1)),  # 448 of 64 columns
+            (8, 64, 4096, 128256, 4096, (256, 128, 1))):  # the lm head keeps 128 columns
+        cfg = qw.wgmma_config(bits, m, k, n, group)
+        assert (cfg.block_k, cfg.block_n, cfg.num_splits) == tiles, (bits, m, k, n, cfg)
     for bits, k, n, group in ((4, 4096, 6144, 64), (8, 14336, 4096, 14336), (4, 1024, 512, 256)):
         assert qw.supports(bits, 16, k, n, group, jnp.bfloat16, jnp.bfloat16)
     mma = qw.WgmmaConfig(block_k=128, instruction="mma")
