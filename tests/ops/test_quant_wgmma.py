@@ -536,6 +536,9 @@ HOPPER_CASES = [
     pytest.param(4, 16, 14336, 4096, 128, True, None, id="offsets-b"),
     pytest.param(4, 1, 4096, 6144, 128, True, None, id="offsets-c"),
     pytest.param(4, 64, 4096, 4096, 64, True, None, id="offsets-d"),
+    # the dispatch from MANY_ROWS rows: about 192 programs, INT8 in 64-column programs
+    pytest.param(4, 48, 4096, 6144, 128, True, None, id="many-rows-a"),
+    pytest.param(8, 64, 4096, 28672, 4096, True, None, id="many-rows-b"),
 ]
 
 
