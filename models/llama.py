@@ -394,6 +394,13 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str |
     return cfg.replace(gemv_layers=True), model
 
 
+def has_quantized_layers(model: LlamaForCausalLM) -> bool:
+    """Whether the layers' products hold quantized codes (INT8 / INT4 weights of quant/), not
+    float arrays (read from o_proj and down_proj, which fusion leaves as they are)."""
+    return any(not isinstance(lin.kernel.get_value(), jax.Array | np.ndarray)
+               for layer in model.layers for lin in (layer.self_attn.o_proj, layer.mlp.down_proj))
+
+
 def _gemv_linears(layer: DecoderLayer) -> tuple[Linear, ...]:
     return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)

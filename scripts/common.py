@@ -222,15 +222,17 @@ def define_speculative_flags() -> None:
 
 
 def define_fusion_flags() -> None:
-    """--fuse_projections: tri-state (unset: auto); --fold_norm_scale; --gemv_layers."""
-    flags.DEFINE_bool("gemv_layers", False,
+    """--fuse_projections and --gemv_layers: tri-state (unset: auto); --fold_norm_scale."""
+    flags.DEFINE_bool("gemv_layers", None,
                       "Store each layer's fused weights transposed so that batch-1 decode steps "
                       "run each product as one Pallas kernel with its RMSNorm, SiLU x up and "
-                      "residual add inside (ops/gemv.py; models.llama.transpose_for_gemv): "
-                      "llama3.1-8b bf16 batch-1 decode about 7% faster on the H200, larger batches "
-                      "up to 3% slower. Needs fused projections, float, INT8 or INT4 (not "
-                      "act-order) weights and one device; the kernel runs for bf16 activations "
-                      "on a GPU.")
+                      "residual add inside (ops/gemv.py; models.llama.transpose_for_gemv), and "
+                      "quantized products of more rows the Hopper kernel (ops/quant_wgmma.py, "
+                      "which reads codes stored [out, in] only): llama3.1-8b bf16 batch-1 "
+                      "decode about 7% faster on the H200, larger bf16 batches up to 3% slower. "
+                      "Needs fused projections, float, INT8 or INT4 (not act-order) weights and "
+                      "one device; the kernels run for bf16 activations on a GPU. Default auto: "
+                      "on for INT8 / INT4 models on one Hopper GPU, off otherwise.")
     flags.DEFINE_bool("fold_norm_scale", False,
                       "Apply each RMSNorm before a projection as project(x * weight) times the "
                       "row's rsqrt scale after the product (ModelConfig.fold_norm_scale), so XLA "
@@ -257,6 +259,16 @@ def fusion_wanted(requested: bool | None, backend: str, mesh) -> bool:
     return requested
 
 
+def gemv_wanted(requested: bool | None, quantized: bool, hopper: bool, mesh) -> bool:
+    """Whether to store the layers transposed: `requested` (--gemv_layers) or, when None, auto:
+    a quantized model (INT8 / INT4 codes) on a Hopper GPU without a mesh, where the Hopper
+    kernel runs every quantized product (the [in, out] codes' Triton path is slower than bf16
+    there: docs/PERFORMANCE.md, issue 6's tables)."""
+    if requested is None:
+        return quantized and hopper and mesh is None
+    return requested
+
+
 def check_fusion(mesh) -> None:
     """Fails early (ValueError) when --fuse_projections cannot apply to `mesh` (fusion_wanted):
     call it right after parallel.setup_parallel(), before loading."""
@@ -270,21 +282,38 @@ def check_fusion(mesh) -> None:
 def fuse_from_flags(cfg, model, mesh=None, label: str = "model") -> tuple:
     """(cfg, model), with q/k/v and gate/up fused in place when --fuse_projections (or auto)
     says so (models.llama.fuse_projections), with a line on stderr, cfg.fold_norm_scale set by
-    --fold_norm_scale, and the layers transposed by --gemv_layers (after fusing). Call after
-    loading and quantizing. In auto mode a model that cannot be fused (act-order quantized
-    kernels) stays unfused, with a note. ValueError when --gemv_layers cannot apply."""
+    --fold_norm_scale, and the layers transposed by --gemv_layers or its auto mode (after
+    fusing; `transpose_as_wanted`). Call after loading and quantizing. In auto mode a model
+    that cannot be fused or transposed (act-order quantized kernels) stays as it is, with a
+    note. ValueError when a requested --gemv_layers cannot apply."""
     cfg, model = _fuse_from_flags(cfg, model, mesh, label)
-    if not flags.FLAGS.gemv_layers or cfg.gemv_layers:
+    from ops.quant_wgmma import on_hopper
+    return transpose_as_wanted(cfg, model, flags.FLAGS.gemv_layers, on_hopper(), mesh, label)
+
+
+def transpose_as_wanted(cfg, model, requested: bool | None, hopper: bool, mesh=None,
+                        label: str = "model") -> tuple:
+    """(cfg, model) with the layers transposed (models.llama.transpose_for_gemv) when
+    `gemv_wanted` says so, with a line on stderr. Requested (--gemv_layers) and impossible:
+    ValueError; wanted by auto and impossible (unfused or act-order): a note, the model whole."""
+    from models.llama import has_quantized_layers, transpose_for_gemv
+    if cfg.gemv_layers or not gemv_wanted(requested, has_quantized_layers(model), hopper, mesh):
         return cfg, model
-    from models.llama import transpose_for_gemv
     if not cfg.fused_projections:
-        raise ValueError("--gemv_layers needs fused projections (auto fusion is off on the "
-                         "CPU: add --fuse_projections)")
+        if requested:
+            raise ValueError("--gemv_layers needs fused projections (auto fusion is off on "
+                             "the CPU: add --fuse_projections)")
+        print(f"note: {label} layers left in [in, out] (projections unfused)", file=sys.stderr)
+        return cfg, model
     try:
         cfg, model = transpose_for_gemv(cfg, model)
     except ValueError as e:  # checked before any change
-        raise ValueError(f"--gemv_layers: {e}") from None
-    print(f"{label}: layers transposed for the batch-1 gemv kernel", file=sys.stderr)
+        if requested:
+            raise ValueError(f"--gemv_layers: {e}") from None
+        print(f"note: {label} layers left in [in, out] ({e})", file=sys.stderr)
+        return cfg, model
+    print(f"{label}: layers transposed for the batch-1 gemv kernel"
+          f"{'' if requested else ' (auto: quantized, Hopper GPU)'}", file=sys.stderr)
     return cfg, model
 
 

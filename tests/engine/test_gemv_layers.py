@@ -236,3 +236,45 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     want = generate(model, cfg, prompts, params, engine_cfg)
     assert not rows
     assert_same_generations(got, want, rtol=2e-2)
+
+
+def test_auto_transposes_quantized_models_on_hopper(capsys):
+    """--gemv_layers unset (auto, scripts.common.transpose_as_wanted): a quantized model on a
+    Hopper GPU is stored transposed; a float model, another device, a mesh or an explicit
+    --nogemv_layers leave it as it is; an act-order model that auto cannot transpose stays
+    whole with a note, where --gemv_layers asked for it is an error."""
+    from models.llama import has_quantized_layers
+    from scripts.common import gemv_wanted, transpose_as_wanted
+    assert gemv_wanted(None, True, True, None)
+    assert not gemv_wanted(None, True, True, object())  # a mesh
+    assert not gemv_wanted(None, True, False, None) and not gemv_wanted(None, False, True, None)
+    assert gemv_wanted(True, False, False, None) and not gemv_wanted(False, True, True, None)
+    def fused(method=None):  # a fresh fused model, quantized by `method`
+        cfg, model, _ = model_and_prompts(TINY_LLAMA31, 3, False, ())
+        if method:
+            model = quantize_model(cfg, model, QuantConfig(method), progress=False)
+        return fuse_projections(cfg, model)
+
+    fcfg, fmodel = fused()
+    assert not has_quantized_layers(fmodel)
+    assert transpose_as_wanted(fcfg, fmodel, None, True) == (fcfg, fmodel)  # float: as it was
+    qcfg, qmodel = fused("int8")
+    assert has_quantized_layers(qmodel)
+    for requested, hopper in ((None, False), (False, True)):
+        assert not transpose_as_wanted(qcfg, qmodel, requested, hopper)[0].gemv_layers
+    tcfg, tmodel = transpose_as_wanted(qcfg, qmodel, None, True)
+    assert tcfg.gemv_layers and isinstance(tmodel.layers[0].mlp.down_proj.kernel.get_value(),
+                                           TransposedWeight)
+    assert "layers transposed for the batch-1 gemv kernel (auto" in capsys.readouterr().err
+    acfg, amodel = fused("int4_rtn")
+    last = amodel.layers[-1].mlp.down_proj  # act-order: cannot be stored transposed
+    k, n = last.kernel.get_value().shape
+    rng = np.random.default_rng(int(np.random.randint(1 << 30)))
+    last.kernel.set_value(make_quantized_weight(
+        rng.integers(0, 16, (k, n)), jnp.asarray(rng.uniform(0.01, 0.02, (-(-k // 32), n))),
+        None, bits=4, group_size=32, perm=rng.permutation(k)))
+    out_cfg, _ = transpose_as_wanted(acfg, amodel, None, True)
+    assert not out_cfg.gemv_layers and "left in [in, out] (transpose_for_gemv: act-order" in (
+        capsys.readouterr().err)
+    with pytest.raises(ValueError, match="--gemv_layers: transpose_for_gemv: act-order"):
+        transpose_as_wanted(acfg, amodel, True, True)
