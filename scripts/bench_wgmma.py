@@ -47,7 +47,11 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python -m scripts.bench_wgmma
   --modes=run --shapes=4096x28672 --ms=16 --bits=4 --asymmetric`.
 With --asymmetric the timed codes carry offsets (zero points, the RTN / GPTQ / AWQ default):
-INT4 groups add them inside the kernel, the other forms in XLA after it.
+INT4 groups add them inside the kernel, the other forms in XLA after it. The timed codes lie
+along K in --k_order: "wgmma" (the default), the order the model stores on a Hopper GPU
+(`ops.matmul.device_k_order`), so the kernel reads x as it is, as in the model's step;
+"natural" adds an XLA gather of x to every product (the rows of the sessions before the
+thirty-sixth). The codes are random either way; `check` compares natural-order codes.
 Times are device busy time per product from jax's profiler (`scripts.decode_profile`): each
 program runs `--calls` products on distinct weight sets, queued `--queue` times; kernel rows
 also print the Mosaic GPU kernel's own time (`kernel_us`: without the wrapper's XLA kernels,
@@ -94,6 +98,9 @@ flags.DEFINE_list("tiles", ["128/3/128/1", "256/3/128/1", "256/4/64/4"],
 flags.DEFINE_multi_string("tile_probes", [], "tiles mode: only these probes, one a flag "
                           "(names hold commas: --tile_probes='int4 grouped' --tile_probes="
                           "'int4 per channel, pipeline only'); none: all")
+flags.DEFINE_enum("k_order", "wgmma", ["wgmma", "natural"],
+                  "how the timed codes lie along K (TransposedWeight.k_order): wgmma, the "
+                  "model's order on Hopper (no gather of x), or natural (a gather per product)")
 flags.DEFINE_bool("asymmetric", False, "time the codes with offsets (zero points): INT4 groups "
                   "add them in the kernel, the other forms after it in XLA")
 flags.DEFINE_string("run_tile", "", "run: block_k/stages/block_n/splits (else the dispatch's)")
@@ -171,7 +178,7 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                                      FLAGS.asymmetric) for c in range(calls)]
             ws, ss = tuple(a[0] for a in sets), tuple(a[1:] for a in sets)  # (scales, offsets)
             nbytes = k * n * bits // 8 + 2 * ss[0][0].size * (2 if FLAGS.asymmetric else 1)
-            row["asymmetric"] = FLAGS.asymmetric
+            row["asymmetric"], row["k_order"] = FLAGS.asymmetric, FLAGS.k_order
             if name in ("wgmma", "mma", "wg1", *WS_FORMS):
                 if name in WS_FORMS:  # the warp-specialized persistent kernel
                     cfg = config or qw.ws_config(bits, m, k, n, group,
@@ -186,14 +193,14 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
                         cfg, instruction="mma", block_k=qw.step_in_group(cfg.block_k, k, group))
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
-                    xs[c], ws[c], *ss[c], bits=bits, group_size=group, config=cfg)
-                    for c in range(calls))
+                    xs[c], ws[c], *ss[c], bits=bits, group_size=group, config=cfg,
+                    k_order=FLAGS.k_order) for c in range(calls))
             else:  # triton (traced below with PALLASITE_WGMMA=off) or xla (the reference)
                 product = int4_matmul if bits == 4 else int8_matmul
                 impl = "reference" if name == "xla" else None
                 fn = lambda xs, ws, ss: tuple(product(  # noqa: E731
-                    xs[c], ws[c], *ss[c], group_size=group, layout="nk", impl=impl)
-                    for c in range(calls))
+                    xs[c], ws[c], *ss[c], group_size=group, layout="nk", impl=impl,
+                    k_order=FLAGS.k_order) for c in range(calls))
             args = (xs, ws, ss)
         if name == "triton":
             os.environ["PALLASITE_WGMMA"] = "off"
@@ -349,10 +356,11 @@ def run_product(bits: int, k: int, n: int, m: int) -> dict:
     if FLAGS.run_tile:
         cfg = dataclasses.replace(cfg, **parse_tile(FLAGS.run_tile))
     row = dict(mode="run", bits=bits, M=m, K=k, N=n, group=group, config=str(cfg),
-               asymmetric=FLAGS.asymmetric, removed=list(FLAGS.run_removed))
+               asymmetric=FLAGS.asymmetric, k_order=FLAGS.k_order,
+               removed=list(FLAGS.run_removed))
     x, w_t, s, o = fixed_case(bits, m, k, n, group, FLAGS.asymmetric)
     fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=bits, group_size=group,
-                                                    config=cfg))
+                                                    config=cfg, k_order=FLAGS.k_order))
     try:
         with qw.parts_removed(*FLAGS.run_removed):  # traced on the first call
             outs = [fn(x, w_t, s, o) for _ in range(FLAGS.calls * FLAGS.queue)]
