@@ -160,8 +160,8 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     gives about 200 programs without a split (gate/up, the lm head), else 64 columns. From
     MANY_ROWS rows (the 64-row sweep, thirty-sixth session) the splits aim at about 192
     programs, and INT8 takes 64-column programs up to 512 of them (gate/up; the lm head, not
-    swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`. PALLASITE_WGMMA=fold: the 256-K INT4 tiles with
-    `fold=True` where the kernel takes them (`fold_requested`)."""
+    swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`. PALLASITE_WGMMA=fold: the
+    256-K INT4 tiles with `fold=True` where the kernel takes them (`fold_requested`)."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
     many_rows = m >= MANY_ROWS
