@@ -103,7 +103,7 @@ ops/quant_wgmma_tiles.py, pure Python over shapes.
 
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
 `int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
-test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session" to
+test_quant_wgmma_hopper.py; the CPU-side checks in tests/ops/test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session" to
 "Twenty-first session".
 """
 from __future__ import annotations
@@ -126,10 +126,10 @@ from ops.quant_wgmma_layout import (  # noqa: F401  (callers use quant_wgmma.X)
     K_ORDER_SPAN, K_ORDERS, element_coords, register_relabeling, stored_k_positions,
     tile_layout, wgmma_k_order)
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
-    LARGE_M_ROWS, MANY_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES, WgmmaConfig,
-    group_parts, padded_rows, pipeline_step, program_columns, row_tile_config, row_tiling,
-    smem_bytes, step_in_group,
-    supports, sweep_configs, wgmma_config, ws_balance, ws_config, ws_stages)
+    LARGE_M_ROWS, MANY_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES,
+    WgmmaConfig, group_parts, padded_rows, pipeline_step, program_columns, row_tile_config,
+    row_tiling, smem_bytes, step_in_group, supports, sweep_configs, wgmma_config, ws_balance,
+    ws_config, ws_stages)
 
 
 def _swizzled(block_minor: int, bits: int):

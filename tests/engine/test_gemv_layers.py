@@ -180,18 +180,23 @@ def test_transposed_codes_are_the_same_weight():
         w.transposed()
 
 
+def act_order_last_down(model, rng) -> None:
+    """Gives the last layer's down_proj an act-order INT4 weight (random codes, groups of 32),
+    which cannot be stored transposed."""
+    last = model.layers[-1].mlp.down_proj
+    k, n = last.kernel.get_value().shape
+    last.kernel.set_value(make_quantized_weight(
+        rng.integers(0, 16, (k, n)), jnp.asarray(rng.uniform(0.01, 0.02, (-(-k // 32), n))),
+        None, bits=4, group_size=32, perm=rng.permutation(k)))
+
+
 def test_transpose_errors_leave_the_model_whole():
     cfg, model, _ = model_and_prompts(TINY_LLAMA31, 3, False, ())
     with pytest.raises(ValueError, match="fuse the projections first"):
         transpose_for_gemv(cfg, model)
     qcfg, qmodel = fuse_projections(cfg, quantize_model(cfg, model, QuantConfig("int4_rtn"),
                                                         progress=False))
-    last = qmodel.layers[-1].mlp.down_proj  # an act-order weight in the last layer only
-    k, n = last.kernel.get_value().shape
-    rng = np.random.default_rng(5)
-    last.kernel.set_value(make_quantized_weight(
-        rng.integers(0, 16, (k, n)), jnp.ones((-(-k // 32), n)), None, bits=4, group_size=32,
-        perm=rng.permutation(k)))
+    act_order_last_down(qmodel, np.random.default_rng(5))
     with pytest.raises(ValueError, match="transpose_for_gemv: act-order 4-bit weights"):
         transpose_for_gemv(qcfg, qmodel)
     assert all(isinstance(lin.kernel.get_value(), QuantizedWeight)
@@ -249,6 +254,7 @@ def test_auto_transposes_quantized_models_on_hopper(capsys):
     assert not gemv_wanted(None, True, True, object())  # a mesh
     assert not gemv_wanted(None, True, False, None) and not gemv_wanted(None, False, True, None)
     assert gemv_wanted(True, False, False, None) and not gemv_wanted(False, True, True, None)
+
     def fused(method=None):  # a fresh fused model, quantized by `method`
         cfg, model, _ = model_and_prompts(TINY_LLAMA31, 3, False, ())
         if method:
@@ -267,12 +273,7 @@ def test_auto_transposes_quantized_models_on_hopper(capsys):
                                            TransposedWeight)
     assert "layers transposed for the batch-1 gemv kernel (auto" in capsys.readouterr().err
     acfg, amodel = fused("int4_rtn")
-    last = amodel.layers[-1].mlp.down_proj  # act-order: cannot be stored transposed
-    k, n = last.kernel.get_value().shape
-    rng = np.random.default_rng(int(np.random.randint(1 << 30)))
-    last.kernel.set_value(make_quantized_weight(
-        rng.integers(0, 16, (k, n)), jnp.asarray(rng.uniform(0.01, 0.02, (-(-k // 32), n))),
-        None, bits=4, group_size=32, perm=rng.permutation(k)))
+    act_order_last_down(amodel, np.random.default_rng(int(np.random.randint(1 << 30))))
     out_cfg, _ = transpose_as_wanted(acfg, amodel, None, True)
     assert not out_cfg.gemv_layers and "left in [in, out] (transpose_for_gemv: act-order" in (
         capsys.readouterr().err)
