@@ -46,6 +46,9 @@ down 14336x4096, lm head 4096x128256) at `--ms` rows.
   `ncu --kernel-name regex:wgmma --launch-skip 2 --launch-count 1 --section
   ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python -m scripts.bench_wgmma
   --modes=run --shapes=4096x28672 --ms=16 --bits=4 --asymmetric`.
+With --json_out the rows are saved as each comes; with --resume as well, a run cut short (the
+10-minute limit of a device call) goes on where it stopped when the same command runs again:
+the file's timed rows come back as they were (marked `resumed`) and only the others are timed.
 With --asymmetric the timed codes carry offsets (zero points, the RTN / GPTQ / AWQ default):
 INT4 groups add them inside the kernel, the other forms in XLA after it. The timed codes lie
 along K in --k_order: "wgmma" (the default), the order the model stores on a Hopper GPU
@@ -61,6 +64,7 @@ needs a Hopper GPU; elsewhere every row records why it did not run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -107,6 +111,11 @@ flags.DEFINE_string("run_tile", "", "run: block_k/stages/block_n/splits (else th
 flags.DEFINE_list("run_removed", [], "run: parts the kernel leaves out (timing probes, garbage "
                   "products): any of conversion, load, product, scatter")
 flags.DEFINE_string("json_out", "", "write the rows as JSON here (rewritten after every row)")
+flags.DEFINE_bool("resume", False, "with --json_out: reuse that file's timed rows (the same "
+                  "product, tiles, probe, codes, --calls and --queue) and time only the others, "
+                  "so that a run cut by a time limit goes on where it stopped when run again")
+
+RESUMED: dict[str, dict] = {}  # a timed row's request -> its row from --json_out (--resume)
 
 
 def codes_and_scales(bits: int, k: int, n: int, group: int, key, asymmetric=False):
@@ -154,17 +163,43 @@ def check(bits, m, k, n, group, config=None, asymmetric=False) -> dict:
     return row
 
 
+def kernel_config(name: str, bits: int, k: int, n: int, m: int, config, group: int):
+    """The tiles a `time_product` row of the kernel runs: `config`, else those of its form
+    (`name`); None for the other rows (bf16, triton, xla)."""
+    if name not in ("wgmma", "mma", "wg1", *WS_FORMS):
+        return None
+    if name in WS_FORMS:  # the warp-specialized persistent kernel
+        cfg = config or qw.ws_config(bits, m, k, n, group, consumers=3 if "3" in name else 2)
+        return dataclasses.replace(cfg, chained=name.endswith("c"))
+    if name == "wg1":  # one warpgroup per program in row tiles
+        return config or qw.row_tile_config(m, k, n, group)
+    cfg = config or qw.wgmma_config(bits, m, k, n, group)
+    if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
+        cfg = dataclasses.replace(  # (its steps lie in one group)
+            cfg, instruction="mma", block_k=qw.step_in_group(cfg.block_k, k, group))
+    return cfg
+
+
 def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
-                 group: int | None = None) -> dict:
+                 group: int | None = None, probe: str | None = None) -> dict:
     """Device microseconds per product of `name`: bf16 (XLA), wgmma (the kernel, `config` or the
     dispatch's tiles), mma / ws / ws3 / wsc / ws3c / wg1 (its mma.sync, warp-specialized with
     two or three consumers, unchained or chained, and one-warpgroup row-tile forms), triton
     (ops/quant_matmul.py's "nk" path) or xla (its dequantize + dot); `group` overrides
-    `group_of`."""
+    `group_of`; `probe` names the parts taken out (`bound_rows`). With --resume a row an
+    earlier run timed (its `request` key: the same product, tiles, probe, codes, --calls and
+    --queue) comes back as it was, marked `resumed`."""
     calls = FLAGS.calls
     group = group or group_of(bits, k)
+    cfg = kernel_config(name, bits, k, n, m, config, group)
+    request = json.dumps([name, bits, k, n, m, str(cfg), group, probe, FLAGS.asymmetric,
+                          FLAGS.k_order, calls, FLAGS.queue])
+    if request in RESUMED:  # timed by an earlier run of the same command (--resume)
+        return RESUMED[request] | {"resumed": True}
     row = dict(mode="time", impl=name, bits=16 if name == "bf16" else bits, M=m, K=k, N=n,
-               group=None if name == "bf16" else group)
+               group=None if name == "bf16" else group, request=request)
+    if probe:
+        row["probe"] = probe
     xs = tuple(jax.random.normal(jax.random.key(100 + c), (m, k)).astype(jnp.bfloat16)
                for c in range(calls))
     try:
@@ -179,18 +214,7 @@ def time_product(name: str, bits: int, k: int, n: int, m: int, config=None,
             ws, ss = tuple(a[0] for a in sets), tuple(a[1:] for a in sets)  # (scales, offsets)
             nbytes = k * n * bits // 8 + 2 * ss[0][0].size * (2 if FLAGS.asymmetric else 1)
             row["asymmetric"], row["k_order"] = FLAGS.asymmetric, FLAGS.k_order
-            if name in ("wgmma", "mma", "wg1", *WS_FORMS):
-                if name in WS_FORMS:  # the warp-specialized persistent kernel
-                    cfg = config or qw.ws_config(bits, m, k, n, group,
-                                                 consumers=3 if "3" in name else 2)
-                    cfg = dataclasses.replace(cfg, chained=name.endswith("c"))
-                elif name == "wg1":  # one warpgroup per program in row tiles
-                    cfg = config or qw.row_tile_config(m, k, n, group)
-                else:
-                    cfg = config or qw.wgmma_config(bits, m, k, n, group)
-                if name == "mma":  # the same tiles, mma.sync m16n8k16 instead of wgmma
-                    cfg = dataclasses.replace(  # (its steps lie in one group)
-                        cfg, instruction="mma", block_k=qw.step_in_group(cfg.block_k, k, group))
+            if cfg is not None:  # the kernel in one of its forms
                 row["config"] = str(cfg)
                 fn = lambda xs, ws, ss: tuple(qw.wgmma_matmul(  # noqa: E731
                     xs[c], ws[c], *ss[c], bits=bits, group_size=group, config=cfg,
@@ -292,8 +316,7 @@ def bound_rows(k: int, n: int, m: int, probes=BOUND_PROBES):
                        probe=probe, error=f"the tiles {cfg} do not take {m}x{k}x{n}")
             continue
         with qw.parts_removed(*removed):
-            row = time_product("wgmma", bits, k, n, m, cfg, group=group)
-        yield row | {"probe": probe}
+            yield time_product("wgmma", bits, k, n, m, cfg, group=group, probe=probe)
 
 
 def read_rows(k: int, n: int, bits_list: list[int]) -> list[dict]:
@@ -334,7 +357,8 @@ def report(row: dict, bf16_us: dict) -> None:
     print(f"{row['K']:>6}x{row['N']:<7} M={row['M']:<3} {row['impl']:<6} int{row['bits']:<2} "
           f"{row['dev_us']:8.1f} us {row['TBps']:5.2f} TB/s x{speedup:5.2f}"
           f"{f' (kernel {own:.1f} us)' if own else ''}  "
-          f"{row.get('probe', '')} {row.get('config', '')}")
+          f"{row.get('probe', '')} {row.get('config', '')}"
+          f"{' (resumed)' if row.get('resumed') else ''}")
 
 
 def kernel_us(row: dict) -> float | None:
@@ -371,6 +395,26 @@ def run_product(bits: int, k: int, n: int, m: int) -> dict:
     return row
 
 
+def resumable_rows(path: str, device: str) -> dict[str, dict]:
+    """--resume: the rows of an earlier run's --json_out (`path`) on this kind of device that
+    have a device time, by their `request`; none if the file does not exist yet."""
+    if not path:
+        raise app.UsageError("--resume needs --json_out: the file of the run to go on with")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        rows = earlier["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise app.UsageError(f"--resume: {path} is not a bench_wgmma JSON file ({e})")
+    if earlier.get("device") != device:
+        raise app.UsageError(f"--resume: {path} was timed on {earlier.get('device')!r}, "
+                             f"not on this {device!r}")
+    return {row["request"]: row for row in rows
+            if isinstance(row, dict) and "request" in row and "dev_us" in row}
+
+
 def main(_):
     shapes = [tuple(int(v) for v in s.split("x")) for s in FLAGS.shapes]
     ms = [int(m) for m in FLAGS.ms]
@@ -383,6 +427,9 @@ def main(_):
         raise app.UsageError(f"--run_removed: {unknown} not among {list(qw.PROBE_PARTS)}")
     device = jax.devices()[0].device_kind
     print(f"device: {device}; Hopper kernel available: {qw.available()}")
+    if FLAGS.resume:
+        RESUMED.update(resumable_rows(FLAGS.json_out, device))
+        print(f"--resume: {len(RESUMED)} timed rows of {FLAGS.json_out} reused")
     run_flags = {k: str(v) for k, v in FLAGS.flag_values_dict().items()
                  if k in ("modes", "shapes", "ms", "bits", "group_size", "calls", "queue",
                           "triton", "xla")}

@@ -10,6 +10,13 @@ import sys
 from ops import quant_wgmma as qw
 
 
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    """scripts/bench_wgmma.py with `args` on the CPU."""
+    return subprocess.run([sys.executable, "-m", "scripts.bench_wgmma", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+
+
 def test_sweep_configs_are_taken_by_the_kernel():
     for bits, k, n in ((4, 4096, 28672), (8, 4096, 4096), (4, 14336, 4096)):
         configs = qw.sweep_configs(bits, k, n, 16)
@@ -36,13 +43,9 @@ def test_sweep_configs_are_taken_by_the_kernel():
 
 def test_bench_wgmma_on_the_cpu(tmp_path):
     out = tmp_path / "wgmma.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=check,table,bounds,tiles,run",
-         "--tiles=256/3/128/1,128/2/64/16", "--shapes=768x512", "--ms=2", "--calls=1",
-         "--queue=1", "--xla", "--run_removed=product",
-         f"--json_out={out}"],
-        capture_output=True, text=True, timeout=300,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    proc = run_bench("--modes=check,table,bounds,tiles,run", "--tiles=256/3/128/1,128/2/64/16",
+                     "--shapes=768x512", "--ms=2", "--calls=1", "--queue=1", "--xla",
+                     "--run_removed=product", f"--json_out={out}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     checks = [r for r in rows if r["mode"] == "check"]
@@ -110,10 +113,7 @@ def test_kernel_us_leaves_the_wrappers_out():
 
 
 def test_bench_wgmma_names_an_unknown_removed_part():
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_wgmma", "--modes=run", "--run_removed=math"],
-        capture_output=True, text=True, timeout=120,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    proc = run_bench("--modes=run", "--run_removed=math")
     assert proc.returncode != 0 and "--run_removed" in proc.stderr and "math" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -145,3 +145,46 @@ def test_bench_wgmma_tiles_change_the_dispatch_tiles(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "scripts.bench_wgmma", "--modes=tiles",
                                bad], capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode != 0 and flag in proc.stderr and "Traceback" not in proc.stderr
+
+
+
+def test_resume_reuses_the_timed_rows_and_times_the_rest(tmp_path):
+    """--resume: rows of the earlier file with a device time (here given one by hand: the CPU
+    has none) come back as they were; the rest are timed again; a file of another device or
+    no --json_out is refused with a one-line reason."""
+    out = tmp_path / "wgmma.json"
+    args = ["--modes=table,tiles", "--forms=", "--bits=4", "--shapes=768x512", "--ms=2",
+            "--calls=1", "--queue=1", "--tiles=256/3/128/1", "--tile_probes=int4 grouped",
+            f"--json_out={out}"]
+    first = run_bench(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
+    assert [(r["impl"], r.get("probe")) for r in rows] == [
+        ("bf16", None), ("wgmma", None), ("bf16", None), ("wgmma", "int4 grouped 256/3/128/1")]
+    assert len({r["request"] for r in rows}) == 3  # the two bf16 rows are the same product
+    for i, us in ((0, 7.5), (3, 2.25)):  # as if the bf16 and the probe row had been timed
+        rows[i] = {k: v for k, v in rows[i].items() if k != "dev_error"} | {
+            "dev_us": us, "TBps": 1.0}
+    out.write_text(json.dumps(saved))
+
+    again = run_bench(*args, "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "--resume: 2 timed rows" in again.stdout
+    resumed = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r.get("resumed", False), r.get("dev_us")) for r in resumed] == [
+        ("bf16", True, 7.5), ("wgmma", False, None), ("bf16", True, 7.5),
+        ("wgmma", True, 2.25)]
+    assert "needs a Hopper GPU" in resumed[1]["dev_error"]  # timed again
+    assert resumed[3]["probe"] == "int4 grouped 256/3/128/1"
+    assert resumed[3]["x_bf16"] == 7.5 / 2.25
+
+    other = json.loads(out.read_text())
+    other["device"] = "NVIDIA H200"
+    out.write_text(json.dumps(other))
+    refused = run_bench(*args, "--resume")
+    assert refused.returncode != 0 and "NVIDIA H200" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    alone = run_bench("--modes=table", "--resume")
+    assert alone.returncode != 0 and "--resume needs --json_out" in alone.stderr
+    assert "Traceback" not in alone.stderr
