@@ -3,6 +3,8 @@
     python -m scripts.bench_attention --json_out=attention.json
     python -m scripts.bench_attention --modes=sweep     # tuning sweep of the kernels' tiles
     python -m scripts.bench_attention --modes=calib,softmax --chunks=4096   # softmax variants
+    python -m scripts.bench_attention --modes=calib,step_decode --batches=64 --contexts=512 \
+        --step_decode_tiles=64/1/4/3,64/2/4/3,128/2/4/2 --device_times  # an engine decode step's tiles
 
 Shapes: 32 query heads, 8 kv heads, head_dim 128, page size 16, bf16 (flags change them).
 - calib: the card's two ceilings, measured in the same run: a large bf16 elementwise copy
@@ -11,6 +13,9 @@ Shapes: 32 query heads, 8 kv heads, head_dim 128, page size 16, bf16 (flags chan
   over time (the floor for decode), against ops.decode_attention.paged_attention, JAX's
   jax.experimental.pallas.ops.gpu.paged_attention (defaults) and an XLA jnp attention (gather
   the pages, bf16 einsums with float32 accumulation) on identical arrays.
+- step_decode: the kernel an engine decode step actually runs (`step_attention`: the ragged
+  kernel, one query token per sequence) at batch x context, with `ragged_config`'s tiles and
+  each of --step_decode_tiles (block_k/splits/warps/stages); TB/s as in decode.
 - prefill: one sequence's prompt chunk of T tokens attending causally to itself (plus a mixed
   ragged batch); TFLOP/s = 4 * H * D * (causal query-key pairs) over time, against the XLA jnp
   attention and cuDNN flash attention (jax.nn.dot_product_attention, contiguous K/V: a peer
@@ -49,7 +54,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "decode", "prefill"],
                   "calib, decode, prefill, sweep, merge (key splits merged in the decode kernel "
                   "against the merge kernel after it), softmax (the ragged kernel's softmax "
-                  "variants at --chunks)")
+                  "variants at --chunks), step_decode (the engine's ragged kernel on decode "
+                  "steps at --batches x --contexts, with ragged_config's tiles and "
+                  "--step_decode_tiles)")
 flags.DEFINE_list("batches", ["1", "8", "32", "128"], "decode batch sizes")
 flags.DEFINE_list("contexts", ["512", "2048", "4096", "8192", "32768"], "decode contexts")
 flags.DEFINE_list("chunks", ["512", "1024", "2048", "4096", "8192"], "prefill chunk sizes")
@@ -67,6 +74,8 @@ flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_list("ragged_config", [], "override: block_m,block_k,num_warps,num_stages")
 flags.DEFINE_list("decode_config", [], "override: block_k,num_splits,num_warps,num_stages"
                   "[,merge_in_kernel (0 or 1)]")
+flags.DEFINE_list("step_decode_tiles", [], "step_decode: more tiles of the ragged kernel, each "
+                  "block_k/splits/warps/stages (block_m stays ragged_config's), e.g. 64/2/4/3")
 flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
                   "busy time per call (see the module docstring).")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
@@ -183,6 +192,61 @@ def builtin_decode(q, k_pages, v_pages, tables, lengths):
     return builtin.paged_attention(q, k_pages, v_pages, tables, lengths)
 
 
+def decode_bytes(batch: int, context: int, itemsize: int, quantized: bool) -> int:
+    """K and V bytes a decode call reads (and their float32 scales on quantized pages): the
+    floor's work."""
+    tokens = batch * context * FLAGS.num_kv_heads
+    return 2 * tokens * FLAGS.head_dim * itemsize + (2 * tokens * 4 if quantized else 0)
+
+
+def parse_step_tiles(base: RaggedConfig) -> list[RaggedConfig]:
+    """--step_decode_tiles as RaggedConfigs: `base` with each entry's block_k, splits, warps and
+    stages."""
+    out = []
+    for text in FLAGS.step_decode_tiles:
+        try:
+            block_k, splits, warps, stages = (int(v) for v in text.split("/"))
+        except ValueError:
+            raise app.UsageError(f"--step_decode_tiles: {text!r} is not "
+                                 "block_k/splits/warps/stages (four integers)")
+        out.append(dataclasses.replace(base, block_k=block_k, num_splits=splits,
+                                       num_warps=warps, num_stages=stages))
+    return out
+
+
+def bench_step_decode(batch: int, context: int, calib: dict) -> list[dict]:
+    """The kernel an engine decode step runs (ops/paged_attention.py's `step_attention`): the
+    ragged kernel over `batch` sequences of one query token each, every one at `context` cached
+    tokens, with ragged_config's tiles (`dispatch` True) and each of --step_decode_tiles; the
+    work is the K and V bytes read, as in `bench_decode`."""
+    calls = FLAGS.calls
+    h, kvh, d, page = FLAGS.num_heads, FLAGS.num_kv_heads, FLAGS.head_dim, FLAGS.page_size
+    quantized = bool(FLAGS.kv_dtype)
+    pages_per_seq = context // page
+    k, v, ks, vs, tables = make_cache(batch, pages_per_seq, calls, quantized)
+    qs = random_inputs(jax.random.key(3), calls, (batch, h, d), jnp.dtype(FLAGS.dtype))
+    starts = jnp.arange(batch + 1, dtype=jnp.int32)  # one token per sequence
+    kv_lens = jnp.full((batch,), context, jnp.int32)
+    kv_bytes = decode_bytes(batch, context, k.dtype.itemsize, quantized)
+    base = ragged_config(batch, kvh, h // kvh, 1, pages_per_seq * page, d)
+    rows = []
+    for cfg in [base, *parse_step_tiles(base)]:
+        def ours(qs, k, v, ks, vs, tables, cfg=cfg):
+            return tuple(ragged_paged_attention(qs[c], k, v, tables[c], starts, kv_lens,
+                                                max_q_len=1, k_scales=ks, v_scales=vs,
+                                                impl=FLAGS.impl, config=cfg)
+                         for c in range(calls))
+        row = {"kind": "decode", "impl": "ragged_step", "batch": batch, "context": context,
+               "kv_dtype": str(k.dtype), "config": str(cfg), "dispatch": cfg == base}
+        try:
+            measure(row, ours, (qs, k, v, ks, vs, tables), calls, kv_bytes, "TBps",
+                    "copy_TBps", calib)
+        except Exception as e:  # a tile the shape does not take is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
 def bench_decode(batch: int, context: int, calib: dict, config=None, peers=True) -> list[dict]:
     calls = FLAGS.calls
     quantized = bool(FLAGS.kv_dtype)
@@ -191,10 +255,7 @@ def bench_decode(batch: int, context: int, calib: dict, config=None, peers=True)
     qs = random_inputs(jax.random.key(3), calls, (batch, FLAGS.num_heads, FLAGS.head_dim),
                        jnp.dtype(FLAGS.dtype))
     lengths = jnp.full((batch,), context, jnp.int32)
-    itemsize = k.dtype.itemsize
-    kv_bytes = 2 * batch * context * FLAGS.num_kv_heads * FLAGS.head_dim * itemsize
-    if quantized:
-        kv_bytes += 2 * batch * context * FLAGS.num_kv_heads * 4
+    kv_bytes = decode_bytes(batch, context, k.dtype.itemsize, quantized)
     if config is None and FLAGS.decode_config:
         block_k, splits, warps, stages, *merge = map(int, FLAGS.decode_config)
         config = DecodeConfig(block_k, splits, warps, stages, merge_in_kernel=any(merge))
@@ -424,6 +485,13 @@ def main(argv):
             for context in map(int, FLAGS.contexts):
                 rows += bench_decode(batch, context, calib)
                 print_table(rows[-3:])
+                write_json(calib, rows)
+    if "step_decode" in FLAGS.modes:
+        for batch in map(int, FLAGS.batches):
+            for context in map(int, FLAGS.contexts):
+                step_rows = bench_step_decode(batch, context, calib)
+                rows += step_rows
+                print_table(step_rows)
                 write_json(calib, rows)
     if "prefill" in FLAGS.modes:
         for chunk in map(int, FLAGS.chunks):
