@@ -199,9 +199,10 @@ def decode_bytes(batch: int, context: int, itemsize: int, quantized: bool) -> in
     return 2 * tokens * FLAGS.head_dim * itemsize + (2 * tokens * 4 if quantized else 0)
 
 
-def parse_step_tiles(base: RaggedConfig) -> list[RaggedConfig]:
-    """--step_decode_tiles as RaggedConfigs: `base` with each entry's block_k, splits, warps and
-    stages."""
+def parse_step_tiles() -> list[dict]:
+    """--step_decode_tiles as the RaggedConfig fields each entry changes (block_k, num_splits,
+    num_warps, num_stages); a malformed entry is a usage error (main parses them before
+    anything is timed)."""
     out = []
     for text in FLAGS.step_decode_tiles:
         try:
@@ -209,16 +210,15 @@ def parse_step_tiles(base: RaggedConfig) -> list[RaggedConfig]:
         except ValueError:
             raise app.UsageError(f"--step_decode_tiles: {text!r} is not "
                                  "block_k/splits/warps/stages (four integers)")
-        out.append(dataclasses.replace(base, block_k=block_k, num_splits=splits,
-                                       num_warps=warps, num_stages=stages))
+        out.append(dict(block_k=block_k, num_splits=splits, num_warps=warps, num_stages=stages))
     return out
 
 
-def bench_step_decode(batch: int, context: int, calib: dict) -> list[dict]:
+def bench_step_decode(batch: int, context: int, calib: dict, tiles: list[dict]) -> list[dict]:
     """The kernel an engine decode step runs (ops/paged_attention.py's `step_attention`): the
     ragged kernel over `batch` sequences of one query token each, every one at `context` cached
-    tokens, with ragged_config's tiles (`dispatch` True) and each of --step_decode_tiles; the
-    work is the K and V bytes read, as in `bench_decode`."""
+    tokens, with ragged_config's tiles (`dispatch` True) and with each of `tiles` (fields
+    changed, `parse_step_tiles`); the work is the K and V bytes read, as in `bench_decode`."""
     calls = FLAGS.calls
     h, kvh, d, page = FLAGS.num_heads, FLAGS.num_kv_heads, FLAGS.head_dim, FLAGS.page_size
     quantized = bool(FLAGS.kv_dtype)
@@ -230,7 +230,7 @@ def bench_step_decode(batch: int, context: int, calib: dict) -> list[dict]:
     kv_bytes = decode_bytes(batch, context, k.dtype.itemsize, quantized)
     base = ragged_config(batch, kvh, h // kvh, 1, pages_per_seq * page, d)
     rows = []
-    for cfg in [base, *parse_step_tiles(base)]:
+    for cfg in [base, *(dataclasses.replace(base, **tile) for tile in tiles)]:
         def ours(qs, k, v, ks, vs, tables, cfg=cfg):
             return tuple(ragged_paged_attention(qs[c], k, v, tables[c], starts, kv_lens,
                                                 max_q_len=1, k_scales=ks, v_scales=vs,
@@ -469,6 +469,7 @@ def write_json(calib: dict, rows: list[dict]) -> None:
 def main(argv):
     del argv
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    step_tiles = parse_step_tiles()  # before the calibration: a bad entry fails at once
     calib = calibrate() if "calib" in FLAGS.modes else {}
     rows = []
     if "sweep" in FLAGS.modes:
@@ -489,7 +490,7 @@ def main(argv):
     if "step_decode" in FLAGS.modes:
         for batch in map(int, FLAGS.batches):
             for context in map(int, FLAGS.contexts):
-                step_rows = bench_step_decode(batch, context, calib)
+                step_rows = bench_step_decode(batch, context, calib, step_tiles)
                 rows += step_rows
                 print_table(step_rows)
                 write_json(calib, rows)
