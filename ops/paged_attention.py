@@ -118,18 +118,6 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv
     return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
 
 
-def dense_causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Unpaged causal attention for tests: q [B, T, H, D], k, v [B, T, KVH, D] -> [B, T, H, D]."""
-    batch, seq, num_heads, head_dim = q.shape
-    group = num_heads // k.shape[2]
-    k = jnp.repeat(k, group, axis=2)
-    v = jnp.repeat(v, group, axis=2)
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) * head_dim ** -0.5
-    mask = jnp.tril(jnp.ones((seq, seq), bool))
-    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
-    return jnp.einsum("bhts,bshd->bthd", probs, v)
-
-
 def ragged_attention_by_groups(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                block_tables: jax.Array, query_start_loc: jax.Array,
                                kv_lens: jax.Array, *, max_q_len: int, max_prefill_seqs: int,
