@@ -103,8 +103,8 @@ ops/quant_wgmma_tiles.py, pure Python over shapes.
 
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
 `int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
-test_quant_wgmma_hopper.py; the CPU-side checks in tests/ops/test_quant_wgmma.py). Measured on the H200: docs/PERFORMANCE.md, "Nineteenth session" to
-"Twenty-first session".
+test_quant_wgmma_hopper.py; the CPU-side checks in tests/ops/test_quant_wgmma.py). Measured on
+the H200: docs/PERFORMANCE.md, "Nineteenth session" to "Twenty-first session".
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
     python -m scripts.bench_attention --json_out=attention.json
     python -m scripts.bench_attention --modes=sweep     # tuning sweep of the kernels' tiles
     python -m scripts.bench_attention --modes=calib,softmax --chunks=4096   # softmax variants
+    # an engine decode step's tiles:
     python -m scripts.bench_attention --modes=calib,step_decode --batches=64 --contexts=512 \
-        --step_decode_tiles=64/1/4/3,64/2/4/3,128/2/4/2 --device_times  # an engine decode step's tiles
+        --step_decode_tiles=64/1/4/3,64/2/4/3,128/2/4/2 --device_times
 
 Shapes: 32 query heads, 8 kv heads, head_dim 128, page size 16, bf16 (flags change them).
 - calib: the card's two ceilings, measured in the same run: a large bf16 elementwise copy
@@ -36,7 +37,6 @@ programs traced too; issue 4 allows either measure).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import warnings
 
@@ -49,6 +49,7 @@ from absl import app, flags
 from ops.decode_attention import DecodeConfig, decode_config, paged_attention
 from ops.ragged_attention import RaggedConfig, ragged_config, ragged_paged_attention
 from scripts import decode_profile, timing
+from scripts.common import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "decode", "prefill"],
@@ -452,18 +453,19 @@ def print_table(rows: list[dict]) -> None:
               f"{dev}  {r['config']}")
 
 
-def write_json(calib: dict, rows: list[dict]) -> None:
+def save_rows(calib: dict, rows: list[dict]) -> None:
+    """--json_out: every row so far, rewritten whole after each shape (scripts.common.write_json:
+    a run cut short keeps the last complete file)."""
     if not FLAGS.json_out:
         return
-    with open(FLAGS.json_out, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "calib": calib,
-                   "timing": "jitted program of --calls calls on distinct inputs, queued "
-                             "--queue times, one sync; median of --runs",
-                   "flags": {k: FLAGS[k].value for k in
-                             ("calls", "queue", "runs", "num_heads", "num_kv_heads",
-                              "head_dim", "page_size", "dtype", "kv_dtype")},
-                   "rows": rows}, f, indent=1)
+    write_json(FLAGS.json_out, {
+        "device": jax.devices()[0].device_kind, "jax": jax.__version__, "calib": calib,
+        "timing": "jitted program of --calls calls on distinct inputs, queued --queue times, "
+                  "one sync; median of --runs",
+        "flags": {k: FLAGS[k].value for k in ("calls", "queue", "runs", "num_heads",
+                                               "num_kv_heads", "head_dim", "page_size", "dtype",
+                                               "kv_dtype")},
+        "rows": rows})
 
 
 def main(argv):
@@ -474,35 +476,35 @@ def main(argv):
     rows = []
     if "sweep" in FLAGS.modes:
         rows += sweep(calib)
-        write_json(calib, rows)
+        save_rows(calib, rows)
     if "merge" in FLAGS.modes:
         rows += merge_sweep(calib)
-        write_json(calib, rows)
+        save_rows(calib, rows)
     if "softmax" in FLAGS.modes:
         rows += softmax_sweep(calib)
-        write_json(calib, rows)
+        save_rows(calib, rows)
     if "decode" in FLAGS.modes:
         for batch in map(int, FLAGS.batches):
             for context in map(int, FLAGS.contexts):
                 rows += bench_decode(batch, context, calib)
                 print_table(rows[-3:])
-                write_json(calib, rows)
+                save_rows(calib, rows)
     if "step_decode" in FLAGS.modes:
         for batch in map(int, FLAGS.batches):
             for context in map(int, FLAGS.contexts):
                 step_rows = bench_step_decode(batch, context, calib, step_tiles)
                 rows += step_rows
                 print_table(step_rows)
-                write_json(calib, rows)
+                save_rows(calib, rows)
     if "prefill" in FLAGS.modes:
         for chunk in map(int, FLAGS.chunks):
             rows += bench_prefill(chunk, calib)
             print_table(rows[-3:])
-            write_json(calib, rows)
+            save_rows(calib, rows)
         rows += bench_prefill(2048, calib, mixed=True)
     print()
     print_table(rows)
-    write_json(calib, rows)
+    save_rows(calib, rows)
 
 
 if __name__ == "__main__":
