@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from configs.model import ModelConfig
-from engine.kv_cache import kv_bytes_per_token
+from models.kv_cache import kv_bytes_per_token
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Two mesh axes:
     data    data parallelism: the step's sequences (and the KV-cache pages) split into `dp`
             groups, each served by its own copy of the weights
-    model   tensor parallelism: weights and KV heads split over `tp` devices (engine/sharding.py)
+    model   tensor parallelism: weights and KV heads split over `tp` devices (models/sharding.py)
 
 The mesh is `dp x tp` devices in `jax.devices()` order, so a `model` group is `tp` consecutive
 devices: with several processes (hosts) that keeps tensor parallelism inside a host as long as
@@ -18,9 +18,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType, Mesh
 
-DATA = "data"
-MODEL = "model"
-AXES = (DATA, MODEL)
+from configs.mesh import AXES, DATA, MODEL, mesh_shape  # noqa: F401  (the axes of every mesh)
 
 
 def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
@@ -42,11 +40,6 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
                          f"{len(devices)} devices, got tp={tp} x dp={dp} = {count}")
     grid = [devices[i * tp:(i + 1) * tp] for i in range(dp)]
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def mesh_shape(mesh: Mesh) -> tuple[int, int]:
-    """(tp, dp) of a mesh built by make_mesh."""
-    return mesh.shape[MODEL], mesh.shape[DATA]
 
 
 def _describe(devices) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from configs.model import ModelConfig
-from engine.kv_cache import KVCache, init_kv_cache
+from models.kv_cache import KVCache, init_kv_cache
 from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, sample_step,
                              with_logprobs)
 from engine.step_inputs import StepLayout, pack, unpack

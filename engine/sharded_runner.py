@@ -17,7 +17,7 @@ are laid end to end along the `data` axis: tokens [dp * N], block tables [dp * S
 starts [dp * (S + 1)], ... They travel as one int32 [dp, L] array (each shard's inputs packed by
 engine/step_inputs.py, row d on shard d) and are sliced apart in the step. Under the mesh the
 attention and KV write run per shard (ops/sharded_attention.py); everything else is ordinary
-jnp partitioned by XLA from the weights' shardings (engine/sharding.py). Logits come back replicated, in the batch's sequence order.
+jnp partitioned by XLA from the weights' shardings (models/sharding.py). Logits come back replicated, in the batch's sequence order.
 
 The step takes and returns explicitly sharded arrays (in_shardings / out_shardings) and donates
 the cache, as the single-device runner does.
@@ -38,10 +38,10 @@ from engine.mesh import DATA, mesh_shape
 from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepBatch,
                            bucket, bucket_key, input_tokens, start_copies)
 from engine.sampling import SamplingArrays, sample_step
-from engine.sharding import (attention_plan, init_sharded_kv_cache, put, replicated,
-                             shard_state)
+from engine.sharding import init_sharded_kv_cache, replicated
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, forward
+from models.sharding import attention_plan, put, shard_state
 from ops.kv_quant import is_quantized_kv_dtype
 
 

@@ -22,14 +22,11 @@ Q and K rows are in HF order (rotate-half RoPE), never GGUF's interleaved order.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from configs.model import ModelConfig
-
-if TYPE_CHECKING:  # pragma: no cover
-    from models.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -38,7 +35,7 @@ class LoadedCheckpoint:
 
     config: ModelConfig
     tensors: dict[str, np.ndarray]
-    tokenizer: "Tokenizer | None"
+    tokenizer: Tokenizer | None
 
 
 def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

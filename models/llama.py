@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from configs.model import ModelConfig
-from engine.kv_cache import KVCache
+from models.kv_cache import KVCache
 from ops import gemv as gemv_ops
 from ops.matmul import TransposedWeight, device_k_order, linear, reorder_k
 from ops.paged_attention import step_attention
@@ -337,7 +337,7 @@ def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
     the same function: its products are the unfused ones side by side. Layer by layer, so peak
     memory grows by one layer's kernels. Quantize before fusing (quant/model.py names the
     unfused layers); quantized kernels are concatenated column-wise. Sharding rules
-    (engine/sharding.py) know only the unfused names: fused weights are for one device.
+    (models/sharding.py) know only the unfused names: fused weights are for one device.
     """
     if cfg.fused_projections:
         raise ValueError("fuse_projections: the model is already fused")

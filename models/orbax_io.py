@@ -2,8 +2,9 @@
 
 Layout of a checkpoint directory:
     pallasite_config.json   the ModelConfig, the weight dtype and, for a quantized model, its
-                            quantization settings (quant.model.QuantConfig), from which the
-                            shape-only quantized model is rebuilt as the restore target
+                            quantization settings (quant.model.QuantConfig), from which
+                            quant/loader.py rebuilds the shape-only quantized model that the
+                            stored arrays are restored into
     params/                 orbax checkpoint of the model state (nested dict of arrays)
     tokenizer.json, tokenizer_config.json   (when the source had a tokenizer)
 
@@ -23,7 +24,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from configs.model import ModelConfig, config_from_dict, config_to_dict
-from models.weights import abstract_model, model_from_pure_dict
+from models.sharding import abstract_with_shardings
+from models.tokenizer import Tokenizer
+from models.weights import model_from_pure_dict
 
 CONFIG_FILE = "pallasite_config.json"
 
@@ -67,44 +70,40 @@ def save_checkpoint(output_dir: str, cfg: ModelConfig, model, tokenizer=None,
         raise
 
 
-def load_checkpoint(path: str, dtype=None, mesh=None):
-    """Restores (config, model, tokenizer or None) from a directory written by save_checkpoint.
+def read_checkpoint_meta(path: str) -> tuple[ModelConfig, jnp.dtype, dict | None]:
+    """(config, stored weight dtype, quantization settings or None) of a checkpoint directory.
 
-    dtype None keeps the stored dtype; otherwise weights are cast to `dtype`. mesh: restore each
-    weight directly onto its shards of this (data, model) mesh (engine/sharding.py): every
-    process reads only the parts its devices hold, whatever mesh the checkpoint was written from.
+    FileNotFoundError when `path` is not a checkpoint; ValueError when its config is corrupt.
     """
-    from models.tokenizer import Tokenizer
-
-    path = os.path.abspath(path)
-    config_path = os.path.join(path, CONFIG_FILE)
+    config_path = os.path.join(os.path.abspath(path), CONFIG_FILE)
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{path} is not a Pallasite orbax checkpoint: {CONFIG_FILE} "
-                                "is missing")
+        raise FileNotFoundError(f"{os.path.abspath(path)} is not a Pallasite orbax checkpoint: "
+                                f"{CONFIG_FILE} is missing")
     try:
         with open(config_path) as f:
             meta = json.load(f)
-        cfg = config_from_dict(meta["model"])
-        stored_dtype = jnp.dtype(meta["dtype"])
-        quantization = meta.get("quantization")
-        if quantization is not None:
-            from quant.model import QuantConfig, quantized_abstract_model
-            qcfg = QuantConfig.from_dict(quantization)
+        return config_from_dict(meta["model"]), jnp.dtype(meta["dtype"]), meta.get("quantization")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{config_path} is corrupt: {e}") from None
 
-    def abstract(dtype):
-        if quantization is None:
-            return abstract_model(cfg, dtype)
-        return quantized_abstract_model(cfg, qcfg, dtype)
 
+def restore_checkpoint(path: str, cfg: ModelConfig, abstract, stored_dtype, dtype=None,
+                       mesh=None):
+    """Restores (model, tokenizer or None) from a directory written by save_checkpoint.
+
+    abstract: dtype -> the shape-only model the stored arrays fill (models.weights.abstract_model
+    for a float checkpoint; a quantized one's comes from quant/). dtype None keeps the stored
+    dtype; otherwise float weights are cast to `dtype`. mesh: restore each weight directly onto
+    its shards of this (data, model) mesh (models/sharding.py): every process reads only the
+    parts its devices hold, whatever mesh the checkpoint was written from.
+    """
+    path = os.path.abspath(path)
     target = nnx.to_pure_dict(nnx.state(abstract(stored_dtype)))
     if mesh is None:  # onto the default device, whatever layout the arrays were saved from
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                               target)
     else:
-        from engine.sharding import abstract_with_shardings
         target = abstract_with_shardings(target, cfg, mesh)
     try:
         pure = ocp.StandardCheckpointer().restore(os.path.join(path, "params"), target)
@@ -114,4 +113,4 @@ def load_checkpoint(path: str, dtype=None, mesh=None):
     model = model_from_pure_dict(cfg, pure, dtype or stored_dtype,
                                  abstract=abstract(dtype or stored_dtype))
     has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
-    return cfg, model, (Tokenizer.from_dir(path) if has_tokenizer else None)
+    return model, (Tokenizer.from_dir(path) if has_tokenizer else None)

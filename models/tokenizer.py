@@ -18,6 +18,8 @@ from typing import Any, Iterable, Optional, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from models.gguf_file import open_gguf
+
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -220,7 +222,6 @@ class Tokenizer:
         SUPPORTED_GGUF_PRE_TOKENIZERS; anything else raises ValueError naming it.
         """
         if isinstance(reader, (str, os.PathLike)):
-            from models.gguf_loader import open_gguf  # local import: gguf_loader imports us
             reader = open_gguf(reader)
         field = lambda key, default=None: _gguf_field(reader, key, default)  # noqa: E731
 

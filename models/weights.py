@@ -57,7 +57,7 @@ def model_from_pure_dict(cfg: ModelConfig, pure: dict, dtype=jnp.float32,
     abstract: the shape-only model to fill (default `abstract_model(cfg, dtype)`); a quantized
     checkpoint passes its own (quant.model.quantized_abstract_model).
     place: a function (key path, host numpy array in its final dtype) -> device array that puts
-    each host weight where it belongs, e.g. on its shards of a mesh (engine.sharding.leaf_placer).
+    each host weight where it belongs, e.g. on its shards of a mesh (models.sharding.leaf_placer).
     """
     graphdef, state = nnx.split(abstract if abstract is not None else abstract_model(cfg, dtype))
 

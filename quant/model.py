@@ -28,8 +28,9 @@ import numpy as np
 from flax import nnx
 
 from configs.model import ModelConfig
+from models.weights import abstract_model
 from quant.awq import awq_layer
-from quant.calibration import LayerwiseRunner, linear_modules
+from quant.calibration import LayerwiseRunner, calibration_ids, linear_modules
 from quant.gptq import gptq_quantize, hessian
 from quant.qtensor import QuantizedWeight, abstract_quantized_weight, split_columns
 from quant.rtn import quantize_rtn, resolve_group_size
@@ -155,8 +156,6 @@ def _quantize_head(model, qcfg: QuantConfig, dtype):
 
 def quantized_abstract_model(cfg: ModelConfig, qcfg: QuantConfig, dtype=jnp.float32):
     """The shape-only model whose decoder linears are QuantizedWeights of `qcfg` (restore target)."""
-    from models.weights import abstract_model
-
     check_lm_head(cfg, qcfg)
     model = abstract_model(cfg, dtype)
     modules = [(m, qcfg.act_order) for layer in model.layers
@@ -184,12 +183,10 @@ def is_quantized(model) -> bool:
 
 def quantize_loaded(loaded, qcfg: QuantConfig, calib_text: str | None = None,
                     calib_tokens: int = 16384, calib_seq_len: int = 512) -> dict:
-    """Quantizes a models.loader.LoadedModel in place; returns the settings to store with it.
+    """Quantizes a quant.loader.LoadedModel in place; returns the settings to store with it.
 
     GPTQ and AWQ calibrate on `calib_text` (a file; None: the built-in text).
     """
-    from quant.calibration import calibration_ids
-
     settings = qcfg.to_dict()
     calib = None
     if qcfg.needs_calibration:

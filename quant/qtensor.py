@@ -149,7 +149,7 @@ def expand_groups(per_group: jax.Array, group_size: int, in_features: int) -> ja
     """[G, N] -> [K, N]: row k gets group k // group_size.
 
     A broadcast and reshape, not a gather: under tensor parallelism the scales of a kernel split
-    by rows then expand on each shard without moving (engine/sharding.py).
+    by rows then expand on each shard without moving (models/sharding.py).
     """
     groups, n = per_group.shape
     rows = jnp.broadcast_to(per_group[:, None, :], (groups, group_size, n))

@@ -303,7 +303,7 @@ def main(argv):
 
         from engine.llm_engine import LLMEngine
         from engine.mesh import is_main_process
-        from models.loader import EMBEDDED_PRESETS, load_model
+        from quant.loader import EMBEDDED_PRESETS, load_model
 
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         common.check_fusion(mesh)

@@ -63,7 +63,7 @@ def main(argv):
         from engine.llm_engine import LLMEngine
         from engine.mesh import is_main_process
         from engine.request import SamplingParams
-        from models.loader import load_model
+        from quant.loader import load_model
 
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         common.check_fusion(mesh)

@@ -57,7 +57,7 @@ FLAGS = flags.FLAGS
 def random_cache(cache, seed: int):
     """The cache's pages filled with random values of its dtype (never zeros), each made where
     its page array lives (its sharding, on a mesh)."""
-    from engine.kv_cache import KVCache
+    from models.kv_cache import KVCache
     keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k_pages))
 
     def fill_like(key, a):
@@ -244,7 +244,7 @@ def main(argv) -> None:
         if not all(0.0 <= a <= 1.0 for a in alphas):
             raise ValueError(f"--alphas must lie in [0, 1], got {FLAGS.alphas}")
         from engine.mesh import is_main_process
-        from models.loader import load_model
+        from quant.loader import load_model
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         common.check_fusion(mesh)
         loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), True, FLAGS.seed,

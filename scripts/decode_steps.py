@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.model import ModelConfig
-from engine.kv_cache import KVCache, kv_bytes_per_token
+from models.kv_cache import KVCache, kv_bytes_per_token
 from engine.runner import ModelRunner, StepBatch, fetch_samples, make_step_batch
 from engine.sampling import SamplingArrays
 from scripts import timing
@@ -55,7 +55,7 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
     """A model of cfg's shapes with normal(0, 0.02) weights (RMSNorm weights 1), made on the
-    device (on the mesh's shards by engine/sharding.py's rules with a mesh).
+    device (on the mesh's shards by models/sharding.py's rules with a mesh).
 
     One small jitted generator per distinct (shape, sharding), called once per weight: compiling
     the whole initializer as one program (models.weights.random_model) makes XLA build one
@@ -68,7 +68,7 @@ def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
                                                                             dtype)))
     shardings = None
     if mesh is not None:
-        from engine.sharding import tree_shardings
+        from models.sharding import tree_shardings
         shardings = jax.tree.leaves(tree_shardings(abstract, cfg, mesh))
     generators = {}
 

@@ -127,7 +127,7 @@ def rows_logits_fn(cfg, batch: int, seq_len: int, dtype, page_size: int = 16):
     """
     import jax.numpy as jnp
 
-    from engine.kv_cache import init_kv_cache
+    from models.kv_cache import init_kv_cache
     from engine.runner import make_step_batch
     from models.llama import AttentionMetadata, forward
     pages_per_row = -(-seq_len // page_size)

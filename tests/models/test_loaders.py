@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as Q
 
 from configs.model import PRESETS, SMOLLM2_135M, ModelConfig, RopeScaling
 from models.checkpoint import expected_tensor_shapes
-from models.gguf_loader import (find_smollm2_gguf, llama3_rope_factors, load_gguf,
-                                rope_scaling_from_factors)
+from models.gguf_file import find_smollm2_gguf
+from models.gguf_loader import llama3_rope_factors, load_gguf, rope_scaling_from_factors
 from models.tokenizer import Tokenizer
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

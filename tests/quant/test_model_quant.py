@@ -14,9 +14,10 @@ from configs.model import TINY_LLAMA, TINY_LLAMA31
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.runner import full_sequence_logits
-from models.orbax_io import CONFIG_FILE, load_checkpoint, save_checkpoint
+from models.orbax_io import CONFIG_FILE, save_checkpoint
 from models.weights import random_model
 from quant.calibration import linear_modules
+from quant.loader import load_checkpoint
 from quant.model import (QuantConfig, is_quantized, model_nbytes, quantize_model,
                          quantized_abstract_model)
 from quant.qtensor import QuantizedWeight, dequantize

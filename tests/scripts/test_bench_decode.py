@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from configs.model import get_preset
-from engine.kv_cache import kv_bytes_per_token
+from models.kv_cache import kv_bytes_per_token
 from scripts import decode_profile
 from scripts import decode_steps as ds
 

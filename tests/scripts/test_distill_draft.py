@@ -12,7 +12,7 @@ import numpy as np
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.speculative import SpecConfig
-from models.loader import load_model
+from quant.loader import load_model
 from tests.conftest import GOLDEN_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -26,7 +26,7 @@ def server():
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.server.app import Server
     from engine.server.serving import ServerThread
-    from models.loader import load_model
+    from quant.loader import load_model
 
     loaded = load_model(TINY_DIR)
     engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer,

@@ -105,7 +105,7 @@ def tiny_model(cfg_name: str, quant: str | None, seed: int = 3, mesh=None):
     cfg = get_preset(cfg_name)
     place = None
     if mesh is not None:
-        from engine.sharding import leaf_placer
+        from models.sharding import leaf_placer
         place = leaf_placer(cfg, mesh)
     dtype = jnp.bfloat16 if quant == "bfloat16" else jnp.float32
     model = model_from_pure_dict(cfg, tiny_weights(cfg, seed), dtype, place=place)
@@ -191,8 +191,8 @@ def scenario_smollm2(args) -> dict:
     import numpy as np
 
     from engine.mesh import make_mesh
-    from models.gguf_loader import find_smollm2_gguf
-    from models.loader import load_model
+    from models.gguf_file import find_smollm2_gguf
+    from quant.loader import load_model
     try:
         find_smollm2_gguf()
     except FileNotFoundError as e:
@@ -219,9 +219,9 @@ def scenario_checkpoint(args) -> dict:
     from flax import nnx
 
     from engine.mesh import make_mesh
-    from engine.sharding import storage_layout, tree_shardings
-    from models.loader import load_model
-    from models.orbax_io import load_checkpoint, save_checkpoint
+    from models.sharding import storage_layout, tree_shardings
+    from models.orbax_io import save_checkpoint
+    from quant.loader import load_checkpoint, load_model
 
     out, tmp = {}, tempfile.mkdtemp()
     try:

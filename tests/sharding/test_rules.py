@@ -14,8 +14,9 @@ from configs.model import (LLAMA31_8B, QWEN25_05B, SMOLLM2_135M, TINY_LLAMA, TIN
                            TINY_QWEN2)
 from engine.mesh import make_mesh
 from engine.sharded_pool import ShardedBlockPool
-from engine.sharding import (attention_plan, kv_local_config, partition_spec, path_names,
-                             repeat_kv_heads, runtime_config)
+from engine.sharding import kv_local_config
+from models.sharding import (attention_plan, partition_spec, path_names, repeat_kv_heads,
+                             runtime_config)
 from tests.sharding.scenarios import ROOT, device_env
 
 M = "model"

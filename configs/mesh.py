@@ -1,0 +1,17 @@
+"""The names of the two device-mesh axes, shared by the weight rules (models/sharding.py) and
+the engine's mesh and shardings (engine/mesh.py, engine/sharding.py).
+
+    data    data parallelism: the step's sequences (and the KV-cache pages) split into `dp`
+            groups, each served by its own copy of the weights
+    model   tensor parallelism: weights and KV heads split over `tp` devices
+"""
+from __future__ import annotations
+
+DATA = "data"
+MODEL = "model"
+AXES = (DATA, MODEL)
+
+
+def mesh_shape(mesh) -> tuple[int, int]:
+    """(tp, dp) of a mesh with the axes AXES (engine.mesh.make_mesh)."""
+    return mesh.shape[MODEL], mesh.shape[DATA]
