@@ -41,12 +41,6 @@ class ModelConfig:
     # instead of five (models.llama.fuse_projections; fewer, larger matmuls in a decode step).
     # Checkpoints store the unfused layout; fusion happens after loading, on one device.
     fused_projections: bool = False
-    # Each RMSNorm before a projection (q/k/v, gate/up, the output head) is applied as
-    # project(x * weight) times the row's rsqrt(mean(x^2) + eps) after the product
-    # (models.llama.normed_product): XLA fuses the multiply by the weight into the product and
-    # the row scale into what follows it, so the norm's own multiply kernel goes. Equal in exact
-    # arithmetic; in bf16 it rounds at other points than HF's RMSNorm.
-    fold_norm_scale: bool = False
     # The layers' four products (fused q/k/v and gate/up) stored [out, in]
     # (models.llama.transpose_for_gemv, after loading, on one device): steps of at most
     # ops.gemv.MAX_ROWS tokens run each product as one kernel with its RMSNorm, SiLU x up and
@@ -145,9 +139,15 @@ def config_to_dict(cfg: ModelConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# Fields that older checkpoints store and that no longer exist (their value there is always the
+# old default, false): skipped when a stored config is read.
+RETIRED_FIELDS = ("fold_norm_scale",)
+
+
 def config_from_dict(d: dict) -> ModelConfig:
     """Rebuilds a ModelConfig from `config_to_dict` output; unknown keys raise ValueError."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
+    d = {k: v for k, v in d.items() if k not in RETIRED_FIELDS}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")

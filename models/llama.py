@@ -19,7 +19,7 @@ from models.kv_cache import KVCache
 from ops import gemv as gemv_ops
 from ops.matmul import TransposedWeight, device_k_order, linear, reorder_k
 from ops.paged_attention import step_attention
-from ops.rms_norm import rms_norm, rms_scale
+from ops.rms_norm import rms_norm
 from ops.rope_kv import rope_and_write_kv
 
 
@@ -182,20 +182,6 @@ def gated_activation(gate_up):
     return jax.nn.silu(gate) * up
 
 
-def normed_product(norm: RMSNorm, x: jax.Array, project, fold: bool):
-    """project(norm(x)) (project: x [N, hidden] -> an array or a tuple of arrays).
-
-    fold (ModelConfig.fold_norm_scale): project(x * weight) times each row's rsqrt(mean(x^2) +
-    eps), in float32, after the product; the product is linear in its rows, so this is the same
-    function in exact arithmetic, with the norm's multiply fused into XLA's product.
-    """
-    if not fold:
-        return project(norm(x))
-    scale = rms_scale(x, norm.eps)  # [N, 1]
-    out = project(x * norm.weight[...].astype(x.dtype))
-    return jax.tree.map(lambda y: (y.astype(jnp.float32) * scale).astype(y.dtype), out)
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -208,15 +194,11 @@ class DecoderLayer(nnx.Module):
         """Pre-norm attention then MLP, each with a residual; returns (x, k_pages, v_pages)."""
         if cfg.gemv_layers and x.shape[0] <= gemv_ops.MAX_ROWS:
             return self.gemv_call(x, k_pages, v_pages, meta, cfg, inv_freq)
-        fold = cfg.fold_norm_scale
-        # (a q/k/v bias would be scaled with the product: no fold there)
-        qkv = normed_product(self.input_layernorm, x, self.self_attn.project_qkv,
-                             fold and not cfg.attention_bias)
+        qkv = self.self_attn.project_qkv(self.input_layernorm(x))
         attn_out, k_pages, v_pages = self.self_attn.attend(qkv, k_pages, v_pages, meta, cfg,
                                                            inv_freq)
         x = x + attn_out
-        x = x + self.mlp.down(normed_product(self.post_attention_layernorm, x,
-                                             self.mlp.project_gate_up, fold))
+        x = x + self.mlp.down(self.mlp.project_gate_up(self.post_attention_layernorm(x)))
         return x, k_pages, v_pages
 
     def gemv_call(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
@@ -284,7 +266,7 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
     head = model.embed_tokens.attend if cfg.tie_word_embeddings else model.lm_head
-    logits = normed_product(model.norm, x, head, cfg.fold_norm_scale)
+    logits = head(model.norm(x))
     return logits.astype(jnp.float32), KVCache(tuple(k_all), tuple(v_all))
 
 

@@ -1,11 +1,23 @@
 """Flags and helpers shared by the absl entry points in scripts/."""
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import sys
+import time
 
+import jax
+import jax.numpy as jnp
 from absl import flags
+
+from engine.api import default_dtype, load_prepared
+from engine.llm_engine import EngineConfig
+from engine.speculative import SpecConfig
+from models.prepare import check_preparation, prepare_for_device
+from ops.quant_wgmma import on_hopper
+from quant.model import QuantConfig, quantize_loaded
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -92,31 +104,30 @@ def define_quant_flags() -> None:
     flags.DEFINE_integer("calib_seq_len", 512, "Tokens per calibration row.")
 
 
+def quant_config_from_flags(method: str) -> QuantConfig:
+    """The QuantConfig of `method` and the quantization flags (quant/model.py)."""
+    f = flags.FLAGS
+    return QuantConfig(method, group_size=f.group_size, symmetric=f.symmetric,
+                       act_order=f.act_order, lm_head=f.quantize_lm_head)
+
+
 def quantize_from_flags(loaded, method: str) -> dict:
     """Quantizes loaded.model in place with `method` and the quantization flags (quant/model.py).
 
     Returns the settings to store with a checkpoint.
     """
-    from quant.model import QuantConfig, quantize_loaded
     f = flags.FLAGS
-    qcfg = QuantConfig(method, group_size=f.group_size, symmetric=f.symmetric,
-                       act_order=f.act_order, lm_head=f.quantize_lm_head)
-    return quantize_loaded(loaded, qcfg, f.calib_text, f.calib_tokens, f.calib_seq_len)
+    return quantize_loaded(loaded, quant_config_from_flags(method), f.calib_text, f.calib_tokens,
+                           f.calib_seq_len)
 
 
 def resolve_dtype(name: str | None):
-    """The jnp dtype for --dtype, defaulting by backend."""
-    import jax
-    import jax.numpy as jnp
-    if name is None:
-        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    return jnp.dtype(name)
+    """The jnp dtype for --dtype, defaulting by backend (engine.api.default_dtype)."""
+    return default_dtype(jax.default_backend()) if name is None else jnp.dtype(name)
 
 
 def engine_config_from_flags(FLAGS, cfg):
     """The EngineConfig of the engine flags for model config `cfg`."""
-    import jax
-    from engine.llm_engine import EngineConfig
     max_model_len = FLAGS.max_model_len or min(2048, cfg.max_position_embeddings)
     memory_fraction = FLAGS.memory_fraction
     if memory_fraction is None and FLAGS.num_pages is None and jax.default_backend() != "cpu":
@@ -175,10 +186,7 @@ def set_xla_flags() -> None:
 def setup_jax() -> None:
     """Sets the XLA flags of the scripts' flags, quiets jax's backend probing and turns on
     the persistent compilation cache; call before jax's backend starts."""
-    import logging
-
     set_xla_flags()
-    import jax
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
     if flags.FLAGS.compilation_cache_dir:
@@ -190,16 +198,13 @@ def freeze_startup_objects() -> None:
     """Takes every object alive after start-up (the model's modules, the engine, jax's compiled
     programs) out of the cyclic garbage collector's scans (`gc.freeze`, as vLLM does after
     start-up), so that full collections during serving walk only what serving made. Objects
-    made later are collected as before. (On the CPU it made no measurable difference to the
-    host time per step: docs/PERFORMANCE.md.)"""
-    import gc
+    made later are collected as before."""
     gc.collect()
     gc.freeze()
 
 
 def print_progress(label: str):
     """A progress callback (done, total) that rewrites one line on stderr."""
-    import time
     start = time.perf_counter()
 
     def report(done: int, total: int) -> None:
@@ -222,7 +227,7 @@ def define_speculative_flags() -> None:
 
 
 def define_fusion_flags() -> None:
-    """--fuse_projections and --gemv_layers: tri-state (unset: auto); --fold_norm_scale."""
+    """--fuse_projections and --gemv_layers: tri-state (unset: auto, models/prepare.py)."""
     flags.DEFINE_bool("gemv_layers", None,
                       "Store each layer's fused weights transposed so that batch-1 decode steps "
                       "run each product as one Pallas kernel with its RMSNorm, SiLU x up and "
@@ -233,12 +238,6 @@ def define_fusion_flags() -> None:
                       "Needs fused projections, float, INT8 or INT4 (not act-order) weights and "
                       "one device; the kernels run for bf16 activations on a GPU. Default auto: "
                       "on for INT8 / INT4 models on one Hopper GPU, off otherwise.")
-    flags.DEFINE_bool("fold_norm_scale", False,
-                      "Apply each RMSNorm before a projection as project(x * weight) times the "
-                      "row's rsqrt scale after the product (ModelConfig.fold_norm_scale), so XLA "
-                      "fuses the norm's multiply into the product: llama3.1-8b batch-1 decode "
-                      "2.3% faster on the H200. The same function, rounded at other points than "
-                      "HF's RMSNorm in bf16.")
     flags.DEFINE_bool("fuse_projections", None,
                       "Fuse each layer's q/k/v and gate/up kernels into one matmul each after "
                       "loading (and quantizing); same tokens, fewer and larger matmuls (+36% "
@@ -247,117 +246,50 @@ def define_fusion_flags() -> None:
                       "mesh is an error (the sharding rules know only the unfused weights).")
 
 
-def fusion_wanted(requested: bool | None, backend: str, mesh) -> bool:
-    """Whether to fuse projections: `requested` (--fuse_projections) or, when None, auto (a GPU
-    backend and no mesh). Raises ValueError when fusion is forced on with a mesh."""
-    if requested is None:
-        return backend == "gpu" and mesh is None
-    if requested and mesh is not None:
-        raise ValueError("--fuse_projections=true needs one device: the sharding rules of a "
-                         "--tp/--dp mesh know only the unfused q/k/v and gate/up weights (drop "
-                         "--fuse_projections or --tp/--dp)")
-    return requested
-
-
-def gemv_wanted(requested: bool | None, quantized: bool, hopper: bool, mesh) -> bool:
-    """Whether to store the layers transposed: `requested` (--gemv_layers) or, when None, auto:
-    a quantized model (INT8 / INT4 codes) on a Hopper GPU without a mesh, where the Hopper
-    kernel runs every quantized product (the [in, out] codes' Triton path is slower than bf16
-    there: docs/PERFORMANCE.md, issue 6's tables)."""
-    if requested is None:
-        return quantized and hopper and mesh is None
-    return requested
-
-
 def check_fusion(mesh) -> None:
-    """Fails early (ValueError) when --fuse_projections cannot apply to `mesh` (fusion_wanted):
+    """Fails early (ValueError) when --fuse_projections / --gemv_layers cannot apply to `mesh`:
     call it right after parallel.setup_parallel(), before loading."""
-    import jax
-    fusion_wanted(flags.FLAGS.fuse_projections, jax.default_backend(), mesh)
-    if flags.FLAGS.gemv_layers and (mesh is not None or flags.FLAGS.fuse_projections is False):
-        raise ValueError("--gemv_layers needs fused projections on one device (drop "
-                         "--fuse_projections=false and --tp/--dp)")
+    check_preparation(jax.default_backend(), mesh, flags.FLAGS.fuse_projections,
+                      flags.FLAGS.gemv_layers)
 
 
-def fuse_from_flags(cfg, model, mesh=None, label: str = "model") -> tuple:
-    """(cfg, model), with q/k/v and gate/up fused in place when --fuse_projections (or auto)
-    says so (models.llama.fuse_projections), with a line on stderr, cfg.fold_norm_scale set by
-    --fold_norm_scale, and the layers transposed by --gemv_layers or its auto mode (after
-    fusing; `transpose_as_wanted`). Call after loading and quantizing. In auto mode a model
-    that cannot be fused or transposed (act-order quantized kernels) stays as it is, with a
-    note. ValueError when a requested --gemv_layers cannot apply."""
-    cfg, model = _fuse_from_flags(cfg, model, mesh, label)
-    from ops.quant_wgmma import on_hopper
-    return transpose_as_wanted(cfg, model, flags.FLAGS.gemv_layers, on_hopper(), mesh, label)
+def log_line(line: str) -> None:
+    """Prints one line of start-up information on stderr."""
+    print(line, file=sys.stderr)
 
 
-def transpose_as_wanted(cfg, model, requested: bool | None, hopper: bool, mesh=None,
-                        label: str = "model") -> tuple:
-    """(cfg, model) with the layers transposed (models.llama.transpose_for_gemv) when
-    `gemv_wanted` says so, with a line on stderr. Requested (--gemv_layers) and impossible:
-    ValueError; wanted by auto and impossible (unfused or act-order): a note, the model whole."""
-    from models.llama import has_quantized_layers, transpose_for_gemv
-    if cfg.gemv_layers or not gemv_wanted(requested, has_quantized_layers(model), hopper, mesh):
-        return cfg, model
-    if not cfg.fused_projections:
-        if requested:
-            raise ValueError("--gemv_layers needs fused projections (auto fusion is off on "
-                             "the CPU: add --fuse_projections)")
-        print(f"note: {label} layers left in [in, out] (projections unfused)", file=sys.stderr)
-        return cfg, model
-    try:
-        cfg, model = transpose_for_gemv(cfg, model)
-    except ValueError as e:  # checked before any change
-        if requested:
-            raise ValueError(f"--gemv_layers: {e}") from None
-        print(f"note: {label} layers left in [in, out] ({e})", file=sys.stderr)
-        return cfg, model
-    print(f"{label}: layers transposed for the batch-1 gemv kernel"
-          f"{'' if requested else ' (auto: quantized, Hopper GPU)'}", file=sys.stderr)
-    return cfg, model
-
-
-def _fuse_from_flags(cfg, model, mesh, label: str) -> tuple:
-    import jax
-
-    from models.llama import fuse_projections
-    if flags.FLAGS.fold_norm_scale and not cfg.fold_norm_scale:
-        cfg = cfg.replace(fold_norm_scale=True)
-        print(f"{label}: RMSNorm scales folded into the products after them", file=sys.stderr)
-    requested = flags.FLAGS.fuse_projections
-    if cfg.fused_projections or not fusion_wanted(requested, jax.default_backend(), mesh):
-        return cfg, model
-    try:
-        cfg, model = fuse_projections(cfg, model)
-    except ValueError as e:  # checked before any change: the model is still whole
-        if requested:
-            raise ValueError(f"--fuse_projections: {e}") from None
-        print(f"note: {label} projections left unfused ({e})", file=sys.stderr)
-        return cfg, model
-    print(f"{label}: q/k/v and gate/up projections fused", file=sys.stderr)
-    return cfg, model
-
-
-def prepare_model(loaded, mesh=None):
-    """The loaded model ready for an engine: fused per --fuse_projections (fuse_from_flags),
-    loaded.cfg updated to match. Call after loading and quantizing. Returns `loaded`."""
-    loaded.cfg, loaded.model = fuse_from_flags(loaded.cfg, loaded.model, mesh)
+def prepare_model(loaded, mesh=None, label: str = "model"):
+    """The loaded model ready for an engine: models.prepare.prepare_for_device with
+    --fuse_projections and --gemv_layers, its notes on stderr, loaded.cfg and loaded.model
+    updated. Call after loading and quantizing. Returns `loaded`."""
+    prepared = prepare_for_device(loaded.cfg, loaded.model, platform=jax.default_backend(),
+                                  hopper=on_hopper(), mesh=mesh,
+                                  fuse_projections=flags.FLAGS.fuse_projections,
+                                  gemv_layers=flags.FLAGS.gemv_layers, label=label)
+    for note in prepared.notes:
+        log_line(note)
+    loaded.cfg, loaded.model = prepared.cfg, prepared.model
     return loaded
+
+
+def spec_config_from_flags(FLAGS) -> SpecConfig | None:
+    """The SpecConfig of the speculative flags, or None for --speculative=none."""
+    if FLAGS.speculative == "none":
+        return None
+    if FLAGS.speculative == "draft" and not FLAGS.draft_model:
+        raise ValueError("--speculative=draft needs --draft_model")
+    return SpecConfig(FLAGS.speculative, FLAGS.num_speculative_tokens, FLAGS.ngram_min,
+                      FLAGS.ngram_max, FLAGS.spec_max_batch)
 
 
 def speculation_from_flags(FLAGS, dtype):
     """(SpecConfig or None, (draft cfg, draft model) or None) from the speculative flags; the
-    draft is fused per --fuse_projections (define_fusion_flags), as the target."""
-    from engine.speculative import SpecConfig
-    if FLAGS.speculative == "none":
-        return None, None
-    spec = SpecConfig(FLAGS.speculative, FLAGS.num_speculative_tokens, FLAGS.ngram_min,
-                      FLAGS.ngram_max, FLAGS.spec_max_batch)
-    if FLAGS.speculative != "draft":
+    draft is prepared per --fuse_projections / --gemv_layers for one device, as load_engine
+    prepares it."""
+    spec = spec_config_from_flags(FLAGS)
+    if spec is None or spec.method != "draft":
         return spec, None
-    if not FLAGS.draft_model:
-        raise ValueError("--speculative=draft needs --draft_model")
-    from models.loader import load_model
-    draft = load_model(FLAGS.draft_model, dtype)
-    # The draft runs unsharded on one device (engine/draft.py), so a mesh does not stop fusion.
-    return spec, fuse_from_flags(draft.cfg, draft.model, label="draft model")
+    draft, _ = load_prepared(FLAGS.draft_model, dtype=dtype,
+                             fuse_projections=FLAGS.fuse_projections,
+                             gemv_layers=FLAGS.gemv_layers, label="draft model", log=log_line)
+    return spec, (draft.cfg, draft.model)

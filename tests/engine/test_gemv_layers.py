@@ -243,13 +243,13 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     assert_same_generations(got, want, rtol=2e-2)
 
 
-def test_auto_transposes_quantized_models_on_hopper(capsys):
-    """--gemv_layers unset (auto, scripts.common.transpose_as_wanted): a quantized model on a
+def test_auto_transposes_quantized_models_on_hopper():
+    """gemv_layers None (auto, models.prepare.transpose_as_wanted): a quantized model on a
     Hopper GPU is stored transposed; a float model, another device, a mesh or an explicit
-    --nogemv_layers leave it as it is; an act-order model that auto cannot transpose stays
-    whole with a note, where --gemv_layers asked for it is an error."""
+    False leave it as it is; an act-order model that auto cannot transpose stays whole with a
+    note, where gemv_layers=True asked for it is an error."""
     from models.llama import has_quantized_layers
-    from scripts.common import gemv_wanted, transpose_as_wanted
+    from models.prepare import gemv_wanted, transpose_as_wanted
     assert gemv_wanted(None, True, True, None)
     assert not gemv_wanted(None, True, True, object())  # a mesh
     assert not gemv_wanted(None, True, False, None) and not gemv_wanted(None, False, True, None)
@@ -263,19 +263,20 @@ def test_auto_transposes_quantized_models_on_hopper(capsys):
 
     fcfg, fmodel = fused()
     assert not has_quantized_layers(fmodel)
-    assert transpose_as_wanted(fcfg, fmodel, None, True) == (fcfg, fmodel)  # float: as it was
+    assert transpose_as_wanted(fcfg, fmodel, None, True) == (fcfg, fmodel, [])  # float: as it was
     qcfg, qmodel = fused("int8")
     assert has_quantized_layers(qmodel)
     for requested, hopper in ((None, False), (False, True)):
         assert not transpose_as_wanted(qcfg, qmodel, requested, hopper)[0].gemv_layers
-    tcfg, tmodel = transpose_as_wanted(qcfg, qmodel, None, True)
+    tcfg, tmodel, notes = transpose_as_wanted(qcfg, qmodel, None, True)
     assert tcfg.gemv_layers and isinstance(tmodel.layers[0].mlp.down_proj.kernel.get_value(),
                                            TransposedWeight)
-    assert "layers transposed for the batch-1 gemv kernel (auto" in capsys.readouterr().err
+    assert notes == ["model: layers transposed for the batch-1 gemv kernel (auto: quantized, "
+                     "Hopper GPU)"]
     acfg, amodel = fused("int4_rtn")
     act_order_last_down(amodel, np.random.default_rng(int(np.random.randint(1 << 30))))
-    out_cfg, _ = transpose_as_wanted(acfg, amodel, None, True)
+    out_cfg, _, notes = transpose_as_wanted(acfg, amodel, None, True)
     assert not out_cfg.gemv_layers and "left in [in, out] (transpose_for_gemv: act-order" in (
-        capsys.readouterr().err)
-    with pytest.raises(ValueError, match="--gemv_layers: transpose_for_gemv: act-order"):
+        notes[0])
+    with pytest.raises(ValueError, match="gemv_layers: transpose_for_gemv: act-order"):
         transpose_as_wanted(acfg, amodel, True, True)

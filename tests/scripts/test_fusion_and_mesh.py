@@ -48,16 +48,6 @@ def test_forced_fusion_gives_the_same_greedy_tokens(unfused):
     assert all(len(o["token_ids"]) == 10 for o in plain)
 
 
-def test_folded_norm_scale_gives_the_same_greedy_tokens(unfused):
-    """generate --fold_norm_scale (ModelConfig.fold_norm_scale) reaches the model: the same
-    greedy tokens as without it (the CPU runs float32)."""
-    plain, plain_err = unfused
-    folded, err = generate_json("--fuse_projections=true", "--fold_norm_scale")
-    line = "model: RMSNorm scales folded into the products after them"
-    assert line in err and line not in plain_err
-    assert [o["token_ids"] for o in folded] == [o["token_ids"] for o in plain]
-
-
 def test_gemv_layers_give_the_same_greedy_tokens(unfused):
     """generate --gemv_layers (models.llama.transpose_for_gemv) reaches the model: the same
     greedy tokens, one sequence at a time (one-row decode steps: on the CPU ops/gemv.py's
@@ -70,8 +60,8 @@ def test_gemv_layers_give_the_same_greedy_tokens(unfused):
 
 
 @pytest.mark.parametrize("flags,named", [
-    (("--fuse_projections=false",), "--gemv_layers needs fused projections on one device"),
-    ((), "--gemv_layers needs fused projections (auto fusion is off on the CPU"),
+    (("--fuse_projections=false",), "(--gemv_layers) needs fused projections on one device"),
+    ((), "gemv_layers needs fused projections (auto fusion is off on the CPU"),
 ])
 def test_gemv_layers_without_fusion_is_one_clear_error(flags, named):
     result = run_script("generate", f"--model={TINY_DIR}", "--prompt=hi", "--nowarmup",
@@ -94,7 +84,7 @@ def test_generate_rejects_forced_fusion_on_a_mesh():
 
 
 def test_fusion_decision():
-    from scripts.common import fusion_wanted
+    from models.prepare import fusion_wanted
     mesh = object()  # any mesh
     assert fusion_wanted(None, "gpu", None) is True  # auto: a GPU without a mesh
     assert fusion_wanted(None, "cpu", None) is False
@@ -102,7 +92,7 @@ def test_fusion_decision():
     assert fusion_wanted(False, "gpu", None) is False
     assert fusion_wanted(True, "cpu", None) is True
     assert fusion_wanted(False, "gpu", mesh) is False
-    with pytest.raises(ValueError, match="--fuse_projections=true needs one device"):
+    with pytest.raises(ValueError, match="fuse_projections=True .* needs one device"):
         fusion_wanted(True, "gpu", mesh)
 
 
