@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from models.orbax_io import save_checkpoint
+from models.sharding import storage_layout
+from quant.loader import load_model
 from scripts import common, parallel
 
 flags.DEFINE_string("input", "smollm2-135m",
@@ -30,13 +33,9 @@ def main(argv):
     if not FLAGS.output:
         common.fail("--output is required")
     try:
-        from models.loader import load_model
-        from models.orbax_io import save_checkpoint
-
         loaded = load_model(FLAGS.input, common.resolve_dtype(FLAGS.dtype))
         model = loaded.model
         if FLAGS.storage_tp > 1:  # orbax writes every array in chunks of its shards
-            from engine.sharding import storage_layout
             model = storage_layout(model, loaded.cfg, FLAGS.storage_tp)
         save_checkpoint(FLAGS.output, loaded.cfg, model, loaded.tokenizer,
                         overwrite=FLAGS.overwrite)

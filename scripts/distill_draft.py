@@ -35,14 +35,27 @@ most of it the 49152-token output head and softmax of target and draft; measured
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import app, flags
+from flax import nnx
+from tqdm import tqdm
 
+from engine.runner import make_step_batch
+from models.kv_cache import init_kv_cache
+from models.llama import AttentionMetadata, forward
+from models.orbax_io import save_checkpoint
+from models.weights import model_from_pure_dict
+from quant.loader import load_model
 from scripts import common
 
 common.define_model_flags()
@@ -83,8 +96,6 @@ def default_text() -> tuple[str, str]:
                           errors="replace") as f:
                     texts.append(f.read())
             return "\n\n".join(texts), f"{LICENSE_DIR} ({len(names)} files)"
-    import importlib
-    import inspect
     docs = []
     for name in FALLBACK_MODULES:
         module = importlib.import_module(name)
@@ -109,10 +120,6 @@ def draft_layer_indices(num_target: int, num_draft: int, how: str) -> list[int]:
 
 def init_draft(cfg, model, layers: list[int]):
     """(draft config, draft model): the target's embedding, head and norm, and `layers`."""
-    import jax
-    from flax import nnx
-
-    from models.weights import model_from_pure_dict
     pure = nnx.to_pure_dict(nnx.state(model))
     draft_cfg = cfg.replace(num_layers=len(layers), name=f"{cfg.name}-draft{len(layers)}")
     draft = {key: value for key, value in pure.items() if key != "layers"}
@@ -125,11 +132,6 @@ def rows_logits_fn(cfg, batch: int, seq_len: int, dtype, page_size: int = 16):
     """f(model, tokens int32 [batch, seq_len]) -> logits float32 [batch, seq_len, V]: one prefill
     of every row through `models.llama.forward` in a fresh paged cache (traceable, differentiable).
     """
-    import jax.numpy as jnp
-
-    from models.kv_cache import init_kv_cache
-    from engine.runner import make_step_batch
-    from models.llama import AttentionMetadata, forward
     pages_per_row = -(-seq_len // page_size)
     rows = [([0] * seq_len, 0, list(range(b * pages_per_row, (b + 1) * pages_per_row)))
             for b in range(batch)]
@@ -151,8 +153,6 @@ def rows_logits_fn(cfg, batch: int, seq_len: int, dtype, page_size: int = 16):
 def kl_per_token(teacher_logits, draft_logits):
     """KL(p || q) per token [B, T] of logits [B, T, V], with one exponential per logit of each:
     KL = lse(q) - lse(p) - sum_v p_v (q_v - p_v) over logits (lse: log-sum-exp)."""
-    import jax
-    import jax.numpy as jnp
     p = jax.nn.softmax(teacher_logits, axis=-1)
     return (jax.nn.logsumexp(draft_logits, axis=-1) - jax.nn.logsumexp(teacher_logits, axis=-1)
             - jnp.sum(p * (draft_logits - teacher_logits), axis=-1))
@@ -160,8 +160,6 @@ def kl_per_token(teacher_logits, draft_logits):
 
 def distribution_gaps(teacher_logits, draft_logits):
     """Per-token KL(p || q), top-1 agreement and overlap sum(min(p, q)), each [B, T]."""
-    import jax
-    import jax.numpy as jnp
     p = jax.nn.softmax(teacher_logits, axis=-1)
     q = jax.nn.softmax(draft_logits, axis=-1)
     agree = (jnp.argmax(teacher_logits, -1) == jnp.argmax(draft_logits, -1)).astype(jnp.float32)
@@ -180,11 +178,6 @@ def text_rows(ids: np.ndarray, seq_len: int, eval_rows: int):
 
 def distill(cfg, model, tokenizer, text: str):
     """Trains the draft; returns (draft cfg, draft model, figures dict)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    from tqdm import tqdm
 
     seed, steps, batch, seq_len = FLAGS.seed, FLAGS.steps, FLAGS.batch_size, FLAGS.seq_len
     if steps < 1 or batch < 1 or seq_len < 2 or FLAGS.eval_rows < batch:
@@ -269,9 +262,6 @@ def main(argv):
     del argv
     common.setup_jax()
     try:
-        from models.loader import load_model
-        from models.orbax_io import save_checkpoint
-
         if not FLAGS.output:
             raise ValueError("give --output, the directory to write the draft to")
         if os.path.exists(FLAGS.output) and not FLAGS.overwrite:

@@ -1,8 +1,8 @@
 """Perplexity of a model on a text: `python -m scripts.eval_ppl --model=smollm2-135m`.
 
 The text is tokenized without special tokens, cut to its first --num_tokens tokens, and run in
-one forward pass through the paged cache; perplexity = exp(mean negative log-likelihood of each
-token given the ones before it). The default text is CPython's pydoc topics
+one forward pass through the paged cache (engine/perplexity.py); perplexity = exp(mean negative
+log-likelihood of each token given the ones before it). The default text is CPython's pydoc topics
 (`pydoc_data.topics.topics`, joined in key order by blank lines), which ships with every CPython.
 
 --quant=METHOD quantizes the weights on the fly (quant/model.py; GPTQ and AWQ calibrate on
@@ -14,11 +14,12 @@ q/k/v and gate/up after quantizing (default: on a GPU), as the serving scripts d
 from __future__ import annotations
 
 import json
-import math
 
-import numpy as np
 from absl import app, flags
 
+from engine.api import load_prepared
+from engine.perplexity import default_text, perplexity_of_ids
+from quant.model import model_nbytes
 from scripts import common
 
 common.define_model_flags()
@@ -36,37 +37,10 @@ KV_DTYPES = {"bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}
 FLAGS = flags.FLAGS
 
 
-def default_text() -> str:
-    """The pydoc topics of the running CPython, joined in key order."""
-    from pydoc_data.topics import topics
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-def perplexity_of_ids(cfg, model, ids: list[int], page_size: int = 16,
-                      kv_dtype=None) -> tuple[float, float]:
-    """(perplexity, mean NLL) of `ids` under the model, in one forward pass through the cache."""
-    from engine.runner import full_sequence_logits
-
-    n = len(ids)
-    if n < 2:
-        raise ValueError(f"need at least 2 tokens to measure perplexity, got {n}")
-    if n > cfg.max_position_embeddings:
-        raise ValueError(f"{n} tokens exceed the model's context of {cfg.max_position_embeddings}")
-    logits = full_sequence_logits(cfg, model, np.asarray([ids]), page_size, kv_dtype)[0]
-    logits = logits.astype(np.float64)  # [n, V]
-    logits -= logits.max(-1, keepdims=True)
-    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    nll = -log_probs[np.arange(n - 1), np.asarray(ids[1:])].mean()
-    return math.exp(nll), float(nll)
-
-
 def main(argv):
     del argv
     common.setup_jax()
     try:
-        from models.loader import load_model
-        from quant.model import model_nbytes
-
         if FLAGS.num_tokens < 2:
             raise ValueError(f"--num_tokens must be >= 2, got {FLAGS.num_tokens}")
         if FLAGS.text_file:
@@ -74,12 +48,14 @@ def main(argv):
                 text = f.read()
         else:
             text = default_text()
-        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
-                            FLAGS.seed)
+        qcfg = common.quant_config_from_flags(FLAGS.quant) if FLAGS.quant else None
+        loaded, quant = load_prepared(
+            FLAGS.model, dtype=FLAGS.dtype, random_weights=FLAGS.random_weights, seed=FLAGS.seed,
+            quantization=qcfg, calib_text=FLAGS.calib_text, calib_tokens=FLAGS.calib_tokens,
+            calib_seq_len=FLAGS.calib_seq_len, fuse_projections=FLAGS.fuse_projections,
+            gemv_layers=FLAGS.gemv_layers, log=common.log_line)
         if loaded.tokenizer is None:
             raise ValueError(f"model {FLAGS.model!r} has no tokenizer to encode the text with")
-        quant = common.quantize_from_flags(loaded, FLAGS.quant) if FLAGS.quant else None
-        loaded = common.prepare_model(loaded)  # --fuse_projections, after quantizing
         ids = loaded.tokenizer.encode(text)[: FLAGS.num_tokens]
         kv_dtype = KV_DTYPES[FLAGS.kv_cache_dtype] if FLAGS.kv_cache_dtype else None
         ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, FLAGS.page_size, kv_dtype)

@@ -12,6 +12,8 @@ import time
 
 from absl import app, flags
 
+from engine.api import load_engine
+from engine.request import SamplingParams
 from scripts import common, parallel
 
 common.define_model_flags()
@@ -73,23 +75,17 @@ def main(argv):
     if not FLAGS.prompt:
         common.fail("give at least one --prompt")
     try:
-        from engine.llm_engine import LLMEngine
-        from engine.request import SamplingParams
-        from models.loader import load_model
-
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
-        common.check_fusion(mesh)
-
         params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                                 top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.sample_seed)
-        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
-                            FLAGS.seed, mesh=mesh)
-        loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
-        engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
-        prompt_ids = build_prompts(loaded.tokenizer, FLAGS.prompt, FLAGS.chat)
-        spec, draft = common.speculation_from_flags(FLAGS, common.resolve_dtype(FLAGS.dtype))
-        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft,
-                           mesh=mesh)
+        spec = common.spec_config_from_flags(FLAGS)
+        engine = load_engine(
+            FLAGS.model, dtype=FLAGS.dtype, random_weights=FLAGS.random_weights, seed=FLAGS.seed,
+            engine_config=lambda cfg: common.engine_config_from_flags(FLAGS, cfg),
+            speculative=spec, draft_model=FLAGS.draft_model, mesh=mesh,
+            fuse_projections=FLAGS.fuse_projections, gemv_layers=FLAGS.gemv_layers,
+            log=common.log_line)
+        prompt_ids = build_prompts(engine.tokenizer, FLAGS.prompt, FLAGS.chat)
         if mesh is not None:
             print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr)

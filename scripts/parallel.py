@@ -13,7 +13,11 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 from absl import flags
+
+from engine.mesh import initialize_distributed, is_main_process, make_mesh, mesh_shape
+from scripts.common import add_xla_flag
 
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices (mesh axis 'model'). Default 1.")
 flags.DEFINE_integer("dp", None, "Data-parallel groups (mesh axis 'data'). Default 1, or with "
@@ -30,10 +34,6 @@ def setup_parallel():
     Call it first in main (before any other jax work). On processes other than 0 the standard
     output and error are silenced, so only process 0 prints.
     """
-    import jax
-
-    from engine.mesh import initialize_distributed, is_main_process, make_mesh
-
     f = flags.FLAGS
     initialize_distributed(f.coordinator_address, f.num_processes, f.process_id)
     if not is_main_process():
@@ -48,16 +48,12 @@ def setup_parallel():
 
 def host_devices(count: int) -> None:
     """Asks for `count` host CPU devices (XLA_FLAGS), unless set already; call before jax starts."""
-    from scripts.common import add_xla_flag
     if count > 1:
         add_xla_flag("--xla_force_host_platform_device_count", count)
 
 
 def describe(mesh) -> str:
     """One line on the mesh, the device kind and the attention layout (for the scripts' logs)."""
-    import jax
-
-    from engine.mesh import mesh_shape
     tp, dp = mesh_shape(mesh)
     return (f"mesh: tp={tp} x dp={dp} over {mesh.devices.size} {jax.devices()[0].device_kind} "
             f"device(s), {jax.process_count()} process(es)")

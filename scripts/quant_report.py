@@ -1,9 +1,9 @@
 """The figures of docs/QUANTIZATION.md: perplexity, weight size and greedy chat answers per row.
 
-    python -m quant.report --ckpt_dir=/tmp/smollm2-quant --report_json=/tmp/quant_report.json
+    python -m scripts.quant_report --ckpt_dir=/tmp/smollm2-quant --report_json=/tmp/report.json
 
-Each row is a model as `scripts.eval_ppl` evaluates it (same function, same default text, same
-token count): the float model, or a checkpoint written by `scripts.quantize` into --ckpt_dir
+Each row is a model as `scripts.eval_ppl` evaluates it (engine/perplexity.py: same function, same
+default text, same token count): the float model, or a checkpoint written by `scripts.quantize` into --ckpt_dir
 (rows whose checkpoint is missing are skipped), optionally with a quantized KV cache. The greedy
 answers come from the engine's ModelRunner (one prefill, then one decode step per token through
 the paged cache), the same numerics `scripts.generate` runs.
@@ -18,8 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 
-from scripts import eval_ppl  # its perplexity function and default text (and its flags)
+from engine.perplexity import default_text, perplexity_of_ids
+from engine.runner import ModelRunner, make_step_batch
+from quant.loader import load_model
+from quant.model import model_nbytes
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "How many legs does a spider have?")
@@ -47,7 +51,6 @@ FLAGS = flags.FLAGS
 
 def bf16_bytes(model) -> int:
     """Weight bytes with every float array in 2 bytes (integer codes as stored)."""
-    from flax import nnx
     total = 0
     for a in jax.tree.leaves(nnx.state(model)):
         itemsize = 2 if jnp.issubdtype(a.dtype, jnp.floating) else jnp.dtype(a.dtype).itemsize
@@ -58,8 +61,6 @@ def bf16_bytes(model) -> int:
 def greedy_answers(cfg, model, tokenizer, prompts, max_tokens: int, kv_dtype=None,
                    page_size: int = 16) -> list[str]:
     """Greedy chat answers through the engine's runner and paged cache, one prompt at a time."""
-    from engine.runner import ModelRunner, make_step_batch
-
     pages = list(range(-(-(256 + max_tokens) // page_size)))
     runner = ModelRunner(cfg, model, len(pages), page_size, kv_dtype)
     answers = []
@@ -80,9 +81,6 @@ def greedy_answers(cfg, model, tokenizer, prompts, max_tokens: int, kv_dtype=Non
 
 
 def evaluate_row(label, ckpt, dtype, kv_dtype, eval_ids_text: str) -> dict | None:
-    from models.loader import load_model
-    from quant.model import model_nbytes
-
     spec = "smollm2-135m" if ckpt is None else os.path.join(FLAGS.ckpt_dir, ckpt)
     if not os.path.exists(spec) and ckpt is not None:
         print(f"skipping {label}: {spec} is missing")
@@ -90,7 +88,7 @@ def evaluate_row(label, ckpt, dtype, kv_dtype, eval_ids_text: str) -> dict | Non
     loaded = load_model(spec, jnp.dtype(dtype))
     ids = loaded.tokenizer.encode(eval_ids_text)[:2048]
     start = time.perf_counter()
-    ppl, nll = eval_ppl.perplexity_of_ids(loaded.cfg, loaded.model, ids, 16, kv_dtype)
+    ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, 16, kv_dtype)
     answers = greedy_answers(loaded.cfg, loaded.model, loaded.tokenizer, PROMPTS,
                              FLAGS.max_tokens, kv_dtype)
     row = {"label": label, "model": spec, "dtype": dtype, "kv_cache_dtype": kv_dtype,
@@ -104,7 +102,7 @@ def evaluate_row(label, ckpt, dtype, kv_dtype, eval_ids_text: str) -> dict | Non
 
 def main(argv):
     del argv
-    text = eval_ppl.default_text()
+    text = default_text()
     rows = [r for r in ROWS if not FLAGS.only or r[0] in FLAGS.only]
     results = [row for row in (evaluate_row(*r, text) for r in rows) if row is not None]
     if FLAGS.report_json:

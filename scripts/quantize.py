@@ -15,6 +15,9 @@ import time
 
 from absl import app, flags
 
+from models.orbax_io import save_checkpoint
+from quant.loader import load_model
+from quant.model import model_nbytes
 from scripts import common
 
 common.define_model_flags()
@@ -31,10 +34,6 @@ def main(argv):
     del argv
     common.setup_jax()
     try:
-        from models.loader import load_model
-        from models.orbax_io import save_checkpoint
-        from quant.model import model_nbytes
-
         loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), FLAGS.random_weights,
                             FLAGS.seed)
         before = model_nbytes(loaded.model)

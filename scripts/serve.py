@@ -14,6 +14,9 @@ import time
 
 from absl import app, flags
 
+from engine.api import load_engine
+from engine.server.app import Server
+from engine.server.serving import run_until_signal
 from scripts import common, parallel
 
 common.define_model_flags()
@@ -43,24 +46,17 @@ def main(argv):
     if FLAGS.shutdown_timeout < 0:
         common.fail("--shutdown_timeout must be >= 0")
     try:
-        from engine.llm_engine import LLMEngine
-        from engine.server.app import Server
-        from engine.server.serving import run_until_signal
-        from models.loader import load_model
-
         start = time.perf_counter()
         if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1:
             raise ValueError("the server runs in one process: shard it over this host's devices "
                              "with --tp / --dp, without --coordinator_address / --num_processes")
         mesh = parallel.setup_parallel()  # --tp / --dp over this host's devices; None: one
-        common.check_fusion(mesh)
-        dtype = common.resolve_dtype(FLAGS.dtype)
-        loaded = load_model(FLAGS.model, dtype, FLAGS.random_weights, FLAGS.seed, mesh=mesh)
-        loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
-        engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
-        spec, draft = common.speculation_from_flags(FLAGS, dtype)
-        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_cfg, spec, draft,
-                           mesh=mesh)
+        engine = load_engine(
+            FLAGS.model, dtype=FLAGS.dtype, random_weights=FLAGS.random_weights, seed=FLAGS.seed,
+            engine_config=lambda cfg: common.engine_config_from_flags(FLAGS, cfg),
+            speculative=common.spec_config_from_flags(FLAGS), draft_model=FLAGS.draft_model,
+            mesh=mesh, fuse_projections=FLAGS.fuse_projections, gemv_layers=FLAGS.gemv_layers,
+            log=common.log_line)
         if mesh is not None:
             print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.runner import full_sequence_logits
 from quant.loader import load_model
-from scripts.eval_ppl import perplexity_of_ids
+from engine.perplexity import perplexity_of_ids
 from tests.conftest import GOLDEN_DIR
 
 TINY = ("tiny-llama", "tiny-llama31", "tiny-qwen2")
