@@ -1,0 +1,49 @@
+"""models.prepare.prepare_for_device: the device decides the layout, explicit choices win, and a
+choice that cannot apply is a ValueError before anything changes."""
+from __future__ import annotations
+
+import pytest
+
+from configs.model import TINY_LLAMA
+from models.prepare import prepare_for_device
+from models.weights import random_model
+from quant.model import QuantConfig, quantize_model
+
+
+def fresh(method=None):
+    model = random_model(TINY_LLAMA, seed=3)
+    if method:
+        model = quantize_model(TINY_LLAMA, model, QuantConfig(method), progress=False)
+    return TINY_LLAMA, model
+
+
+@pytest.mark.parametrize("platform,hopper,fuse,gemv,method,want_fused,want_gemv", [
+    ("cpu", False, None, None, None, False, False),    # the CPU: as loaded
+    ("gpu", False, None, None, None, True, False),     # a GPU: fused
+    ("gpu", True, None, None, None, True, False),      # float on Hopper: not transposed
+    ("gpu", True, None, None, "int8", True, True),     # INT8 on Hopper: fused and transposed
+    ("gpu", False, False, None, None, False, False),   # fusion forced off
+    ("cpu", False, True, True, None, True, True),      # both forced on, on the CPU
+])
+def test_layout_per_device(platform, hopper, fuse, gemv, method, want_fused, want_gemv):
+    cfg, model = fresh(method)
+    prepared = prepare_for_device(cfg, model, platform=platform, hopper=hopper,
+                                  fuse_projections=fuse, gemv_layers=gemv)
+    assert prepared.cfg.fused_projections == want_fused
+    assert prepared.cfg.gemv_layers == want_gemv
+    assert len(prepared.notes) == want_fused + want_gemv
+    assert hasattr(prepared.model.layers[0].self_attn, "qkv_proj") == want_fused
+
+
+def test_a_mesh_keeps_the_unfused_layout_and_refuses_forced_fusion():
+    cfg, model = fresh()
+    mesh = object()  # any mesh
+    prepared = prepare_for_device(cfg, model, platform="gpu", hopper=True, mesh=mesh)
+    assert not prepared.cfg.fused_projections and prepared.notes == ()
+    with pytest.raises(ValueError, match="fuse_projections=True .* needs one device"):
+        prepare_for_device(cfg, model, platform="gpu", hopper=True, mesh=mesh,
+                           fuse_projections=True)
+    with pytest.raises(ValueError, match=r"\(--gemv_layers\) needs fused projections"):
+        prepare_for_device(cfg, model, platform="gpu", hopper=True, fuse_projections=False,
+                           gemv_layers=True)
+    assert not hasattr(model.layers[0].self_attn, "qkv_proj")  # untouched
