@@ -178,7 +178,6 @@ def text_rows(ids: np.ndarray, seq_len: int, eval_rows: int):
 
 def distill(cfg, model, tokenizer, text: str):
     """Trains the draft; returns (draft cfg, draft model, figures dict)."""
-
     seed, steps, batch, seq_len = FLAGS.seed, FLAGS.steps, FLAGS.batch_size, FLAGS.seq_len
     if steps < 1 or batch < 1 or seq_len < 2 or FLAGS.eval_rows < batch:
         raise ValueError("--steps and --batch_size must be >= 1, --seq_len >= 2 and --eval_rows "
