@@ -1,6 +1,7 @@
 """The Python entry point: a model name in, a ready engine out, as the command line builds it.
 
     from engine.api import load_engine
+    from engine.request import SamplingParams
     engine = load_engine("smollm2-135m")
     print(engine.generate([engine.tokenizer.encode("Hello")], SamplingParams(max_tokens=16)))
 

