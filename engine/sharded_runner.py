@@ -17,7 +17,8 @@ are laid end to end along the `data` axis: tokens [dp * N], block tables [dp * S
 starts [dp * (S + 1)], ... They travel as one int32 [dp, L] array (each shard's inputs packed by
 engine/step_inputs.py, row d on shard d) and are sliced apart in the step. Under the mesh the
 attention and KV write run per shard (ops/sharded_attention.py); everything else is ordinary
-jnp partitioned by XLA from the weights' shardings (models/sharding.py). Logits come back replicated, in the batch's sequence order.
+jnp partitioned by XLA from the weights' shardings (models/sharding.py). Logits come back
+replicated, in the batch's sequence order.
 
 The step takes and returns explicitly sharded arrays (in_shardings / out_shardings) and donates
 the cache, as the single-device runner does.

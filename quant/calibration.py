@@ -10,9 +10,9 @@ a layer runs (the Linear modules of a copy of the layer are wrapped inside the j
 the inputs they see are returned as outputs).
 
 The default calibration text is held apart from the default evaluation text of
-engine/perplexity.py (CPython's pydoc topics): the Debian license texts in /usr/share/common-licenses (GPL-3,
-Apache-2.0, MPL-2.0, ...), or, where those are missing, the docstrings of a fixed list of CPython
-standard-library modules.
+engine/perplexity.py (CPython's pydoc topics): the Debian license texts in
+/usr/share/common-licenses (GPL-3, Apache-2.0, MPL-2.0, ...), or, where those are missing, the
+docstrings of a fixed list of CPython standard-library modules.
 """
 from __future__ import annotations
 

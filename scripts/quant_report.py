@@ -3,8 +3,9 @@
     python -m scripts.quant_report --ckpt_dir=/tmp/smollm2-quant --report_json=/tmp/report.json
 
 Each row is a model as `scripts.eval_ppl` evaluates it (engine/perplexity.py: same function, same
-default text, same token count): the float model, or a checkpoint written by `scripts.quantize` into --ckpt_dir
-(rows whose checkpoint is missing are skipped), optionally with a quantized KV cache. The greedy
+default text, same token count): the float model, or a checkpoint written by `scripts.quantize`
+into --ckpt_dir (rows whose checkpoint is missing are skipped), optionally with a quantized KV
+cache. The greedy
 answers come from the engine's ModelRunner (one prefill, then one decode step per token through
 the paged cache), the same numerics `scripts.generate` runs.
 """
