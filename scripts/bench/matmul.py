@@ -29,8 +29,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-
-
 from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mgpu_mixed
 
 from ops import quant_wgmma
@@ -72,6 +70,7 @@ flags.DEFINE_bool("device_times", False, "Also trace each program with jax's pro
                   "busy time per product (see the module docstring).")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
 
+
 def time_per_call(fn, args, calls: int) -> float:
     """Seconds per product: `fn(*args)` runs `calls` of them (see the module docstring)."""
     return common.time_per_call(fn, args, calls, FLAGS.runs, FLAGS.queue)
@@ -90,11 +89,9 @@ def calibrate() -> dict:
 
 
 def num_sets(set_bytes: int) -> int:
-    """One weight set per product: never two products of a program on the same weights.
-
-    (Measured on the H200: with fewer sets than calls XLA merges the bf16 dots that share a
-    weight into one dot, DotMerger, so the peer read each weight once for several products.)
-    """
+    """One weight set per product: never two products of a program on the same weights (with
+    fewer sets XLA merges the bf16 dots that share a weight into one, and the peer would read
+    each weight once for several products)."""
     del set_bytes
     return FLAGS.calls
 

@@ -71,7 +71,8 @@ CODE = (
     "    return total / len(values)\n")
 PROMPTS = (
     f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
-    f"Rewrite this code, renaming the variable `values` to `xs`, and change nothing else:\n\n{CODE}",
+    "Rewrite this code, renaming the variable `values` to `xs`, and change nothing else:\n\n"
+    + CODE,
 )
 
 
