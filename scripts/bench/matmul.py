@@ -37,7 +37,7 @@ from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
 from scripts.bench import common
-from scripts.bench.matmul_table import report, summary_table
+from scripts.bench.matmul_table import report, summary_table, sweep_table
 from scripts.bench.profile import device_time_per_call
 
 FLAGS = flags.FLAGS
@@ -428,6 +428,7 @@ def main(_):
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib, sweep=triton_sweep(k, n))
             save_rows(rows, calib)
+        print(sweep_table(rows))
     if "bench" in FLAGS.modes:
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib)

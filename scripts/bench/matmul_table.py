@@ -56,3 +56,22 @@ def summary_table(rows: list[dict], calib: dict) -> str:
         cells.append("-" if mgpu_us is None else f"{mgpu_us:.1f} ({peer_us / mgpu_us:.2f}x)")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """Markdown: per shape, M and bits of a sweep, the heuristic's tiles against the fastest
+    swept tiles of the Triton kernel and (on Hopper) of the Hopper kernel, over the bf16 peer."""
+    lines = ["| K x N | M | bits | bf16 us | heuristic us | best us | best tiles | Hopper best us "
+             "| Hopper best tiles |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    by_key = {(r["K"], r["N"], r["M"], r["impl"]): r for r in rows}
+    for k, n, m, bits in dict.fromkeys((r["K"], r["N"], r["M"], r["bits"]) for r in rows
+                                       if r.get("bits") in (4, 8)):
+        cells = [f"{k}x{n}", str(m), str(bits)]
+        for impl in ("xla_bf16", f"int{bits}_heuristic", f"int{bits}_best"):
+            us = product_us(by_key.get((k, n, m, impl)))
+            cells.append("-" if us is None else f"{us:.1f}")
+        cells.append(by_key.get((k, n, m, f"int{bits}_best"), {}).get("config", "-"))
+        hopper = by_key.get((k, n, m, f"int{bits}_wgmma_best"))
+        cells += ["-", "-"] if hopper is None else [f"{product_us(hopper):.1f}", hopper["config"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

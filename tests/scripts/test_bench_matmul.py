@@ -105,7 +105,7 @@ def test_bench_matmul_model_layout_table(tmp_path):
 def test_sweep_times_each_tile_and_keeps_the_fastest(tmp_path):
     """--modes=sweep: the peer, the heuristic's tiles, the variants of sweep_configs (each
     with K splits), then the fastest; no Hopper kernel rows off a Hopper GPU."""
-    rows, _ = run_bench(tmp_path, "--modes=sweep", "--bits=8", "--ms=1")
+    rows, stdout = run_bench(tmp_path, "--modes=sweep", "--bits=8", "--ms=1")
     assert [r["impl"] for r in rows][:2] == ["xla_bf16", "int8_heuristic"]
     kernels = [r for r in rows if r["impl"] in ("int8_heuristic", "int8_kernel")]
     assert len(kernels) == 1 + 4 and len({r["config"] for r in kernels}) == 5
@@ -114,3 +114,7 @@ def test_sweep_times_each_tile_and_keeps_the_fastest(tmp_path):
     assert best["impl"] == "int8_best"
     assert best["us"] == min(r["us"] for r in kernels if "error" not in r)
     assert not any("wgmma" in r["impl"] for r in rows)
+    line = stdout[stdout.index("| K x N | M | bits |"):].splitlines()[2]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:3] == ["256x128", "1", "8"] and cells[-2:] == ["-", "-"]
+    assert cells[5] == f"{best['us']:.1f}" and cells[6] == best["config"]
