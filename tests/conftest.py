@@ -50,7 +50,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_golden():
-    """HF transformers' fp32 figures for SmolLM2 (see scripts/make_golden.py)."""
+    """HF transformers' fp32 figures for SmolLM2 (see scripts/tools/make_golden.py)."""
     with open(os.path.join(GOLDEN_DIR, "smollm2.json")) as f:
         meta = json.load(f)
     arrays = dict(np.load(os.path.join(GOLDEN_DIR, "smollm2.npz")))

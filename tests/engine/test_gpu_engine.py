@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a 
 def decisive_model(cfg, dtype):
     """Random weights scaled so greedy choices are not near-ties (made one small generator per
     weight shape: one jitted initializer of all 8B weights compiles for minutes)."""
-    from scripts.decode_steps import random_weights
+    from scripts.bench.decode_model import random_weights
     graphdef, state = nnx.split(random_weights(cfg, 0, dtype))
     state = jax.tree.map(lambda a: (a * 3).astype(a.dtype), state)
     return nnx.merge(graphdef, state)

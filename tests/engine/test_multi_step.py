@@ -18,7 +18,7 @@ from engine.request import FinishReason, SamplingParams
 from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
                                                    engine_maker, random_prompt, request_streams,
                                                    same_outcomes_across)
-from scripts.timing import round_sets
+from scripts.bench.host_phases import round_sets
 from tests.engine.weights import unit_scale_model
 
 MULTI_STRESS = dataclasses.replace(STRESS, num_decode_steps=3)

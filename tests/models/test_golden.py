@@ -1,6 +1,6 @@
 """Logits and greedy continuations against HF transformers (fp32) from the same weights.
 
-Golden files come from scripts/make_golden.py (HF transformers + torch, run separately); these
+Golden files come from scripts/tools/make_golden.py (HF transformers + torch, run separately); these
 tests need no torch.
 """
 from __future__ import annotations

@@ -473,7 +473,7 @@ def test_smollm2_tokenizer(smollm2):
 
 
 def test_smollm2_tokenizer_matches_hf_golden(smollm2):
-    """Token ids equal HF transformers' (tests/golden/smollm2.json, scripts/make_golden.py)."""
+    """Token ids equal HF transformers' (tests/golden/smollm2.json, scripts/tools/make_golden.py)."""
     golden = GOLDEN / "smollm2.json"
     if not golden.exists():
         pytest.skip(f"{golden} not present")

@@ -1,55 +1,52 @@
-"""scripts/bench_attention.py on the CPU: the decode rows with the Pallas kernel interpreted
-(tiny shapes), an explicit --decode_config that merges the splits in the kernel, the JSON, and
---device_times (the CPU's profile has no device events: an error entry per row, no crash)."""
+"""scripts/bench/attention.py on the CPU: the decode and prefill rows with the kernel
+interpreted (tiny shapes), extra tiles, the peers on the same arrays, the JSON and the table,
+and a malformed tile as a one-line usage error."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
+import pytest
 
-def test_bench_attention_decode_rows_with_the_merge_in_kernel(tmp_path):
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+TINY = ["--num_heads=4", "--num_kv_heads=2", "--head_dim=16", "--page_size=8", "--calls=1",
+        "--queue=1", "--runs=1", "--impl=pallas_interpret"]
+
+
+def test_decode_and_prefill_rows_with_extra_tiles_and_peers(tmp_path):
     out = tmp_path / "attention.json"
-    args = ["--modes=decode", "--batches=2", "--contexts=64", "--num_heads=4",
-            "--num_kv_heads=2", "--head_dim=16", "--page_size=8", "--calls=1", "--queue=1",
-            "--runs=1", "--impl=pallas_interpret", "--decode_config=16,2,4,3,1", "--device_times",
-            f"--json_out={out}"]
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", *args],
-                          capture_output=True, text=True, timeout=300,
-                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
-    ours = rows["pallasite"]
-    assert (ours["batch"], ours["context"]) == (2, 64) and ours["us"] > 0
-    assert "num_splits=2" in ours["config"] and "merge_in_kernel=True" in ours["config"]
-    assert rows["xla"]["us"] > 0  # the jnp peer on the same arrays
-    assert "B2 ctx64" in proc.stdout
-    assert all("no device events" in rows[name]["dev_error"] for name in ("pallasite", "xla"))
-
-
-def test_step_decode_rows_time_the_engines_kernel_with_more_tiles(tmp_path):
-    """--modes=step_decode: the ragged kernel on a decode step (one token per sequence) with
-    ragged_config's tiles, then each --step_decode_tiles entry; a malformed entry is a one-line
-    usage error."""
-    out = tmp_path / "step.json"
-    base = ["--modes=step_decode", "--batches=3", "--contexts=64", "--num_heads=4",
-            "--num_kv_heads=2", "--head_dim=16", "--page_size=8", "--calls=1", "--queue=1",
-            "--runs=1", "--impl=pallas_interpret"]
-    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", *base,
-                           "--step_decode_tiles=8/2/4/2,16/1/2/3", f"--json_out={out}"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.attention", *TINY, "--modes=decode,prefill",
+         "--batches=3", "--contexts=64", "--chunks=32", "--mixed_context=32",
+         "--decode_tiles=8/2/4/2", "--prefill_tiles=16/16/4/3", "--device_times",
+         f"--json_out={out}"], capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["impl"], r["dispatch"]) for r in rows] == [
-        ("ragged_step", True), ("ragged_step", False), ("ragged_step", False)]
-    assert all((r["batch"], r["context"]) == (3, 64) and r["us"] > 0 for r in rows)
-    assert "block_k=8, num_splits=2, num_warps=4, num_stages=2" in rows[1]["config"]
-    assert "block_k=16, num_splits=1, num_warps=2, num_stages=3" in rows[2]["config"]
-    assert rows[1]["config"].split("block_k")[0] == rows[0]["config"].split("block_k")[0]
-    assert proc.stdout.count("B3 ctx64") == 6  # as each shape is timed, then the closing table
-    bad = subprocess.run([sys.executable, "-m", "scripts.bench_attention", *base,
-                          "--step_decode_tiles=64/2/4"],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert bad.returncode != 0 and "--step_decode_tiles: '64/2/4'" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert [(r["impl"], r["dispatch"]) for r in decode] == [
+        ("pallasite", True), ("pallasite", False), ("jax_builtin", False), ("xla", False)]
+    assert all(r["us"] > 0 and r["TBps"] > 0 for r in decode[:2] + decode[3:])
+    assert "error" in decode[2]  # JAX's Triton kernel does not run on the CPU: recorded
+    assert "block_k=8, num_splits=2, num_warps=4, num_stages=2" in decode[1]["config"]
+    kv_bytes = 2 * 3 * 64 * 2 * 16 * 2  # K and V: batch x context x kv heads x head_dim, bf16
+    assert decode[0]["TBps"] == pytest.approx(kv_bytes / decode[0]["us"] / 1e6)
+    assert all("no device events" in r["dev_error"] for r in decode if "us" in r)
+    prefill = [r for r in rows if r["kind"] == "prefill"]
+    assert [r["impl"] for r in prefill] == ["pallasite", "pallasite", "xla", "cudnn_contiguous"]
+    assert "block_m=16, block_k=16" in prefill[1]["config"]
+    pairs = 32 * 33 // 2  # causal query-key pairs of one 32-token prompt
+    assert prefill[0]["TFLOPs"] == pytest.approx(4 * 4 * 16 * pairs / prefill[0]["us"] / 1e6)
+    assert prefill[0]["frac"] is None  # no calib mode: no ceiling to take a fraction of
+    assert "cuDNN" in prefill[3]["error"]  # a peer that cannot run here is recorded
+    mixed = [r for r in rows if r["kind"] == "prefill_mixed"]
+    assert len(mixed) == 1 and mixed[0]["tokens"] == 32 + 4 * 5 + 58 and mixed[0]["us"] > 0
+    assert proc.stdout.count("B3 ctx64") == 8  # as each shape is timed, then the closing table
+
+
+def test_a_malformed_tile_is_one_clear_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.attention", *TINY,
+                           "--decode_tiles=64/2/4"],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode != 0 and "--decode_tiles: '64/2/4'" in proc.stderr
+    assert "Traceback" not in proc.stderr

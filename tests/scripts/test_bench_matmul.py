@@ -1,5 +1,5 @@
-"""scripts/bench_matmul.py on the CPU (interpret mode, a small shape), and the device times it
-takes from a profile (scripts/decode_profile.py). No timing is asserted."""
+"""scripts/bench/matmul.py on the CPU (interpret mode, a small shape), and the device times it
+takes from a profile (scripts/bench/profile.py). No timing is asserted."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,13 +9,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from ops.gemv import gemv_config
 from ops.quant_matmul import matmul_config
-from scripts import decode_profile
-from scripts.read_floor import READ_FORMS, read_program, word_rows
+from scripts.bench import profile
 
 
 def test_device_time_is_busy_time_per_call(monkeypatch, tmp_path):
@@ -27,8 +25,8 @@ def test_device_time_is_busy_time_per_call(monkeypatch, tmp_path):
         traced.append((calls, units, float(out[0])))
         return {"busy_s_per_step": 2e-6, "by_name": [{"name": "kernel", "s_per_step": 1.5e-6}]}
 
-    monkeypatch.setattr(decode_profile, "profile_calls", fake_profile)
-    out = decode_profile.device_time_per_call(lambda x: (x * 2,), (jnp.ones(()),), calls=4,
+    monkeypatch.setattr(profile, "profile_calls", fake_profile)
+    out = profile.device_time_per_call(lambda x: (x * 2,), (jnp.ones(()),), calls=4,
                                               queue=3, log_dir=str(tmp_path))
     assert traced == [(3, 12, 2.0)]
     assert out == {"dev_us": pytest.approx(2.0), "kernels": {"kernel": 1.5}}
@@ -36,16 +34,16 @@ def test_device_time_is_busy_time_per_call(monkeypatch, tmp_path):
 
 def test_device_time_without_device_events(tmp_path):
     """The CPU's profile has no device events: an error entry, not an exception."""
-    out = decode_profile.device_time_per_call(lambda x: x + 1, (jnp.ones(4),), calls=1, queue=1,
+    out = profile.device_time_per_call(lambda x: x + 1, (jnp.ones(4),), calls=1, queue=1,
                                               log_dir=str(tmp_path))
     assert "no device events" in out["dev_error"]
 
 
 def run_bench(tmp_path, *flags: str) -> tuple[list[dict], str]:
-    """scripts.bench_matmul in interpret mode on the CPU: (its JSON rows, its stdout)."""
+    """scripts.bench.matmul in interpret mode on the CPU: (its JSON rows, its stdout)."""
     out = tmp_path / "matmul.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_matmul", "--impl=pallas_interpret",
+        [sys.executable, "-m", "scripts.bench.matmul", "--impl=pallas_interpret",
          "--modes=bench", "--shapes=256x128", "--ms=1,2", "--calls=2", "--queue=1",
          "--runs=1", "--mgpu_max_m=0", "--variants=dispatch", f"--json_out={out}", *flags],
         capture_output=True, text=True, timeout=300,
@@ -80,17 +78,10 @@ def test_bench_matmul_rows(tmp_path):
 
 def test_bench_matmul_model_layout_table(tmp_path):
     """--nokn: only the peer and the model's layout; --asymmetric INT4 counts its offsets in
-    the bytes read; --read_floor times a read of each form's bytes first (M = 0); the closing
-    markdown table holds every (shape, M) with the rows' times and the peer over each floor."""
-    rows, stdout = run_bench(tmp_path, "--nokn", "--asymmetric", "--bits=4,8", "--read_floor")
-    reads, rows = rows[:3], rows[3:]
+    the bytes read; the closing markdown table holds every (shape, M) with the rows' times and
+    the speedups over the peer."""
+    rows, stdout = run_bench(tmp_path, "--nokn", "--asymmetric", "--bits=4,8")
     codes, tables = 256 * 128 // 2, 2 * 2 * (256 // 128) * 128  # scales and offsets
-    assert [(r["impl"], r["M"], r["weight_bytes"]) for r in reads] == [
-        ("read_bf16", 0, 2 * 256 * 128), ("read_int4", 0, codes + tables),
-        ("read_int8", 0, 256 * 128 + 2 * 128)]
-    for r in reads:  # whole rows of words: at most one row more than the weight's bytes
-        assert r["weight_bytes"] <= r["bytes"] < r["weight_bytes"] + 4 * 4096
-        assert r["form"] in ("rows256", "rows4096", "cols4096") and r["us"] > 0
     names = ["xla_bf16", "bf16_nk", "int8_nk", "int4_nk"]
     assert [r["impl"] for r in rows] == (names[:3] + ["int8_gemv", "int4_nk", "int4_gemv"]
                                          + names)  # one row: ops/gemv.py over codes too
@@ -108,23 +99,22 @@ def test_bench_matmul_model_layout_table(tmp_path):
         assert float(cells[3]) == pytest.approx(by["int4_nk"]["us"], abs=0.05)
         assert cells[5] == f"{by['xla_bf16']['us'] / by['int4_nk']['us']:.2f}x"
         assert float(cells[6]) == pytest.approx(by["int8_nk"]["us"], abs=0.05)
-        assert cells[-3] == "-"  # no Mosaic peer (--mgpu_max_m=0)
-        for cell, read in zip(cells[-2:], reads[1:]):  # INT4, INT8: floor (bf16 / floor)
-            assert cell == f"{read['us']:.1f} ({by['xla_bf16']['us'] / read['us']:.2f}x)"
+        assert cells[-1] == "-"  # no Mosaic peer (--mgpu_max_m=0)
 
 
-@pytest.mark.parametrize("form", READ_FORMS)
-def test_read_program_reads_every_word(form):
-    """Each read form's program sums exactly the words of its arrays (modulo 2^32), on fresh
-    random words: every byte of the weight's size is read."""
-    _, words, axis = form
-    rows = word_rows(3 * 4 * words + 5, words)
-    assert rows == 4  # 3 rows and 5 bytes round up to 4 rows
-    arrays = tuple(jax.random.bits(jax.random.key(i), (rows, words), jnp.uint32)
-                   for i in range(2))
-    out = jax.jit(read_program(2, axis))(arrays)
-    for a, o in zip(arrays, out):
-        want = np.asarray(a).astype(np.uint64).sum(axis=axis) % (1 << 32)
-        np.testing.assert_array_equal(np.asarray(o).astype(np.uint64), want)
-    with pytest.raises(ValueError, match="nbytes"):
-        word_rows(0, words)
+def test_sweep_times_each_tile_and_keeps_the_fastest(tmp_path):
+    """--modes=sweep: the peer, the heuristic's tiles, the variants of sweep_configs (each
+    with K splits), then the fastest; no Hopper kernel rows off a Hopper GPU."""
+    rows, stdout = run_bench(tmp_path, "--modes=sweep", "--bits=8", "--ms=1")
+    assert [r["impl"] for r in rows][:2] == ["xla_bf16", "int8_heuristic"]
+    kernels = [r for r in rows if r["impl"] in ("int8_heuristic", "int8_kernel")]
+    assert len(kernels) == 1 + 4 and len({r["config"] for r in kernels}) == 5
+    assert "mma" in kernels[-1]["config"] and "num_splits=0" not in kernels[-1]["config"]
+    best = rows[-1]
+    assert best["impl"] == "int8_best"
+    assert best["us"] == min(r["us"] for r in kernels if "error" not in r)
+    assert not any("wgmma" in r["impl"] for r in rows)
+    line = stdout[stdout.index("| K x N | M | bits |"):].splitlines()[2]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:3] == ["256x128", "1", "8"] and cells[-2:] == ["-", "-"]
+    assert cells[5] == f"{best['us']:.1f}" and cells[6] == best["config"]

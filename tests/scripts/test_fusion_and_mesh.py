@@ -1,4 +1,4 @@
-"""--fuse_projections in the serving scripts, and --tp / --dp in bench_speculative and bench_verify.
+"""--fuse_projections in the serving scripts, and --tp / --dp in scripts.bench.speculative.
 
 Scripts run as a user runs them (subprocesses); the mesh runs get fake CPU devices through
 XLA_FLAGS (tests/sharding/scenarios.device_env).
@@ -121,22 +121,22 @@ def test_a_model_that_cannot_be_fused_is_left_whole():
 
 def test_bench_speculative_runs_on_a_mesh(tmp_path):
     out = tmp_path / "spec.json"
-    result = run_on_devices(4, "bench_speculative", f"--model={TINY_DIR}", "--tp=2", "--dp=2",
+    result = run_on_devices(4, "bench.speculative", f"--model={TINY_DIR}", "--tp=2", "--dp=2",
                             "--methods=none,ngram", "--max_tokens=8", "--repeats=1",
                             f"--json_out={out}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh: tp=2 x dp=2 over 4 cpu device(s)" in result.stdout
     report = json.loads(out.read_text())
     assert report["mesh"] == {"data": 2, "model": 2} and not report["fused_projections"]
-    assert report["results"]["ngram"]["same_tokens_as_first_method"]
-    assert report["results"]["ngram"]["drafts"] > 0
+    assert report["methods"]["ngram"]["same_tokens_as_first_method"]
+    assert report["methods"]["ngram"]["drafts"] > 0
 
 
 def test_bench_verify_step_costs_on_a_mesh(tmp_path):
     out = tmp_path / "verify.json"
-    result = run_on_devices(4, "bench_verify", "--model=tiny-llama", "--tp=2", "--dp=2",
-                            "--batches=3", "--max_k=2", "--context=8", "--calls=1", "--runs=1",
-                            "--oracle_k=0", "--alphas=0.5", f"--json_out={out}")
+    result = run_on_devices(4, "bench.speculative", "--model=tiny-llama", "--tp=2", "--dp=2",
+                            "--modes=costs", "--batches=3", "--max_k=2", "--context=8",
+                            "--calls=1", "--runs=1", "--alphas=0.5", f"--json_out={out}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh: tp=2 x dp=2 over 4 cpu device(s)" in result.stdout
     report = json.loads(out.read_text())

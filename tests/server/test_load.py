@@ -107,11 +107,12 @@ def test_64_concurrent_streams_some_hanging_up(server, http):
 
 
 def test_bench_serving_drives_the_server_over_http(server, tmp_path):
-    """`bench_serving --url`: the synthetic workload over HTTP, with the in-process figures."""
+    """`scripts.bench.serving --url`: the synthetic workload over HTTP, with the in-process
+    figures."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_serving", f"--url={server.url}",
+        [sys.executable, "-m", "scripts.bench.serving", f"--url={server.url}",
          f"--api_key={API_KEY}", "--num_requests=12", "--input_len=8", "--output_len=8",
          "--max_input_len=32", "--max_output_len=32", "--request_rate=50", f"--json_out={out}"],
         cwd=root, capture_output=True, text=True, timeout=300)

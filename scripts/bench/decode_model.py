@@ -1,4 +1,4 @@
-"""The measurements behind scripts/bench_decode.py: models, caches, step batches, timers, floors.
+"""The parts of the decode benchmark: models, caches, step batches, timers, floors.
 
 Everything here runs the engine's own pieces: random weights of a preset's real shapes built on
 the device (models.weights.random_model), the ModelRunner's jitted step (engine/runner.py) over a
@@ -19,12 +19,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache, kv_bytes_per_token
 from engine.runner import ModelRunner, StepBatch, fetch_samples, make_step_batch
 from engine.sampling import SamplingArrays
-from scripts import timing
+from engine.sharded_runner import ShardedModelRunner
+from models.sharding import tree_shardings
+from models.llama import LlamaForCausalLM, fuse_projections, transpose_for_gemv
+from quant.model import QuantConfig, quantize_model
+from scripts.bench.common import dispatch_hold, queued_seconds
 
 QUANT_METHODS = {"none": None, "int8": "int8", "int4": "int4_rtn"}
 
@@ -37,11 +42,8 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
     a mesh), RTN-quantized on the device with `quant` ('int8', 'int4': group 128; the untied
     output head too with `quant_lm_head`), then fused (models.llama.fuse_projections) when
     `fused`, and transposed for ops/gemv.py (models.llama.transpose_for_gemv) when `gemv`."""
-    from models.llama import fuse_projections, transpose_for_gemv
-
     model = random_weights(cfg, seed, dtype, mesh)
     if QUANT_METHODS[quant] is not None:
-        from quant.model import QuantConfig, quantize_model
         quantize_model(cfg, model, QuantConfig(QUANT_METHODS[quant], group_size=128,
                                                lm_head=quant_lm_head), progress=False)
     if fused:
@@ -55,20 +57,16 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
     """A model of cfg's shapes with normal(0, 0.02) weights (RMSNorm weights 1), made on the
-    device (on the mesh's shards by models/sharding.py's rules with a mesh).
+    device (on the mesh's shards by engine/sharding.py's rules with a mesh).
 
     One small jitted generator per distinct (shape, sharding), called once per weight: compiling
     the whole initializer as one program (models.weights.random_model) makes XLA build one
     kernel per weight, which took minutes for llama3.1-8b on the H200.
     """
-    from flax import nnx
-
-    from models.llama import LlamaForCausalLM
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0),
                                                                             dtype)))
     shardings = None
     if mesh is not None:
-        from models.sharding import tree_shardings
         shardings = jax.tree.leaves(tree_shardings(abstract, cfg, mesh))
     generators = {}
 
@@ -98,7 +96,6 @@ def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_
     num_pages = max_batch * width + 1
     if mesh is None:
         return ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch, max_width=width)
-    from engine.sharded_runner import ShardedModelRunner
     return ShardedModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch,
                               max_width=width, mesh=mesh)
 
@@ -163,7 +160,6 @@ def array_nbytes(tree) -> int:
 
 def weight_bytes_per_step(cfg: ModelConfig, model, batch: int) -> int:
     """Weight bytes a decode step of `batch` sequences reads (see the module docstring)."""
-    from flax import nnx
     total = array_nbytes(nnx.state(model))
     if not cfg.tie_word_embeddings:  # the embedding is only gathered: `batch` rows of it
         table = model.embed_tokens.embedding.get_value()
@@ -198,36 +194,32 @@ def compile_count(runner: ModelRunner) -> int:
 def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) -> dict:
     """Seconds per step with `steps` steps queued and one sync, as the engine issues them
     (ModelRunner.execute_padded: host padding and dispatch included), median of `runs`; and
-    how long one step's dispatch keeps the host (timing.dispatch_hold)."""
+    how long one step's dispatch keeps the host (dispatch_hold)."""
     jax.block_until_ready(runner.execute_padded(batch))  # compile and warm
     before = compile_count(runner)
-    samples = timing.queued_seconds(lambda: runner.execute_padded(batch), steps, runs,
+    samples = queued_seconds(lambda: runner.execute_padded(batch), steps, runs,
                                     warm=False)
-    hold = timing.dispatch_hold(lambda: runner.execute_padded(batch), max(runs, 5))
+    hold = dispatch_hold(lambda: runner.execute_padded(batch), max(runs, 5))
     return {"step_s": statistics.median(samples), "step_s_min": min(samples),
             "step_s_max": max(samples), "dispatch_s": hold,
             "compiles_during_timing": compile_count(runner) - before}
 
 
 def time_multi_step(runner: ModelRunner, batch: StepBatch, num_steps: int, rounds: int,
-                    runs: int, unroll: bool = False) -> dict:
+                    runs: int) -> dict:
     """Multi-step rounds of a decode batch (ModelRunner.execute_multi_step, greedy): seconds
     per model step with `rounds` rounds queued and one sync (median of `runs`), and how long
-    one round's dispatch keeps the host (a device loop may hold it while the device runs).
-    The batch's block tables must have room for num_steps more tokens per sequence. `unroll`:
-    the steps traced one after another instead of a device loop (keys get an "_unrolled"
-    suffix)."""
+    one round's dispatch keeps the host. The batch's block tables must have room for
+    num_steps more tokens per sequence."""
     arrays = SamplingArrays.defaults(batch.num_seqs)
 
     def run():
-        return runner.execute_multi_step(batch, arrays, num_steps, unroll=unroll)
+        return runner.execute_multi_step(batch, arrays, num_steps)
 
     jax.block_until_ready(run())  # compile and warm
-    samples = timing.queued_seconds(run, rounds, runs, warm=False)
-    suffix = "_unrolled" if unroll else ""
-    return {f"multi_step{suffix}_s": statistics.median(samples) / num_steps,
-            f"multi_step{suffix}_dispatch_s": timing.dispatch_hold(run, runs),
-            "multi_steps": num_steps}
+    samples = queued_seconds(run, rounds, runs, warm=False)
+    return {"multi_step_s": statistics.median(samples) / num_steps,
+            "multi_step_dispatch_s": dispatch_hold(run, runs), "multi_steps": num_steps}
 
 
 def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,
@@ -255,24 +247,3 @@ def greedy_loop(runner: ModelRunner, tokens: np.ndarray, first_position: int,
     if margins:
         return np.stack(out, axis=1), seconds, np.stack(gaps, axis=1)
     return np.stack(out, axis=1), seconds
-
-
-def _time_fn(fn, args, runs: int = 3, queue: int = 5) -> float:
-    return timing.time_per_call(fn, args, 1, runs, queue)
-
-
-def calibrate(copy_bytes: int = 4 << 30, matmul: int = 8192) -> dict:
-    """The card's ceilings, measured now: copy bandwidth (bytes read + written by one elementwise
-    pass over `copy_bytes` of uint32), read-only bandwidth (a max over them) and the bf16 matrix
-    rate (matmul^3 product of random values)."""
-    n = copy_bytes // 4
-    x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
-    copy_s = _time_fn(lambda x: x ^ jnp.uint32(1), (x,))
-    read_s = _time_fn(lambda x: jnp.max(x), (x,))
-    del x
-    a, b = (jax.random.normal(k, (matmul, matmul), jnp.bfloat16)
-            for k in jax.random.split(jax.random.key(1)))
-    mm_s = _time_fn(lambda a, b: a @ b, (a, b))
-    return {"copy_bytes_per_s": 2 * copy_bytes / copy_s, "read_bytes_per_s": copy_bytes / read_s,
-            "matmul_flops_per_s": 2 * matmul ** 3 / mm_s, "copy_bytes": copy_bytes,
-            "matmul_size": matmul}

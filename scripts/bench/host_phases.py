@@ -1,51 +1,10 @@
-"""Timing of device work the way it runs in a step: calls queued, one sync."""
+"""Timers on an engine's host phases (schedule, batch building, dispatch, appending tokens) and
+the figures of its recorded rounds by load, for the serving benchmark."""
 from __future__ import annotations
 
-import statistics
 import time
 
-import jax
-
-
-def queued_seconds(run, calls: int, runs: int, warm: bool = True) -> list[float]:
-    """Seconds per call of run() (which returns device arrays), one sample per run: `calls`
-    calls queued, then one sync. With `warm`, one untimed call first (compilation).
-
-    The ~30 us dispatch of a jitted call is thus spread over many calls, as in a step that runs
-    the work per layer or a decode loop that queues its steps.
-    """
-    if warm:
-        jax.block_until_ready(run())
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = run()
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls)
-    return samples
-
-
-def dispatch_hold(run, runs: int) -> float:
-    """Median seconds until run() returns (not until its results are ready), each call made on
-    an idle device and synced before the next: how long one dispatch keeps the host. XLA's GPU
-    runtime enqueues a program's kernels (or updates and launches its CUDA graphs) on the
-    calling thread, so this grows with the kernels a program launches."""
-    holds = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        out = run()
-        holds.append(time.perf_counter() - start)
-        jax.block_until_ready(out)
-    return statistics.median(holds)
-
-
-def time_per_call(fn, args, calls: int, runs: int, queue: int) -> float:
-    """Seconds per call of the work in `fn(*args)`, which itself runs `calls` of them: fn is
-    jitted, queued `queue` times per sample; the median of `runs` samples."""
-    f = jax.jit(fn)
-    return statistics.median(queued_seconds(lambda: f(*args), queue, runs)) / calls
+import numpy as np
 
 
 def add_phase_timer(owner, name: str, totals: dict, phase: str,
@@ -71,20 +30,14 @@ def add_phase_timer(owner, name: str, totals: dict, phase: str,
     setattr(owner, name, timed)
 
 
-WORKER = "worker thread: "  # prefix of the phases timed on the dispatch thread
-
-
 def round_sets(steps) -> dict:
     """Boolean masks over an engine's recorded rounds (EngineStats.steps rows: running,
     host s, wall s, exposed s, model steps, waiting), by load:
 
     - "at_max_running": the rounds with the most sequences running after scheduling;
     - "saturated": from the first such round on, the rounds after whose scheduling requests
-      still waited: the engine at its capacity, whatever the admission policy leaves free
-      (multi-step rounds pause admissions while few slots are free, so the most running is
-      reached mostly at admitting steps). Empty when nothing waited then.
+      still waited: the engine at its capacity. Empty when nothing waited then.
     """
-    import numpy as np
     steps = np.asarray(steps, float).reshape(-1, 6)
     if not len(steps):
         return {"at_max_running": np.zeros(0, bool), "saturated": np.zeros(0, bool)}
@@ -97,7 +50,6 @@ def round_set_figures(steps, mask, name: str) -> dict:
     """Figures of the rounds `mask` picks out of EngineStats.steps rows (see `round_sets`),
     keyed `<figure>_<name>`: rounds, model steps, multi-step rounds, mean running, and wall
     and host seconds per model step (None without model steps)."""
-    import numpy as np
     chosen = np.asarray(steps, float).reshape(-1, 6)[mask]
     model_steps = chosen[:, 4].sum()
 
@@ -135,15 +87,11 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
     timed(engine.scheduler.rows, "slots", "rows + batch")
     timed(engine, "_step_batch", "rows + batch")
     timed(engine, "_sampling_arrays", "sampling arrays")
-    # With a dispatch thread (EngineConfig.dispatch_thread) the dispatches run beside the
-    # engine's host time, not in it: their phases are marked WORKER.
-    worker = WORKER if getattr(engine, "_dispatcher", None) is not None else ""
     for name, phase in (("execute_and_sample", "dispatch step"),
                         ("execute_multi_step", "dispatch multi-step"),
                         ("execute_mixed_round", "dispatch mixed round")):
         if hasattr(engine.runner, name):
-            totals[worker + phase] = totals.pop(phase)
-            timed(engine.runner, name, worker + phase)
+            timed(engine.runner, name, phase)
     timed(engine, "_append_samples", "finish + append")  # a step's tokens, read
     timed(engine, "_append_round", "finish + append")  # a multi-step round's
     timed(engine, "_append_tokens", "finish + append")  # (rounds and speculation call it)

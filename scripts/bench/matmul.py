@@ -1,43 +1,26 @@
-"""Benchmark of the W4A16 / W8A16 matmul kernels (ops/quant_matmul.py) against XLA's bf16 dot.
+"""Benchmark of the quantized (W4A16 / W8A16) and bf16 products against XLA's bf16 dot.
 
-    python -m scripts.bench_matmul --json_out=matmul.json
-    python -m scripts.bench_matmul --modes=sweep --shapes=4096x4096,4096x28672 --ms=1,16
+    python -m scripts.bench.matmul --json_out=matmul.json
+    python -m scripts.bench.matmul --nokn --asymmetric --device_times --json_out=m.json
+    python -m scripts.bench.matmul --modes=calib,sweep --shapes=4096x4096,4096x28672 --ms=1,16
 
 Shapes: Llama-3.1-8B's linear layers K x N (fused qkv 4096x6144, o 4096x4096, fused gate+up
 4096x28672, down 14336x4096, lm head 4096x128256) at M = 1 ... 1024 rows of bf16 activations.
-- calib: the card's copy bandwidth (bytes read + written over time) in the same run.
-- bench: per shape and M: XLA's bf16 dot (the peer), then for codes stored [K, N] (--kn)
-  int4 / int8 through the Triton kernel, through XLA's dequantize + dot (the reference, the
-  large-M fallback) and through the dispatch of `matmul_config` (the faster of the two as the
-  heuristic picks it), jax's Mosaic GPU `hopper_mixed_type_matmul_mgpu` (int8 x bf16,
-  per-channel scales applied after) where it runs, and up to `--nk_max_m` rows (all by
-  default) the products over weights stored [N, K] that the model runs (`--gemv_layers`'s
-  layout, codes in this device's K order): bf16 (`bf16_nk`), INT8 codes with per-channel
-  scales (`int8_nk`) and INT4 words with group scales (`int4_nk`, offsets with --asymmetric);
-  one row ops/gemv.py's kernel, more rows XLA's dot over the transposed weight (bf16) or
-  ops/quant_matmul.py's layout "nk" (codes: the Hopper kernel of ops/quant_wgmma.py where it
-  takes the shape). Ends with a markdown table of the peer, INT4 / INT8 in the model's layout
-  and the Mosaic peer (device times with --device_times). Issue 6's table:
-    python -m scripts.bench_matmul --nokn --asymmetric --device_times --json_out=m.json
-  TB/s = weight bytes read (packed codes, scales, offsets) over time; speedup = bf16 time /
-  time. --read_floor adds, per shape, XLA reading each form's bytes and nothing else
-  (scripts/read_floor.py; rows read_bf16 / read_int8 / read_int4, M = 0) and the table's
-  "bound" columns: bf16 product / INT4 (INT8) read floor, what a product of no fixed cost
-  beyond a plain read could reach.
-- sweep: per shape, M and bits, the bf16 peer, the heuristic's config (`int*_heuristic`) and
-  the tile / path variants of `sweep_configs` (`int*_kernel`), then the fastest (`int*_best`).
-  The decode sweep (about 9 to 12 configs per shape, M and bits; a few minutes on an H200):
-    python -m scripts.bench_matmul --modes=calib,sweep --shapes=4096x4096,4096x28672,\
-        14336x4096,4096x128256 --ms=1,16 --bits=4,8 --json_out=sweep.json
-
-Timing: each jitted program runs `--calls` products on distinct inputs (a weight set per
-product, separate arrays); it is queued `--queue` times and synchronized once; time per
-product = wall time / (queue x calls), median of `--runs` (the method of bench_attention.py).
-With `--device_times` the same program is also traced once by jax's profiler (`queue` calls):
-"dev us" is the device's busy time per product (the union of its kernels' intervals: the
-kernel itself plus the small XLA kernels around it, such as a split-K sum, without the launch
-gaps between kernels that a CUDA graph hides in a model step), and "dev x" the bf16 peer's
-device time over it.
+- calib: the card's copy bandwidth in the same run (each row's TB/s as a share of it).
+- bench: per shape and M: XLA's bf16 dot (the peer), then for codes stored [K, N] (--kn) the
+  Triton kernel of ops/quant_matmul.py, XLA's dequantize + dot and what the dispatch picks
+  (`int4` / `int8`), jax's Mosaic GPU int8 kernel (a peer, where it runs), and the products
+  over weights stored [N, K] that the model runs (`bf16_nk`, `int8_nk`, `int4_nk`: what
+  `linear` dispatches, the Hopper kernel of ops/quant_wgmma.py for codes where it takes the
+  shape; at one row also ops/gemv.py's kernel, `int*_gemv`). Ends with a markdown table.
+- sweep: per shape, M and bits, the tile variants of the Triton kernel (`int*_kernel`, the
+  heuristic's `int*_heuristic` first) and, on a Hopper GPU, of the Hopper kernel
+  (`int*_wgmma`, ops.quant_wgmma.sweep_configs), each with the fastest (`*_best`): the data
+  of the tuned tile tables.
+TB/s = weight bytes read (packed codes, scales, offsets) over time; speedup = bf16 time / time.
+Timing: each jitted program runs --calls products on distinct weight sets, queued --queue times
+with one sync, median of --runs; with --device_times also the device's busy time per product
+from one profiler trace ("dev us", and "dev x" the bf16 peer's device time over it).
 """
 from __future__ import annotations
 
@@ -46,17 +29,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-
+from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mgpu_mixed
 
 from ops import quant_wgmma
 from ops.gemv import GemvConfig, gemv, gemv_config
 from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
-from scripts import decode_profile, timing
-from scripts.common import write_json
-from scripts.matmul_report import report, summary_table
-from scripts.read_floor import read_floor
+from scripts.bench import common
+from scripts.bench.matmul_table import report, summary_table, sweep_table
+from scripts.bench.profile import device_time_per_call
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("modes", ["calib", "bench"], "calib, bench, sweep")
@@ -87,36 +69,29 @@ flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
                   "busy time per product (see the module docstring).")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
-flags.DEFINE_bool("read_floor", False, "per shape, also time XLA reading each weight's bytes "
-                  "alone (scripts/read_floor.py: read_bf16, read_int8, read_int4 rows, M=0), "
-                  "and print each form's speedup bound, bf16 product / read floor")
+
 
 def time_per_call(fn, args, calls: int) -> float:
     """Seconds per product: `fn(*args)` runs `calls` of them (see the module docstring)."""
-    return timing.time_per_call(fn, args, calls, FLAGS.runs, FLAGS.queue)
+    return common.time_per_call(fn, args, calls, FLAGS.runs, FLAGS.queue)
 
 
 def device_per_call(fn, args, calls: int) -> dict:
-    """decode_profile.device_time_per_call of the program with --device_times, else {}."""
+    """The profiler's device time per product with --device_times, else {}."""
     if not FLAGS.device_times:
         return {}
-    return decode_profile.device_time_per_call(fn, args, calls, FLAGS.queue)
+    return device_time_per_call(fn, args, calls, FLAGS.queue)
 
 
 def calibrate() -> dict:
-    x = jax.random.bits(jax.random.key(0), (1 << 29,), jnp.uint32)  # 2 GiB
-    t = time_per_call(lambda x: x ^ jnp.uint32(1), (x,), 1)
-    copy = 2 * x.nbytes / t / 1e12
-    print(f"calib: copy {copy:.2f} TB/s (read + write)")
-    return {"copy_TBps": copy}
+    calib = common.calibrate(copy_bytes=2 << 30, runs=FLAGS.runs, queue=FLAGS.queue)
+    return {"copy_TBps": calib["copy_TBps"]}
 
 
 def num_sets(set_bytes: int) -> int:
-    """One weight set per product: never two products of a program on the same weights.
-
-    (Measured on the H200: with fewer sets than calls XLA merges the bf16 dots that share a
-    weight into one dot, DotMerger, so the peer read each weight once for several products.)
-    """
+    """One weight set per product: never two products of a program on the same weights (with
+    fewer sets XLA merges the bf16 dots that share a weight into one, and the peer would read
+    each weight once for several products)."""
     del set_bytes
     return FLAGS.calls
 
@@ -150,7 +125,7 @@ def weight_bytes(bits: int, k: int, n: int, group: int) -> int:
 
 def mgpu_fn(k: int, n: int, m: int):
     """jax's Mosaic GPU int8 x bf16 kernel for y = x @ W: computes W^T [N, K] @ x^T [K, M]."""
-    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+    mixed = mgpu_mixed
     mp = max(64, -(-m // 64) * 64)
     cfg = mixed.TuningConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=4,
                              epi_tile_n=64, epi_tile_m=64,
@@ -169,8 +144,6 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
     model's layout (`bench_nk`, up to --nk_max_m rows)."""
     rows = []
     calls = FLAGS.calls
-    if FLAGS.read_floor:  # before the peer's weights exist: one set of arrays at a time
-        rows += bench_read_floors(k, n, calib)
     bf16_sets = num_sets(2 * k * n)
     wb = tuple(jax.random.normal(jax.random.key(100 + i), (k, n), jnp.bfloat16)
                for i in range(bf16_sets))
@@ -192,25 +165,9 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
                 rows.append(bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib))
         if sweep is None and m <= FLAGS.nk_max_m:
             rows += bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib)
+        if sweep is not None and quant_wgmma.available():
+            rows += wgmma_sweep(k, n, m, xs, t_bf16, dev_bf16, calib)
     del wb
-    return rows
-
-
-def bench_read_floors(k: int, n: int, calib: dict) -> list[dict]:
-    """The read floor (scripts/read_floor.py) of the bf16 weight and of the codes of each
-    --bits (with scales, and INT4 offsets with --asymmetric): rows `read_bf16` / `read_int8` /
-    `read_int4` with M = 0 (they hold for every M)."""
-    def time_fn(prog, args):
-        return {"us": time_per_call(prog, args, FLAGS.calls) * 1e6,
-                **device_per_call(prog, args, FLAGS.calls)}
-    forms = [("bf16", 2 * k * n)] + [
-        (f"int{b}", weight_bytes(b, k, n, FLAGS.group_size if b == 4 else k))
-        for b in map(int, FLAGS.bits)]
-    rows = []
-    for name, nbytes in forms:
-        rows.append({"K": k, "N": n, "M": 0, "weight_bytes": nbytes,
-                     **read_floor(name, nbytes, FLAGS.calls, time_fn)})
-        report(rows[-1], calib)
     return rows
 
 
@@ -225,7 +182,7 @@ def timed_row(row: dict, prog, args, nbytes: int, t_bf16: float, dev_bf16: dict)
         if "dev_us" in row and "dev_us" in dev_bf16:
             row["dev_speedup"] = dev_bf16["dev_us"] / row["dev_us"]
     except Exception as e:  # recorded with the reason
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["error"] = common.error_text(e)
     return row
 
 
@@ -250,7 +207,7 @@ def bench_kn(k, n, m, bits, xs, t_bf16, dev_bf16, calib, sweep=None) -> list[dic
                     (f"int{bits}_xla", "reference", None)]
         if FLAGS.variants == "dispatch":
             variants = [variants[0] if heur is not None else variants[1]]
-    by_name = {}
+    by_name, timed = {}, []
     for name, impl, cfg in variants:
         def prog(xs, w, s, o, impl=impl, cfg=cfg):
             out = []
@@ -268,10 +225,12 @@ def bench_kn(k, n, m, bits, xs, t_bf16, dev_bf16, calib, sweep=None) -> list[dic
                         dev_bf16)
         if "error" not in row:
             by_name[name] = row
+            timed.append(row)
         rows.append(row)
         report(row, calib)
-    if sweep is not None and by_name:  # the fastest config of this (shape, M, bits)
-        rows.append({**min(by_name.values(), key=lambda r: r["us"]), "impl": f"int{bits}_best"})
+    if sweep is not None and timed:  # the fastest config of this (shape, M, bits)
+        rows.append({**min(timed, key=lambda r: r.get("dev_us", r["us"])),
+                     "impl": f"int{bits}_best"})
         report(rows[-1], calib)
     if sweep is None:  # what the default dispatch runs
         pick = f"int{bits}_kernel" if heur is not None else f"int{bits}_xla"
@@ -381,8 +340,8 @@ def bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib) -> dict:
     row = {"K": k, "N": n, "M": m, "impl": "mgpu_int8_peer", "bits": 8}
     try:
         fn = mgpu_fn(k, n, m)
-    except Exception as e:  # no such module in this jax
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    except Exception as e:  # a tuning this jax's kernel does not take
+        row["error"] = common.error_text(e)
     else:
         row = timed_row(row, lambda xs, wt, s: tuple(
             fn(xs[c], wt[c % sets], s[c % sets]) for c in range(calls)), (xs, wt, s),
@@ -394,55 +353,82 @@ def bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib) -> dict:
 
 
 def sweep_configs(bits: int, m: int) -> list[MatmulConfig]:
-    """Tile variants for one row count (num_splits 0: filled in by main's rule).
-
-    M <= 16 (decode): today's dot path at block_m 16 and wide N (M < 16 only), then the
-    tensor-core paths of ops/quant_matmul.py: "mma" (x @ W, M padded to 16), "mma_t"
-    (W^T @ x^T, the weight tile as the MMA's M operand) and, int4 only, "mma_wide" (one dot of
-    K = block_k per tile instead of 8) over block_n, block_k, warps, stages; 7 to 11 configs,
-    plus the heuristic's own (main puts it first). Larger M: tiles around the heuristic's dot
-    path.
-    """
+    """Tile variants of the Triton kernel for one row count (num_splits 0: filled in by
+    `triton_sweep`'s rule). M <= 16 (decode): the fma path at block_m 16 (M < 16 only), then
+    the tensor-core "mma" path over block_n, block_k, warps and stages. Larger M: tiles around
+    the heuristic's dot path."""
     bk = (128, 256, 512) if bits == 4 else (32, 64, 128)  # small, medium, large K tile
     if m <= 16:
-        old = [MatmulConfig(16, 256, bk[2] if bits == 4 else bk[1], 0, 8, 2)] if m < 16 else []
+        fma = [MatmulConfig(16, 256, bk[2] if bits == 4 else bk[1], 0, 8, 2)] if m < 16 else []
         mma = [MatmulConfig(16, bn, k_, 0, w, st, "mma")
                for bn, k_, w, st in ((128, bk[1], 4, 3), (256, bk[1], 4, 3), (256, bk[2], 8, 2))]
-        mma_t = [MatmulConfig(16, bn, k_, 0, w, st, "mma_t")
-                 for bn, k_, w, st in ((128, bk[1], 4, 3), (128, bk[2], 4, 3),
-                                       (256, bk[1], 8, 3), (256, bk[2], 8, 2))]
-        # "mma_wide" (int4; for int8 it is "mma"): a [block_k, BN] code tile per dot, about 256
-        # 16-bit codes a thread
-        wide = [MatmulConfig(16, bn, k_, 0, w, 3, "mma_wide")
-                for bn, k_, w in ((128, bk[1], 4), (256, bk[1], 8), (128, bk[2], 8))
-                if bits == 4]
-        return old + mma + mma_t + wide
+        return fma + mma
     bm = max(16, 1 << (m - 1).bit_length())
     out = [MatmulConfig(bm, bn, bk[1], 0, 4, 3) for bn in (64, 128, 256)]
     return out + [MatmulConfig(bm, 128, bk[1], 0, 8, 3), MatmulConfig(bm, 128, bk[2], 0, 4, 2)]
 
 
+def triton_sweep(k: int, n: int):
+    """sweep(bits, m): the heuristic's config, then `sweep_configs` with K splits that give
+    about two programs per SM."""
+    def sweep(bits, m):
+        auto = matmul_config(bits, m, k, n, FLAGS.group_size if bits == 4 else k)
+        out = [auto] if auto is not None else []
+        for cfg in sweep_configs(bits, m):
+            tiles = -(-k // cfg.block_k)
+            progs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+            splits = max(1, min(round(2 * NUM_SMS / progs), tiles // 2, 16))
+            cfg = dataclasses.replace(cfg, num_splits=splits)
+            if cfg not in out:
+                out.append(cfg)
+        return out
+    return sweep
+
+
+def wgmma_sweep(k: int, n: int, m: int, xs, t_bf16: float, dev_bf16: dict,
+                calib: dict) -> list[dict]:
+    """The Hopper kernel (ops/quant_wgmma.py) over codes stored [N, K] in its K order, with
+    each of its sweep tiles per --bits (`int*_wgmma`), then the fastest (`int*_wgmma_best`)."""
+    rows, calls, sets = [], FLAGS.calls, num_sets(k * n)
+    for bits in map(int, FLAGS.bits):
+        group = FLAGS.group_size if bits == 4 else k
+        packed, s, o = make_weights(bits, k, n, group, sets, jax.random.key(80 + bits))
+        codes = tuple(a.T for a in packed)  # random codes: any K order holds the same data
+        nbytes = weight_bytes(bits, k, n, group)
+        timed = []
+        for cfg in quant_wgmma.sweep_configs(bits, k, n, m):
+            def prog(xs, codes, s, o, cfg=cfg, bits=bits, group=group):
+                return tuple(quant_wgmma.wgmma_matmul(
+                    xs[c], codes[c % sets], s[c % sets], o[c % sets], bits=bits,
+                    group_size=group, config=cfg, k_order="wgmma") for c in range(calls))
+            row = timed_row({"K": k, "N": n, "M": m, "impl": f"int{bits}_wgmma", "bits": bits,
+                             "group": group, "config": str(cfg)}, prog, (xs, codes, s, o),
+                            nbytes, t_bf16, dev_bf16)
+            rows.append(row)
+            report(row, calib)
+            if "error" not in row:
+                timed.append(row)
+        if timed:
+            rows.append({**min(timed, key=lambda r: r.get("dev_us", r["us"])),
+                         "impl": f"int{bits}_wgmma_best"})
+            report(rows[-1], calib)
+    return rows
+
+
 def main(_):
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    unknown = sorted(set(FLAGS.modes) - {"calib", "bench", "sweep"})
+    if unknown:
+        raise app.UsageError(f"--modes: unknown {', '.join(unknown)} (calib, bench, sweep)")
     calib = calibrate() if "calib" in FLAGS.modes and FLAGS.impl == "pallas" else {}
     shapes = [tuple(int(v) for v in s.split("x")) for s in FLAGS.shapes]
     ms = [int(m) for m in FLAGS.ms]
     rows = []
     if "sweep" in FLAGS.modes:
-        def sweep(bits, m):  # the heuristic's config, then variants with the split rule
-            auto = matmul_config(bits, m, k, n, FLAGS.group_size if bits == 4 else k)
-            out = [auto] if auto is not None else []
-            for cfg in sweep_configs(bits, m):
-                tiles = -(-k // cfg.block_k)
-                progs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-                splits = max(1, min(round(2 * NUM_SMS / progs), tiles // 2, 16))
-                cfg = dataclasses.replace(cfg, num_splits=splits)
-                if cfg not in out:
-                    out.append(cfg)
-            return out
         for k, n in shapes:
-            rows += bench_shape(k, n, ms, calib, sweep=sweep)
+            rows += bench_shape(k, n, ms, calib, sweep=triton_sweep(k, n))
             save_rows(rows, calib)
+        print(sweep_table(rows))
     if "bench" in FLAGS.modes:
         for k, n in shapes:
             rows += bench_shape(k, n, ms, calib)
@@ -454,8 +440,7 @@ def save_rows(rows: list[dict], calib: dict) -> None:
     """--json_out: every row so far (rewritten whole after each shape: a run cut short keeps
     them)."""
     if FLAGS.json_out:
-        write_json(FLAGS.json_out, {"calib": calib, "device": jax.devices()[0].device_kind,
-                                    "rows": rows})
+        common.write_json(FLAGS.json_out, common.run_info() | {"calib": calib, "rows": rows})
 
 
 if __name__ == "__main__":

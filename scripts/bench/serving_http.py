@@ -1,27 +1,23 @@
-"""The HTTP mode of scripts/bench_serving.py: the same workload against a running server.
-
-    python -m scripts.serve --model=smollm2-135m --port=8000 &
-    python -m scripts.bench_serving --url=http://127.0.0.1:8000 --num_requests=100 --input_len=64 \
-        --output_len=64 --max_input_len=256 --max_output_len=256
+"""The HTTP mode of the serving benchmark: the same workload against a running server.
 
 Each request is a streaming /v1/completions call whose prompt is the workload's token ids, with
 `max_tokens` its drawn output length and the server's `ignore_eos` extension, so every request
-does the same work as in process. Arrivals follow the same seeded schedule. Time to first token
-is the time to the first chunk carrying a token; the output token count comes from the stream's
-usage chunk (`stream_options.include_usage`). Prefix hit rate and preemptions are read from the
-server's /metrics. Host time per step is only known in process. --warmup=rerun sends the
-whole workload once untimed first; otherwise a few warm-up requests go first.
+does the same work as in process. Time to first token is the time to the first chunk carrying
+a token; the output token count comes from the stream's usage chunk. Prefix hit rate and
+preemptions are read from the server's /metrics; host time per step is only known in process.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
 import time
 
 import aiohttp
-import numpy as np
+
+from scripts.bench.workload import WorkloadSpec, describe, make_workload, summarize
 
 WARMUP_REQUESTS = 8
 
@@ -80,28 +76,29 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else math.nan
 
 
-def main(FLAGS, make_workload, summarize, print_table) -> None:
-    """Runs bench_serving's workload over HTTP against FLAGS.url; prints and writes JSON."""
-    from scripts import common
-    url = FLAGS.url.rstrip("/")
-    headers = {"Authorization": f"Bearer {FLAGS.api_key}"} if FLAGS.api_key else {}
+def run_http(url: str, api_key: str | None, spec: WorkloadSpec, seed: int,
+             rerun_warmup: bool) -> dict:
+    """Runs the workload against the server at `url`; returns the report (as the in-process
+    mode's, without host figures). ValueError when the server cannot be used. rerun_warmup:
+    the whole workload once untimed first; otherwise a few warm-up requests."""
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         info = json.loads(_get(url, "/v1/models", headers))["data"][0]
     except (OSError, RuntimeError, ValueError, KeyError, IndexError) as e:
-        common.fail(f"cannot reach the server's /v1/models at {url}: {e}")
+        raise ValueError(f"cannot reach the server's /v1/models at {url}: {e}") from None
     model, vocab = info["id"], info.get("vocab_size")
     max_model_len = info.get("max_model_len")
     if vocab is None:
-        common.fail("the server's /v1/models does not give vocab_size (not a Pallasite server?)")
-    longest = FLAGS.shared_prefix_len + FLAGS.max_input_len + FLAGS.max_output_len
-    if max_model_len is not None and longest > max_model_len:
-        common.fail(f"shared_prefix_len + max_input_len + max_output_len = {longest} exceeds "
-                    f"the server's max_model_len {max_model_len}")
-    work = make_workload(FLAGS.seed, FLAGS.num_requests, vocab, FLAGS.request_rate)
-    # --warmup=rerun: the whole workload once untimed; otherwise (the server compiled its
-    # programs at start) a few requests, to open connections and touch the common programs.
-    warm = (work if FLAGS.warmup == "rerun"
-            else make_workload(FLAGS.seed + 1, WARMUP_REQUESTS, vocab, math.inf))
+        raise ValueError("the server's /v1/models does not give vocab_size (not a Pallasite "
+                         "server?)")
+    if max_model_len is not None and spec.longest > max_model_len:
+        raise ValueError(f"shared_prefix_len + max_input_len + max_output_len = {spec.longest} "
+                         f"exceeds the server's max_model_len {max_model_len}")
+    work = make_workload(spec, seed, vocab)
+    warm = work if rerun_warmup else make_workload(
+        dataclasses.replace(spec, num_requests=WARMUP_REQUESTS, request_rate=math.inf),
+        seed + 1, vocab)
     asyncio.run(_run(url, model, warm.prompts, warm.output_lens, warm.arrivals, headers))
 
     before = _get(url, "/metrics", headers)
@@ -118,16 +115,6 @@ def main(FLAGS, make_workload, summarize, print_table) -> None:
         "errors": len(errors), "first_errors": errors[:5],
         "prefix_hit_rate": _metric(after, "pallasite_prefix_cache_hit_rate"),
         "preemptions": int(_metric(after, "pallasite_preemptions_total")
-                           - _metric(before, "pallasite_preemptions_total")),
-        "host_share_all_steps": None, "host_share_at_max_running": None, "max_running": "-"}
-    report = {"url": url, "model": model, "num_requests": FLAGS.num_requests,
-              "request_rate": FLAGS.request_rate, "input_len_median": FLAGS.input_len,
-              "output_len_median": FLAGS.output_len,
-              "mean_input_len": float(np.mean([len(p) for p in work.prompts])),
-              "mean_output_len": float(np.mean(work.output_lens)), "continuous": summary}
-    print_table(report)
-    if errors:
-        print(f"{len(errors)} requests failed; first: {errors[0]}")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+                           - _metric(before, "pallasite_preemptions_total"))}
+    return {"mode": "http", "url": url, "model": model} | describe(spec, work) | {
+        "continuous": summary}

@@ -1,7 +1,6 @@
-"""The rows and the closing markdown table of scripts/bench_matmul.py: a printed line per timed
-row (time, TB/s of weight bytes, share of the copy bandwidth, speedup over the bf16 peer) and
-the per-(shape, M) table of the peer, INT4 and INT8 in the model's layout, the Mosaic GPU peer
-and, with --read_floor, each form's read floor and the bound it sets."""
+"""The printed rows and the closing markdown table of the matmul benchmark: per timed row its
+time, TB/s of weight bytes, share of the copy bandwidth and speedup over the bf16 peer; per
+(shape, M) the peer, INT4 and INT8 in the model's layout and the Mosaic GPU peer."""
 from __future__ import annotations
 
 
@@ -31,8 +30,8 @@ def product_us(row: dict | None) -> float | None:
 def summary_table(rows: list[dict], calib: dict) -> str:
     """Markdown: per shape and M the bf16 peer (with the bf16 weight's copy floor), INT4 and
     INT8 in the model's layout (`int*_nk`; the [K, N] dispatch where those did not run): time,
-    TB/s of weight bytes and speedup over the peer, the Mosaic GPU int8 peer, and with
-    --read_floor each form's read floor and the peer's time over it (the speedup bound)."""
+    TB/s of weight bytes (share of copy) and speedup over the peer, and the Mosaic GPU int8
+    peer."""
     def fmt(row, peer_us):
         us = product_us(row)
         if us is None:
@@ -40,13 +39,11 @@ def summary_table(rows: list[dict], calib: dict) -> str:
         tbps = row["TBps"] * row["us"] / us  # the same bytes over this time
         frac = f" ({tbps / calib['copy_TBps']:.0%})" if calib else ""
         return f"{us:.1f} | {tbps:.2f}{frac} | {peer_us / us:.2f}x"
-    reads = [b for b in (4, 8) if any(r["impl"] == f"read_int{b}" for r in rows)]
     lines = ["| K x N | M | bf16 us (floor) | INT4 us | INT4 TB/s (% copy) | INT4 x bf16 | "
-             "INT8 us | INT8 TB/s (% copy) | INT8 x bf16 | Mosaic int8 us (x bf16) |"
-             + "".join(f" INT{b} read us (bound) |" for b in reads),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(reads)]
+             "INT8 us | INT8 TB/s (% copy) | INT8 x bf16 | Mosaic int8 us (x bf16) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     by_key = {(r["K"], r["N"], r["M"], r["impl"]): r for r in rows}
-    for k, n, m in dict.fromkeys((r["K"], r["N"], r["M"]) for r in rows if r["M"]):
+    for k, n, m in dict.fromkeys((r["K"], r["N"], r["M"]) for r in rows):
         peer_us = product_us(by_key.get((k, n, m, "xla_bf16")))
         if peer_us is None:
             continue
@@ -57,8 +54,24 @@ def summary_table(rows: list[dict], calib: dict) -> str:
             cells.append(fmt(row, peer_us))
         mgpu_us = product_us(by_key.get((k, n, m, "mgpu_int8_peer")))
         cells.append("-" if mgpu_us is None else f"{mgpu_us:.1f} ({peer_us / mgpu_us:.2f}x)")
-        for bits in reads:
-            read_us = product_us(by_key.get((k, n, 0, f"read_int{bits}")))
-            cells.append("-" if read_us is None else f"{read_us:.1f} ({peer_us / read_us:.2f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """Markdown: per shape, M and bits of a sweep, the heuristic's tiles against the fastest
+    swept tiles of the Triton kernel and (on Hopper) of the Hopper kernel, over the bf16 peer."""
+    lines = ["| K x N | M | bits | bf16 us | heuristic us | best us | best tiles | Hopper best us "
+             "| Hopper best tiles |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    by_key = {(r["K"], r["N"], r["M"], r["impl"]): r for r in rows}
+    for k, n, m, bits in dict.fromkeys((r["K"], r["N"], r["M"], r["bits"]) for r in rows
+                                       if r.get("bits") in (4, 8)):
+        cells = [f"{k}x{n}", str(m), str(bits)]
+        for impl in ("xla_bf16", f"int{bits}_heuristic", f"int{bits}_best"):
+            us = product_us(by_key.get((k, n, m, impl)))
+            cells.append("-" if us is None else f"{us:.1f}")
+        cells.append(by_key.get((k, n, m, f"int{bits}_best"), {}).get("config", "-"))
+        hopper = by_key.get((k, n, m, f"int{bits}_wgmma_best"))
+        cells += ["-", "-"] if hopper is None else [f"{product_us(hopper):.1f}", hopper["config"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,14 +1,10 @@
-"""A profile of decode steps from jax's own profiler: device time per kernel, and the idle rest.
+"""Device time from jax's own profiler: busy time per step or per call, and where it goes.
 
-`profile_steps` traces a few queued steps of a ModelRunner (jax.profiler with a Perfetto trace,
-which holds the device's kernel activity from CUPTI on GPUs); `summarize_trace` reads that trace
-(Chrome trace-event JSON) and sums the device events: busy time per step against wall time per
-step, and the kernels grouped by kind (matmul, attention, KV write, other fusions, copies) and by
-name. Busy time is the union of kernel intervals, so kernels overlapping on several streams are
-counted once; wall - busy is what launch gaps and the host cost. The host's own events (the
-runtime's trace annotations on the host threads: dispatch, buffer handling, launches) are summed
-by name too, to show where a step's dispatch holds the host. XLA runs a program op by op while
-the profiler is on unless XLA_FLAGS has --xla_enable_command_buffers_during_profiling=true.
+`profile_calls` traces a few queued calls (a Perfetto trace, which holds the device's kernel
+activity from CUPTI on GPUs); `summarize_trace` sums the device events: busy time (the union of
+kernel intervals) against wall time, and the kernels grouped by kind and by name; the host's own
+events are summed by name too. XLA runs a program op by op while the profiler is on unless
+XLA_FLAGS has --xla_enable_command_buffers_during_profiling=true.
 """
 from __future__ import annotations
 
