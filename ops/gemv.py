@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import quant_wgmma
+from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import CODE_ZEROS, INT4_PER_WORD, code_bits, dequantize_rows
 from ops.ptx import fma
 from ops.quant_gemv import NIBBLE_POSITIONS, mantissa_codes
@@ -62,7 +62,6 @@ from ops.quant_tiles import _load
 HIGH_HALF = -65536  # int32 0xFFFF0000: the bf16 in a word's upper half, as float32 bits
 MAX_ROWS = 1  # fused_gemv runs the kernel for at most this many activation rows (at two rows
 # a llama3.1-8b step was 11% slower than XLA's products: docs/PERFORMANCE.md)
-IMPLS = ("pallas", "pallas_interpret", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,33 +430,24 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
 
 
 APART_BITS = {"gated": (4,), "o": (), "down": (4,)}  # codes whose product runs apart at one row
-APART_ENV = {"gated": "PALLASITE_GEMV_GATED", "o": "PALLASITE_GEMV_O",
-             "down": "PALLASITE_GEMV_DOWN"}
 
 
-def runs_apart(weight, rows: int, x_dtype=jnp.bfloat16, product: str = "gated") -> bool:
+def runs_apart(weight, rows: int, kernels: KernelBackends | None = None, x_dtype=jnp.bfloat16,
+               product: str = "gated") -> bool:
     """Whether the model should run a one-row product (`weight`, an ops.matmul.TransposedWeight,
     of `rows` rows of x_dtype) apart, through `linear` (the Hopper kernel of ops/quant_wgmma.py),
     instead of fused here. `product`: "gated" (gate/up: RMSNorm, the product, SiLU x up) or
     "o" or "down" (the product, then the residual added in XLA, where the split-K sum takes it).
-    True for the codes of APART_BITS[product] that the Hopper kernel takes. Gate/up: INT4 (on
-    the H200 it reads llama3.1-8b's gate/up codes at 71% of copy, 22.5 us, where this kernel
-    reads them at 51%, 31.4 us; docs/PERFORMANCE.md, twenty-eighth session); INT8's two kernels
-    differ by about what the extra norm and SiLU kernels cost, so INT8 and bf16 stay fused.
-    Down: INT4 (a batch-1 INT4 step's device busy time 2.193 ms apart against 2.278 fused; INT8
-    apart was slower end to end, 3.301 against 3.104 ms). o: none (o apart too added 18 us of
-    device time a step; twenty-ninth session). APART_ENV[product] = "fused" | "apart"
-    overrides (A/B)."""
+    True for the codes of APART_BITS[product] that the Hopper kernel takes (kernels.wgmma).
+    Gate/up: INT4 (the Hopper kernel reads llama3.1-8b's gate/up codes at 71% of copy, this one
+    at 51%); INT8's two kernels differ by about what the extra norm and SiLU kernels cost, so
+    INT8 and bf16 stay fused. Down: INT4 (INT8 apart was slower end to end). o: none (apart
+    added device time a step)."""
     if product not in APART_BITS:
         raise ValueError(f"runs_apart: product {product!r} must be one of {tuple(APART_BITS)}")
-    name = APART_ENV[product]
-    choice = os.environ.get(name, "").lower()
-    if choice not in ("", "fused", "apart"):
-        raise ValueError(f"{name}={choice!r}: must be 'fused' or 'apart'")
-    if choice:
-        return choice == "apart"
     bits = code_bits(weight.w_t)
-    if bits not in APART_BITS[product] or weight.scales is None or not quant_wgmma.available():
+    if (bits not in APART_BITS[product] or weight.scales is None
+            or not or_reference(kernels).wgmma):
         return False
     k, n = weight.shape
     return quant_wgmma.supports(bits, rows, k, n, weight.group_size or k, x_dtype,
@@ -466,17 +456,16 @@ def runs_apart(weight, rows: int, x_dtype=jnp.bfloat16, product: str = "gated") 
 
 def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
                residual=None, scales=None, offsets=None, group_size: int | None = None,
-               impl: str | None = None, k_order: str = "natural"):
-    """`gemv`'s function, dispatched. impl None: PALLASITE_GEMV if set, else the kernel on a GPU
-    when x is bf16 with M <= MAX_ROWS and w_t bf16 or codes that fit it, the reference
-    otherwise; or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
-    impl = impl or os.environ.get("PALLASITE_GEMV") or None
+               impl: str | None = None, k_order: str = "natural",
+               kernels: KernelBackends | None = None):
+    """`gemv`'s function, dispatched. impl None: kernels.gemv when x is bf16 with M <= MAX_ROWS
+    and w_t bf16 or codes that fit the kernel, the reference otherwise (kernels None: the
+    reference); or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
     if impl is None:
         fits = (x.ndim == 2 and x.shape[0] <= MAX_ROWS
                 and _kernel_refusal(x, w_t, group_size or x.shape[1]) is None)
-        impl = "pallas" if fits and jax.default_backend() == "gpu" else "reference"
-    if impl not in IMPLS:
-        raise ValueError(f"fused_gemv: impl {impl!r} must be None or one of {IMPLS}")
+        impl = or_reference(kernels).gemv if fits else "reference"
+    impl = choose_impl("fused_gemv", impl, "reference")
     kw = dict(norm_weight=norm_weight, eps=eps, gated=gated, bias=bias, residual=residual,
               scales=scales, offsets=offsets, group_size=group_size, k_order=k_order)
     if impl == "reference":
