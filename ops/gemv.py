@@ -38,8 +38,7 @@ words). Then come the norm's scale, the bias, SiLU x up and the residual.
 `gemv_reference` computes the same function in jnp (the tests compare both); `fused_gemv`
 dispatches: the kernel on a GPU for bf16 activations (bf16 weights or codes) and at most
 MAX_ROWS rows, the reference elsewhere. The model's layers use it when their weights are stored
-transposed (models/llama.py, `transpose_for_gemv`). Measured on the H200: docs/PERFORMANCE.md, "Sixteenth
-session".
+transposed (models/llama.py, `transpose_for_gemv`). Figures: docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ class GemvConfig:
 
 def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConfig:
     """Tiles for one row on an H200, from device-time sweeps on the four Llama-3.1-8B layer
-    products (docs/PERFORMANCE.md: sixteenth session for bf16, eighteenth and twenty-ninth for
-    codes). bf16: gated (gate/up) [4 columns of each half, 256 K] without prefetch; normed
+    products (docs/PERFORMANCE.md). bf16: gated (gate/up) [4 columns of each half, 256 K] without prefetch; normed
     (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with prefetch; 4 warps each.
     (num_stages changed nothing: Triton does not pipeline this loop, hence the explicit
     prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks, [block_n, block_k (K
@@ -97,9 +95,8 @@ def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConf
 
 
 # (block_n, block_k, num_warps) per bits and product kind: the fastest of 27 tiles each on the
-# H200 (eighteenth session; plain = o and down with prefetch, the down product's choice for
-# INT4), and of 36 for the plain products (twenty-ninth session: short = o, K <= SHORT_K; INT8 o
-# 6.98 us in [16, 1024, 8] against 7.43 in down's [8, 1024, 2]; INT4's best is the same for both)
+# H200 (plain = o and down with prefetch, the down product's choice for INT4), and of 36 for the
+# plain products (short = o, K <= SHORT_K; INT4's best is the same for both)
 SHORT_K = 4096
 CODE_TILES = {8: {"gated": (8, 512, 4), "norm": (16, 1024, 8), "plain": (8, 1024, 2),
                   "short": (16, 1024, 8)},

@@ -6,7 +6,7 @@ Layout, per layer (the float cache's layout plus one scale per stored row):
 The value a row stands for is `pages[h, p, s, :] * scales[h, p, s]`. A new row is quantized
 symmetrically with `scale = max|x| / qmax` (qmax 127 for int8, 448 for e4m3), so its largest
 entry maps to +-qmax. The attention kernel (ops/ragged_attention.py)
-read these pages and dequantize them in registers; `dequantize_pages` is the plain reference.
+reads these pages and dequantizes them in registers; `dequantize_pages` is the plain reference.
 """
 from __future__ import annotations
 

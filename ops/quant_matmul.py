@@ -152,8 +152,7 @@ def _gemv_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulCo
     [32 rows, 256 columns] 4-warp tiles on products of at least 32M weights, else [16, 512];
     two rows [16, 256] with 2 warps, or [16, 512] with 4 where the columns alone give two
     programs per SM. Group-wise int8 runs 8-warp [32, 256 / M] tiles at about 8 programs per
-    SM (at most 16 splits). From the sweeps of docs/PERFORMANCE.md (tenth, fourteenth and
-    fifteenth sessions).
+    SM (at most 16 splits). From the sweeps of docs/PERFORMANCE.md.
     """
     block_m, block_n = _next_pow2(m), 256 // m
     if quant_gemv8.supports(bits, n, -(-k // group_size)):  # per-channel INT8: word kernel

@@ -21,8 +21,7 @@ block_m x BN at most MAX_ACC accumulator elements, 128 float32 registers per thr
 program the product above for its rows; the codes are read once per row tile. The
 conversion's cost is shared by block_m rows, so the product is bound by the tensor cores: on
 the H200 at 128 rows about as fast as XLA's bf16 product, at 1024 rows 0.66-0.87x of it, against
-0.63-0.70x for XLA's dequantize + dot (docs/PERFORMANCE.md, twenty-first and twenty-second
-sessions). From LARGE_M_ROWS rows the warp-specialized form below takes over.
+0.63-0.70x for XLA's dequantize + dot (docs/PERFORMANCE.md). From LARGE_M_ROWS rows the warp-specialized form below takes over.
 
 Codes to bf16 without moving data between threads. Mosaic GPU loads a code tile one 32-bit
 register per thread (eight INT4 / four INT8 codes of consecutive K positions: layouts
@@ -89,8 +88,8 @@ ops/quant_wgmma_tiles.py, pure Python over shapes.
 
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
 `int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
-test_quant_wgmma_hopper.py; the CPU-side checks in tests/ops/test_quant_wgmma.py). Measured on
-the H200: docs/PERFORMANCE.md, "Nineteenth session" to "Twenty-first session".
+test_quant_wgmma_hopper.py; the CPU-side checks in tests/ops/test_quant_wgmma.py). Figures on
+the H200: docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 

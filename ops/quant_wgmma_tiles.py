@@ -16,7 +16,7 @@ MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 WIDE_STEP_ROWS = 16  # wgmma_config: INT4 steps of 256 K up to this many (padded) rows
 MANY_ROWS = 33  # wgmma_config: from this many rows, K splits for about 192 programs (INT4 and
-# INT8 alike) and INT8 in 64-column programs (the 64-row sweep, thirty-sixth session)
+# INT8 alike) and INT8 in 64-column programs (the 64-row sweep)
 MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced in 128-byte rows)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
@@ -129,14 +129,13 @@ def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md, nineteenth and twenty-third
-    sessions): INT4 up to WIDE_STEP_ROWS rows in steps of 256 positions (spanning groups of
-    64 or 128) with 4 stages (2 up to 8 rows without a K split: thirty-first session), K
+    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md): INT4 up to WIDE_STEP_ROWS rows in steps of 256 positions (spanning groups of
+    64 or 128) with 4 stages (2 up to 8 rows without a K split), K
     splits up to about 256 programs; else steps of 128 INT4 positions (capped by the group)
     with 3 stages, or 256 INT8 positions with 2, K splits up to about 384 (INT4) or 256
     (INT8) programs; each split at least two steps, and 128-column programs where that still
     gives about 200 programs without a split (gate/up, the lm head), else 64 columns. From
-    MANY_ROWS rows (the 64-row sweep, thirty-sixth session) the splits aim at about 192
+    MANY_ROWS rows (the 64-row sweep) the splits aim at about 192
     programs, and INT8 takes 64-column programs up to 512 of them (gate/up; the lm head, not
     swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
@@ -169,11 +168,11 @@ def step_in_group(block_k: int, k: int, group_size: int) -> int:
 
 def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
     """Tiles past MAX_ROWS rows, from the H200 sweeps at 128 and 1024 rows (docs/
-    PERFORMANCE.md, twenty-first and twenty-second sessions): from LARGE_M_ROWS rows on the
+    PERFORMANCE.md): from LARGE_M_ROWS rows on the
     warp-specialized kernel's 256-row tiles (`ws_config`: two consumers of 64 columns sharing
     each x tile), or 128-row tiles of three consumers where N takes them and their units keep
     an H200's SMs busier by a tenth (`ws_balance`; q/k/v at 1024 rows: 256 units against 192,
-    0.86x bf16 against 0.72x, twenty-third session); else the one-warpgroup row tiles of
+    0.86x bf16 against 0.72x); else the one-warpgroup row tiles of
     `row_tile_config`."""
     if m < LARGE_M_ROWS:
         return row_tile_config(m, k, n, group_size)

@@ -23,7 +23,7 @@ Tuning (`ragged_config`): block_m = next power of two of max_q_len * G, clamped 
 (64 for head_dim 256). Prefill-sized tiles (block_m >= 64): block_k 64, 4 warps, 3 pipeline
 stages, with the softmax's exponent in PTX (`RaggedConfig.ptx_softmax`: one fma and one
 ex2.approx per logit, where jnp's exp2 costs several instructions). H200 sweeps at 32 q / 8 kv
-heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (eleventh session, three
+heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (three
 runs): (128, 64, 4 warps, 3 stages) 377-379 / 266-273 and 426-436 / 305-307; 4 stages 368-393
 / 269-276 and 439 / 305; 2 stages 346-356 / 254-262; (128, 32, 4, 5), the best with the jnp
 softmax, 361-373 / 316-330 and 407 / 362; (128, 128, 8, 3) 319 / 260; (256, 64, 8, 3)
