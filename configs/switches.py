@@ -4,13 +4,19 @@ They are read once, when a runner is built (`Switches.from_env`), validated, and
 kernel choice (ops.backends.select_kernels) that is passed down to the ops; nothing reads them
 while a step is traced. Unset or empty means the default.
 
-| variable            | values                                        | default  | effect |
-|---------------------|-----------------------------------------------|----------|--------|
-| PALLASITE_ATTENTION | auto, pallas, pallas_interpret, reference     | auto     | attention, RoPE + KV write and RMSNorm: the Pallas kernels on a GPU (auto), forced, interpreted (CPU debugging) or the jnp reference |
-| PALLASITE_MATMUL    | auto, pallas, pallas_interpret, reference     | auto     | quantized matmuls (INT8 / INT4 codes): the Pallas kernels on a GPU (auto) or the XLA reference |
-| PALLASITE_GEMV      | auto, pallas, pallas_interpret, reference     | auto     | the fused one-row products of transposed layers (ops/gemv.py) |
-| PALLASITE_WGMMA     | on, off                                       | on       | off: never the Hopper kernel (ops/quant_wgmma.py); the Triton paths instead |
-| PALLASITE_K_ORDER   | device, natural                               | device   | natural: store codes in natural K order even where the Hopper kernel reads a reordered K faster |
+| variable            | values                                    | default | selects              |
+|---------------------|-------------------------------------------|---------|----------------------|
+| PALLASITE_ATTENTION | auto, pallas, pallas_interpret, reference | auto    | attention/KV/RMSNorm |
+| PALLASITE_MATMUL    | auto, pallas, pallas_interpret, reference | auto    | quantized matmuls    |
+| PALLASITE_GEMV      | auto, pallas, pallas_interpret, reference | auto    | one-row products     |
+| PALLASITE_WGMMA     | on, off                                   | on      | Hopper codes kernel  |
+| PALLASITE_K_ORDER   | device, natural                           | device  | K order of codes     |
+
+auto: the Pallas kernels on a GPU, the jnp / XLA reference elsewhere; pallas forces the kernel,
+pallas_interpret runs it interpreted (debugging on the CPU), reference the jnp / XLA path.
+PALLASITE_WGMMA=off keeps codes stored [N, K] on the Triton paths instead of ops/quant_wgmma.py.
+PALLASITE_K_ORDER=natural stores codes in natural K order even where the Hopper kernel reads a
+reordered K faster.
 """
 from __future__ import annotations
 

@@ -76,12 +76,12 @@ class GemvConfig:
 
 def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConfig:
     """Tiles for one row on an H200, from device-time sweeps on the four Llama-3.1-8B layer
-    products (docs/PERFORMANCE.md). bf16: gated (gate/up) [4 columns of each half, 256 K] without prefetch; normed
-    (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with prefetch; 4 warps each.
-    (num_stages changed nothing: Triton does not pipeline this loop, hence the explicit
-    prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks, [block_n, block_k (K
-    positions), warps]: see CODE_TILES; a plain product of at most SHORT_K positions (`k`: o)
-    takes the "short" tile."""
+    products (docs/PERFORMANCE.md). bf16: gated (gate/up) [4 columns of each half, 256 K]
+    without prefetch; normed (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with
+    prefetch; 4 warps each. (num_stages changed nothing: Triton does not pipeline this loop,
+    hence the explicit prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks,
+    [block_n, block_k (K positions), warps]: see CODE_TILES; a plain product of at most
+    SHORT_K positions (`k`: o) takes the "short" tile."""
     if bits != 16:
         kind = "gated" if gated else "norm" if norm else "short" if k <= SHORT_K else "plain"
         block_n, block_k, warps = CODE_TILES[bits][kind]

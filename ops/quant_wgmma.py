@@ -21,7 +21,8 @@ block_m x BN at most MAX_ACC accumulator elements, 128 float32 registers per thr
 program the product above for its rows; the codes are read once per row tile. The
 conversion's cost is shared by block_m rows, so the product is bound by the tensor cores: on
 the H200 at 128 rows about as fast as XLA's bf16 product, at 1024 rows 0.66-0.87x of it, against
-0.63-0.70x for XLA's dequantize + dot (docs/PERFORMANCE.md). From LARGE_M_ROWS rows the warp-specialized form below takes over.
+0.63-0.70x for XLA's dequantize + dot (docs/PERFORMANCE.md). From LARGE_M_ROWS rows the
+warp-specialized form below takes over.
 
 Codes to bf16 without moving data between threads. Mosaic GPU loads a code tile one 32-bit
 register per thread (eight INT4 / four INT8 codes of consecutive K positions: layouts

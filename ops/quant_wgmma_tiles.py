@@ -41,7 +41,8 @@ class WgmmaConfig:
     block_n: int = 64  # output columns per program (a multiple of BLOCK_N: m64 wgmmas)
     num_splits: int = 1
     stages: int = 4
-    convert: str = "inline"  # codes -> bf16: "inline" (_codes_to_bf16) or "mosaic" (astype)
+    # codes -> bf16: "inline" (quant_wgmma_convert.codes_to_bf16) or "mosaic" (astype)
+    convert: str = "inline"
     direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
@@ -129,15 +130,15 @@ def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md): INT4 up to WIDE_STEP_ROWS rows in steps of 256 positions (spanning groups of
-    64 or 128) with 4 stages (2 up to 8 rows without a K split), K
-    splits up to about 256 programs; else steps of 128 INT4 positions (capped by the group)
-    with 3 stages, or 256 INT8 positions with 2, K splits up to about 384 (INT4) or 256
-    (INT8) programs; each split at least two steps, and 128-column programs where that still
-    gives about 200 programs without a split (gate/up, the lm head), else 64 columns. From
-    MANY_ROWS rows (the 64-row sweep) the splits aim at about 192
-    programs, and INT8 takes 64-column programs up to 512 of them (gate/up; the lm head, not
-    swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`."""
+    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md): INT4 up to WIDE_STEP_ROWS rows
+    in steps of 256 positions (spanning groups of 64 or 128) with 4 stages (2 up to 8 rows
+    without a K split), K splits up to about 256 programs; else steps of 128 INT4 positions
+    (capped by the group) with 3 stages, or 256 INT8 positions with 2, K splits up to about
+    384 (INT4) or 256 (INT8) programs; each split at least two steps, and 128-column
+    programs where that still gives about 200 programs without a split (gate/up, the lm
+    head), else 64 columns. From MANY_ROWS rows (the 64-row sweep) the splits aim at about
+    192 programs, and INT8 takes 64-column programs up to 512 of them (gate/up; the lm head,
+    not swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
     many_rows = m >= MANY_ROWS

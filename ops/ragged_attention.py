@@ -27,14 +27,14 @@ heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (three
 runs): (128, 64, 4 warps, 3 stages) 377-379 / 266-273 and 426-436 / 305-307; 4 stages 368-393
 / 269-276 and 439 / 305; 2 stages 346-356 / 254-262; (128, 32, 4, 5), the best with the jnp
 softmax, 361-373 / 316-330 and 407 / 362; (128, 128, 8, 3) 319 / 260; (256, 64, 8, 3)
-318 / 253; (64, 64, 4, 3) 308-310 / 242-245. Decode-sized tiles keep the jnp softmax: the
-decode kernel with PTX measured no faster (two runs, B = 1-32).
+318 / 253; (64, 64, 4, 3) 308-310 / 242-245. Decode-sized tiles keep the jnp softmax: with PTX
+decode measured no faster (two runs, B = 1-32).
 Rescaling the accumulator only when the running max grows by more than 2^8 (branching on it)
 was slower in 11 of 12 pairs and was dropped. head_dim 256 keeps block_k 32 and 5 stages.
 Below that the program is bandwidth-bound like decode: block_k 128 and, when block_m <= 32,
-key splits for about two programs per SM (decode_config's rule for 128-token tiles; its
-64-token tiles at four per SM were measured in the decode kernel only). `RaggedConfig.prefetch_slots` reads the next tile's
-block-table entries a loop step ahead (off by default).
+key splits for about two programs per SM.
+`RaggedConfig.prefetch_slots` reads the next tile's block-table entries a loop step ahead (off
+by default).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
         return RaggedConfig(block_m=block_m, block_k=32, num_warps=4, num_stages=5)
     block_k = 128 if head_dim <= 128 else 64
     splits = 1
-    if block_m <= 32:  # as decode_config's 128-token tiles
+    if block_m <= 32:  # about two programs per SM
         want = max(1, round(2 * tiles.NUM_SMS / (num_seqs * num_kv_heads)))
         most = max(1, max_kv_tokens // (2 * block_k))
         splits = min(want, most, 64)
