@@ -45,10 +45,11 @@ class DraftProposer:
     """Runs the draft model over the speculating requests of a step."""
 
     def __init__(self, cfg, model, num_pages: int, page_size: int, max_seqs: int,
-                 max_width: int):
+                 max_width: int, kernels=None):
         self.cfg = cfg
+        # kernels: the target runner's KernelBackends (None: chosen for this device)
         self.runner = ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_seqs,
-                                  max_width=max_width)
+                                  max_width=max_width, kernels=kernels)
         self.page_size = page_size
 
     def propose(self, requests: list, k: int):

@@ -21,6 +21,8 @@ from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, 
                              with_logprobs)
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
+from ops.backends import device_kernels
+from ops.kernel_choice import KernelBackends
 from ops.kv_quant import is_quantized_kv_dtype
 
 MIN_TOKEN_BUCKET = 16
@@ -143,8 +145,12 @@ class ModelRunner:
     supports_multi_step = True  # execute_multi_step
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
-                 page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1):
+                 page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
+                 kernels: KernelBackends | None = None):
         self.cfg = cfg
+        # The kernel of every op family, chosen once for this device and the switches (None:
+        # ops.backends.device_kernels) and passed to every traced step.
+        self.kernels = device_kernels() if kernels is None else kernels
         self.max_seqs, self.max_width = max_seqs, max_width
         # The GPU kernels read only each sequence's own pages, so a block table as wide as the
         # longest sequence costs nothing there: one width means fewer programs to compile.
@@ -194,7 +200,7 @@ class ModelRunner:
             max_prefill_seqs=layout.max_prefill_seqs, kv_quant=self.kv_quant)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return forward(model, cache, tokens, meta, self.cfg,
-                       None if all_logits else x["logits_indices"])
+                       None if all_logits else x["logits_indices"], kernels=self.kernels)
 
     def share_programs(self, other: "ModelRunner") -> None:
         """Runs this runner's steps with `other`'s jitted functions (and their compiled
@@ -251,7 +257,8 @@ class ModelRunner:
                 block_tables=tables, query_start_loc=start,
                 kv_lens=jnp.where(real, pos + 1, 0), max_q_len=1, max_prefill_seqs=0,
                 kv_quant=self.kv_quant)
-            logits, cache = forward(model, cache, tokens, meta, self.cfg, rows)
+            logits, cache = forward(model, cache, tokens, meta, self.cfg, rows,
+                                    kernels=self.kernels)
             tokens = self._draw(logits, floats, ints, first_draw + i, mode)
             return cache, tokens, out.at[i].set(tokens)
 

@@ -43,6 +43,7 @@ from engine.sharding import init_sharded_kv_cache, replicated
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, forward
 from models.sharding import attention_plan, put, shard_state
+from ops.backends import device_kernels
 from ops.kv_quant import is_quantized_kv_dtype
 
 
@@ -85,9 +86,12 @@ class ShardedModelRunner(ModelRunner):
     supports_multi_step = False
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
-                 max_seqs: int = 1, max_width: int = 1, *, mesh):
+                 max_seqs: int = 1, max_width: int = 1, *, mesh, kernels=None):
         self.mesh = mesh
         self.tp, self.dp = mesh_shape(mesh)
+        # as ModelRunner's, with the mesh: attention and the KV write run per shard
+        self.kernels = (device_kernels(mesh_axes=tuple(mesh.shape.items())) if kernels is None
+                        else kernels)
         self.model_cfg = cfg
         self.plan = attention_plan(cfg, self.tp)
         self.max_seqs, self.max_width = max_seqs, max_width
@@ -137,7 +141,8 @@ class ShardedModelRunner(ModelRunner):
             x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs,
             kv_quant=self.kv_quant)
         logits, cache = forward(model, cache, tokens, meta, self.cfg,
-                                None if all_logits else x["logits_indices"])
+                                None if all_logits else x["logits_indices"],
+                                kernels=self.kernels)
         # XLA takes the argmax of the vocab-parallel logits per shard and gathers each shard's
         # (max, index) pair, [rows, tp]: tiny. (Asking for replicated logits first made it
         # gather the output weights instead.)

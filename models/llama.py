@@ -17,6 +17,8 @@ from flax import nnx
 from configs.model import ModelConfig
 from models.kv_cache import KVCache
 from ops import gemv as gemv_ops
+from ops.backends import device_kernels
+from ops.kernel_choice import KernelBackends
 from ops.matmul import TransposedWeight, device_k_order, linear, reorder_k
 from ops.paged_attention import step_attention
 from ops.rms_norm import rms_norm
@@ -72,8 +74,9 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)  # one kernel on GPU (ops/rms_norm.py)
+    def __call__(self, x: jax.Array, kernels: KernelBackends | None = None) -> jax.Array:
+        # one kernel on GPU (ops/rms_norm.py)
+        return rms_norm(x, self.weight[...], self.eps, kernels=kernels)
 
 
 class Linear(nnx.Module):
@@ -93,9 +96,9 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (din, dout), dtype))
         self.bias = nnx.Param(init(rngs.params(), (dout,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: KernelBackends | None = None) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
-        return linear(x, self.kernel.get_value(), bias)
+        return linear(x, self.kernel.get_value(), bias, kernels)
 
 
 def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs, dtype, bias=False):
@@ -114,37 +117,39 @@ class Attention(nnx.Module):
             self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, rngs, dtype, cfg.attention_bias)
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, rngs, dtype)
 
-    def project_qkv(self, x: jax.Array):
+    def project_qkv(self, x: jax.Array, kernels: KernelBackends | None = None):
         """The fused projection [N, (H + 2 KVH) * D] of x [N, hidden], or the three projections
         (q [N, H * D], k [N, KVH * D], v [N, KVH * D])."""
         if hasattr(self, "qkv_proj"):
-            return self.qkv_proj(x)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.qkv_proj(x, kernels)
+        return self.q_proj(x, kernels), self.k_proj(x, kernels), self.v_proj(x, kernels)
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                 inv_freq: np.ndarray):
+                 inv_freq: np.ndarray, kernels: KernelBackends | None = None):
         """Attention of normed hidden states x [N, hidden]: project_qkv, then `attend`."""
-        return self.attend(self.project_qkv(x), k_pages, v_pages, meta, cfg, inv_freq)
+        return self.attend(self.project_qkv(x, kernels), k_pages, v_pages, meta, cfg, inv_freq,
+                           kernels)
 
     def attend(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-               inv_freq: np.ndarray):
+               inv_freq: np.ndarray, kernels: KernelBackends | None = None):
         """Attention of projected tokens (project_qkv's output) over the cache, with this step's
         K/V written; returns (o_proj's output [N, hidden], k_pages, v_pages)."""
         heads, k_pages, v_pages = self.attention_heads(qkv, k_pages, v_pages, meta, cfg,
-                                                       inv_freq)
-        return self.o_proj(heads), k_pages, v_pages
+                                                       inv_freq, kernels)
+        return self.o_proj(heads, kernels), k_pages, v_pages
 
     def attention_heads(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                        inv_freq: np.ndarray):
+                        inv_freq: np.ndarray, kernels: KernelBackends | None = None):
         """`attend` before o_proj: (the heads' outputs [N, H * D], k_pages, v_pages)."""
         num_tokens = meta.positions.shape[0]
         # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
         q, k_pages, v_pages = rope_and_write_kv(
             qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
-            num_heads=cfg.num_heads, kv_quant=meta.kv_quant)  # q [N, H, D]
+            num_heads=cfg.num_heads, kv_quant=meta.kv_quant, kernels=kernels)  # q [N, H, D]
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
-            max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs)  # [N, H, D]
+            max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs,
+            kernels=kernels)  # [N, H, D]
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), k_pages, v_pages
 
 
@@ -158,18 +163,18 @@ class MLP(nnx.Module):
             self.up_proj = _linear(cfg, h, i, rngs, dtype)
         self.down_proj = _linear(cfg, i, h, rngs, dtype)
 
-    def project_gate_up(self, x):
+    def project_gate_up(self, x, kernels: KernelBackends | None = None):
         """The fused gate/up projection [N, 2 I] of x, or (gate [N, I], up [N, I])."""
         if hasattr(self, "gate_up_proj"):
-            return self.gate_up_proj(x)
-        return self.gate_proj(x), self.up_proj(x)
+            return self.gate_up_proj(x, kernels)
+        return self.gate_proj(x, kernels), self.up_proj(x, kernels)
 
-    def __call__(self, x):
-        return self.down(self.project_gate_up(x))
+    def __call__(self, x, kernels: KernelBackends | None = None):
+        return self.down(self.project_gate_up(x, kernels), kernels)
 
-    def down(self, gate_up):
+    def down(self, gate_up, kernels: KernelBackends | None = None):
         """down_proj(SiLU(gate) x up) of project_gate_up's output."""
-        return self.down_proj(gated_activation(gate_up))
+        return self.down_proj(gated_activation(gate_up), kernels)
 
 
 def gated_activation(gate_up):
@@ -190,19 +195,20 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, dtype)
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                 inv_freq: np.ndarray):
+                 inv_freq: np.ndarray, kernels: KernelBackends | None = None):
         """Pre-norm attention then MLP, each with a residual; returns (x, k_pages, v_pages)."""
         if cfg.gemv_layers and x.shape[0] <= gemv_ops.MAX_ROWS:
-            return self.gemv_call(x, k_pages, v_pages, meta, cfg, inv_freq)
-        qkv = self.self_attn.project_qkv(self.input_layernorm(x))
+            return self.gemv_call(x, k_pages, v_pages, meta, cfg, inv_freq, kernels)
+        qkv = self.self_attn.project_qkv(self.input_layernorm(x, kernels), kernels)
         attn_out, k_pages, v_pages = self.self_attn.attend(qkv, k_pages, v_pages, meta, cfg,
-                                                           inv_freq)
+                                                           inv_freq, kernels)
         x = x + attn_out
-        x = x + self.mlp.down(self.mlp.project_gate_up(self.post_attention_layernorm(x)))
+        gate_up = self.mlp.project_gate_up(self.post_attention_layernorm(x, kernels), kernels)
+        x = x + self.mlp.down(gate_up, kernels)
         return x, k_pages, v_pages
 
     def gemv_call(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                  inv_freq: np.ndarray):
+                  inv_freq: np.ndarray, kernels: KernelBackends | None = None):
         """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of at most
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
         and residuals inside them, around RoPE + KV write and attention; gate/up, o and down
@@ -212,24 +218,27 @@ class DecoderLayer(nnx.Module):
         def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ code scales)
             w = layer.kernel.get_value()
             return gemv_ops.fused_gemv(x, w.w_t, scales=w.scales, offsets=w.offsets,
-                                       group_size=w.group_size or None, k_order=w.k_order, **kw)
+                                       group_size=w.group_size or None, k_order=w.k_order,
+                                       kernels=kernels, **kw)
 
         qkv = product(x, attn.qkv_proj, norm_weight=self.input_layernorm.weight[...],
                       eps=cfg.rms_norm_eps,
                       bias=None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[...])
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
-                                                       inv_freq)
-        apart = functools.partial(gemv_ops.runs_apart, rows=x.shape[0], x_dtype=x.dtype)
+                                                       inv_freq, kernels)
+        apart = functools.partial(gemv_ops.runs_apart, rows=x.shape[0], kernels=kernels,
+                                  x_dtype=x.dtype)
 
         def plus_residual(h, layer, kind):  # x + h @ layer, fused or apart (XLA adds x)
             if apart(layer.kernel.get_value(), product=kind):
-                return x + layer(h)
+                return x + layer(h, kernels)
             return product(h, layer, residual=x)
 
         x = plus_residual(heads, attn.o_proj, "o")
         if apart(mlp.gate_up_proj.kernel.get_value(), product="gated"):
             # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
-            act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x)))
+            act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x, kernels),
+                                                    kernels))
         else:
             act = product(x, mlp.gate_up_proj, gated=True, eps=cfg.rms_norm_eps,
                           norm_weight=self.post_attention_layernorm.weight[...])  # SiLU(g) x up
@@ -250,23 +259,24 @@ class LlamaForCausalLM(nnx.Module):
 
 
 def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: AttentionMetadata,
-            cfg: ModelConfig, logits_indices: jax.Array | None = None
-            ) -> tuple[jax.Array, KVCache]:
+            cfg: ModelConfig, logits_indices: jax.Array | None = None,
+            kernels: KernelBackends | None = None) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over this step's flat tokens and returns (logits, new cache).
 
     tokens: int32 [N]. With `logits_indices` (int32 [S]) only the hidden states at those token
     indices go through the output head: logits [S, V]; otherwise logits [N, V]. Logits are
-    float32.
+    float32. kernels (static, hashable): the implementation of every op family, chosen once
+    by the runner (ops.backends.select_kernels); None runs the jnp / XLA references.
     """
     inv_freq = rope_inv_freq(cfg)
     x = model.embed_tokens(tokens)  # [N, hidden]
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
     for i, layer in enumerate(model.layers):
-        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq)
+        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
-    head = model.embed_tokens.attend if cfg.tie_word_embeddings else model.lm_head
-    logits = head(model.norm(x))
+    x = model.norm(x, kernels)
+    logits = model.embed_tokens.attend(x) if cfg.tie_word_embeddings else model.lm_head(x, kernels)
     return logits.astype(jnp.float32), KVCache(tuple(k_all), tuple(v_all))
 
 
@@ -332,14 +342,16 @@ def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
     return cfg.replace(fused_projections=True), model
 
 
-def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str | None = None
+def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str | None = None,
+                       kernels: KernelBackends | None = None
                        ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Stores each layer's q/k/v, o, gate/up and down kernels transposed, [out, in]
     (ops.matmul.TransposedWeight), in place, for ops/gemv.py's fused decode kernel.
 
-    Codes are stored along `in` in `k_order` (TransposedWeight.k_order): None picks this
-    device's order per weight (ops.matmul.device_k_order: "wgmma" on a Hopper GPU, whose
-    kernel then reads x without a gather; "natural" elsewhere).
+    Codes are stored along `in` in `k_order` (TransposedWeight.k_order): None picks the order
+    of `kernels` per weight (ops.matmul.device_k_order: "wgmma" with the Hopper kernel, which
+    then reads x without a gather; "natural" elsewhere); kernels None: this device's choice
+    (ops.backends.device_kernels).
 
     Returns (cfg with gemv_layers=True, the same model object). Needs fused projections
     (fuse_projections first) and float or quantized kernels (QuantizedWeight.transposed: INT8
@@ -355,6 +367,8 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str |
     if not cfg.fused_projections:
         raise ValueError("transpose_for_gemv: fuse the projections first (fuse_projections)")
     linears = _transposed_linears(cfg, model)
+    if k_order is None and kernels is None:
+        kernels = device_kernels()
     for lin in linears:  # every kernel checked first: an error leaves the model as it was
         kernel = lin.kernel.get_value()
         if isinstance(kernel, jax.Array | np.ndarray):
@@ -372,7 +386,7 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str |
             lin.kernel = nnx.Param(TransposedWeight(jnp.asarray(kernel).T))
             continue
         weight = kernel.transposed()
-        lin.kernel = nnx.Param(reorder_k(weight, k_order or device_k_order(weight)))
+        lin.kernel = nnx.Param(reorder_k(weight, k_order or device_k_order(weight, kernels)))
     return cfg.replace(gemv_layers=True), model
 
 

@@ -1,6 +1,7 @@
-"""Pieces shared by the paged attention kernels (ops/decode_attention.py, ops/ragged_attention.py).
+"""Pieces shared by the paged attention kernels (ops/ragged_attention.py) and the other kernels of
+the attention block (ops/rope_kv.py, ops/rms_norm.py).
 
-- `resolve_impl` / `check_pages`: dispatch and the input checks both public functions make.
+- `resolve_options` / `check_pages`: dispatch and the input checks the public functions make.
 - In-kernel helpers (called while tracing a Pallas kernel body): `kv_slots` maps token positions
   to cache slots through a block table, `step_keys` gives a loop step's key positions and slots
   (or the next step's, read a step ahead), `load_rows` / `store_rows` move [rows, head_dim] tiles
@@ -8,8 +9,7 @@
   online softmax (flash attention) over a tile of keys, with int8 / fp8 pages dequantized in
   registers, and `finish` normalizes it.
 - `merge_splits`: combines the partial results of programs that each saw one slice of the keys
-  (flash-decoding), outside the kernel, in plain jnp; `merge_split_partials` does it inside the
-  kernel, in the last program of a group of splits to finish.
+  (flash-decoding), outside the kernel, in plain jnp.
 
 Logits are kept in log2 units (scaled by log2(e)) so the kernel uses exp2. A masked logit is a
 large finite negative number, never -inf, so a row that sees no key stays finite (NaN-free).
@@ -20,41 +20,32 @@ used by the CPU tests) supports exactly this form of gather and masked scatter.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops.kernel_choice import choose_impl
 from ops.kv_quant import is_quantized_kv_dtype
 from ops.ptx import exp2_fma
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # masked logit (log2 units): exp2(MASK_VALUE - m) == 0 for any real m
-IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def resolve_impl(impl: str | None, name: str) -> str:
-    """None -> 'pallas' on GPU, 'reference' elsewhere or with the environment variable
-    PALLASITE_ATTENTION=reference (read when a step is traced: the jnp path of every kernel of
-    this family, attention, RoPE + KV write and RMSNorm); otherwise one of IMPLS."""
-    if impl is None:
-        on_gpu = jax.default_backend() == "gpu"
-        return ("pallas" if on_gpu and os.environ.get("PALLASITE_ATTENTION") != "reference"
-                else "reference")
-    if impl not in IMPLS:
-        raise ValueError(f"{name}: impl {impl!r} must be None or one of {IMPLS}")
-    return impl
+NUM_SMS = 132  # H100 / H200: only shapes the key-split heuristic
 
 
-def resolve_options(name: str, impl: str | None, q_shape: tuple, scale: float | None,
-                    soft_cap: float | None, sliding_window: int | None) -> tuple[str, float]:
+def resolve_options(name: str, impl: str | None, default: str, q_shape: tuple,
+                    scale: float | None, soft_cap: float | None,
+                    sliding_window: int | None) -> tuple[str, float]:
     """Validates the shared attention options; returns (implementation, softmax scale).
 
-    impl None falls back to the reference when the kernel cannot take the head_dim (a power of
-    two >= 16); an explicitly requested kernel raises instead.
+    impl None takes `default` (the KernelBackends choice) and falls back to the reference when
+    the kernel cannot take the head_dim (a power of two >= 16); an explicitly requested kernel
+    raises instead.
     """
     head_dim = q_shape[-1]
     if sliding_window is not None and sliding_window < 1:
@@ -63,7 +54,7 @@ def resolve_options(name: str, impl: str | None, q_shape: tuple, scale: float | 
         raise ValueError(f"{name}: soft_cap {soft_cap} must be > 0")
     sm_scale = float(head_dim ** -0.5 if scale is None else scale)
     kernel_ok = head_dim >= 16 and head_dim == next_pow2(head_dim)
-    resolved = resolve_impl(impl, name)
+    resolved = choose_impl(name, impl, default)
     if resolved != "reference" and not kernel_ok:
         if impl is not None:
             raise ValueError(f"{name}: the Pallas kernel needs a power-of-two head_dim >= 16, "
@@ -231,58 +222,6 @@ def finish(carry):
     out = acc / safe[:, None]
     lse = jnp.where(seen, m + jnp.log(safe) * (1.0 / math.log(2.0)), MASK_VALUE)
     return out, lse
-
-
-def merge_split_partials(out, lse, rows, valid, o_ref, part_o_ref, part_lse_ref, counts_ref,
-                         counter, split, num_splits: int, gpu_sync: bool) -> None:
-    """Flash-decoding merge inside the kernel, by the last split of a group to finish.
-
-    out [M, D] f32 and lse [M] (`finish`) are this program's partial for rows [M] (valid [M]) of
-    o_ref [R, D], the merged output. part_o_ref [K, R, D] f32 and part_lse_ref [K, R] f32 hold
-    every split's partial of those rows; counts_ref[counter] (int32, zero before the call) counts
-    the group's finished splits. Each program stores its partial and adds one to the count; the
-    program that brings it to num_splits reads the others' partials back, combines them with its
-    own (weights exp2(lse - max), as `merge_splits`), writes o_ref and sets the count back to 0.
-    On the GPU (`gpu_sync`) a CTA barrier orders every thread's partial stores before the
-    count's atomic (acquire-release, GPU scope); the last program's acquire then makes the
-    others' partials visible to its loads (no SM has cached those lines: each partial is read
-    once, by that program).
-    """
-    cols = jnp.arange(out.shape[-1], dtype=jnp.int32)
-    splits = jnp.full(rows.shape, split, jnp.int32)  # [M]
-    mask = jnp.broadcast_to(valid[:, None], out.shape)
-    safe_rows = jnp.where(valid, rows, 0)  # for loads
-    past_end = jnp.where(valid, rows, part_lse_ref.shape[1])  # masked stores: as store_rows
-    plgpu.store(part_o_ref.at[splits[:, None], past_end[:, None], cols[None, :]], out,
-                mask=mask)
-    plgpu.store(part_lse_ref.at[splits, past_end], lse, mask=valid)
-    if gpu_sync:
-        plgpu.debug_barrier()
-    done = plgpu.atomic_add(counts_ref, counter, jnp.ones((), jnp.int32))  # finished before
-
-    @pl.when(done == num_splits - 1)
-    def _merge():
-        def merge_one(other, carry):
-            acc, top, den = carry
-            others = jnp.full(rows.shape, other, jnp.int32)
-            seen = valid & (other != split)  # this program's own partial is in the carry
-            o_i = plgpu.load(part_o_ref.at[others[:, None], safe_rows[:, None], cols[None, :]],
-                             mask=seen[:, None] & mask, other=0.0)
-            l_i = plgpu.load(part_lse_ref.at[others, safe_rows], mask=seen, other=MASK_VALUE)
-            new_top = jnp.maximum(top, l_i)
-            keep, weight = jnp.exp2(top - new_top), jnp.exp2(l_i - new_top)
-            return (acc * keep[:, None] + weight[:, None] * o_i, new_top,
-                    den * keep + weight)
-
-        carry = (out, lse, jnp.ones_like(lse))
-        if num_splits <= 16:  # unrolled: the loads of all partials can be in flight at once
-            for other in range(num_splits):
-                carry = merge_one(other, carry)
-        else:
-            carry = jax.lax.fori_loop(0, num_splits, merge_one, carry)
-        acc, _, den = carry
-        store_rows(o_ref, rows, acc / den[:, None], valid)
-        plgpu.atomic_add(counts_ref, counter, jnp.full((), -num_splits, jnp.int32))  # to 0
 
 
 # ---------------------------------------------------------------------------------------------

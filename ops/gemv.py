@@ -38,14 +38,12 @@ words). Then come the norm's scale, the bias, SiLU x up and the residual.
 `gemv_reference` computes the same function in jnp (the tests compare both); `fused_gemv`
 dispatches: the kernel on a GPU for bf16 activations (bf16 weights or codes) and at most
 MAX_ROWS rows, the reference elsewhere. The model's layers use it when their weights are stored
-transposed (models/llama.py, `transpose_for_gemv`). Measured on the H200: docs/PERFORMANCE.md, "Sixteenth
-session".
+transposed (models/llama.py, `transpose_for_gemv`). Figures: docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import quant_wgmma
+from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import CODE_ZEROS, INT4_PER_WORD, code_bits, dequantize_rows
 from ops.ptx import fma
 from ops.quant_gemv import NIBBLE_POSITIONS, mantissa_codes
@@ -62,7 +61,6 @@ from ops.quant_tiles import _load
 HIGH_HALF = -65536  # int32 0xFFFF0000: the bf16 in a word's upper half, as float32 bits
 MAX_ROWS = 1  # fused_gemv runs the kernel for at most this many activation rows (at two rows
 # a llama3.1-8b step was 11% slower than XLA's products: docs/PERFORMANCE.md)
-IMPLS = ("pallas", "pallas_interpret", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +76,12 @@ class GemvConfig:
 
 def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConfig:
     """Tiles for one row on an H200, from device-time sweeps on the four Llama-3.1-8B layer
-    products (docs/PERFORMANCE.md: sixteenth session for bf16, eighteenth and twenty-ninth for
-    codes). bf16: gated (gate/up) [4 columns of each half, 256 K] without prefetch; normed
-    (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with prefetch; 4 warps each.
-    (num_stages changed nothing: Triton does not pipeline this loop, hence the explicit
-    prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks, [block_n, block_k (K
-    positions), warps]: see CODE_TILES; a plain product of at most SHORT_K positions (`k`: o)
-    takes the "short" tile."""
+    products (docs/PERFORMANCE.md). bf16: gated (gate/up) [4 columns of each half, 256 K]
+    without prefetch; normed (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with
+    prefetch; 4 warps each. (num_stages changed nothing: Triton does not pipeline this loop,
+    hence the explicit prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks,
+    [block_n, block_k (K positions), warps]: see CODE_TILES; a plain product of at most
+    SHORT_K positions (`k`: o) takes the "short" tile."""
     if bits != 16:
         kind = "gated" if gated else "norm" if norm else "short" if k <= SHORT_K else "plain"
         block_n, block_k, warps = CODE_TILES[bits][kind]
@@ -98,9 +95,8 @@ def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConf
 
 
 # (block_n, block_k, num_warps) per bits and product kind: the fastest of 27 tiles each on the
-# H200 (eighteenth session; plain = o and down with prefetch, the down product's choice for
-# INT4), and of 36 for the plain products (twenty-ninth session: short = o, K <= SHORT_K; INT8 o
-# 6.98 us in [16, 1024, 8] against 7.43 in down's [8, 1024, 2]; INT4's best is the same for both)
+# H200 (plain = o and down with prefetch, the down product's choice for INT4), and of 36 for the
+# plain products (short = o, K <= SHORT_K; INT4's best is the same for both)
 SHORT_K = 4096
 CODE_TILES = {8: {"gated": (8, 512, 4), "norm": (16, 1024, 8), "plain": (8, 1024, 2),
                   "short": (16, 1024, 8)},
@@ -431,33 +427,24 @@ def gemv_reference(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool =
 
 
 APART_BITS = {"gated": (4,), "o": (), "down": (4,)}  # codes whose product runs apart at one row
-APART_ENV = {"gated": "PALLASITE_GEMV_GATED", "o": "PALLASITE_GEMV_O",
-             "down": "PALLASITE_GEMV_DOWN"}
 
 
-def runs_apart(weight, rows: int, x_dtype=jnp.bfloat16, product: str = "gated") -> bool:
+def runs_apart(weight, rows: int, kernels: KernelBackends | None = None, x_dtype=jnp.bfloat16,
+               product: str = "gated") -> bool:
     """Whether the model should run a one-row product (`weight`, an ops.matmul.TransposedWeight,
     of `rows` rows of x_dtype) apart, through `linear` (the Hopper kernel of ops/quant_wgmma.py),
     instead of fused here. `product`: "gated" (gate/up: RMSNorm, the product, SiLU x up) or
     "o" or "down" (the product, then the residual added in XLA, where the split-K sum takes it).
-    True for the codes of APART_BITS[product] that the Hopper kernel takes. Gate/up: INT4 (on
-    the H200 it reads llama3.1-8b's gate/up codes at 71% of copy, 22.5 us, where this kernel
-    reads them at 51%, 31.4 us; docs/PERFORMANCE.md, twenty-eighth session); INT8's two kernels
-    differ by about what the extra norm and SiLU kernels cost, so INT8 and bf16 stay fused.
-    Down: INT4 (a batch-1 INT4 step's device busy time 2.193 ms apart against 2.278 fused; INT8
-    apart was slower end to end, 3.301 against 3.104 ms). o: none (o apart too added 18 us of
-    device time a step; twenty-ninth session). APART_ENV[product] = "fused" | "apart"
-    overrides (A/B)."""
+    True for the codes of APART_BITS[product] that the Hopper kernel takes (kernels.wgmma).
+    Gate/up: INT4 (the Hopper kernel reads llama3.1-8b's gate/up codes at 71% of copy, this one
+    at 51%); INT8's two kernels differ by about what the extra norm and SiLU kernels cost, so
+    INT8 and bf16 stay fused. Down: INT4 (INT8 apart was slower end to end). o: none (apart
+    added device time a step)."""
     if product not in APART_BITS:
         raise ValueError(f"runs_apart: product {product!r} must be one of {tuple(APART_BITS)}")
-    name = APART_ENV[product]
-    choice = os.environ.get(name, "").lower()
-    if choice not in ("", "fused", "apart"):
-        raise ValueError(f"{name}={choice!r}: must be 'fused' or 'apart'")
-    if choice:
-        return choice == "apart"
     bits = code_bits(weight.w_t)
-    if bits not in APART_BITS[product] or weight.scales is None or not quant_wgmma.available():
+    if (bits not in APART_BITS[product] or weight.scales is None
+            or not or_reference(kernels).wgmma):
         return False
     k, n = weight.shape
     return quant_wgmma.supports(bits, rows, k, n, weight.group_size or k, x_dtype,
@@ -466,17 +453,16 @@ def runs_apart(weight, rows: int, x_dtype=jnp.bfloat16, product: str = "gated") 
 
 def fused_gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
                residual=None, scales=None, offsets=None, group_size: int | None = None,
-               impl: str | None = None, k_order: str = "natural"):
-    """`gemv`'s function, dispatched. impl None: PALLASITE_GEMV if set, else the kernel on a GPU
-    when x is bf16 with M <= MAX_ROWS and w_t bf16 or codes that fit it, the reference
-    otherwise; or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
-    impl = impl or os.environ.get("PALLASITE_GEMV") or None
+               impl: str | None = None, k_order: str = "natural",
+               kernels: KernelBackends | None = None):
+    """`gemv`'s function, dispatched. impl None: kernels.gemv when x is bf16 with M <= MAX_ROWS
+    and w_t bf16 or codes that fit the kernel, the reference otherwise (kernels None: the
+    reference); or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
     if impl is None:
         fits = (x.ndim == 2 and x.shape[0] <= MAX_ROWS
                 and _kernel_refusal(x, w_t, group_size or x.shape[1]) is None)
-        impl = "pallas" if fits and jax.default_backend() == "gpu" else "reference"
-    if impl not in IMPLS:
-        raise ValueError(f"fused_gemv: impl {impl!r} must be None or one of {IMPLS}")
+        impl = or_reference(kernels).gemv if fits else "reference"
+    impl = choose_impl("fused_gemv", impl, "reference")
     kw = dict(norm_weight=norm_weight, eps=eps, gated=gated, bias=bias, residual=residual,
               scales=scales, offsets=offsets, group_size=group_size, k_order=k_order)
     if impl == "reference":

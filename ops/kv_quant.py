@@ -5,8 +5,8 @@ Layout, per layer (the float cache's layout plus one scale per stored row):
     k_scales, v_scales  [num_kv_heads, num_pages, page_size]             float32
 The value a row stands for is `pages[h, p, s, :] * scales[h, p, s]`. A new row is quantized
 symmetrically with `scale = max|x| / qmax` (qmax 127 for int8, 448 for e4m3), so its largest
-entry maps to +-qmax. The attention kernels (ops/decode_attention.py, ops/ragged_attention.py)
-read these pages and dequantize them in registers; `dequantize_pages` is the plain reference.
+entry maps to +-qmax. The attention kernel (ops/ragged_attention.py)
+reads these pages and dequantizes them in registers; `dequantize_pages` is the plain reference.
 """
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ ops/quant_matmul.py's tensor-core kernels over the same words (layout "nk") on a
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import jax
@@ -22,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import quant_wgmma
-from ops.quant_matmul import int4_matmul, int8_matmul, resolve_impl
+from ops.kernel_choice import KernelBackends, or_reference
+from ops.quant_matmul import int4_matmul, int8_matmul
 
-# Quantized weight type -> function (x, weight) -> x @ dequantize(weight).
+# Quantized weight type -> function (x, weight, kernels) -> x @ dequantize(weight).
 _QUANTIZED_MATMULS: dict[type, Callable] = {}
 
 
@@ -112,14 +112,12 @@ def reorder_k(weight: TransposedWeight, k_order: str) -> TransposedWeight:
     return dataclasses.replace(weight, w_t=w_t, k_order=k_order)
 
 
-def device_k_order(weight: TransposedWeight) -> str:
-    """The K order in which this device's decode products read the weight's codes fastest:
-    "wgmma" where the Hopper kernel (ops/quant_wgmma.py) takes them at 16 rows (it then skips
-    its gather of x, 1.5-2.4 us per product on the H200), else "natural". PALLASITE_K_ORDER=
-    natural keeps the natural order everywhere (for A/B timing)."""
+def device_k_order(weight: TransposedWeight, kernels: KernelBackends | None = None) -> str:
+    """The K order in which the decode products of `kernels` read the weight's codes fastest:
+    "wgmma" where kernels.k_order is "wgmma" (the Hopper kernel, ops/quant_wgmma.py) and that
+    kernel takes the codes at 16 rows (it then skips its gather of x), else "natural"."""
     bits = code_bits(weight.w_t)
-    if (bits is None or weight.scales is None or not quant_wgmma.available()
-            or os.environ.get("PALLASITE_K_ORDER", "").lower() == "natural"):
+    if bits is None or weight.scales is None or or_reference(kernels).k_order != "wgmma":
         return "natural"
     k, n = weight.shape
     group = weight.group_size or k
@@ -198,34 +196,41 @@ def coded_product(x: jax.Array, weight: TransposedWeight) -> jax.Array:
     return y.reshape(*lead, -1)
 
 
-def transposed_codes_product(x: jax.Array, weight: TransposedWeight) -> jax.Array:
-    """x [..., K] @ a transposed weight of codes -> [..., N]: on a GPU (or as PALLASITE_MATMUL
-    says) the Pallas kernels of ops/quant_matmul.py reading the codes where they lie (layout
-    'nk', tensor-core tiles; XLA's dequantize + dot past 128 rows), else `coded_product`."""
-    if resolve_impl("linear", None) == "reference":
+def transposed_codes_product(x: jax.Array, weight: TransposedWeight,
+                             kernels: KernelBackends | None = None) -> jax.Array:
+    """x [..., K] @ a transposed weight of codes -> [..., N]: unless kernels.quant_matmul is
+    "reference", the kernels of ops/quant_matmul.py reading the codes where they lie (layout
+    'nk': the Hopper kernel or tensor-core tiles; XLA's dequantize + dot past 128 rows), else
+    `coded_product`."""
+    kernels = or_reference(kernels)
+    if kernels.quant_matmul == "reference":
         return coded_product(x, weight)
     bits = code_bits(weight.w_t)
     product = int4_matmul if bits == 4 else int8_matmul
     return product(x, weight.w_t, weight.scales, weight.offsets,
                    group_size=weight.group_size or x.shape[-1], layout="nk",
-                   k_order=weight.k_order)
+                   k_order=weight.k_order, kernels=kernels)
 
 
 def register_quantized_matmul(weight_type: type, fn: Callable) -> None:
-    """Makes `linear` route weights of `weight_type` to `fn(x, weight)`."""
+    """Makes `linear` route weights of `weight_type` to `fn(x, weight, kernels)`."""
     _QUANTIZED_MATMULS[weight_type] = fn
 
 
-def linear(x: jax.Array, weight, bias: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ weight [in, out] (+ bias [out]) -> [..., out] in x's dtype."""
+def linear(x: jax.Array, weight, bias: jax.Array | None = None,
+           kernels: KernelBackends | None = None) -> jax.Array:
+    """x [..., in] @ weight [in, out] (+ bias [out]) -> [..., out] in x's dtype.
+
+    Float weights: XLA's product on every platform. Codes: as kernels.quant_matmul says
+    (kernels None: the XLA reference)."""
     fn = _QUANTIZED_MATMULS.get(type(weight))
     if fn is not None:
-        y = fn(x, weight)
+        y = fn(x, weight, kernels)
     else:
         if len(weight.shape) != 2 or x.shape[-1] != weight.shape[0]:
             raise ValueError(f"linear: x {x.shape} does not fit weight {weight.shape} [in, out]")
         if isinstance(weight, TransposedWeight) and weight.scales is not None:
-            y = transposed_codes_product(x, weight)
+            y = transposed_codes_product(x, weight, kernels)
         elif isinstance(weight, TransposedWeight):  # x @ w_t^T, no transposed copy
             y = jax.lax.dot_general(x, weight.w_t.astype(x.dtype),
                                     (((x.ndim - 1,), (1,)), ((), ())),

@@ -5,21 +5,25 @@ Cache layout, per layer (see ../shared/DESIGN.md):
 A sequence's logical page j lives in physical page block_tables[b, j]; its token at position p
 is in slot block_tables[b, p // page_size] * page_size + p % page_size.
 
-This file holds the validated public functions and their plain-jnp references. GPU Pallas
-kernels plug in behind `paged_attention` (dispatch by backend); on CPU the reference runs.
+This file holds the validated public functions and their plain-jnp references; `step_attention`
+dispatches to the Pallas kernel of ops/ragged_attention.py as its KernelBackends say.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from ops import attention_tiles as tiles
+from ops.kernel_choice import KernelBackends, or_reference
 from ops.kv_quant import quantize_kv
-from ops.sharded_attention import active_mesh, sharded_step_attention, sharded_write_kv
+from ops.ragged_attention import ragged_paged_attention
+from ops.sharded_attention import sharded_step_attention, sharded_write_kv
 
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array, kv_quant: str | None = None) -> tuple[jax.Array, jax.Array]:
+             slot_mapping: jax.Array, kv_quant: str | None = None,
+             kernels: KernelBackends | None = None) -> tuple[jax.Array, jax.Array]:
     """Scatters new keys and values into the pages at flat slot indices.
 
     k_pages, v_pages: [KVH, P, S, D]; k, v: [N, KVH, D]; slot_mapping: int32 [N].
@@ -28,11 +32,15 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
     kv_quant: 'int8' or 'float8_e4m3fn' rounds each new row (token, head) of k and v through that
     type with its own scale (ops.kv_quant.quantize_kv) before storing it in the float pages: the
     numerics of a quantized cache, as a reference, until the model stores quantized pages.
+    kernels: with a mesh (a sharded step), each shard writes its own part (shard_map).
     """
+    kernels = or_reference(kernels)
+    if kernels.mesh:  # a sharded step: write per shard
+        shard = functools.partial(write_kv, kv_quant=kv_quant, kernels=kernels.per_shard())
+        return sharded_write_kv(kernels.mesh_shape, shard, k_pages, v_pages, k, v,
+                                slot_mapping)
     if kv_quant is not None:
         k, v = _quantize_dequantize_kv(k, kv_quant), _quantize_dequantize_kv(v, kv_quant)
-    if (mesh := active_mesh()) is not None:  # a sharded step: write per shard (shard_map)
-        return sharded_write_kv(mesh, k_pages, v_pages, k, v, slot_mapping)
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"write_kv: k {k.shape} and v {v.shape} must be [N, {num_kv_heads}, "
@@ -169,23 +177,25 @@ def ragged_attention_by_groups(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
 
 def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, query_start_loc: jax.Array, kv_lens: jax.Array, *,
-                   max_q_len: int, max_prefill_seqs: int) -> jax.Array:
-    """The engine's attention over a ragged step: the Pallas kernel on GPU, else jnp.
+                   max_q_len: int, max_prefill_seqs: int,
+                   kernels: KernelBackends | None = None) -> jax.Array:
+    """The engine's attention over a ragged step, as `kernels.attention` says.
 
-    Arguments as in `ragged_attention_by_groups`. On GPU the ragged Pallas kernel
-    (ops/ragged_attention.py) reads only each sequence's own pages; elsewhere, or with the
-    environment variable PALLASITE_ATTENTION=reference (read when a step is compiled), the grouped
-    jnp reference runs. Under a sharded step's mesh each shard runs this on its own heads and
-    sequences (ops/sharded_attention.py).
+    Arguments as in `ragged_attention_by_groups`. "pallas" runs the ragged Pallas kernel
+    (ops/ragged_attention.py), which reads only each sequence's own pages; "reference" (and
+    kernels None) the grouped jnp reference. With a mesh in `kernels` each shard runs this on
+    its own heads and sequences (ops/sharded_attention.py).
     """
-    if (mesh := active_mesh()) is not None:
-        return sharded_step_attention(mesh, q, k_pages, v_pages, block_tables, query_start_loc,
-                                      kv_lens, max_q_len=max_q_len,
-                                      max_prefill_seqs=max_prefill_seqs)
-    if tiles.resolve_impl(None, "step_attention") == "pallas":
-        from ops.ragged_attention import ragged_paged_attention
+    kernels = or_reference(kernels)
+    if kernels.mesh:
+        shard = functools.partial(step_attention, max_q_len=max_q_len,
+                                  max_prefill_seqs=max_prefill_seqs,
+                                  kernels=kernels.per_shard())
+        return sharded_step_attention(kernels.mesh_shape, shard, q, k_pages, v_pages,
+                                      block_tables, query_start_loc, kv_lens)
+    if kernels.attention != "reference":
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
-                                      kv_lens, max_q_len=max_q_len)
+                                      kv_lens, max_q_len=max_q_len, kernels=kernels)
     return ragged_attention_by_groups(q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len,
                                       max_prefill_seqs=max_prefill_seqs)

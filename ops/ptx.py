@@ -2,7 +2,7 @@
 interpret mode (the CPU tests).
 
 Triton does not contract Pallas's separate multiply and add into a fused multiply-add (Nsight
-Compute on an H200 found no fused FP32 instruction in the int4 kernel, tenth session), and
+Compute on an H200 found no fused FP32 instruction in the int4 kernel), and
 jnp.exp2 lowers to libdevice's __nv_exp2f, a library function around the hardware's
 approximate exp2. In an inner loop every instruction per element counts, so the hot elementwise
 steps are written as inline PTX here: the int4 kernel's multiply-adds (ops/quant_gemv.py) and

@@ -10,7 +10,7 @@ Weights arrive in the packed layouts of quant/qtensor.py, read as they are store
           (ops.matmul.TransposedWeight, the --gemv_layers models). On a Hopper GPU, with bf16
           activations, the dispatch runs ops/quant_wgmma.py (Pallas Mosaic GPU: the
           dequantized tile is wgmma's register operand; row tiles past 64 rows). Otherwise
-          the tensor-core paths ("auto" with block_m >= 16, "mma", "mma_t") read their tiles
+          the tensor-core paths ("auto" with block_m >= 16, "mma") read their tiles
           through transposed indices (ops.quant_tiles._load_codes); matmul_config gives them
           those paths from one row up.
 
@@ -33,18 +33,9 @@ accumulates in float32:
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
     are summed in jnp (a small fused reduction).
 The paths above are MatmulConfig.path "auto" (`matmul_config` runs them for M <= 2 and
-17 <= M <= 128). Three tensor-core
-paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked loads):
-  * "mma": acc [BM, BN] += x [BM, R] @ w [R, BN] per code j, as the dot path.
-    "mma_t": acc [BN, BM] += w [BN, R] @ x [R, BM], the transposed product: the weight tile is
-    the MMA's M operand (64+ rows, wgmma-sized) and the few activation rows its N operand; the
-    output is stored through transposed indices.
-    "mma_wide" (int4): acc [BM, BN] += x [BM, 8R] @ w [8R, BN], ONE dot of K = 8R per tile (or
-    per group sub-tile, below) instead of 8 small dots of K = R. The word tile [R, BN] is read
-    once, broadcast against shifts [8, 1, 1] into nibble planes [8, R, BN], turned into codes
-    as below and reshaped j-major into [8R, BN] (row j R + i holds K row 8 (t R + i) + j); the
-    activations come in one gather of the matching columns [BM, 8R]. For int8 a tile is one
-    dot already: "mma_wide" is "mma".
+17 <= M <= 128). The tensor-core path for decode, "mma" (M <= 16, the activation rows padded
+to block_m >= 16 by masked loads), ops/quant_mma.py:
+  * acc [BM, BN] += x [BM, R] @ w [R, BN] per code j, as the dot path.
   * Codes go straight into the activation dtype, without a float instruction: c | magic16 is
     the bit pattern of base + c (bf16 128.0 = 0x4300 for 4-bit codes, fp16 1024.0 = 0x6400 for 4-
     and 8-bit codes): a shift and one LOP3 per weight, then a 32 -> 16 bit truncation. The dot of
@@ -57,11 +48,10 @@ paths for decode (M <= 16, the activation rows padded to block_m >= 16 by masked
     groups of >= 16 packed rows (one dot chain per group), acc += s[g] * (tile - excess * xsum)
     (+ offset[g] * xsum), once per [BM, BN] and group instead of once per weight. Groups that
     cut the dot's K (group_size / 8 < 16 int4 rows with a larger tile, or not dividing it) fall
-    back to scaling every weight before the dot ("mma_wide": the planes [8, R, BN] times the
-    per-row scales [R, BN], still one dot per tile).
+    back to scaling every weight before the dot.
 For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
 the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
-docs/PERFORMANCE.md). PALLASITE_MATMUL=reference|pallas|pallas_interpret overrides dispatch.
+docs/PERFORMANCE.md). The KernelBackends' quant_matmul (and wgmma) choose the path.
 
 Files: this one holds the fma / dot kernel, the configs and the dispatch; ops/quant_mma.py the
 tensor-core paths' kernel; ops/quant_tiles.py the tile loads and code unpacking both share.
@@ -70,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -79,14 +68,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops.quant_mma import _mma_kernel
 from ops import quant_gemv8, quant_wgmma
+from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.quant_gemv import gemv_kernel, prescale
 from ops.quant_tiles import (_dequant_tile, _load, _load_codes, _program_tiles,
                               _tile_rows_and_scales, split_output, sum_splits)
 
-IMPLS = ("pallas", "pallas_interpret", "reference")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
-PATHS = ("auto", "fma", "mma", "mma_t", "mma_wide")
+PATHS = ("auto", "fma", "mma")
 LAYOUTS = ("kn", "nk")  # weights stored [K, N] (quant/qtensor.py) or transposed [N, K]
 
 
@@ -100,7 +89,7 @@ class MatmulConfig:
     num_splits: int = 1  # programs along K
     num_warps: int = 4
     num_stages: int = 3
-    path: str = "auto"  # "auto": fma below block_m 16, else dot; "mma" / "mma_t" / "mma_wide"
+    path: str = "auto"  # "auto": fma below block_m 16, else dot; "mma": tensor cores for decode
 
 
 def _pow2(n: int) -> bool:
@@ -163,8 +152,7 @@ def _gemv_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulCo
     [32 rows, 256 columns] 4-warp tiles on products of at least 32M weights, else [16, 512];
     two rows [16, 256] with 2 warps, or [16, 512] with 4 where the columns alone give two
     programs per SM. Group-wise int8 runs 8-warp [32, 256 / M] tiles at about 8 programs per
-    SM (at most 16 splits). From the sweeps of docs/PERFORMANCE.md (tenth, fourteenth and
-    fifteenth sessions).
+    SM (at most 16 splits). From the sweeps of docs/PERFORMANCE.md.
     """
     block_m, block_n = _next_pow2(m), 256 // m
     if quant_gemv8.supports(bits, n, -(-k // group_size)):  # per-channel INT8: word kernel
@@ -264,8 +252,7 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     elif config.path == "auto":
         body = functools.partial(_matmul_kernel, stored_nk=stored_nk)
     else:
-        body = functools.partial(_mma_kernel, transposed=config.path == "mma_t",
-                                 wide=config.path == "mma_wide", stored_nk=stored_nk)
+        body = functools.partial(_mma_kernel, stored_nk=stored_nk)
     kernel = functools.partial(
         body, bits=bits, m=m, n=n, rows=rows, group_rows=max(1, group_size // per_word),
         num_groups=num_groups, block_m=config.block_m, block_n=config.block_n, step=step,
@@ -277,16 +264,6 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
         interpret=interpret, name=f"int{bits}_matmul",
     )(*args)
     return sum_splits(out, splits, x.dtype)
-
-
-def resolve_impl(name: str, impl: str | None) -> str:
-    """impl None: PALLASITE_MATMUL if set, else 'pallas' on GPU and 'reference' elsewhere."""
-    impl = impl or os.environ.get("PALLASITE_MATMUL") or None
-    if impl is None:
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if impl not in IMPLS:
-        raise ValueError(f"{name}: impl {impl!r} must be None or one of {IMPLS}")
-    return impl
 
 
 def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
@@ -329,15 +306,14 @@ def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
                              f"16, block_k a multiple of {per_word}, path in {PATHS} and, for "
                              f"block_m >= 16 or the mma paths, block_k >= {16 * per_word} (the "
                              f"mma paths also block_m >= 16)")
-        if layout == "nk" and (not dot or config.path == "mma_wide"):
+        if layout == "nk" and not dot:
             raise ValueError(f"{name}: config {config}: weights stored [N, K] (layout 'nk') "
-                             f"take the tensor-core paths: block_m >= 16, path auto, mma or "
-                             f"mma_t")
+                             f"take the tensor-core paths: block_m >= 16, path auto or mma")
     return k, n
 
 
 def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl, config,
-                      layout="kn", k_order="natural"):
+                      layout="kn", k_order="natural", kernels=None):
     k, n = _check(name, bits, x, w, scales, offsets, group_size, perm, config, layout)
     if k_order != "natural" and (layout != "nk" or perm is not None):
         raise ValueError(f"{name}: k_order {k_order!r} is for codes stored [N, K] (layout 'nk') "
@@ -345,12 +321,13 @@ def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl,
                          + (" and a perm" if perm is not None else ""))
     stored = quant_wgmma.stored_k_positions(bits, k, k_order)  # None: natural order
     stored_nk = layout == "nk"
-    resolved = resolve_impl(name, impl)
+    kernels = or_reference(kernels)
+    resolved = choose_impl(name, impl, kernels.quant_matmul)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if (stored_nk and config is None and resolved == "pallas" and impl is None
-            and quant_wgmma.available()
+            and kernels.wgmma
             and quant_wgmma.supports(bits, m, k, n, group_size, x.dtype, scales.dtype)):
         if perm is not None:
             x2 = jnp.take(x2, perm, axis=1)  # stored row order (act-order)
@@ -383,7 +360,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
                 offsets: jax.Array | None = None, *, group_size: int,
                 perm: jax.Array | None = None, impl: str | None = None,
                 config: MatmulConfig | None = None, layout: str = "kn",
-                k_order: str = "natural") -> jax.Array:
+                k_order: str = "natural", kernels: KernelBackends | None = None) -> jax.Array:
     """W4A16: x [..., K] @ the int4 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
 
     packed: int32 [K/8, N] (layout int4_k8 of quant/qtensor.py), or with layout "nk" the same
@@ -391,22 +368,24 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
     [ceil(K / group_size), N]; without offsets w = s * (c - 8), with them w = s * c + offset.
     group_size: a multiple of 8 (K for per-channel scales; the last group may be shorter).
     perm: act-order, int32 [K]: stored row k multiplies input channel perm[k].
-    impl: None (PALLASITE_MATMUL, else Pallas on GPU with the XLA fallback of `matmul_config`,
-    the reference elsewhere), 'pallas', 'pallas_interpret' (CPU tests) or 'reference'.
+    impl: None (kernels.quant_matmul: "pallas" runs the Hopper kernel for codes stored [N, K]
+    where kernels.wgmma and it takes the product, else the Pallas kernels with the XLA fallback
+    of `matmul_config`; kernels None: the reference), 'pallas', 'pallas_interpret' (CPU tests)
+    or 'reference'.
     config overrides the tuning heuristic `matmul_config`.
     k_order (layout "nk"): "natural", or "wgmma" for codes reordered along K for the Hopper
     kernel (ops.matmul.reorder_k; ops.quant_wgmma.stored_k_positions): that kernel takes x as
     it is, the other paths permute x's columns to match.
     """
     return _quantized_matmul("int4_matmul", 4, x, packed, scales, offsets, group_size, perm,
-                             impl, config, layout, k_order)
+                             impl, config, layout, k_order, kernels)
 
 
 def int8_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
                 offsets: jax.Array | None = None, *, group_size: int,
                 perm: jax.Array | None = None, impl: str | None = None,
                 config: MatmulConfig | None = None, layout: str = "kn",
-                k_order: str = "natural") -> jax.Array:
+                k_order: str = "natural", kernels: KernelBackends | None = None) -> jax.Array:
     """W8A16: x [..., K] @ the int8 weight [K, N] -> [..., N] in x's dtype (float32 accumulation).
 
     codes: uint8 [K, N] (layout int8_kn; "nk": stored transposed, [N, K]); without offsets
@@ -414,7 +393,7 @@ def int8_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array,
     group_size >= 1).
     """
     return _quantized_matmul("int8_matmul", 8, x, codes, scales, offsets, group_size, perm,
-                             impl, config, layout, k_order)
+                             impl, config, layout, k_order, kernels)
 
 
 # ---------------------------------------------------------------------------------------------

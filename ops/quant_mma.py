@@ -1,6 +1,5 @@
-"""The tensor-core decode paths of the quantized matmul ("mma", "mma_t", "mma_wide"; see
-ops/quant_matmul.py's module docstring for what each does): the kernel and its code unpacking
-straight into the activation dtype.
+"""The tensor-core decode path of the quantized matmul ("mma"; see ops/quant_matmul.py's module
+docstring): the kernel and its code unpacking straight into the activation dtype.
 """
 from __future__ import annotations
 
@@ -37,19 +36,14 @@ def _codes_as(word, j: int, zero: int, bits: int, dtype):
 
 def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
                 group_rows: int, num_groups: int, block_m: int, block_n: int, step: int,
-                num_splits: int, asymmetric: bool, transposed: bool, wide: bool,
-                stored_nk: bool = False):
-    # Paths "mma" (transposed False), "mma_t" (True) and "mma_wide" (wide); refs as in
-    # _matmul_kernel: x_ref [M, K], w_ref [K/8, N] int32 or [K, N] uint8, s_ref (and o_ref)
-    # [G, N], out_ref [M, N] (x dtype, or this split's float32 partial); `stored_nk`: w_ref
-    # [N, K/8] / [N, K] (the same words, stored transposed).
-    # Tiles: "mma" x [BM, R] @ w [R, BN] -> acc [BM, BN] per code j; "mma_t" w [BN, R] @ x [R, BM]
-    # -> acc [BN, BM] (the weight is the MMA's M operand, the padded activation rows its N);
-    # "mma_wide" (int4) x [BM, 8R] @ w [8R, BN] -> acc [BM, BN], one dot for all 8 codes.
+                num_splits: int, asymmetric: bool, stored_nk: bool = False):
+    # Path "mma"; refs as in _matmul_kernel: x_ref [M, K], w_ref [K/8, N] int32 or [K, N]
+    # uint8, s_ref (and o_ref) [G, N], out_ref [M, N] (x dtype, or this split's float32
+    # partial); `stored_nk`: w_ref [N, K/8] / [N, K] (the same words, stored transposed).
+    # Tiles: x [BM, R] @ w [R, BN] -> acc [BM, BN] per code j.
     o_ref = refs[0] if asymmetric else None
     out_ref = refs[-1]
     per_word = 8 if bits == 4 else 1
-    wide = wide and per_word > 1  # int8: a tile is already one dot ("mma")
     zero = 0 if asymmetric else 2 ** (bits - 1)
     dtype = x_ref.dtype
     cols, col_ok, x_rows, x_row_ok, first, last = _program_tiles(
@@ -61,12 +55,11 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
     else:
         sub = None  # groups cut across the dot's K: scale every weight before the dot
     k_total = rows * per_word
-    acc_shape = (block_n, block_m) if transposed else (block_m, block_n)
+    acc_shape = (block_m, block_n)
     f32 = jnp.float32
 
-    def x_tile(kc, r_ok):  # [BM, len(kc)] ([len(kc), BM]): the activation columns kc
-        return _load(x_ref, x_rows, kc, x_row_ok, kc < k_total if r_ok is not None else None,
-                     None, transposed)
+    def x_tile(kc, r_ok):  # [BM, len(kc)]: the activation columns kc
+        return _load(x_ref, x_rows, kc, x_row_ok, kc < k_total if r_ok is not None else None)
 
     def packed_rows(first_row, size):  # [size] packed rows from first_row, their mask
         r = first_row + jnp.arange(size, dtype=jnp.int32)
@@ -76,40 +69,30 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
         """Yields (x tile, weight tile, excess) whose dots sum to x @ w over the R = size packed
         rows from first_row.
 
-        code(word, j) -> (weight tile, excess) of code j of `word`: [R, BN] ([BN, R]); wide: of
-        every code at once, word [8, R, BN] holding code j in the low bits of plane j (j = 0).
+        code(word, j) -> (weight tile, excess) of code j of `word`: [R, BN].
         """
         r, r_ok = packed_rows(first_row, size)
-        word = _load_codes(w_ref, r, cols, r_ok, col_ok, transposed, stored_nk)  # [R, BN]
-        # ([BN, R] when transposed)
-        if not wide:  # x [BM, R] ([R, BM]): columns 8 r + j (int4) or r (int8)
-            for j in range(per_word):
-                yield x_tile(r * per_word + j, r_ok), *code(word, j)
-            return
-        shifts = 4 * jnp.arange(8, dtype=jnp.int32)[:, None, None]  # [8, 1, 1]
-        w, excess = code(jnp.right_shift(word[None], shifts), 0)  # [8, R, BN]
-        w = w.reshape(8 * size, block_n)  # j-major: row j * R + i is K row 8 r[i] + j
-        p = jnp.arange(8 * size, dtype=jnp.int32)
-        kc = (first_row + p % size) * 8 + p // size  # [8R] the K row of each row of w
-        yield x_tile(kc, r_ok), w, excess  # x [BM, 8R]
+        word = _load_codes(w_ref, r, cols, r_ok, col_ok, stored_nk=stored_nk)  # [R, BN]
+        for j in range(per_word):  # x [BM, R]: columns 8 r + j (int4) or r (int8)
+            yield x_tile(r * per_word + j, r_ok), *code(word, j)
 
     def product(pairs, sums: bool):
         """(sum of the dots of `pairs`, x summed over them or None, their excess); x's sum
-        [BM, R] ([R, BM]; wide [BM, 8R]) float32 where `sums` and there is excess or offset."""
+        [BM, R] float32 where `sums` and there is excess or offset."""
         out = jnp.zeros(acc_shape, f32)
         xsum, excess = None, 0
         for xt, wt, excess in pairs:
             if sums and (excess or asymmetric):
                 xsum = xt.astype(f32) if xsum is None else xsum + xt.astype(f32)
-            out += plgpu.dot(wt, xt) if transposed else plgpu.dot(xt, wt)
+            out += plgpu.dot(xt, wt)
         return out, xsum, excess
 
     def prescaled(first_row):  # x @ w over a tile, weights scaled before the dot
         g = jnp.minimum(packed_rows(first_row, step)[0] // group_rows, num_groups - 1)  # [R]
-        s = _load(s_ref, g, cols, None, col_ok, f32, transposed)  # [R, BN] ([BN, R])
-        o = _load(o_ref, g, cols, None, col_ok, f32, transposed) if asymmetric else None
+        s = _load(s_ref, g, cols, None, col_ok, f32)  # [R, BN]
+        o = _load(o_ref, g, cols, None, col_ok, f32) if asymmetric else None
 
-        def code(word, j):  # exact float32 c - zero, scaled ([8, R, BN] broadcasts s, o)
+        def code(word, j):  # exact float32 c - zero, scaled
             w = _dequant_tile(word, j, zero, bits)
             return (w * s + o if asymmetric else w * s).astype(dtype), 0
         return product(operands(first_row, step, code), sums=False)[0]
@@ -118,18 +101,17 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
         pairs = operands(first_row, sub, lambda word, j: _codes_as(word, j, zero, bits, dtype))
         tile, xsum, excess = product(pairs, sums=True)  # tile: sum of x * (c - zero + excess)
         gv = jnp.full((1,), g, jnp.int32)
-        s = _load(s_ref, gv, cols, None, col_ok, f32, transposed)  # [1, BN] ([BN, 1])
+        s = _load(s_ref, gv, cols, None, col_ok, f32)  # [1, BN]
         if xsum is not None:
-            xs = jnp.sum(xsum, axis=0 if transposed else 1)  # [BM]
-            xs = xs[None, :] if transposed else xs[:, None]  # [1, BM] ([BM, 1])
+            xs = jnp.sum(xsum, axis=1)[:, None]  # [BM, 1]
             if excess:
                 tile -= float(excess) * xs
         out = s * tile
         if asymmetric:
-            out += _load(o_ref, gv, cols, None, col_ok, f32, transposed) * xs
+            out += _load(o_ref, gv, cols, None, col_ok, f32) * xs
         return out
 
-    def body(t, acc):  # acc [BM, BN] ([BN, BM]) float32
+    def body(t, acc):  # acc [BM, BN] float32
         if sub is None:
             return acc + prescaled(t * step)
         for q in range(step // sub):  # the tile's groups, `sub` packed rows each
@@ -143,8 +125,7 @@ def _mma_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int
     if x_row_ok is not None or col_ok is not None:
         ok = jnp.ones(acc_shape, jnp.bool_)
         if x_row_ok is not None:
-            ok &= x_row_ok[None, :] if transposed else x_row_ok[:, None]
+            ok &= x_row_ok[:, None]
         if col_ok is not None:
-            ok &= col_ok[:, None] if transposed else col_ok[None, :]
-    idx = (out_rows[None, :], cols[:, None]) if transposed else (out_rows[:, None], cols[None, :])
-    plgpu.store(out_ref.at[idx], acc.astype(out_ref.dtype), mask=ok)
+            ok &= col_ok[None, :]
+    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=ok)

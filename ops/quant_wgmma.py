@@ -21,14 +21,14 @@ block_m x BN at most MAX_ACC accumulator elements, 128 float32 registers per thr
 program the product above for its rows; the codes are read once per row tile. The
 conversion's cost is shared by block_m rows, so the product is bound by the tensor cores: on
 the H200 at 128 rows about as fast as XLA's bf16 product, at 1024 rows 0.66-0.87x of it, against
-0.63-0.70x for XLA's dequantize + dot (docs/PERFORMANCE.md, twenty-first and twenty-second
-sessions). From LARGE_M_ROWS rows the warp-specialized form below takes over.
+0.63-0.70x for XLA's dequantize + dot (docs/PERFORMANCE.md). From LARGE_M_ROWS rows the
+warp-specialized form below takes over.
 
 Codes to bf16 without moving data between threads. Mosaic GPU loads a code tile one 32-bit
 register per thread (eight INT4 / four INT8 codes of consecutive K positions: layouts
 WGMMA_UPCAST_4X / _2X); wgmma's A fragment wants, per thread, bf16 pairs at columns
 (2t + 8j, 2t + 8j + 1) (t = lane mod 4), so the library's conversion shuffles codes between
-lanes. But the order of K inside a product is free: `_codes_to_bf16` turns each loaded word in
+lanes. But the order of K inside a product is free: `codes_to_bf16` turns each loaded word in
 place into the registers the fragment needs and calls them columns 2t + 8j + h, and the caller
 permutes x's columns the same way (`wgmma_k_order`; a small XLA gather of x), unless the codes
 are stored in that order (`stored_k_positions`, k_order "wgmma": ops.matmul.reorder_k at load
@@ -77,24 +77,10 @@ The f32 accumulator layouts of the two instructions are the same, and so is the 
 ops/quant_wgmma_ws.py instead: a TMA warpgroup and C consumer warpgroups per SM sharing each x
 tile. The dispatch's from LARGE_M_ROWS rows (256-row tiles, two consumers: at 1024 rows
 0.72-0.97x XLA's bf16 product on the H200, 8-12% faster than one-warpgroup row tiles); not for
-decode (12-35% slower than this kernel at 1 and 16 rows). With `consumer_k` its consumers split
-each step's K instead of its columns and add their sums in shared memory (no XLA sum after
-the kernel); correct on the H200, slower than the split tiles (not the dispatch's).
+decode (12-35% slower than this kernel at 1 and 16 rows).
 
-`fold=True` (INT4 groups, one warpgroup; opt-in, `PALLASITE_WGMMA=fold` for the dispatch): the
-code tile enters the wgmma as the LOP3's 128 + c as it is (a shift and a LOP3 per pair of
-codes, no subtraction, scale or offset on the tile); each group part's wgmmas go to their own
-float32 sum, and after the step's wait the part's s (x . (128 + c)) + (o - 128 s) sum(x)
-(symmetric: -136 s) is added to the carried sum (`folded`), with x's part sums from XLA
-(`part_sums`). Why (docs/PERFORMANCE.md, thirty-third session): an SM turns out one 16 KB
-step per about 1,200 cycles, near the step's issued instructions plus its wgmmas' tensor
-cycles; this form takes about a third of the issued instructions away without the tile of
-ones whose extra wgmmas cancelled the same saving in the twenty-fifth session's fold form.
-Measured (thirty-fourth session): its kernel is up to 8% faster (not on the lm head), but
-XLA's part sums make every whole product and the INT4 decode step slower, so the dispatch
-keeps the plain tile.
-
-The register layouts and K orders (`tile_layout`, `register_relabeling`, `wgmma_k_order`,
+The in-kernel building blocks (conversion, scales, store, timing probes) are in
+ops/quant_wgmma_convert.py. The register layouts and K orders (`tile_layout`, `register_relabeling`, `wgmma_k_order`,
 `stored_k_positions`) are in ops/quant_wgmma_layout.py, pure Python and numpy.
 
 The configuration (`WgmmaConfig`), the rule of what the kernels take (`supports`) and the tile
@@ -103,202 +89,38 @@ ops/quant_wgmma_tiles.py, pure Python over shapes.
 
 Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU; its reference is that file's
 `int4_matmul_reference` / `int8_matmul_reference` on the same codes (tests/ops/
-test_quant_wgmma_hopper.py; the CPU-side checks in tests/ops/test_quant_wgmma.py). Measured on
-the H200: docs/PERFORMANCE.md, "Nineteenth session" to "Twenty-first session".
+test_quant_wgmma_hopper.py; the CPU-side checks in tests/ops/test_quant_wgmma.py). Figures on
+the H200: docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.lib.mlir import ir
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ops.quant_wgmma_convert import (channel_scaled, codes_to_bf16, removed, scaled_parts,
+                                     store_tile, swizzled)
 
 from ops.quant_wgmma_layout import (  # noqa: F401  (callers use quant_wgmma.X)
     K_ORDER_SPAN, K_ORDERS, element_coords, register_relabeling, stored_k_positions,
     tile_layout, wgmma_k_order)
+from ops.quant_wgmma_ws import ws_product
 from ops.quant_wgmma_tiles import (  # noqa: F401  (the tiles; callers use quant_wgmma.X)
     LARGE_M_ROWS, MANY_ROWS, MAX_ACC, MAX_BLOCK_M, MAX_MMA_ROWS, MAX_ROWS, WS_SMEM_BYTES,
-    WgmmaConfig, group_parts, padded_rows, pipeline_step, program_columns, row_tile_config,
+    WgmmaConfig, group_parts, padded_rows, program_columns, row_tile_config,
     row_tiling, smem_bytes, step_in_group, supports, sweep_configs, wgmma_config, ws_balance,
     ws_config, ws_stages)
-
-
-def _swizzled(block_minor: int, bits: int):
-    """TMA / wgmma transforms for a tile whose minor dimension holds block_minor elements."""
-    swizzle = plgpu.find_swizzle(block_minor * bits)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
-def _asm(code: str, word):
-    """One inline-PTX block over a 32-bit register -> a 32-bit register (two bf16)."""
-    return mgpu_utils.inline_ptx(code, word, result_types=ir.IntegerType.get_signless(32))
-
-
-def _int4_pairs(word, j: int, zero: int | None = 8):
-    """bf16x2 (c_j - zero, c_{j+4} - zero) of nibbles j and j + 4 of a 32-bit word of eight
-    codes (zero 8: symmetric codes; 0: the codes themselves, for offsets): a shift, one LOP3
-    (nibbles under bf16 128.0's exponent: 128 + c) and one bf16x2 subtraction of 128 + zero,
-    all exact; zero None: the LOP3's 128 + c as it is (`WgmmaConfig.fold`)."""
-    shift = f"shr.u32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
-    lop3 = "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
-    if zero is None:
-        return _asm("{ .reg .b32 t; " + shift + lop3 + "mov.b32 $0, t; }", word)
-    bias = 0x4300 + zero  # bf16 128 + zero (the mantissa's unit is 1 between 128 and 256)
-    return _asm("{ .reg .b32 t, k; " + shift + lop3 +
-                f"mov.b32 k, {bias << 16 | bias:#010x}; sub.bf16x2 $0, t, k; }}", word)
-
-
-def _int8_pairs(word, j: int):
-    """bf16x2 (c_2j - 128, c_2j+1 - 128) of bytes 2j and 2j + 1 of a 32-bit word of four codes:
-    one PRMT puts each byte under 0x43 (128 + c when c < 128, 2c when not), one AND clears the
-    byte's top bit (128 + (c mod 128)), one LOP3 builds 256 - 128 [c >= 128], and a bf16x2
-    subtraction of the two gives c - 128, exactly."""
-    sel = 0x4140 if j == 0 else 0x4342
-    return _asm("{ .reg .b32 s0, s1, s2; "
-                f"prmt.b32 s0, $1, 0x43, {sel:#06x}; and.b32 s1, s0, 0xff7fff7f; "
-                "lop3.b32 s2, s0, 0xff80ff80, 0x00800080, 0x6A; sub.bf16x2 $0, s1, s2; }", word)
-
-
-PROBE_PARTS = ("conversion", "load", "product", "scatter")  # what `parts_removed` takes out
-_REMOVED: frozenset = frozenset()  # the parts taken out while `parts_removed` is active
-
-
-@contextlib.contextmanager
-def parts_removed(*parts: str | None):
-    """Timing probes for scripts/bench_wgmma.py's `bounds` mode (their products are garbage):
-    while active, the one-warpgroup kernels traced leave out each of `parts` (None: nothing):
-    "conversion", each loaded 32-bit word taken as the bf16 pairs as it is; "load", no code
-    tile loaded or converted (a constant tile multiplies x); "product", no wgmma, so nothing
-    reads the tiles and their loads go too: the pipeline alone, TMA copies and barrier waits;
-    "scatter", the code tile's rows (block_k / 2 or block_k bytes each, K bytes apart): each
-    step reads a contiguous block of the same bytes instead, the codes taken as [N K / BK, BK]
-    (what storing them tile by tile would give)."""
-    global _REMOVED
-    for part in parts:
-        if part not in (None, *PROBE_PARTS):
-            raise ValueError(f"parts_removed: part {part!r}, not one of {PROBE_PARTS}")
-    real, _REMOVED = _REMOVED, frozenset(parts) - {None}
-    try:
-        yield
-    finally:
-        _REMOVED = real
-
-
-def _codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma",
-                   unsigned: bool = False, biased: bool = False):
-    """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
-    eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
-    [BN, BK] (INT4 only: `unsigned`, c itself; `biased`, 128 + c) in
-    `tile_layout(instruction)`, each register converted in place, with no shuffle between
-    threads. What moves is the K order: register j of a loaded word holds the codes listed in
-    `wgmma_k_order`, and the caller permutes x's columns to match."""
-    upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
-    per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
-    if unsigned or biased:
-        if bits != 4:
-            raise ValueError("_codes_to_bf16: unsigned or biased codes are for INT4")
-        pairs = functools.partial(_int4_pairs, zero=None if biased else 0)
-    if "conversion" in _REMOVED:  # the probe: each word taken as the bf16 pairs as it is
-        pairs = lambda word, j: word  # noqa: E731
-    shape = (block_n, block_k)
-    target = tile_layout(instruction)
-    layout = target.to_mgpu()
-    # instruction="mma": the same values in the same threads, registers under mma.sync's A
-    # layout (MMA_LHS: 16-column register tiles where WGMMA has 8-column ones)
-    relabel = (None if instruction == "wgmma"
-               else register_relabeling(mgpu.WGMMA_LAYOUT, layout, shape))
-
-    @plgpu.inline_mgpu(arg_types=(upcast,), return_type=plgpu.ShapeDtypeStruct(
-        shape, jnp.bfloat16, layout=target))
-    def convert(_, codes):
-        i32 = ir.IntegerType.get_signless(32)
-        vec = ir.VectorType.get((2,), ir.BF16Type.get())
-        out = np.empty(layout.registers_shape(shape), dtype=object)
-        ndim = len(mgpu.WGMMA_LAYOUT.registers_shape(shape))
-        for idx, reg in np.ndenumerate(codes.registers):
-            word = mgpu_utils.bitcast(reg, i32)
-            for j in range(per_word // 2):  # WGMMA registers per loaded word
-                new = (idx[0], idx[1] * (per_word // 2) + j) + idx[2:ndim]
-                out[relabel[new] if relabel else new] = mgpu_utils.bitcast(pairs(word, j), vec)
-        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
-    return upcast, convert
-
-
-def group_scaled(w, s_row_ref, layout, o_row_ref=None):
-    """The dequantized tile w [BN, BK] times its step's group scale per row, from s_row_ref
-    [BN] (shared memory) loaded in `layout`'s row layout: the bf16 rounding of s (c - z);
-    with o_row_ref (w the codes c themselves), plus the group's offset per row: s c + o."""
-    rows = lambda ref: jax.lax.broadcast_in_dim(  # noqa: E731  [BN] -> [BN, BK]
-        plgpu.load(ref, layout=layout.reduce(1)), w.shape, [0])
-    w = w * rows(s_row_ref)
-    return w if o_row_ref is None else w + rows(o_row_ref)
-
-
-def scaled_parts(w, group_count: int, layout, scales=None, offsets=None):
-    """A step's dequantized tile w [BN, BK] in `group_count` parts of its columns, each times
-    its own group's scales (plus offsets): [(bf16 [BN, BK / group_count], its columns)].
-    scales(j) / offsets(j): the [BN] shared-memory rows of part j's group (scales None:
-    per-channel scales, applied to the sum later; the parts are the codes as they are)."""
-    width = w.shape[1] // group_count
-    out = []
-    for j in range(group_count):
-        cols = slice(j * width, (j + 1) * width) if group_count > 1 else slice(None)
-        part = w[:, cols] if group_count > 1 else w
-        if scales is not None:
-            part = group_scaled(part, scales(j), layout, offsets(j) if offsets else None)
-        out.append((part, cols))
-    return out
-
-
-def folded(acc, product, s_row_ref, o_row_ref, xsum_col_ref):
-    """`WgmmaConfig.fold`: the float32 sum acc [BN, BM] (WGMMA layout) plus one group part's
-    s (x . (128 + c)) + o' sum(x), from `product` (x's part times the biased codes 128 + c,
-    [BN, BM] float32), the part's bf16 scales (and offsets) s_row_ref (o_row_ref) [BN] and x's
-    sums over the part's K positions xsum_col_ref [BM] float32, all in shared memory; o' =
-    o - 128 s (asymmetric) or -(128 + 8) s (symmetric): x . (s c + o) or x . s (c - 8), in
-    float32."""
-    row = lambda ref: plgpu.load(  # noqa: E731  [BN] bf16 -> float32
-        ref, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-    s = row(s_row_ref)
-    low = row(o_row_ref) - 128.0 * s if o_row_ref is not None else -136.0 * s
-    xsum = plgpu.load(xsum_col_ref, layout=plgpu.Layout.WGMMA.reduce(0))  # [BM]
-    rows = lambda v: jax.lax.broadcast_in_dim(v, acc.shape, [0])  # noqa: E731
-    return acc + rows(s) * product + rows(low) * jax.lax.broadcast_in_dim(xsum, acc.shape, [1])
-
-
-def channel_scaled(acc, s_ref):
-    """The float32 sum acc [BN, MP] (WGMMA layout) times per-channel scales s_ref [BN] read
-    from global memory once."""
-    s = plgpu.load(s_ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-    return acc * jax.lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
-
-
-def store_tile(acc, tile_smem, dst, direct: bool):
-    """The float32 sum acc [BN, BM] (WGMMA layout) to global memory `dst` through `tile_smem`:
-    `direct`, as bf16 transposed on its way to shared memory (tile and dst [BM, BN]), else as
-    it is (float32 partials, [BN, BM])."""
-    if direct:
-        tile_smem.T[...] = plgpu.layout_cast(acc.astype(tile_smem.dtype),
-                                             plgpu.Layout.WGMMA_TRANSPOSED)
-    else:
-        tile_smem[...] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(tile_smem, dst)
 
 
 def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
             steps: int, k_steps: int, block_n: int, block_k: int, group_steps: int,
             group_count: int, stages: int, block_m: int, convert: str, direct: bool,
-            instruction: str, fold: bool = False):
+            instruction: str):
     # x_gmem [MP, K] bf16 (column c multiplies the tile's column c: wgmma_matmul orders it);
     # w_gmem [N, K] int4 / int8 codes;
     # s_gmem [G, N] scales (G = 1: per channel, applied to the accumulator at the end; else a
@@ -307,20 +129,14 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split: the product
     # itself, in the output's layout), else [splits, N, MP] float32 partials; out_smem: its
     # tile, [BM, BN] / [BN, BM] (BM = block_m rows of x per program, MP / BM row tiles).
-    # `fold` (INT4 groups): the tile is the biased codes 128 + c, and xs_gmem [K / width,
-    # row tiles x fold_block(BM)] float32 (after o_gmem) holds x's sums over each group
-    # part's width positions, each row tile's BM of them padded to 128 bytes; each
-    # part's scales and offsets enter the float32 sum after its wgmma (`folded`)
     refs = list(refs)
     o_gmem = refs.pop(0) if offsets else None
-    xs_gmem = refs.pop(0) if fold else None
     out_gmem, out_smem = refs
     nb = jax.lax.axis_index("n")
     split = jax.lax.axis_index("s")
     mb = jax.lax.axis_index("m")
     first = split * steps  # this program's first K step
-    upcast, inline = _codes_to_bf16(bits, block_n, block_k, instruction,
-                                    unsigned=offsets and not fold, biased=fold)
+    upcast, inline = codes_to_bf16(bits, block_n, block_k, instruction, unsigned=offsets)
     layout = tile_layout(instruction)
 
     def dequantize(codes):  # [BN, BK] codes as loaded -> bf16 c - z (c: offsets) in `layout`
@@ -332,7 +148,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
 
     def parts(w_smem, s_smem):  # the step's dequantized tile in `group_count` parts, each
         # its group's scale times its codes (plus offsets): [(bf16 [BN, width], its columns)]
-        if "load" in _REMOVED:  # the probe: a constant tile, nothing loaded or converted
+        if removed("load"):  # the probe: a constant tile, nothing loaded or converted
             return [(plgpu.layout_cast(jnp.full((block_n, block_k), 1.0, jnp.bfloat16), layout),
                      slice(None))]
         w = dequantize(plgpu.load(w_smem, layout=upcast))  # c - z (c: offsets) [BN, BK]
@@ -342,7 +158,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
 
     def compute(acc_ref):
         def step(_, w_smem, x_smem, *s_smem):
-            if "product" in _REMOVED:  # the probe: the pipeline alone
+            if removed("product"):  # the probe: the pipeline alone
                 return
             for w, cols in parts(w_smem, s_smem):  # [BN, width] @ [width, BM]
                 plgpu.wgmma(acc_ref, w, x_smem.at[:, cols].T)
@@ -352,38 +168,20 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
                             max_concurrent_steps=stages)(*args)
         return acc_ref[...]
 
-    def fold_step(_, w_smem, x_smem, *rest):  # fold: the float32 sum is the carry
-        *tables, acc = rest  # the step's scales, (offsets,) x's part sums; [BN, BM] f32
-        if "product" in _REMOVED:  # the probe: the pipeline alone
-            return acc
-        t = inline(plgpu.load(w_smem, layout=upcast))  # bf16 128 + c [BN, BK]
-
-        def products(*part_refs):  # each part's x . (128 + c), one wait for all of them
-            for ref, (part, cols) in zip(part_refs, scaled_parts(t, group_count, layout)):
-                plgpu.wgmma(ref, part, x_smem.at[:, cols].T)  # [BN, width] @ [width, BM]
-            plgpu.wgmma_wait(0)
-            return [ref[...] for ref in part_refs]
-        sums = pl.run_scoped(products, *[plgpu.ACC((block_n, block_m), jnp.float32)]
-                             * group_count)
-        for j, product in enumerate(sums):
-            acc = folded(acc, product, tables[0].at[j], tables[1].at[j] if offsets else None,
-                         tables[-1].at[j, pl.ds(0, block_m)])
-        return acc
-
     def mma_step(_, w_smem, x_smem, *rest):  # instruction="mma": the sum is the carry
         *s_smem, acc = rest
         xb = plgpu.load(x_smem.T, layout=rhs)  # [BK, BM], all of it in every warp
         (w, _), = parts(w_smem, s_smem)  # one part: mma takes steps within one group
         return plgpu.mma(acc, w, xb)  # acc [BN, BM] f32
 
-    if "scatter" in _REMOVED:  # the probe: tile (nb, step) is block nb * k_steps + step
+    if removed("scatter"):  # the probe: tile (nb, step) is block nb * k_steps + step
         code_block = lambda k: (nb * k_steps + first + k, 0)  # noqa: E731
     else:
         code_block = lambda k: (nb, first + k)  # noqa: E731
     in_specs = [
-        plgpu.BlockSpec((block_n, block_k), code_block, transforms=_swizzled(block_k, bits)),
+        plgpu.BlockSpec((block_n, block_k), code_block, transforms=swizzled(block_k, bits)),
         plgpu.BlockSpec((block_m, block_k), lambda k: (mb, first + k),
-                        transforms=_swizzled(block_k, 16)),
+                        transforms=swizzled(block_k, 16)),
     ]
     args = [w_gmem, x_gmem]
     if grouped:  # the step's groups' rows of the scales (and offsets)
@@ -391,15 +189,11 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
             in_specs.append(plgpu.BlockSpec((group_count, block_n),
                                             lambda k: ((first + k) // group_steps, nb)))
             args.append(ref)
-    if fold:  # x's sums over the step's group parts, this row tile's block of them
-        in_specs.append(plgpu.BlockSpec((group_count, fold_block(block_m)),
-                                        lambda k: (first + k, mb)))
-        args.append(xs_gmem)
-    if fold or instruction == "mma":  # the float32 sum carried through the pipeline
+    if instruction == "mma":  # the float32 sum carried through the pipeline
         rhs = plgpu.Layout.MMA_RHS(jnp.bfloat16, m_warps=4)
         zeros = plgpu.layout_cast(jnp.zeros((block_n, block_m), jnp.float32),
                                   plgpu.Layout.WGMMA)
-        acc = plgpu.emit_pipeline(fold_step if fold else mma_step, grid=(steps,),
+        acc = plgpu.emit_pipeline(mma_step, grid=(steps,),
                                   in_specs=in_specs, max_concurrent_steps=stages,
                                   init_carry=zeros)(*args)
     else:
@@ -413,38 +207,10 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
     plgpu.wait_smem_to_gmem(0)
 
 
-def fold_block(block_m: int) -> int:
-    """The columns of a row tile's block of x's part sums under `WgmmaConfig.fold`: block_m
-    float32 rounded up to 128 bytes, so that every pipeline stage of the block starts where a
-    TMA copy may write (128-byte aligned shared memory; 64-byte stages failed on the H200
-    with a misaligned address)."""
-    return -(-block_m // 32) * 32
-
-
-def part_sums(xp, width: int, block_m: int, mp: int):
-    """x's sums over each run of `width` K positions for `WgmmaConfig.fold`: xp [rows, K]
-    (rows <= MP = mp) -> float32 [K / width, row tiles x fold_block(block_m)], column
-    r * fold_block(block_m) + i the sum of row r * block_m + i (zeros past xp's rows and in
-    each block's padding)."""
-    rows, k = xp.shape
-    tiles = -(-mp // block_m)
-    sums = xp.astype(jnp.float32).reshape(rows, k // width, width).sum(-1).T  # [K / width, rows]
-    sums = jnp.pad(sums, ((0, 0), (0, tiles * block_m - rows))).reshape(k // width, tiles, block_m)
-    sums = jnp.pad(sums, ((0, 0), (0, 0), (0, fold_block(block_m) - block_m)))
-    return sums.reshape(k // width, tiles * fold_block(block_m))
-
-
 def on_hopper() -> bool:
     """The default backend is a Hopper GPU (compute capability 9.x: wgmma)."""
     return (jax.default_backend() == "gpu"
             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
-
-
-def available() -> bool:
-    """The dispatch may use the kernel: `on_hopper`, and PALLASITE_WGMMA is not 'off' (which
-    keeps the Triton "nk" paths of ops/quant_matmul.py, for A/B timing; 'fold' uses the kernel
-    with `wgmma_config`'s fold tiles, `fold_requested`)."""
-    return os.environ.get("PALLASITE_WGMMA", "").lower() != "off" and on_hopper()
 
 
 def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
@@ -454,26 +220,23 @@ def _one_warpgroup(xp, codes, scales, offsets=None, *, bits: int, group_size: in
     [splits, N, MP] (MP = out_rows, a multiple of block_m for partials). xp may hold fewer rows
     than MP when it has fewer than 8 or a multiple of 8: the last row tile's copies run past
     x, and TMA reads zeros there; a direct MP may likewise be M itself, and TMA drops the
-    stores past y's rows. cfg.fold: x's sums over each group part's positions enter too."""
+    stores past y's rows."""
     mp, k = out_rows, xp.shape[1]
     n = codes.shape[0]
     steps_per_group, groups_per_step = group_parts(k, group_size, cfg.block_k)
     extra = () if offsets is None else (offsets,)
-    if cfg.fold:  # x's sums over each group part's positions
-        extra += (part_sums(xp, cfg.block_k // groups_per_step, block_m, mp),)
-    if "scatter" in _REMOVED:  # the probe: the same bytes as contiguous [BN, BK] blocks
+    if removed("scatter"):  # the probe: the same bytes as contiguous [BN, BK] blocks
         codes = codes.reshape(n * k // cfg.block_k, cfg.block_k)
     kernel = functools.partial(
         _kernel, bits=bits, grouped=scales.shape[0] > 1, offsets=offsets is not None,
         steps=k // cfg.block_k // cfg.num_splits, k_steps=k // cfg.block_k,
         block_n=cfg.block_n, block_k=cfg.block_k,
         group_steps=steps_per_group, group_count=groups_per_step, stages=cfg.stages,
-        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction,
-        fold=cfg.fold)
+        block_m=block_m, convert=cfg.convert, direct=direct, instruction=cfg.instruction)
     if direct:
         out_type = jax.ShapeDtypeStruct((mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((block_m, cfg.block_n), jnp.bfloat16,
-                          transforms=_swizzled(cfg.block_n, 16))
+                          transforms=swizzled(cfg.block_n, 16))
     else:
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
         tile = plgpu.SMEM((cfg.block_n, block_m), jnp.float32)
@@ -529,7 +292,7 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
     # one warpgroup: x not padded (TMA reads zeros past its rows; Mosaic's 8-row TMA tiling
     # takes fewer than 8 rows or whole multiples), and a direct y not sliced (the stores past
     # its rows are dropped); else x padded to whole row tiles [MP, K]
-    ragged = (not cfg.consumers or cfg.consumer_k) and (m < 8 or m % 8 == 0)
+    ragged = not cfg.consumers and (m < 8 or m % 8 == 0)
     xp = xk if ragged else jnp.pad(xk, ((0, mp - m), (0, 0)))
     if cfg.consumers and cfg.block_m and not direct:  # float32 output tiles: fewer stages fit
         stages = ws_stages(bits, block_m, cfg.consumers * cfg.block_n, cfg.block_k, out_bytes=4)
@@ -539,7 +302,6 @@ def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
                              f"stages exceed {WS_SMEM_BYTES} bytes of shared memory")
         cfg = dataclasses.replace(cfg, stages=min(cfg.stages, stages))
     if cfg.consumers:  # several warpgroups per SM sharing each x tile
-        from ops.quant_wgmma_ws import ws_product  # it imports this module
         out = ws_product(xp, codes, scales, offsets if in_kernel else None, bits=bits,
                          group_size=group_size, cfg=cfg, block_m=block_m, direct=direct,
                          out_rows=m if direct and ragged else mp)

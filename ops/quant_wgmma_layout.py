@@ -75,8 +75,8 @@ def register_relabeling(src, dst, shape: tuple[int, ...]) -> dict:
 def wgmma_k_order(bits: int, k: int):
     """The K position whose activation multiplies column c of the dequantized tile, for c in
     0..K-1 (numpy int32 [K]). Per thread, a loaded word holds codes of consecutive K positions,
-    while wgmma's A fragment holds pairs (2t + 8j, 2t + 8j + 1) (t = lane mod 4). _codes_to_bf16
-    makes register j of the word from the pair it converts without moving data: INT4 nibbles
+    while wgmma's A fragment holds pairs (2t + 8j, 2t + 8j + 1) (t = lane mod 4).
+    ops.quant_wgmma_convert.codes_to_bf16 makes register j of the word from the pair it converts without moving data: INT4 nibbles
     (j, j + 4) of the word of K positions 8t..8t+7 in each 32-column block; INT8 bytes (2j, 2j+1)
     of the word of positions 8 (t mod 2) + 4 (t div 2) + 0..3 in each 16-column block."""
     if bits == 4:  # c = 8j + 2t + h <- q = 8t + 4h + j

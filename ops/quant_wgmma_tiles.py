@@ -8,7 +8,6 @@ come from wgmma (m64 programs of BLOCK_N columns, N up to MAX_BLOCK_M rows), the
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax.numpy as jnp
 
@@ -17,7 +16,7 @@ MAX_ROWS = 64  # activation rows the kernel takes (wgmma's N up to 64 here)
 MIN_BLOCK_K = 64  # the smallest step: 128-byte rows of x's tile (wgmma's swizzled B operand)
 WIDE_STEP_ROWS = 16  # wgmma_config: INT4 steps of 256 K up to this many (padded) rows
 MANY_ROWS = 33  # wgmma_config: from this many rows, K splits for about 192 programs (INT4 and
-# INT8 alike) and INT8 in 64-column programs (the 64-row sweep, thirty-sixth session)
+# INT8 alike) and INT8 in 64-column programs (the 64-row sweep)
 MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced in 128-byte rows)
 MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
@@ -26,8 +25,7 @@ MIN_WS_UNITS = 2 * NUM_SMS  # ws_config: work units for two per SM
 # starts with at most 65536 / 640 = 102 registers a thread, but Pallas's pipeline asks each
 # consumer to grow to (512 - 40) / 4 = 118 (rounded to 112) on the assumption of a 512-register
 # budget per thread of one warpgroup: 4 x 112 + 40 = 488 > 5 x 96 (likely the reason why
-# both four-consumer cases tried, rows and `consumer_k`, never finished on the H200:
-# setmaxnreg waits for registers no warp releases; not verified beyond that arithmetic).
+# four consumers never finished on the H200: setmaxnreg waits for registers no warp releases).
 MAX_CONSUMERS = 3
 # ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
 # splits: at many rows their float32 partials are as large as the output)
@@ -43,16 +41,12 @@ class WgmmaConfig:
     block_n: int = 64  # output columns per program (a multiple of BLOCK_N: m64 wgmmas)
     num_splits: int = 1
     stages: int = 4
-    convert: str = "inline"  # codes -> bf16: "inline" (_codes_to_bf16) or "mosaic" (astype)
+    # codes -> bf16: "inline" (quant_wgmma_convert.codes_to_bf16) or "mosaic" (astype)
+    convert: str = "inline"
     direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
     instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
-    chained: bool = False  # warp-specialized: one pipeline across an SM's units (`ws_chained`)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
-    fold: bool = False  # INT4 groups, one warpgroup: scales and offsets folded into the sum
-    # warp-specialized: the consumers share one block_n column tile, each a block_k slice of
-    # every step (steps of consumers x block_k), their sums added in shared memory (no K split)
-    consumer_k: bool = False
 
 
 MAX_BLOCK_M = 256  # wgmma's largest N
@@ -90,9 +84,8 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
     MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
     MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
     of the program's columns (`program_columns`; the warp-specialized kernel: 2-3 consumers,
-    wgmma and the inline conversion; four hung on the H200, see MAX_CONSUMERS; `consumer_k`
-    in one row tile, its steps within one group or of whole groups), K of whole steps
-    (`pipeline_step` of `config`, default `wgmma_config`'s) for every split, and per-channel
+    wgmma and the inline conversion; four hung on the H200, see MAX_CONSUMERS), K of whole
+    steps (block_k of `config`, default `wgmma_config`'s) for every split, and per-channel
     scales, groups of whole steps or (wgmma) steps of whole groups of at least MIN_GROUP_PART
     positions (`group_parts`)."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
@@ -111,34 +104,20 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
         return False
     if cfg.consumers and not (2 <= cfg.consumers <= MAX_CONSUMERS
                               and cfg.instruction == "wgmma"
-                              and cfg.convert == "inline" and not cfg.fold):
-        return False
-    if cfg.consumer_k and not (cfg.consumers and not cfg.block_m):
+                              and cfg.convert == "inline"):
         return False
     grouped = -(-k // group_size) > 1
-    if cfg.fold and not (bits == 4 and grouped and cfg.instruction == "wgmma"
-                         and cfg.convert == "inline"):
-        return False
     whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
                     and cfg.instruction == "wgmma")
-    step = pipeline_step(cfg)
-    if cfg.consumer_k and grouped and group_size % step and step % group_size:
-        return False  # a step within one group or of whole groups
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
-            and cfg.block_k >= MIN_BLOCK_K and k % (step * cfg.num_splits) == 0
+            and cfg.block_k >= MIN_BLOCK_K and k % (cfg.block_k * cfg.num_splits) == 0
             and (not grouped or group_size % cfg.block_k == 0 or whole_groups))
 
 
 def program_columns(cfg: WgmmaConfig) -> int:
     """Output columns per program (per work unit of the warp-specialized kernel): block_n,
-    times the consumers when each takes its own block_n rows of the code tile."""
-    return cfg.block_n * (1 if cfg.consumer_k else max(1, cfg.consumers))
-
-
-def pipeline_step(cfg: WgmmaConfig) -> int:
-    """K positions per pipeline step: block_k, times the consumers under `consumer_k` (each
-    converts and multiplies its own block_k slice of the step)."""
-    return cfg.block_k * (cfg.consumers if cfg.consumer_k else 1)
+    times the consumers (each takes its own block_n rows of the code tile)."""
+    return cfg.block_n * max(1, cfg.consumers)
 
 
 def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
@@ -151,17 +130,15 @@ def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md, nineteenth and twenty-third
-    sessions): INT4 up to WIDE_STEP_ROWS rows in steps of 256 positions (spanning groups of
-    64 or 128) with 4 stages (2 up to 8 rows without a K split: thirty-first session), K
-    splits up to about 256 programs; else steps of 128 INT4 positions (capped by the group)
-    with 3 stages, or 256 INT8 positions with 2, K splits up to about 384 (INT4) or 256
-    (INT8) programs; each split at least two steps, and 128-column programs where that still
-    gives about 200 programs without a split (gate/up, the lm head), else 64 columns. From
-    MANY_ROWS rows (the 64-row sweep, thirty-sixth session) the splits aim at about 192
-    programs, and INT8 takes 64-column programs up to 512 of them (gate/up; the lm head, not
-    swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`. PALLASITE_WGMMA=fold: the
-    256-K INT4 tiles with `fold=True` where the kernel takes them (`fold_requested`)."""
+    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md): INT4 up to WIDE_STEP_ROWS rows
+    in steps of 256 positions (spanning groups of 64 or 128) with 4 stages (2 up to 8 rows
+    without a K split), K splits up to about 256 programs; else steps of 128 INT4 positions
+    (capped by the group) with 3 stages, or 256 INT8 positions with 2, K splits up to about
+    384 (INT4) or 256 (INT8) programs; each split at least two steps, and 128-column
+    programs where that still gives about 200 programs without a split (gate/up, the lm
+    head), else 64 columns. From MANY_ROWS rows (the 64-row sweep) the splits aim at about
+    192 programs, and INT8 takes 64-column programs up to 512 of them (gate/up; the lm head,
+    not swept there, keeps 128). Past MAX_ROWS rows, `large_m_config`."""
     if m > MAX_ROWS:
         return large_m_config(bits, m, k, n, group_size)
     many_rows = m >= MANY_ROWS
@@ -174,9 +151,6 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
         # four: the lm head 75.8 against 81.2 us, gate/up 22.4 against 22.8 (16 rows: equal)
         stages = 2 if splits == 1 and padded_rows(m) == 8 else 4
         wide = WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=stages)
-        if fold_requested() and supports(bits, m, k, n, group_size, jnp.bfloat16,
-                                         jnp.bfloat16, dataclasses.replace(wide, fold=True)):
-            return dataclasses.replace(wide, fold=True)
         if supports(bits, m, k, n, group_size, jnp.bfloat16, jnp.bfloat16, wide):
             return wide
     block_k = step_in_group(128 if bits == 4 else 256, k, group_size)
@@ -187,12 +161,6 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
                        stages=3 if bits == 4 else 2)
 
 
-def fold_requested() -> bool:
-    """PALLASITE_WGMMA=fold: `wgmma_config` gives INT4 groups' decode tiles `fold=True` (an
-    A/B switch for end-to-end timing; the dispatch's default is the plain tile)."""
-    return os.environ.get("PALLASITE_WGMMA", "").lower() == "fold"
-
-
 def step_in_group(block_k: int, k: int, group_size: int) -> int:
     """block_k capped by the group (a step that lies in one group; per-channel scales: no cap),
     and at least MIN_BLOCK_K."""
@@ -201,11 +169,11 @@ def step_in_group(block_k: int, k: int, group_size: int) -> int:
 
 def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
     """Tiles past MAX_ROWS rows, from the H200 sweeps at 128 and 1024 rows (docs/
-    PERFORMANCE.md, twenty-first and twenty-second sessions): from LARGE_M_ROWS rows on the
+    PERFORMANCE.md): from LARGE_M_ROWS rows on the
     warp-specialized kernel's 256-row tiles (`ws_config`: two consumers of 64 columns sharing
     each x tile), or 128-row tiles of three consumers where N takes them and their units keep
     an H200's SMs busier by a tenth (`ws_balance`; q/k/v at 1024 rows: 256 units against 192,
-    0.86x bf16 against 0.72x, twenty-third session); else the one-warpgroup row tiles of
+    0.86x bf16 against 0.72x); else the one-warpgroup row tiles of
     `row_tile_config`."""
     if m < LARGE_M_ROWS:
         return row_tile_config(m, k, n, group_size)

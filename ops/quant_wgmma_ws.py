@@ -18,41 +18,17 @@ ops.quant_wgmma.wgmma_matmul sums. INT4 group offsets are added in the kernel, a
 one-warpgroup kernel (s c + o per step, the steps lying in one group): at 1024 rows the XLA
 path they took before (float32 partials, the group sums' product) cost 1.6x the product.
 
-Why (docs/PERFORMANCE.md, twentieth session): INT4 on the one-warpgroup kernel reads at about
+Why: INT4 on the one-warpgroup kernel reads at about
 2.1-2.4 TB/s however its instructions, its tensor op or its stage depth change. What is left
 is its structure: 1.7 four-warp programs per SM on gate/up, and x read once per program.
-Measured on the H200: for decode (1 and 16 rows, twenty-first session) 12-35% slower than the
+Measured on the H200: for decode (1 and 16 rows) 12-35% slower than the
 one-warpgroup kernel, so the dispatch does not use it there; with row tiles of 256 rows
-(twenty-second session: two consumers of 64 columns share each x tile, halving the x bytes
+(two consumers of 64 columns share each x tile, halving the x bytes
 per product; 4 stages for INT4, 3 for INT8) 8-12% faster than the one-warpgroup row tiles at
 1024 rows, 0.72-0.97x XLA's bf16 product, and the dispatch's from LARGE_M_ROWS rows.
 
-`consumer_k` (WgmmaConfig.consumer_k; decode, one row tile): the consumers share one block_n
-column tile instead, each converting and multiplying its own block_k slice of every step
-(steps of consumers x block_k positions: one TMA copy a slice); at the end each stores its
-float32 sum in shared memory, a barrier, the first adds them and writes the tile, a second
-barrier frees the sums for the SM's next unit. Why: the decode products of few columns (o,
-down, q/k/v) need two warpgroups per SM to stream their codes (one program per SM, however
-many stages, took 17 us where two took 12.6 on down's bytes: thirty-fifth session), which
-today takes K splits and an XLA sum of their float32 partials after the kernel (1.2-1.4 us a
-product). Here two warpgroups of one program split K and sum in shared memory, at 64 SMs'
-worth of programs for N = 4096. Four consumers hung on the H200 (see
-ops.quant_wgmma_tiles.MAX_CONSUMERS). Two and three are correct on the H200 (thirty-sixth
-session) but slower than the dispatch's K splits with their sum: on o (N = 4096) at 1-16 rows
-the INT4 kernel takes 8.4-8.9 us against 5.4-5.6 plus a 1.2-1.4 us sum (2.9-3.3 us slower,
-1.5-1.9 us net), so two consumers of one program hide little more of the compute than one
-warpgroup per SM did (docs/PERFORMANCE.md).
-
 Steps may span whole groups (INT4 decode's 256-K steps, `group_parts`), each part of the tile
-scaled by its own group as in the one-warpgroup kernel. `chained` (WgmmaConfig.chained,
-`ws_chained`): each SM's units run as one pipeline (Pallas's pipeline states START, STEADY,
-STOP), so the TMA warpgroup fetches the next unit's first steps while the consumers finish and
-store the last; where fewer than two units fall to each SM they run unchained.
-Measured on the H200 (thirty-first session, INT4 asymmetric g128, kernel us): 256-K steps
-left the form 15-46% slower than the one-warpgroup kernel at 1 and 16 rows; chained, gate/up
-28.3 -> 25.2 at one row (one-warpgroup 22.9), the lm head with three consumers 92.5 -> 86.3
-(81.2), down and q/k/v unchanged; at 1024 rows gate/up 309 -> 302, but o 46 -> 81 (128 units
-on 64 SMs: the rule that now runs it unchained). So neither is the dispatch's.
+scaled by its own group as in the one-warpgroup kernel.
 """
 from __future__ import annotations
 
@@ -64,60 +40,57 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ops import quant_wgmma as qw
+from ops.quant_wgmma_convert import (channel_scaled, codes_to_bf16, scaled_parts, store_tile,
+                                     swizzled)
+from ops.quant_wgmma_tiles import WgmmaConfig, group_parts
 
 MEMORY_REGISTERS = 40  # registers per thread of the copy warpgroup (the rest go to consumers)
 
 
 def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bool,
                steps: int, block_n: int, block_k: int, group_steps: int, group_count: int,
-               group_size: int, parts: int, stages: int, block_m: int, consumers: int,
-               splits: int, row_tiles: int, units: int, direct: bool, chained: bool,
-               consumer_k: bool):
+               stages: int, block_m: int, consumers: int,
+               splits: int, row_tiles: int, units: int, direct: bool):
     # x_gmem [MP, K] bf16 (columns in wgmma_k_order); w_gmem [N, K] codes; s_gmem [G, N]
     # (a step lies in one group, group_steps steps each, or spans group_count whole groups);
     # refs: with `offsets` (INT4 groups) first o_gmem [G, N], each group's offset added to its
     # scaled codes (s c + o); then out_gmem: `direct` [MP, N] bf16 (one split), else
     # [splits, N, MP] float32 partials; out_smem: each consumer's tile, [consumers, BM,
     # block_n] bf16 / [consumers, block_n, BM] float32 (BM = block_m rows of x per unit, MP / BM
-    # row tiles); `consumer_k`: then sums_smem [consumers, block_n, BM] float32 (each
-    # consumer's sum over its slices) and two barriers (the sums stored; the sums read)
+    # row tiles)
     refs = list(refs)
     o_gmem = refs.pop(0) if offsets else None
-    out_gmem, out_smem, *sync = refs
+    out_gmem, out_smem = refs
     wg = lax.axis_index("wg")
-    cta_n = block_n if consumer_k else consumers * block_n  # a unit's output columns
-    slices = consumers if consumer_k else 1  # block_k slices of a step's tiles, one a consumer
-    upcast, inline = qw._codes_to_bf16(bits, block_n, block_k, unsigned=offsets)
+    cta_n = consumers * block_n  # a unit's output columns
+    upcast, inline = codes_to_bf16(bits, block_n, block_k, unsigned=offsets)
     tables = (s_gmem, o_gmem) if offsets else (s_gmem,) if grouped else ()  # per step
-    width = block_k // parts  # a consumer's block_k slice in `parts` group parts
 
-    def get_pipeline(body, context, first, state=None):
-        specs = [plgpu.BlockSpec((cta_n, block_k), lambda k, c=c: (0, k * slices + c),
-                                 transforms=qw._swizzled(block_k, bits)) for c in range(slices)]
-        specs += [plgpu.BlockSpec((block_m, block_k), lambda k, c=c: (0, k * slices + c),
-                                  transforms=qw._swizzled(block_k, 16)) for c in range(slices)]
+    def get_pipeline(body, context, first):
+        specs = [plgpu.BlockSpec((cta_n, block_k), lambda k: (0, k),
+                                 transforms=swizzled(block_k, bits)),
+                 plgpu.BlockSpec((block_m, block_k), lambda k: (0, k),
+                                 transforms=swizzled(block_k, 16))]
         for _ in tables:  # this step's groups' scales (and offsets) of the tile's columns
             specs.append(plgpu.BlockSpec((group_count, cta_n),
                                          lambda k: ((first + k) // group_steps, 0)))
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
             wg_axis="wg", num_compute_wgs=consumers, max_concurrent_steps=stages,
-            compute_context=context, pipeline_state=state)
+            compute_context=context)
 
     def views(nb, mb, split):  # a unit's slices of the inputs
         cols = pl.ds(nb * cta_n, cta_n)
-        ks = pl.ds(split * steps * slices * block_k, steps * slices * block_k)
+        ks = pl.ds(split * steps * block_k, steps * block_k)
         x_rows = x_gmem.at[pl.ds(mb * block_m, block_m), ks]
-        refs = [w_gmem.at[cols, ks]] * slices + [x_rows] * slices  # one spec a slice
-        return refs + [t.at[:, cols] for t in tables]
+        return [w_gmem.at[cols, ks], x_rows] + [t.at[:, cols] for t in tables]
 
     def multiply(acc_ref, w_tile, x_tile, s_smem, table_row):
         # acc_ref [block_n, BM] += dequant(w_tile [block_n, block_k]) @ x_tile [BM, block_k]^T
-        # in `parts` group parts; table_row(table, j): part j's [block_n] row of a table
+        # in `group_count` group parts; table_row(table, j): part j's [block_n] row of a table
         w = inline(plgpu.load(w_tile, layout=upcast))  # bf16 c - z (c: offsets)
-        for part, cols in qw.scaled_parts(
-                w, parts, plgpu.Layout.WGMMA,
+        for part, cols in scaled_parts(
+                w, group_count, plgpu.Layout.WGMMA,
                 (lambda j: table_row(s_smem[0], j)) if grouped else None,
                 (lambda j: table_row(s_smem[1], j)) if offsets else None):
             plgpu.wgmma(acc_ref, part, x_tile.at[:, cols].T)  # [block_n, width] @ [width, BM]
@@ -133,75 +106,35 @@ def _ws_kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets:
         def _unit(info):
             (u,) = info.index
             split, tile = u % splits, u // splits
-            state = None  # chained: the copies run on into the SM's next unit (no drain)
-            if chained:
-                last = info.local_index == info.num_local_steps - 1
-                state = jnp.where(info.local_index == 0, plgpu.PipelinePipeline.START,
-                                  jnp.where(last, plgpu.PipelinePipeline.STOP,
-                                            plgpu.PipelinePipeline.STEADY)).astype(jnp.int32)
             mb, nb = tile % row_tiles, tile // row_tiles
             rows = pl.ds(wg * block_n, block_n)  # this consumer's rows of the code tile
-            out_cols = pl.ds(nb * cta_n + (0 if consumer_k else wg * block_n), block_n)
+            out_cols = pl.ds(nb * cta_n + wg * block_n, block_n)
             out_rows = pl.ds(mb * block_m, block_m)
             dst = (out_gmem.at[out_rows, out_cols] if direct
                    else out_gmem.at[split, out_cols, out_rows])
 
             def store(acc):  # [block_n, BM] float32: scaled per channel, to the output
                 if not grouped:  # per-channel scales, once per unit
-                    acc = qw.channel_scaled(acc, s_gmem.at[0, out_cols])
+                    acc = channel_scaled(acc, s_gmem.at[0, out_cols])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's copy
-                qw.store_tile(acc, out_smem.at[0 if consumer_k else wg], dst, direct)
+                store_tile(acc, out_smem.at[wg], dst, direct)
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped,
                                    acc_ref=plgpu.ACC((block_n, block_m), jnp.float32))
                 def _acc(acc_ref):
                     eval_pipeline(acc_ref)
-                    if not consumer_k:
-                        store(acc_ref[...])
-                        return
-                    sums_smem, barriers = sync  # the consumers' sums added by the first
-                    sums_smem.at[wg][...] = acc_ref[...]
-                    plgpu.barrier_arrive(barriers.at[0])
-                    plgpu.barrier_wait(barriers.at[0])
+                    store(acc_ref[...])
 
-                    @pl.when(wg == 0)
-                    def _():
-                        total = plgpu.load(sums_smem.at[0], layout=plgpu.Layout.WGMMA)
-                        for c in range(1, consumers):
-                            total += plgpu.load(sums_smem.at[c], layout=plgpu.Layout.WGMMA)
-                        store(total)
-                    plgpu.barrier_arrive(barriers.at[1])  # the sums read: free for the next unit
-                    plgpu.barrier_wait(barriers.at[1])
-
-            def body(_, *step_refs):
-                w_smem, x_smem = step_refs[:slices], step_refs[slices:2 * slices]
-                *s_smem, acc_ref = step_refs[2 * slices:]
-                if not consumer_k:  # this consumer's rows of the code tile, all of x's
-                    multiply(acc_ref, w_smem[0].at[rows], x_smem[0], s_smem,
-                             lambda table, j: table.at[j, rows])
-                    return acc_ref
-                for c in range(consumers):  # consumer c: slice c of the step
-                    @pl.when(wg == c)
-                    def _(c=c):
-                        multiply(acc_ref, w_smem[c], x_smem[c], s_smem,  # its groups' rows
-                                 lambda table, j: table.at[(c * block_k + j * width) // group_size])
+            def body(_, w_smem, x_smem, *rest):
+                *s_smem, acc_ref = rest  # this consumer's rows of the code tile, all of x's
+                multiply(acc_ref, w_smem.at[rows], x_smem, s_smem,
+                         lambda table, j: table.at[j, rows])
                 return acc_ref
 
-            get_pipeline(body, context, split * steps, state)(*views(nb, mb, split),
-                                                              allocations=allocs)
+            get_pipeline(body, context, split * steps)(*views(nb, mb, split),
+                                                       allocations=allocs)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def ws_chained(cfg: qw.WgmmaConfig, units: int, steps: int, sms: int) -> bool:
-    """Whether the units of each of `sms` SMs run as one chained pipeline (`cfg.chained`):
-    the TMA warpgroup fetches the next unit's first steps while the consumers finish, multiply
-    and store the last unit's (Pallas's pipeline states START / STEADY / STOP), instead of a
-    pipeline that fills and drains inside every unit. Needs whole rounds of stages per unit
-    and at least two units on every SM (a state cannot be both START and STOP; where fewer,
-    the units run unchained on all SMs rather than chained on half of them: o at 1024 rows,
-    128 units, took 81 us chained on 64 SMs against 46 us unchained)."""
-    return cfg.chained and steps % cfg.stages == 0 and units >= 2 * sms
 
 
 def sm_count() -> int:
@@ -210,43 +143,35 @@ def sm_count() -> int:
 
 
 def ws_product(xp, codes, scales, offsets=None, *, bits: int, group_size: int,
-               cfg: qw.WgmmaConfig, block_m: int, direct: bool, out_rows: int | None = None):
-    """xp [rows, K] (columns in wgmma_k_order; rows MP, a multiple of block_m, or under
-    `consumer_k` as few as out_rows: TMA reads zeros past them) times the codes [N, K]
+               cfg: WgmmaConfig, block_m: int, direct: bool, out_rows: int | None = None):
+    """xp [MP, K] (columns in wgmma_k_order; MP a multiple of block_m) times the codes [N, K]
     (jnp.int4 / int8) with scales [G, N] (and INT4 group offsets [G, N], added in the kernel:
-    `ops.quant_wgmma.offsets_in_kernel`), by the warp-specialized kernel: the product
+    ops.quant_wgmma.offsets_in_kernel), by the warp-specialized kernel: the product
     [out_rows, N] bf16 when `direct` (one split; out_rows default MP: the stores past them are
     dropped), else float32 partials [splits, N, MP]."""
     k = xp.shape[1]
     mp = -(-xp.shape[0] // block_m) * block_m
     n = codes.shape[0]
     row_tiles = mp // block_m
-    units = n // qw.program_columns(cfg) * row_tiles * cfg.num_splits
-    step = qw.pipeline_step(cfg)
-    group_steps, group_count = qw.group_parts(k, group_size, step)
-    steps = k // step // cfg.num_splits
-    chained = ws_chained(cfg, units, steps, sm_count())
+    units = n // (cfg.consumers * cfg.block_n) * row_tiles * cfg.num_splits
+    group_steps, group_count = group_parts(k, group_size, cfg.block_k)
+    steps = k // cfg.block_k // cfg.num_splits
     kernel = functools.partial(
         _ws_kernel, bits=bits, grouped=scales.shape[0] > 1, offsets=offsets is not None,
         steps=steps, block_n=cfg.block_n, block_k=cfg.block_k,
-        group_steps=group_steps, group_count=group_count, group_size=group_size,
-        parts=qw.group_parts(k, group_size, cfg.block_k)[1], stages=cfg.stages,
+        group_steps=group_steps, group_count=group_count, stages=cfg.stages,
         block_m=block_m, consumers=cfg.consumers, splits=cfg.num_splits, row_tiles=row_tiles,
-        units=units, direct=direct, chained=chained, consumer_k=cfg.consumer_k)
-    tiles = 1 if cfg.consumer_k else cfg.consumers  # output tiles in shared memory
+        units=units, direct=direct)
+    tiles = cfg.consumers  # output tiles in shared memory
     if direct:
         out_type = jax.ShapeDtypeStruct((out_rows or mp, n), jnp.bfloat16)
         tile = plgpu.SMEM((tiles, block_m, cfg.block_n), jnp.bfloat16,
-                          transforms=qw._swizzled(cfg.block_n, 16))
+                          transforms=swizzled(cfg.block_n, 16))
     else:
         out_type = jax.ShapeDtypeStruct((cfg.num_splits, n, mp), jnp.float32)
         tile = plgpu.SMEM((tiles, cfg.block_n, block_m), jnp.float32)
-    scratch = [tile]
-    if cfg.consumer_k:  # the consumers' sums, and the barriers of their exchange
-        scratch += [plgpu.SMEM((cfg.consumers, cfg.block_n, block_m), jnp.float32),
-                    plgpu.Barrier(num_arrivals=cfg.consumers, num_barriers=2)]
     return plgpu.kernel(
         kernel, out_type=out_type, grid=(min(sm_count(), units),), grid_names=("sm",),
-        num_threads=cfg.consumers + 1, thread_name="wg", scratch_types=scratch,
-        kernel_name=f"int{bits}_wgmma_ws{'k' if cfg.consumer_k else ''}")(
+        num_threads=cfg.consumers + 1, thread_name="wg", scratch_types=[tile],
+        kernel_name=f"int{bits}_wgmma_ws")(
             xp, codes, scales, *(() if offsets is None else (offsets,)))

@@ -6,7 +6,7 @@ Inputs: q [N, H, D] holds the query tokens of all sequences back to back (paddin
 sequence s owns q[query_start_loc[s]:query_start_loc[s + 1]], and kv_lens[s] counts its tokens
 in the cache including this step's (already written), so its i-th query sits at position
 kv_lens[s] - q_len_s + i and sees keys at positions <= its own. Cache layout and quantized
-pages as in ops/decode_attention.py.
+pages as in ops/paged_attention.py (int8 / float8 pages with per-token scales: ops/kv_quant.py).
 
 Kernel: the queries are cut into q blocks of `block_q` tokens that never straddle two sequences;
 a program handles one (q block, kv head, key split). Its tile stacks the q block's tokens times
@@ -23,26 +23,23 @@ Tuning (`ragged_config`): block_m = next power of two of max_q_len * G, clamped 
 (64 for head_dim 256). Prefill-sized tiles (block_m >= 64): block_k 64, 4 warps, 3 pipeline
 stages, with the softmax's exponent in PTX (`RaggedConfig.ptx_softmax`: one fma and one
 ex2.approx per logit, where jnp's exp2 costs several instructions). H200 sweeps at 32 q / 8 kv
-heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (eleventh session, three
+heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (three
 runs): (128, 64, 4 warps, 3 stages) 377-379 / 266-273 and 426-436 / 305-307; 4 stages 368-393
 / 269-276 and 439 / 305; 2 stages 346-356 / 254-262; (128, 32, 4, 5), the best with the jnp
 softmax, 361-373 / 316-330 and 407 / 362; (128, 128, 8, 3) 319 / 260; (256, 64, 8, 3)
-318 / 253; (64, 64, 4, 3) 308-310 / 242-245. Decode-sized tiles keep the jnp softmax: the
-decode kernel with PTX measured no faster (two runs, B = 1-32).
+318 / 253; (64, 64, 4, 3) 308-310 / 242-245. Decode-sized tiles keep the jnp softmax: with PTX
+decode measured no faster (two runs, B = 1-32).
 Rescaling the accumulator only when the running max grows by more than 2^8 (branching on it)
 was slower in 11 of 12 pairs and was dropped. head_dim 256 keeps block_k 32 and 5 stages.
 Below that the program is bandwidth-bound like decode: block_k 128 and, when block_m <= 32,
-key splits for about two programs per SM (decode_config's rule for 128-token tiles; its
-64-token tiles at four per SM were measured in the decode kernel only). `RaggedConfig.prefetch_slots` reads the next tile's
-block-table entries a loop step ahead (see ops/decode_attention.py); on the H200 it gave a
-4k-token prefill 338 against 328 TFLOP/s at 5 stages in one sweep, so it stays off until more
-runs confirm it.
+key splits for about two programs per SM.
+`RaggedConfig.prefetch_slots` reads the next tile's block-table entries a loop step ahead (off
+by default).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import attention_tiles as tiles
-from ops.decode_attention import NUM_SMS
+from ops.kernel_choice import KernelBackends, or_reference
 from ops.kv_quant import dequantize_pages
 
 
@@ -63,11 +60,8 @@ class RaggedConfig:
     num_splits: int = 1  # programs per (q block, kv head) along the keys
     num_warps: int = 4
     num_stages: int = 3
-    # Read the next tile's block-table entries one loop step ahead (as DecodeConfig's; an
-    # experiment of the tuning sweep, off by default).
+    # Read the next tile's block-table entries one loop step ahead (off by default).
     prefetch_slots: bool = False
-    # Merge the key splits inside the kernel (as DecodeConfig's): no merge kernel after it.
-    merge_in_kernel: bool = False
     # One PTX fma + exp2 per logit in the online softmax (attention_tiles.attend_tile; jnp
     # in interpret mode). ragged_config turns it on for prefill tiles, where it measured faster.
     ptx_softmax: bool = False
@@ -76,8 +70,7 @@ class RaggedConfig:
 def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
                   max_kv_tokens: int, head_dim: int) -> RaggedConfig:
     """The tuning heuristic (see the module docstring). Key splits are merged by a jnp fusion
-    after the kernel, or inside it with the environment variable PALLASITE_SPLIT_MERGE=kernel
-    (read when a step is traced; RaggedConfig.merge_in_kernel)."""
+    after the kernel (attention_tiles.merge_splits)."""
     cap = 128 if head_dim <= 128 else 64
     block_m = min(max(tiles.next_pow2(max_q_len * group), 16), cap)
     block_m = max(block_m, tiles.next_pow2(group))
@@ -88,21 +81,18 @@ def ragged_config(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int,
         return RaggedConfig(block_m=block_m, block_k=32, num_warps=4, num_stages=5)
     block_k = 128 if head_dim <= 128 else 64
     splits = 1
-    if block_m <= 32:  # as decode_config's 128-token tiles
-        want = max(1, round(2 * NUM_SMS / (num_seqs * num_kv_heads)))
+    if block_m <= 32:  # about two programs per SM
+        want = max(1, round(2 * tiles.NUM_SMS / (num_seqs * num_kv_heads)))
         most = max(1, max_kv_tokens // (2 * block_k))
         splits = min(want, most, 64)
-    merge_in_kernel = os.environ.get("PALLASITE_SPLIT_MERGE") == "kernel"
-    return RaggedConfig(block_m=block_m, block_k=block_k, num_splits=splits,
-                        merge_in_kernel=merge_in_kernel)
+    return RaggedConfig(block_m=block_m, block_k=block_k, num_splits=splits)
 
 
 def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    num_heads: int, block_m: int, block_k: int, page_size: int, num_pages: int,
                    table_width: int, num_splits: int, sm_scale: float,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
-                   split_out: bool, prefetch_slots: bool = False,
-                   merge_in_kernel: bool = False, ptx_softmax: bool = False,
+                   split_out: bool, prefetch_slots: bool = False, ptx_softmax: bool = False,
                    gpu_sync: bool = True):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)
@@ -111,10 +101,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
     # k_ref, v_ref: [P * S, D], this kv head's pages, one row per cache slot
     # refs: (ks_ref [P * S] f32, vs_ref [P * S] f32 when quantized), then
     #   o_ref [N * H, D] (q dtype, one split) or [N * H, D] f32 (this split's partial),
-    #   lse_ref [N * H] f32 (this split's log2-sum-exp) when split_out;
-    #   with merge_in_kernel instead: the counts' input ref (aliased to counts_ref), then
-    #   o_ref [N * H, D] (q dtype, merged), part_o_ref [K, N * H, D] f32, part_lse_ref
-    #   [K, N * H] f32 and counts_ref [num q blocks, KVH] int32 (tiles.merge_split_partials)
+    #   lse_ref [N * H] f32 (this split's log2-sum-exp) when split_out
     if quantized:
         ks_ref, vs_ref, *out_refs = refs
     else:
@@ -177,12 +164,6 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
     if prefetch_slots:
         carry = carry[0]
     out, lse = tiles.finish(carry)  # [M, D], [M]
-    if merge_in_kernel:
-        _, o_ref, part_o_ref, part_lse_ref, counts_ref = out_refs  # counts in = counts out
-        tiles.merge_split_partials(out, lse, q_rows, row_ok, o_ref, part_o_ref, part_lse_ref,
-                                   counts_ref, (pl.program_id(2), h), split, num_splits,
-                                   gpu_sync=gpu_sync)
-        return
     tiles.store_rows(out_refs[0], q_rows, out, row_ok)
     if split_out:
         tiles.store_vector(out_refs[1], q_rows, lse, row_ok)
@@ -229,7 +210,6 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
     quantized = k_scales is not None
     splits = config.num_splits
     split_out = splits > 1
-    merge_in_kernel = split_out and config.merge_in_kernel
 
     meta = _q_blocks(query_start_loc, kv_lens, num_tokens, block_q, num_q_blocks)
     rows = num_tokens * num_heads
@@ -250,22 +230,7 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         in_specs += [pl.BlockSpec((None, num_slots), lambda h, s, i: (h, 0))] * 2
         args += [k_scales.reshape(num_kv_heads, num_slots),
                  v_scales.reshape(num_kv_heads, num_slots)]
-    aliases = {}
-    if merge_in_kernel:
-        # The merged output, all splits' partials (read back by each group's last split) and
-        # the counts of finished splits per (q block, kv head): zeros in and out, in place.
-        args.append(jnp.zeros((num_q_blocks, num_kv_heads), jnp.int32))
-        in_specs.append(pl.BlockSpec((num_q_blocks, num_kv_heads), lambda h, s, i: (0, 0)))
-        aliases = {len(args) - 1: 3}
-        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), q.dtype),
-                     jax.ShapeDtypeStruct((splits, rows, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((splits, rows), jnp.float32),
-                     jax.ShapeDtypeStruct((num_q_blocks, num_kv_heads), jnp.int32)]
-        out_specs = [pl.BlockSpec((rows, head_dim), lambda h, s, i: (0, 0)),
-                     pl.BlockSpec((splits, rows, head_dim), lambda h, s, i: (0, 0, 0)),
-                     pl.BlockSpec((splits, rows), lambda h, s, i: (0, 0)),
-                     pl.BlockSpec((num_q_blocks, num_kv_heads), lambda h, s, i: (0, 0))]
-    elif split_out:
+    if split_out:
         out_shape = [jax.ShapeDtypeStruct((splits, rows, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((splits, rows), jnp.float32)]
         out_specs = [pl.BlockSpec((None, rows, head_dim), lambda h, s, i: (s, 0, 0)),
@@ -278,16 +243,15 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         block_k=config.block_k, page_size=page_size, num_pages=num_pages,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
-        prefetch_slots=config.prefetch_slots, merge_in_kernel=merge_in_kernel,
-        ptx_softmax=config.ptx_softmax, gpu_sync=not interpret)
+        prefetch_slots=config.prefetch_slots, ptx_softmax=config.ptx_softmax,
+        gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases=aliases, compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret, name="ragged_paged_attention",
     )(*args)
-    split_merge = split_out and not merge_in_kernel
-    out = tiles.merge_splits(outs[0], outs[1], q.dtype) if split_merge else outs[0]
+    out = tiles.merge_splits(outs[0], outs[1], q.dtype) if split_out else outs[0]
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
@@ -297,8 +261,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            k_scales: jax.Array | None = None,
                            v_scales: jax.Array | None = None, scale: float | None = None,
                            soft_cap: float | None = None, sliding_window: int | None = None,
-                           impl: str | None = None,
-                           config: RaggedConfig | None = None) -> jax.Array:
+                           impl: str | None = None, config: RaggedConfig | None = None,
+                           kernels: KernelBackends | None = None) -> jax.Array:
     """Causal attention of a flat, ragged batch of query tokens over their sequences' pages.
 
     q: [N, H, D] the query tokens of all sequences back to back (may be padded at the end).
@@ -311,7 +275,11 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       keys at positions <= its own (and > position - sliding_window). Padding sequences have
       q_len 0 and kv_len 0.
     max_q_len: static upper bound on any sequence's q_len (sizes the tiles and the reference's
-      padded gather). scale, soft_cap, impl, config: as in ops.decode_attention.paged_attention.
+      padded gather). scale: the softmax scale (default head_dim ** -0.5); soft_cap: logits
+      become soft_cap * tanh(logits / soft_cap); config overrides `ragged_config`.
+    impl: None (kernels.attention: the kernel unless the head_dim does not fit it, then jnp;
+      kernels None: the jnp reference), 'pallas', 'pallas_interpret' (CPU tests) or
+      'reference'.
     Returns [N, H, D] in q's dtype; rows of no sequence are 0.
     """
     name = "ragged_paged_attention"
@@ -332,7 +300,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             raise ValueError(f"{name}: {what} must be int32, got {arr.dtype}")
     if not isinstance(max_q_len, int) or max_q_len < 1:
         raise ValueError(f"{name}: max_q_len must be a static int >= 1, got {max_q_len!r}")
-    resolved, sm_scale = tiles.resolve_options(name, impl, q.shape, scale, soft_cap,
+    resolved, sm_scale = tiles.resolve_options(name, impl, or_reference(kernels).attention,
+                                               q.shape, scale, soft_cap,
                                                sliding_window)
     if resolved == "reference":
         return ragged_paged_attention_reference(

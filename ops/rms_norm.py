@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import attention_tiles as tiles
-from ops.sharded_attention import active_mesh
+from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 
 KERNEL_ROWS = (16, 64)  # rows (tokens) for which impl=None picks the kernel on GPU (see above)
 
@@ -71,21 +71,21 @@ def _rms_norm_pallas(x, weight, *, eps: float, interpret: bool):
     )(x, weight)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, impl: str | None = None
-             ) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, impl: str | None = None,
+             kernels: KernelBackends | None = None) -> jax.Array:
     """RMSNorm of x [N, H] (or [H]) with weight [H] in x's dtype; float32 math.
 
-    impl: None (on GPU the kernel for KERNEL_ROWS rows, unless PALLASITE_ATTENTION=reference,
-    which selects the jnp path of every fused kernel; jnp otherwise, elsewhere and under a
-    sharded step), 'pallas', 'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
+    impl: None (kernels.norm for KERNEL_ROWS rows with the weight in x's dtype, jnp otherwise;
+    kernels None: jnp), 'pallas', 'pallas_interpret' (interpreted, for CPU tests) or
+    'reference'.
     """
     name = "rms_norm"
     if x.ndim not in (1, 2) or weight.shape != x.shape[-1:]:
         raise ValueError(f"{name}: x {x.shape} must be [N, H] or [H] and weight {weight.shape} "
                          f"[H]")
-    resolved = tiles.resolve_impl(impl, name)
+    resolved = choose_impl(name, impl, or_reference(kernels).norm)
     rows = x.shape[0] if x.ndim == 2 else 1
-    if impl is None and (active_mesh() is not None or weight.dtype != x.dtype
+    if impl is None and (weight.dtype != x.dtype
                          or not KERNEL_ROWS[0] <= rows <= KERNEL_ROWS[1]):
         resolved = "reference"
     if resolved == "reference" or x.size == 0:

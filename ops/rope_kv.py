@@ -11,8 +11,8 @@ Kernel: one program per (token, kv head). It computes the token's angles (positi
 frequency, float32), rotates the kv head's key and writes it and the value to the token's slot
 in the pages (which are aliased to the outputs: written in place), and rotates the kv head's G
 query heads into the output. Rotate-half (HF) layout: element i pairs with i +- D/2. A slot < 0
-(padding) writes nothing. Quantized caches, a sharded step and head dims that are not a power
-of two take the jnp path.
+(padding) writes nothing. Quantized caches, a sharded step (its KernelBackends hold a mesh) and
+head dims that are not a power of two take the jnp path.
 
 Cache layout as in ops/paged_attention.py: k_pages, v_pages [KVH, P, S, D].
 """
@@ -27,8 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import attention_tiles as tiles
+from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.paged_attention import write_kv
-from ops.sharded_attention import active_mesh
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -56,13 +56,16 @@ def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int):
 
 
 def rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *,
-                                num_heads: int, kv_quant: str | None = None):
-    """The unfused ops: RoPE on q and k (apply_rope), then write_kv."""
+                                num_heads: int, kv_quant: str | None = None,
+                                kernels: KernelBackends | None = None):
+    """The unfused ops: RoPE on q and k (apply_rope), then write_kv (per shard under a mesh in
+    `kernels`)."""
     num_kv_heads, _, _, head_dim = k_pages.shape
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, kv_quant=kv_quant)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, kv_quant=kv_quant,
+                                kernels=kernels)
     return q, k_pages, v_pages
 
 
@@ -150,7 +153,8 @@ def _rope_kv_pallas(positions, slot_mapping, freq, sources, k_pages, v_pages, *,
 
 def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: jax.Array,
                       v_pages: jax.Array, slot_mapping: jax.Array, *, num_heads: int,
-                      kv_quant: str | None = None, impl: str | None = None):
+                      kv_quant: str | None = None, impl: str | None = None,
+                      kernels: KernelBackends | None = None):
     """RoPE on this step's queries and keys, and the keys and values written to their slots.
 
     qkv: the fused projection [N, (H + 2 KVH) * D] (columns q, k, v), or the three projections
@@ -158,8 +162,8 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
     positions, slot_mapping: int32 [N] (slot < 0: padding, not written); inv_freq: float32
       [D / 2] (models.llama.rope_inv_freq). k_pages, v_pages: [KVH, P, S, D].
     kv_quant as in ops.paged_attention.write_kv (the jnp path runs it).
-    impl: None (the kernel on GPU unless PALLASITE_ATTENTION=reference, else jnp), 'pallas',
-      'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
+    impl: None (kernels.kv_write where the kernel takes the inputs, else jnp; kernels None:
+      jnp), 'pallas', 'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
     Returns (q [N, H, D] rotated, k_pages, v_pages); the pages are updated in place when donated.
     """
     name = "rope_and_write_kv"
@@ -177,16 +181,18 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
         raise ValueError(f"{name}: slot_mapping {slot_mapping.shape} must match positions "
                          f"{positions.shape}, and H={num_heads} be a multiple of KVH="
                          f"{num_kv_heads}")
-    resolved = tiles.resolve_impl(impl, name)
+    kernels = or_reference(kernels)
+    resolved = choose_impl(name, impl, kernels.kv_write)
     kernel_ok = (head_dim >= 16 and head_dim == tiles.next_pow2(head_dim) and kv_quant is None
-                 and active_mesh() is None and k_pages.dtype == sources[0].dtype
+                 and not kernels.mesh and k_pages.dtype == sources[0].dtype
                  and positions.shape[0] > 0)
     if resolved == "reference" or not kernel_ok:
         if resolved != "reference" and impl is not None:
             raise ValueError(f"{name}: the kernel needs a power-of-two head_dim >= 16, pages in "
                              f"the projections' dtype, no kv_quant and no mesh")
         return rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages,
-                                           slot_mapping, num_heads=num_heads, kv_quant=kv_quant)
+                                           slot_mapping, num_heads=num_heads, kv_quant=kv_quant,
+                                           kernels=kernels)
     columns = ((0, num_heads * head_dim, (num_heads + num_kv_heads) * head_dim) if fused
                else (0, 0, 0))
     freq = jnp.asarray(np.concatenate([inv_freq, inv_freq]).astype(np.float32))  # [D]

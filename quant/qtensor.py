@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops.matmul import TransposedWeight, register_quantized_matmul
-from ops.quant_matmul import int4_matmul, int8_matmul, resolve_impl
+from ops.kernel_choice import KernelBackends, or_reference
+from ops.quant_matmul import int4_matmul, int8_matmul
 
 LAYOUT_INT4 = "int4_k8"
 LAYOUT_INT8 = "int8_kn"
@@ -217,17 +218,20 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return jnp.dot(x, kernel, preferred_element_type=jnp.float32)
 
 
-def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+def quantized_matmul(x: jax.Array, w: QuantizedWeight,
+                     kernels: KernelBackends | None = None) -> jax.Array:
     """x [..., K] @ w -> [..., N]: what ops.matmul.linear runs for a QuantizedWeight.
 
-    On GPU the Pallas W4A16 / W8A16 kernels of ops/quant_matmul.py (which fall back to XLA's
-    dequantize + dot where that measures faster, at large M); elsewhere, or with
-    PALLASITE_MATMUL=reference, `quantized_matmul_reference`.
+    With kernels.quant_matmul "pallas" the W4A16 / W8A16 kernels of ops/quant_matmul.py (which
+    fall back to XLA's dequantize + dot where that measures faster, at large M); with
+    "reference" (and kernels None), `quantized_matmul_reference`.
     """
-    if resolve_impl("linear", None) == "reference":
+    kernels = or_reference(kernels)
+    if kernels.quant_matmul == "reference":
         return quantized_matmul_reference(x, w)
     fn = int4_matmul if w.layout == LAYOUT_INT4 else int8_matmul
-    return fn(x, w.packed, w.scales, w.offsets, group_size=w.group_size, perm=w.perm)
+    return fn(x, w.packed, w.scales, w.offsets, group_size=w.group_size, perm=w.perm,
+              kernels=kernels)
 
 
 register_quantized_matmul(QuantizedWeight, quantized_matmul)

@@ -48,12 +48,14 @@ def model_and_prompts(cfg, seed: int, fused: bool, lengths):
 
 
 def interpret_fused_kernels(monkeypatch):
-    """Make rope_and_write_kv and rms_norm pick their kernels, interpreted, on the CPU."""
+    """Make the runners choose the kernels of rope_and_write_kv and rms_norm, interpreted, on
+    the CPU."""
+    import engine.runner
     import ops.rms_norm
     import ops.rope_kv
-    for module in (ops.rope_kv, ops.rms_norm):
-        monkeypatch.setattr(module.tiles, "resolve_impl",
-                            lambda impl, name: "pallas_interpret" if impl is None else impl)
+    from ops.kernel_choice import KernelBackends
+    kernels = KernelBackends(kv_write="pallas_interpret", norm="pallas_interpret")
+    monkeypatch.setattr(engine.runner, "device_kernels", lambda: kernels)
     monkeypatch.setattr(ops.rms_norm, "KERNEL_ROWS", (1, 1 << 30))
     calls = {"rope_kv": 0, "rms_norm": 0}
     for module, fn, key in ((ops.rope_kv, "_rope_kv_pallas", "rope_kv"),

@@ -23,6 +23,7 @@ from configs.model import TINY_LLAMA31, TINY_QWEN2
 from engine.request import SamplingParams
 from models.llama import fuse_projections, transpose_for_gemv
 from models.weights import model_from_pure_dict
+from ops.backends import select_kernels
 from ops.matmul import TransposedWeight, dequantize_rows
 from quant.model import QuantConfig, quantize_model
 from quant.qtensor import QuantizedWeight, dequantize, make_quantized_weight
@@ -65,12 +66,11 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     k_order "wgmma": the codes reordered along K for the Hopper kernel (INT4 and INT8), which
     every product here (the fused one included) reads through x permuted to match. `head`:
     the untied output head quantized too (QuantConfig.lm_head), stored transposed like the
-    layers; a float head keeps its layout. `apart` (ops.gemv.APART_ENV all "apart"): gate/up
+    layers; a float head keeps its layout. `apart` (ops.gemv.runs_apart always True): gate/up
     at one row as norm, `linear` and SiLU x up (what an H200 runs for INT4), o and down as
     `linear` then the residual added: only q/k/v fused."""
     if apart:
-        for name in ops.gemv.APART_ENV.values():
-            monkeypatch.setenv(name, "apart")
+        monkeypatch.setattr(ops.gemv, "runs_apart", lambda *args, **kwargs: True)
     cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
     if method:
         model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128,
@@ -107,28 +107,21 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
 
 @pytest.mark.parametrize("product", ["gated", "o", "down"])
 def test_runs_apart_choice(monkeypatch, product):
-    """The default: fused without a Hopper GPU, for float weights and INT8 codes, and for o;
-    INT4 gate/up and down apart where the Hopper kernel takes them. The override picks either
-    way and names a bad value; so does a bad product. (Only shapes and dtypes are read.)"""
+    """Fused without the Hopper kernel in the kernel choice, for float weights and INT8 codes,
+    and for o; INT4 gate/up and down apart where the Hopper kernel takes them. A bad product
+    is named. (Only shapes and dtypes are read.)"""
     spec = jax.ShapeDtypeStruct
     scales = spec((4, 256), jnp.bfloat16)
     int4 = TransposedWeight(spec((256, 64), jnp.int32), scales, None, 128)  # [N, K/8] words
     int8 = TransposedWeight(spec((256, 512), jnp.uint8), spec((1, 256), jnp.bfloat16))
     bf16 = TransposedWeight(spec((256, 512), jnp.bfloat16))
-    env = ops.gemv.APART_ENV[product]
-    monkeypatch.delenv(env, raising=False)
     apart = functools.partial(ops.gemv.runs_apart, rows=1, product=product)
-    assert apart(int4) == (
-        product != "o" and ops.quant_wgmma.available()
+    hopper = select_kernels("gpu", hopper=True)
+    assert not apart(int4) and not apart(int4, kernels=select_kernels("gpu"))
+    assert apart(int4, kernels=hopper) == (
+        product != "o"
         and ops.quant_wgmma.supports(4, 1, 512, 256, 128, jnp.bfloat16, jnp.bfloat16))
-    assert not apart(int8) and not apart(bf16)
-    monkeypatch.setenv(env, "apart")
-    assert apart(int8)
-    monkeypatch.setenv(env, "Fused")
-    assert not apart(int4)
-    monkeypatch.setenv(env, "split")
-    with pytest.raises(ValueError, match=f"{env}='split'"):
-        apart(int4)
+    assert not apart(int8, kernels=hopper) and not apart(bf16, kernels=hopper)
     with pytest.raises(ValueError, match="product 'qkv'"):
         ops.gemv.runs_apart(int4, 1, product="qkv")
 
@@ -208,7 +201,7 @@ def test_transpose_errors_leave_the_model_whole():
         transpose_for_gemv(cfg, model)
 
 
-@pytest.mark.skipif(not ops.quant_wgmma.available(), reason="needs a Hopper GPU (wgmma)")
+@pytest.mark.skipif(not ops.quant_wgmma.on_hopper(), reason="needs a Hopper GPU (wgmma)")
 def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     """A bf16 model with INT4 codes (groups of 128) stored transposed, shapes the Hopper kernel
     takes: decode steps of one (gate/up) to three rows run ops/quant_wgmma.py in one row tile,

@@ -1,5 +1,5 @@
 """Random paged-cache cases and an independent float64 numpy attention, shared by the tests of
-ops/decode_attention.py, ops/ragged_attention.py and ops/kv_quant.py.
+ops/ragged_attention.py and ops/kv_quant.py.
 
 Each sequence's K/V are drawn contiguously first, then scattered into randomly chosen (shuffled)
 physical pages; every other cache entry holds large garbage that must never be seen, and block

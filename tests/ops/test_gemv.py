@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ops.gemv import GemvConfig, fused_gemv, gemv, gemv_reference
+from ops.kernel_choice import KernelBackends
 from ops.matmul import TransposedWeight, linear, reorder_k
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -149,14 +150,13 @@ def test_fused_gemv_dispatch(monkeypatch):
     ref = gemv_reference(x, w_t, **kw)
     if not ON_GPU:  # the CPU runs the reference unless told otherwise
         np.testing.assert_array_equal(fused_gemv(x, w_t, **kw), ref)
-    monkeypatch.setenv("PALLASITE_GEMV", "pallas_interpret")
-    check(fused_gemv(x, w_t, **kw), float64_want(x, w_t, **kw))
+    interpreted = KernelBackends(gemv="pallas_interpret")
+    check(fused_gemv(x, w_t, kernels=interpreted, **kw), float64_want(x, w_t, **kw))
     with pytest.raises(ValueError, match="impl 'triton'"):
         fused_gemv(x, w_t, impl="triton", **kw)
-    # float32 operands, or more rows than MAX_ROWS, take the reference by default
-    monkeypatch.delenv("PALLASITE_GEMV")
+    # float32 operands, or more rows than MAX_ROWS, take the reference even with the kernel
     x3 = jnp.concatenate([x, x, x]).astype(jnp.float32)
-    np.testing.assert_allclose(fused_gemv(x3, w_t.astype(jnp.float32)),
+    np.testing.assert_allclose(fused_gemv(x3, w_t.astype(jnp.float32), kernels=interpreted),
                                gemv_reference(x3, w_t.astype(jnp.float32)), rtol=1e-6)
     # INT8 codes: the same dispatch (the kernel on a GPU, else the reference)
     x, codes, kw = operands(9, 1, 64, 32, "asym_norm_residual")
@@ -249,16 +249,15 @@ def test_linear_over_transposed_codes(variant, m, impl, monkeypatch):
     float32 x against float64, per channel and in groups (a shorter last group with g40). impl
     None: this machine's default (the CPU: XLA's product per group, past
     GROUPED_PRODUCT_MAX_ROWS rows dequantized; a GPU: ops/quant_matmul.py's kernels reading the
-    codes in place); else that kernel by PALLASITE_MATMUL."""
-    if impl is not None:
-        monkeypatch.setenv("PALLASITE_MATMUL", impl)
+    codes in place); else that kernel by kernels.quant_matmul."""
+    kernels = KernelBackends(quant_matmul=impl) if impl is not None else None
     x, w_t, kw = operands(m + len(variant), m, 96, 40, variant)
     weight = TransposedWeight(w_t, kw["scales"], kw.get("offsets"), kw.get("group_size", 96))
     x32 = x.astype(jnp.float32)
     want = float64_want(x32, w_t, scales=kw["scales"], offsets=kw.get("offsets"),
                         group_size=kw.get("group_size"))
     with jax.default_matmul_precision("highest"):
-        got = np.asarray(linear(x32, weight), np.float64)
+        got = np.asarray(linear(x32, weight, kernels=kernels), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

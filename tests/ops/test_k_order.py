@@ -10,7 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs.switches import Switches
 from ops import quant_wgmma as qw
+from ops.backends import select_kernels
+from ops.kernel_choice import KernelBackends
 from ops.matmul import TransposedWeight, device_k_order, linear, reorder_k, stored_inputs
 from ops.quant_matmul import int4_matmul, int8_matmul
 
@@ -89,7 +92,8 @@ def test_reorder_refuses_what_it_cannot_store():
     with pytest.raises(ValueError, match="k_order 'wgmma' is for codes stored"):
         int4_matmul(jnp.ones((2, 96), jnp.bfloat16), w.w_t.T, w.scales, group_size=48,
                     k_order="wgmma")
-    assert device_k_order(w) == "natural"  # no Hopper GPU here, and the groups do not fit
+    assert device_k_order(w) == "natural"  # no Hopper kernel chosen, and the groups do not fit
+    assert device_k_order(w, KernelBackends(wgmma=True, k_order="wgmma")) == "natural"
 
 
 @pytest.mark.skipif(qw.on_hopper(), reason="the Hopper tests compile and run the kernel")
@@ -123,10 +127,11 @@ def test_reordered_codes_on_the_kernel(bits, m, k, n, group, asymmetric, monkeyp
     natural ones; device_k_order picks "wgmma" here, and "natural" under PALLASITE_K_ORDER."""
     rng = np.random.default_rng(m + k + n)
     natural = random_weight(rng, bits, k, n, group, asymmetric)
-    assert device_k_order(natural) == "wgmma"
-    w = reorder_k(natural, device_k_order(natural))
+    kernels = select_kernels("gpu", hopper=True)
+    assert device_k_order(natural, kernels) == "wgmma"
+    w = reorder_k(natural, device_k_order(natural, kernels))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    fn = jax.jit(lambda x: linear(x, w))
+    fn = jax.jit(lambda x: linear(x, w, kernels=kernels))
     text = fn.lower(x).as_text()
     assert "mosaic_gpu" in text and "gather" not in text  # x enters as it is
     got = np.asarray(fn(x).astype(jnp.float32))
@@ -134,5 +139,5 @@ def test_reordered_codes_on_the_kernel(bits, m, k, n, group, asymmetric, monkeyp
     ref = np.asarray(product(x, natural.w_t, natural.scales, natural.offsets, group_size=group,
                              layout="nk", impl="reference").astype(jnp.float32))
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
-    monkeypatch.setenv("PALLASITE_K_ORDER", "natural")
-    assert device_k_order(natural) == "natural"
+    natural_order = select_kernels("gpu", hopper=True, switches=Switches(k_order="natural"))
+    assert device_k_order(natural, natural_order) == "natural"

@@ -5,7 +5,7 @@ with quant/qtensor.py's packers, so kernel and references read the very same pac
 CPU the Pallas kernel runs with interpret=True on small K / N of the Llama structure (K a multiple
 of the group or not, N not a multiple of the column block); on a GPU the same cases run compiled
 and the Llama-3.1-8B shapes are added. A CPU test lowers every kernel path (fma, dot, and the
-tensor-core decode paths "mma" / "mma_t" / "mma_wide") to Triton IR for an H200, which catches
+tensor-core decode path "mma") to Triton IR for an H200, which catches
 unsupported constructs without a GPU (not what Triton's own compiler might reject later).
 """
 from __future__ import annotations
@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs.switches import Switches
+from ops.backends import device_kernels
+from ops.kernel_choice import KernelBackends
 from ops.matmul import linear
 from ops.quant_matmul import (MatmulConfig, int4_matmul, int4_matmul_reference, int8_matmul,
                               int8_matmul_reference, matmul_config)
@@ -38,7 +41,7 @@ def make_weight(rng, bits, k, n, group_size, asymmetric, act_order, scale_dtype)
 
 
 def run_case(*, bits, m, k, n, group_size, asymmetric=False, dtype="bfloat16", act_order=False,
-             config=None, impl=IMPL, seed=0, lead=None, layout="kn"):
+             config=None, impl=IMPL, seed=0, lead=None, layout="kn", kernels=None):
     rng = np.random.default_rng(seed)
     w = make_weight(rng, bits, k, n, group_size, asymmetric, act_order, dtype)
     shape = (*lead, k) if lead else (m, k)
@@ -47,7 +50,8 @@ def run_case(*, bits, m, k, n, group_size, asymmetric=False, dtype="bfloat16", a
                   else (int8_matmul, int8_matmul_reference))
     kw = dict(group_size=group_size, perm=w.perm)
     stored = w.packed.T if layout == "nk" else w.packed  # "nk": the same words, transposed
-    out = fn(x, stored, w.scales, w.offsets, impl=impl, config=config, layout=layout, **kw)
+    out = fn(x, stored, w.scales, w.offsets, impl=impl, config=config, layout=layout,
+             kernels=kernels, **kw)
     assert out.shape == (*shape[:-1], n) and out.dtype == x.dtype
     out = np.asarray(out.astype(jnp.float32)).reshape(-1, n)
     x2 = x.reshape(-1, k)
@@ -140,7 +144,6 @@ def test_int8_one_row_precision_with_biased_activations(path):
 # The tensor-core decode paths (MatmulConfig.path): (bits, m, k, n, group_size, asymmetric, dtype,
 # block_k). Groups: a tile in one group (the scale after the dot), a tile of several whole groups
 # (one dot chain per group), groups that cut the dot's K (weights scaled before the dot).
-# "mma_wide" runs every case too: int4 in one dot of K = 8R per group sub-tile, int8 as "mma".
 MMA_CASES = [
     (4, 1, 512, 96, 128, False, "bfloat16", 128),  # one group per tile; N % 32 != 0
     (4, 3, 1024, 64, 128, True, "bfloat16", 512),  # four groups per tile
@@ -154,12 +157,11 @@ MMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["mma", "mma_t", "mma_wide"])
 @pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,block_k", MMA_CASES)
-def test_mma_paths(path, bits, m, k, n, group_size, asymmetric, dtype, block_k):
-    config = MatmulConfig(block_m=16, block_n=32, block_k=block_k, num_splits=2, path=path)
+def test_mma_path(bits, m, k, n, group_size, asymmetric, dtype, block_k):
+    config = MatmulConfig(block_m=16, block_n=32, block_k=block_k, num_splits=2, path="mma")
     run_case(bits=bits, m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric,
-             dtype=dtype, config=config, seed=m + k + n + block_k + len(path))
+             dtype=dtype, config=config, seed=m + k + n + block_k + 3)
 
 
 # Weights stored transposed, [N, K/8] / [N, K] (layout "nk": ops.matmul.TransposedWeight, the
@@ -167,7 +169,7 @@ def test_mma_paths(path, bits, m, k, n, group_size, asymmetric, dtype, block_k):
 # (bits, m, k, n, group_size, asymmetric, dtype, config; None: matmul_config's tiles)
 NK_CASES = [
     (4, 2, 512, 96, 128, False, "bfloat16", None),  # "mma" from two rows, N % 256 != 0
-    (4, 5, 448, 96, 32, True, "float16", MatmulConfig(16, 32, 128, 2, path="mma_t")),
+    (4, 5, 448, 96, 32, True, "float16", MatmulConfig(16, 32, 128, 2, path="mma")),
     (4, 20, 512, 64, 64, True, "bfloat16", None),  # the "auto" dot path, 32-row blocks
     (8, 3, 256, 64, 256, False, "bfloat16", MatmulConfig(16, 32, 64, 2, path="mma")),
     (8, 40, 192, 96, 48, True, "float16", None),  # 48-row groups cut 64-row tiles
@@ -195,18 +197,17 @@ def test_transposed_layout_errors():
         int4_matmul(x, w.packed, w.scales, group_size=64, impl=IMPL, layout="nk")
 
 
-def test_leading_dims_and_linear_dispatch(monkeypatch):
+def test_leading_dims_and_linear_dispatch():
     run_case(bits=4, m=None, k=256, n=128, group_size=64, lead=(2, 3), seed=3)
     rng = np.random.default_rng(4)
     w = make_weight(rng, 4, 256, 128, 64, True, True, "bfloat16")
     x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
-    ref = np.asarray(linear(x, w).astype(jnp.float32))
-    if not ON_GPU:  # CPU default: the reference; the env var forces the kernel through linear
-        want = int4_matmul_reference(x, w.packed, w.scales, w.offsets, group_size=64,
-                                     perm=w.perm).astype(jnp.bfloat16)
-        np.testing.assert_array_equal(ref, np.asarray(want.astype(jnp.float32)))
-        monkeypatch.setenv("PALLASITE_MATMUL", "pallas_interpret")
-    out = np.asarray(linear(x, w).astype(jnp.float32))
+    ref = np.asarray(linear(x, w).astype(jnp.float32))  # kernels None: the reference
+    want = int4_matmul_reference(x, w.packed, w.scales, w.offsets, group_size=64,
+                                 perm=w.perm).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(ref, np.asarray(want.astype(jnp.float32)))
+    kernels = KernelBackends(quant_matmul=IMPL)  # the kernel through linear
+    out = np.asarray(linear(x, w, kernels=kernels).astype(jnp.float32))
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL["bfloat16"]
 
 
@@ -220,7 +221,7 @@ def test_heuristic_configs_are_valid():
                 if cfg is None:
                     assert m > 16
                     continue
-                assert nk.block_m >= 16 and nk.path != "mma_wide"  # what "nk" takes
+                assert nk.block_m >= 16  # what "nk" takes
                 per_word = 8 if bits == 4 else 1
                 assert cfg.block_m >= m or cfg.block_m >= 16
                 assert cfg.num_splits >= 1 and cfg.block_k % per_word == 0
@@ -279,7 +280,7 @@ def test_validation():
         dict(config=MatmulConfig(block_m=3, block_n=64, block_k=64)),
         dict(config=MatmulConfig(block_m=8, block_n=64, block_k=128, path="mma")),  # < 16 rows
         dict(config=MatmulConfig(block_m=16, block_n=64, block_k=128, path="wgmma")),
-        dict(config=MatmulConfig(block_m=16, block_n=64, block_k=64, path="mma_wide")),
+        dict(config=MatmulConfig(block_m=16, block_n=64, block_k=64, path="mma_t")),
     ]
     base = dict(x=x, packed=w.packed, scales=w.scales, offsets=None, group_size=64, perm=None,
                 config=None)
@@ -307,9 +308,10 @@ def test_gpu_llama_shapes(bits, k, n):
                                   (300, 128, False, "float16")):
         if bits == 8 and group != k and m in (1, 16):
             group = k  # the INT8 preset is per channel
-        for impl in (None, "pallas"):
+        # the dispatch this GPU's runner would choose, then the kernel forced
+        for impl, kernels in ((None, device_kernels(Switches())), ("pallas", None)):
             run_case(bits=bits, m=m, k=k, n=n, group_size=group, asymmetric=asym, dtype=dtype,
-                     impl=impl, seed=m + n)
+                     impl=impl, kernels=kernels, seed=m + n)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
@@ -319,12 +321,10 @@ def test_gpu_llama_shapes(bits, k, n):
     (8, 1, False, None, "bfloat16", 4096), (8, 2, True, None, "float16", 4096),  # int8 words
     (4, 16, True, None, "bfloat16", 128), (8, 1, True, None, "bfloat16", 128),
     (8, 16, False, None, "bfloat16", 128),
-    (4, 1, False, "mma", "bfloat16", 128), (4, 16, True, "mma_t", "bfloat16", 128),
-    (4, 1, True, "mma_t", "float16", 128), (8, 1, False, "mma_t", "bfloat16", 128),
-    (8, 16, True, "mma", "float16", 128),
-    (4, 1, False, "mma_wide", "bfloat16", 128), (4, 16, True, "mma_wide", "float16", 128),
-    (4, 1, True, "mma_wide", "bfloat16", 64),  # 8-word groups: weights scaled before the dot
-    (4, 1, False, "mma_wide", "float16", 4096),  # per channel: one dot per tile
+    (4, 1, False, "mma", "bfloat16", 128), (4, 16, True, "mma", "float16", 128),
+    (8, 1, False, "mma", "bfloat16", 128), (8, 16, True, "mma", "float16", 128),
+    (4, 1, True, "mma", "bfloat16", 64),  # 8-word groups: weights scaled before the dot
+    (4, 1, False, "mma", "float16", 4096),  # per channel: one dot per tile
     (4, 2, True, "nk", "bfloat16", 128), (4, 32, False, "nk", "bfloat16", 128),  # stored [N, K]
     (8, 16, False, "nk", "bfloat16", 4096), (8, 64, True, "nk", "bfloat16", 4096)])
 def test_lowers_to_triton_for_h200(h200_lowering, bits, block_m, asymmetric, path, dtype, group):

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from ops import quant_wgmma as qw
-from ops.quant_wgmma_tiles import WIDE_STEP_ROWS
+from ops.quant_wgmma_convert import parts_removed
 from tests.ops.test_quant_wgmma_hopper import random_case
 
-ON_HOPPER = qw.available()
+ON_HOPPER = qw.on_hopper()
 
 
 def test_supports_and_config():
@@ -39,14 +39,6 @@ def test_supports_and_config():
         assert qw.supports(4, 16, 4096, 4096, group, jnp.bfloat16, jnp.bfloat16, span)
         assert qw.group_parts(4096, group, 256) == (1, 256 // group)
     assert qw.group_parts(4096, 256, 128) == (2, 1) and qw.group_parts(4096, 4096, 256) == (16, 1)
-    # the fold form: INT4 groups, one warpgroup, wgmma and the inline conversion
-    fold = qw.WgmmaConfig(block_k=256, block_n=128, stages=2, fold=True)
-    assert qw.supports(4, 1, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, fold)
-    for bits, group, change in ((8, 128, {}), (4, 4096, {}), (4, 128, {"instruction": "mma"}),
-                                (4, 128, {"convert": "mosaic"}),
-                                (4, 128, {"consumers": 2, "block_n": 64})):
-        assert not qw.supports(bits, 1, 4096, 28672, group, jnp.bfloat16, jnp.bfloat16,
-                               dataclasses.replace(fold, **change)), (bits, group, change)
     assert not qw.supports(4, 16, 4096, 4096, 96, jnp.bfloat16, jnp.bfloat16, span)  # not whole
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                            dataclasses.replace(span, instruction="mma"))
@@ -97,30 +89,6 @@ def test_supports_and_config():
                                qw.WgmmaConfig(block_k=128, consumers=consumers))
     assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
                            qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
-    # consumers sharing one column tile, each a slice of every step (`consumer_k`): steps of
-    # consumers x block_k, one row tile, 2-3 consumers (MAX_CONSUMERS), groups not cut by a step
-    ck = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, consumer_k=True)
-    assert qw.program_columns(ck) == 64 and qw.pipeline_step(ck) == 512
-    assert qw.program_columns(dataclasses.replace(ck, consumer_k=False)) == 128
-    assert qw.supports(4, 4, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, ck)
-    assert qw.supports(4, 4, 4096, 4160, 4096, jnp.bfloat16, jnp.bfloat16, ck)  # N of 64s
-    assert qw.supports(4, 4, 4096, 4096, 1024, jnp.bfloat16, jnp.bfloat16, ck)  # 2 steps a group
-    for bits, m, k, group, change in (
-            (4, 4, 4352, 128, {}),  # K = 17 x 256: not of 512-K steps
-            (4, 4, 4096, 128, {"consumers": 4}),  # more than MAX_CONSUMERS
-            (4, 4, 4096, 128, {"block_m": 8}),  # row tiles
-            (4, 4, 4608, 256, {"block_k": 128, "consumers": 3}),  # 384-K steps cut 256 groups
-            (4, 4, 4096, 128, {"consumers": 0})):  # no consumers to share the tile
-        assert not qw.supports(bits, m, k, 4096, group, jnp.bfloat16, jnp.bfloat16,
-                               dataclasses.replace(ck, **change)), change
-    from ops.quant_wgmma_ws import ws_chained
-    chained = qw.WgmmaConfig(block_k=256, stages=4, consumers=2, chained=True)
-    assert ws_chained(chained, units=448, steps=16, sms=132)
-    assert not ws_chained(chained, units=448, steps=14, sms=132)  # not whole rounds of stages
-    assert not ws_chained(chained, units=200, steps=16, sms=132)  # SMs with one unit
-    assert ws_chained(chained, units=3, steps=16, sms=1)
-    assert not ws_chained(dataclasses.replace(chained, chained=False), units=448, steps=16,
-                          sms=132)
     cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
     assert (cfg.consumers, cfg.block_n, cfg.num_splits) == (2, 64, 2)
     # past MAX_ROWS rows: row tiles (block_m), within wgmma's N and the accumulator's registers
@@ -152,36 +120,6 @@ def test_supports_and_config():
     assert qw.wgmma_config(4, 1024, 4096, 28672, 128).consumers == 2  # N: not of 192 columns
 
 
-def test_fold_switch_takes_the_decode_tiles_it_can(monkeypatch):
-    """PALLASITE_WGMMA=fold: INT4 groups' 256-K decode tiles get fold=True (the same tile
-    otherwise); INT8, per-channel INT4 and rows past WIDE_STEP_ROWS keep their tiles."""
-    cases = [(4, 1, 4096, 28672, 128), (4, 16, 4096, 6144, 64), (4, 4, 14336, 4096, 128),
-             (8, 1, 4096, 28672, 4096), (4, 1, 4096, 28672, 4096), (4, 32, 4096, 4096, 128)]
-    monkeypatch.delenv("PALLASITE_WGMMA", raising=False)
-    plain = [qw.wgmma_config(*case) for case in cases]
-    monkeypatch.setenv("PALLASITE_WGMMA", "fold")
-    folded = [qw.wgmma_config(*case) for case in cases]
-    for case, before, after in zip(cases, plain, folded):
-        bits, m, k, n, group = case
-        takes = bits == 4 and group < k and m <= WIDE_STEP_ROWS
-        assert after == (dataclasses.replace(before, fold=True) if takes else before), case
-        assert qw.supports(bits, m, k, n, group, jnp.bfloat16, jnp.bfloat16, after), case
-
-
-def test_errors_name_the_shapes():
-    x = jnp.ones((4, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"w_t \(100, 32\)"):
-        qw.wgmma_matmul(x, jnp.zeros((100, 32), jnp.int32), jnp.ones((2, 100), jnp.bfloat16),
-                        bits=4, group_size=128)
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="runs the kernel on a Hopper GPU")
-def test_elsewhere_a_clear_error():
-    w, x = random_case(4, 16, 256, 128, 128, False)
-    with pytest.raises(ValueError, match="needs a Hopper GPU"):
-        qw.wgmma_matmul(x, w.packed.T, w.scales, bits=4, group_size=128)
-
-
 def lowered_for_hopper(monkeypatch, bits, m, k, n, group, cfg, asymmetric=False) -> str:
     """The StableHLO text of wgmma_matmul(config=cfg) on x [m, k] and codes [n, k] of `bits`
     with groups of `group` (offsets too when asymmetric), lowered for CUDA with the Hopper
@@ -196,7 +134,6 @@ def lowered_for_hopper(monkeypatch, bits, m, k, n, group, cfg, asymmetric=False)
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
 @pytest.mark.parametrize("bits,group,convert,instruction,consumers,m,block_m", [
     (4, 128, "inline", "wgmma", 0, 16, 0), (8, 256, "inline", "wgmma", 0, 16, 0),
     (4, 256, "mosaic", "wgmma", 0, 16, 0), (4, 128, "inline", "mma", 0, 16, 0),
@@ -204,84 +141,20 @@ def lowered_for_hopper(monkeypatch, bits, m, k, n, group, cfg, asymmetric=False)
     (8, 512, "inline", "wgmma", 2, 16, 0), (4, 128, "inline", "wgmma", 0, 300, 128),
     (8, 512, "inline", "wgmma", 0, 200, 256), (4, 128, "inline", "wgmma", 2, 300, 128),
     (8, 512, "inline", "wgmma", 2, 200, 64), (4, 64, "inline", "wgmma", 0, 16, 0),
-    (4, 64, "inline", "wgmma", 0, 300, 128), (4, 64, "inline", "wgmma", 2, 16, 0),
-    (8, 512, "inline", "wgmma", -2, 16, 0), (8, 512, "inline", "wgmma", -2, 200, 64)])
+    (4, 64, "inline", "wgmma", 0, 300, 128), (4, 64, "inline", "wgmma", 2, 16, 0)])
 def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m,
                             monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
     the pipeline are built in Python at this point (the Hopper check is told yes); with
-    block_m, row tiles over many activation rows; consumers -2: two, chained."""
-    chained, consumers = consumers < 0, abs(consumers)
+    block_m, row tiles over many activation rows."""
     block_n = 128 if convert == "inline" and not consumers and block_m <= 128 else 64
     cfg = qw.WgmmaConfig(block_k=128, block_n=block_n,
                          num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
-                         instruction=instruction, consumers=consumers, block_m=block_m,
-                         chained=chained)
+                         instruction=instruction, consumers=consumers, block_m=block_m)
     text = lowered_for_hopper(monkeypatch, bits, m, 512, 128, group, cfg)
     assert "mosaic_gpu" in text
     assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
     assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("bits,m,group,asymmetric", [(4, 1, 128, True), (4, 5, 512, False),
-                                                     (8, 4, 2048, False), (8, 16, 2048, True)])
-def test_consumer_k_lowers_to_one_kernel(bits, m, group, asymmetric, monkeypatch):
-    """`consumer_k`: two consumers each take a 256-K slice of every 512-K step of one 64-column
-    tile and add their sums in shared memory, so the product is the Mosaic GPU kernel alone:
-    no K split's XLA sum; x unpadded and y unsliced for fewer than 8 rows or a multiple of 8;
-    INT4 group offsets added in the kernel (INT8's per-channel offsets after it, in XLA)."""
-    cfg = qw.WgmmaConfig(block_k=256, stages=2, consumers=2, consumer_k=True)
-    text = lowered_for_hopper(monkeypatch, bits, m, 2048, 256, group, cfg, asymmetric)
-    assert f"int{bits}_wgmma_wsk" in text
-    after = asymmetric and bits == 8  # per-channel offsets: XLA's float32 path after the kernel
-    assert ("applies stablehlo.add" in text) == after  # a sum in XLA
-    if not after:  # (XLA's offset path pads and slices its own float32 arrays)
-        assert "stablehlo.pad" not in text and "stablehlo.slice" not in text
-
-
-@pytest.mark.parametrize("rows,mp,block_m,width", [(1, 8, 8, 128), (16, 16, 16, 64),
-                                                 (300, 384, 128, 128), (200, 240, 40, 256)])
-def test_fold_part_sums_are_laid_out_per_row_tile(rows, mp, block_m, width):
-    """The fold form's x sums: per run of `width` positions, each row tile's block padded to
-    128 bytes, zeros past x's rows; against numpy on fresh random x."""
-    x = jax.random.normal(jax.random.PRNGKey(rows), (rows, 1024), jnp.float32).astype(
-        jnp.bfloat16)
-    out = np.asarray(qw.part_sums(x, width, block_m, mp))
-    fb = qw.fold_block(block_m)
-    assert fb % 32 == 0 and fb >= block_m
-    assert out.shape == (1024 // width, -(-mp // block_m) * fb)
-    want = np.zeros_like(out)
-    sums = np.asarray(x, np.float32).reshape(rows, -1, width).sum(-1)  # [rows, K / width]
-    for r in range(rows):
-        want[:, r // block_m * fb + r % block_m] = sums[r]
-    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-5)
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("m,group,asymmetric,config", [
-    (1, 128, True, qw.WgmmaConfig(block_k=256, block_n=128, stages=2)),  # two groups a step
-    (16, 128, False, qw.WgmmaConfig(block_k=256, num_splits=2, stages=4)),  # K splits
-    (300, 64, True, qw.WgmmaConfig(block_k=128, block_m=128, stages=2)),  # row tiles
-    (5, 256, True, qw.WgmmaConfig(block_k=128, stages=3))])  # two steps a group
-def test_fold_form_lowers_without_the_tile_arithmetic(m, group, asymmetric, config,
-                                                      monkeypatch):
-    """WgmmaConfig.fold: the codes enter the wgmma as the LOP3's 128 + c (no bf16x2
-    subtraction, scale or offset on the tile), and XLA sums x over each group part; the
-    same product without fold subtracts on the tile."""
-    monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    k, n = 1024, 256
-    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((n, k // 8), jnp.int32)
-    s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    for fold in (False, True):
-        cfg = dataclasses.replace(config, fold=fold)
-        fn = jax.jit(lambda x, w, s, o: qw.wgmma_matmul(x, w, s, o, bits=4, group_size=group,
-                                                        config=cfg))
-        text = fn.trace(x, w, s, s if asymmetric else None).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
-        assert ("sub.bf16x2" in text) == (not fold)
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
@@ -359,21 +232,21 @@ def test_bound_probes_take_their_parts_out(monkeypatch):
         return fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
 
     for bits, instruction in ((4, "0x43084308"), (8, "0xff7fff7f")):
-        with qw.parts_removed("conversion"):
+        with parts_removed("conversion"):
             assert instruction not in lowered(bits)
-        with qw.parts_removed("load"):  # a constant tile: the wgmmas stay
+        with parts_removed("load"):  # a constant tile: the wgmmas stay
             text = lowered(bits)
             assert "wgmma.mma_async" in text and instruction not in text
-        with qw.parts_removed("product"):  # the pipeline alone: no wgmma, no conversion
+        with parts_removed("product"):  # the pipeline alone: no wgmma, no conversion
             text = lowered(bits)
             assert "wgmma.mma_async" not in text and instruction not in text
         text = lowered(bits)
         assert "wgmma.mma_async" in text and instruction in text
-    with qw.parts_removed("scatter", "product"):  # contiguous code blocks, the pipeline only
+    with parts_removed("scatter", "product"):  # contiguous code blocks, the pipeline only
         text = lowered(4)  # the codes [128, 512] read as [128 * 512 / 256, 256] (256-K steps)
         assert "wgmma.mma_async" not in text and "256x256xi4" in text
     with pytest.raises(ValueError, match="not one of"):
-        with qw.parts_removed("everything"):
+        with parts_removed("everything"):
             pass
 
 
@@ -382,7 +255,6 @@ def test_float32_tiles_of_the_warp_specialized_kernel_fit_shared_memory(monkeypa
     the bf16 output: wgmma_matmul lowers the stages until they fit an SM. INT4 offsets enter
     the kernel (s c + o), so with one split the output stays bf16 and direct, 4 stages."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    import ops.quant_wgmma_ws as ws
     seen = []
 
     def record(xp, codes, scales, offsets=None, *, cfg, block_m, direct, **_):
@@ -390,7 +262,7 @@ def test_float32_tiles_of_the_warp_specialized_kernel_fit_shared_memory(monkeypa
         if direct:
             return jnp.zeros((xp.shape[0], codes.shape[0]), jnp.bfloat16)
         return jnp.zeros((cfg.num_splits, codes.shape[0], xp.shape[0]), jnp.float32)
-    monkeypatch.setattr(ws, "ws_product", record)
+    monkeypatch.setattr(qw, "ws_product", record)  # the name wgmma_matmul calls
     m, k, n = 1024, 4096, 4096
     cfg = qw.wgmma_config(4, m, k, n, 128)
     assert cfg.consumers == 2 and cfg.stages == 4 and cfg.block_m == 256

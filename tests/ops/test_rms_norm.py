@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ops.kernel_choice import KernelBackends
 from ops.rms_norm import rms_norm, rms_norm_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -65,17 +66,15 @@ def test_lowers_to_triton_for_h200(h200_lowering):
 
 
 def test_default_dispatch_takes_the_kernel_only_for_its_rows(monkeypatch):
-    """On a GPU (simulated: the default implementation resolves to the interpreted kernel) the
-    kernel runs for KERNEL_ROWS rows only; 1 row (where it measured slower) and many rows stay
-    with XLA."""
+    """With the kernel chosen (kernels.norm; interpreted here) the kernel runs for KERNEL_ROWS
+    rows only; 1 row (where it measured slower) and many rows stay with XLA."""
     import ops.rms_norm as mod
-    monkeypatch.setattr(mod.tiles, "resolve_impl",
-                        lambda impl, name: "pallas_interpret" if impl is None else impl)
+    kernels = KernelBackends(norm="pallas_interpret")
     calls = []
     kernel = mod._rms_norm_pallas
     monkeypatch.setattr(mod, "_rms_norm_pallas", lambda *a, **k: calls.append(a[0].shape[0])
                         or kernel(*a, **k))
     w = jnp.ones(64, jnp.float32)
     for rows in (1, 16, 32, 64, 65, 300):
-        mod.rms_norm(jnp.ones((rows, 64), jnp.float32), w, 1e-6)
+        mod.rms_norm(jnp.ones((rows, 64), jnp.float32), w, 1e-6, kernels=kernels)
     assert calls == [16, 32, 64]

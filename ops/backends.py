@@ -1,0 +1,202 @@
+"""The kernel backends as data: one table per op family, the choice made once, and its printout.
+
+Each table lists, per family, which implementation runs for which (platform, layout, dtype,
+rows or shape class), under the KernelBackends value that selects it (`KernelEntry.backend`):
+
+    "pallas"     the family's GPU kernel (Pallas Triton), chosen by kernels.<family> == "pallas"
+                 (or "pallas_interpret": the same kernel, interpreted); within it, the rows
+                 name the shape classes the dispatch function routes to each implementation
+    "wgmma"      the Hopper kernel (Pallas Mosaic GPU), with kernels.wgmma
+    "reference"  plain jnp / XLA, every platform
+    "mesh"       a sharded step (kernels.mesh): the family runs per shard under shard_map
+    "any"        whatever the choice (the float products: XLA's dot on every platform)
+
+`select_kernels` is the pure function that makes the choice from the platform, the device and
+the switches (configs/switches.py); `device_kernels` applies it to this process's device. The
+runner calls it once when it is built and passes the result down to models.llama.forward.
+`describe_kernels` prints the entries a choice runs (the start-up summary, --print_kernels).
+Tuned tiles stay in the kernels' own tile tables (ops/*_tiles.py, `*_config` functions).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from configs.switches import Switches
+from ops import gemv, quant_gemv, quant_gemv8, quant_matmul, quant_mma, quant_wgmma, rms_norm
+from ops import ragged_attention, rope_kv
+from ops.kernel_choice import KernelBackends
+from ops.matmul import coded_product
+from ops.paged_attention import ragged_attention_by_groups, write_kv
+from ops.ragged_attention import ragged_paged_attention_reference
+from ops.sharded_attention import sharded_step_attention, sharded_write_kv
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+PAGES = "pages [KVH, P, S, D]"
+TAGS = ("pallas", "wgmma", "reference", "mesh", "any")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEntry:
+    """One row of a family's table: `impl` runs for this (platform, layout, dtype, rows) when
+    the KernelBackends select `backend` (one of TAGS)."""
+
+    backend: str
+    platform: str
+    layout: str
+    dtype: str
+    rows: str
+    impl: Callable
+
+    @property
+    def impl_name(self) -> str:
+        return f"{self.impl.__module__}.{self.impl.__qualname__}"
+
+
+TABLES: dict[str, tuple[KernelEntry, ...]] = {
+    "attention": (
+        KernelEntry("mesh", "any", f"{PAGES} split over (model: heads, data: sequences)",
+                    "any", "any", sharded_step_attention),
+        KernelEntry("pallas", "gpu", PAGES, "bf16 / f16 / f32 q; int8 / fp8 pages",
+                    "head_dim a power of two >= 16", ragged_attention._ragged_attention_pallas),
+        KernelEntry("pallas", "gpu", PAGES, "any", "other head_dim",
+                    ragged_paged_attention_reference),
+        KernelEntry("reference", "any", PAGES, "any", "decode and prefill groups",
+                    ragged_attention_by_groups),
+    ),
+    "kv_write": (
+        KernelEntry("mesh", "any", f"{PAGES} split over (model: heads, data: sequences)",
+                    "any", "any", sharded_write_kv),
+        KernelEntry("pallas", "gpu", f"{PAGES}, q/k/v fused or three", "pages in the q/k/v "
+                    "dtype, no kv_quant", "head_dim a power of two >= 16, N >= 1",
+                    rope_kv._rope_kv_pallas),
+        KernelEntry("pallas", "gpu", PAGES, "any", "other inputs (kv_quant, head_dim)",
+                    rope_kv.rope_and_write_kv_reference),
+        KernelEntry("reference", "any", PAGES, "any", "any", rope_kv.rope_and_write_kv_reference),
+        KernelEntry("reference", "any", PAGES, "any", "the scatter alone", write_kv),
+    ),
+    "norm": (
+        KernelEntry("pallas", "gpu", "[N, H]", "weight in x's dtype",
+                    f"{rms_norm.KERNEL_ROWS[0]}-{rms_norm.KERNEL_ROWS[1]} rows",
+                    rms_norm._rms_norm_pallas),
+        KernelEntry("pallas", "gpu", "[N, H]", "any", "other rows",
+                    rms_norm.rms_norm_reference),
+        KernelEntry("reference", "any", "[N, H]", "any", "any", rms_norm.rms_norm_reference),
+    ),
+    "matmul": (
+        KernelEntry("any", "any", "weight [in, out]", "float", "any", jnp.dot),
+        KernelEntry("any", "any", "weight stored [out, in]", "float", "steps not fused below",
+                    jax.lax.dot_general),
+    ),
+    "gemv": (
+        KernelEntry("pallas", "gpu", "weight stored [out, in] (norm, SiLU, residual fused)",
+                    "bf16 x; bf16 or INT8 / INT4 codes", f"{gemv.MAX_ROWS} row",
+                    gemv.gemv),
+        KernelEntry("pallas", "gpu", "weight stored [out, in]", "other dtypes or codes", "any",
+                    gemv.gemv_reference),
+        KernelEntry("wgmma", "gpu (Hopper)", "codes stored [out, in]",
+                    "INT4 gate/up and down (runs_apart)", f"{gemv.MAX_ROWS} row",
+                    quant_wgmma.wgmma_matmul),
+        KernelEntry("reference", "any", "weight stored [out, in]", "any", "any",
+                    gemv.gemv_reference),
+    ),
+    "quant_matmul": (
+        KernelEntry("wgmma", "gpu (Hopper)", "codes stored [N, K]", "bf16 x and scales",
+                    f"1-{quant_wgmma.MAX_ROWS} rows one tile; row tiles; warp-specialized "
+                    f"from {quant_wgmma.LARGE_M_ROWS}", quant_wgmma.wgmma_matmul),
+        KernelEntry("pallas", "gpu", "codes [K, N]", "float x", "1-2 rows (fma)",
+                    quant_gemv.gemv_kernel),
+        KernelEntry("pallas", "gpu", "codes [K, N]", "per-channel INT8, N % 4 == 0",
+                    "1-2 rows (fma, words)", quant_gemv8.gemv8_call),
+        KernelEntry("pallas", "gpu", "codes [K, N] or [N, K]", "float x", "3-16 rows (mma)",
+                    quant_mma._mma_kernel),
+        KernelEntry("pallas", "gpu", "codes [K, N] or [N, K]", "float x", "17-128 rows (dot)",
+                    quant_matmul._matmul_kernel),
+        KernelEntry("pallas", "gpu", "codes [K, N] or [N, K]", "float x",
+                    "> 128 rows (XLA dequantize + dot)", quant_matmul.int4_matmul_reference),
+        KernelEntry("reference", "any", "codes [K, N]", "any", "any",
+                    quant_matmul.int4_matmul_reference),
+        KernelEntry("reference", "any", "codes [K, N]", "INT8", "any",
+                    quant_matmul.int8_matmul_reference),
+        KernelEntry("reference", "any", "codes stored [N, K]", "any", "any", coded_product),
+    ),
+}
+
+
+def active_tags(kernels: KernelBackends, family: str) -> tuple[str, ...]:
+    """The KernelEntry.backend values that `kernels` runs for `family`."""
+    if family not in TABLES:
+        raise ValueError(f"active_tags: family {family!r} must be one of {tuple(TABLES)}")
+    if family == "matmul":
+        return ("any",)
+    choice = getattr(kernels, family)
+    tags = ("reference",) if choice == "reference" else ("pallas",)
+    if family in ("quant_matmul", "gemv") and kernels.wgmma and choice != "reference":
+        tags = ("wgmma",) + tags
+    if family in ("attention", "kv_write") and kernels.mesh:
+        tags = ("mesh",) + tags
+    return tags
+
+
+def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | None = None,
+                   mesh_axes: tuple[tuple[str, int], ...] = ()) -> KernelBackends:
+    """The kernel choice for a device (pure: same arguments, same choice).
+
+    platform: jax's backend name, "cpu", "gpu" or "tpu". hopper: the GPU is a Hopper (compute
+    capability 9.x, wgmma). switches: configs/switches.py (default: none set). mesh_axes:
+    ((axis, size), ...) of a sharded step's (data, model) mesh, () for one device.
+    "auto" switches take the Pallas kernels on a GPU and the reference elsewhere (there are no
+    TPU kernels yet). Under a mesh the RoPE + KV write and RMSNorm take the jnp path (the
+    write then runs per shard) while attention runs its kernel per shard.
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"select_kernels: platform {platform!r} must be one of {PLATFORMS}")
+    switches = Switches() if switches is None else switches
+    gpu = platform == "gpu"
+
+    def pick(value: str) -> str:
+        return ("pallas" if gpu else "reference") if value == "auto" else value
+
+    attention = pick(switches.attention)
+    fused = "reference" if mesh_axes else attention  # RoPE + KV write and RMSNorm
+    wgmma = gpu and hopper and switches.wgmma == "on"
+    return KernelBackends(
+        platform=platform, attention=attention, kv_write=fused, norm=fused,
+        gemv=pick(switches.gemv), quant_matmul=pick(switches.matmul), wgmma=wgmma,
+        k_order="wgmma" if wgmma and switches.k_order == "device" else "natural",
+        mesh=tuple((str(a), int(n)) for a, n in mesh_axes))
+
+
+def device_kernels(switches: Switches | None = None,
+                   mesh_axes: tuple[tuple[str, int], ...] = ()) -> KernelBackends:
+    """`select_kernels` for this process's default device, with the switches of the
+    environment unless given (what a runner calls once when it is built)."""
+    return select_kernels(jax.default_backend(), hopper=quant_wgmma.on_hopper(),
+                          switches=Switches.from_env() if switches is None else switches,
+                          mesh_axes=mesh_axes)
+
+
+def describe_kernels(kernels: KernelBackends) -> str:
+    """A printable table of what `kernels` runs: family, backend, platform, layout, dtype,
+    rows or shape class, implementation."""
+    header = ("family", "backend", "platform", "layout", "dtype", "rows", "implementation")
+    lines = []
+    for family, entries in TABLES.items():
+        tags = active_tags(kernels, family)
+        interpreted = getattr(kernels, family, "") == "pallas_interpret"
+        for entry in sorted((e for e in entries if e.backend in tags),
+                            key=lambda e: tags.index(e.backend)):
+            backend = entry.backend + (" (interpreted)" if interpreted and
+                                       entry.backend == "pallas" else "")
+            lines.append((family, backend, entry.platform, entry.layout, entry.dtype,
+                          entry.rows, entry.impl_name))
+    widths = [max(len(row[i]) for row in [header] + lines) for i in range(len(header))]
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    extra = [f"platform {kernels.platform}; Hopper kernel {'on' if kernels.wgmma else 'off'}; "
+             f"K order {kernels.k_order}"
+             + (f"; mesh {dict(kernels.mesh)}" if kernels.mesh else "")]
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]
+                     + extra)
