@@ -316,7 +316,7 @@ def main(argv):
         loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         longest = FLAGS.shared_prefix_len + FLAGS.max_input_len + FLAGS.max_output_len
-        if longest > engine_cfg.max_model_len:
+        if engine_cfg.max_model_len is not None and longest > engine_cfg.max_model_len:
             raise ValueError(f"shared_prefix_len + max_input_len + max_output_len = {longest} "
                              f"exceeds max_model_len {engine_cfg.max_model_len}")
         work = make_workload(FLAGS.seed, FLAGS.num_requests, loaded.cfg.vocab_size,

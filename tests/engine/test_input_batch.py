@@ -1,9 +1,9 @@
-"""engine/request_rows.py: persistent block tables and sampling rows against the page lists."""
+"""engine/input_batch.py: persistent block tables and sampling rows against the page lists."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from engine.request import Request, SamplingParams
-from engine.request_rows import RequestRows
+from engine.input_batch import InputBatch
 from engine.runner import make_step_batch, step_batch_from_arrays
 
 
@@ -21,7 +21,7 @@ def test_gathered_rows_equal_each_requests_pages(ops):
     readmission) and lists cut short without a release: after every operation the gathered
     rows hold exactly each request's pages and zeros after them (released rows are cleared:
     step_batch_from_arrays relies on it)."""
-    rows = RequestRows(capacity=2, width=3)  # small: both dimensions must grow
+    rows = InputBatch(capacity=2, width=3, page_size=4)  # small: both dimensions must grow
     requests = [make_request(i, temperature=0.5 * (i % 2)) for i in range(6)]
     next_page = 0
     for index, op, count in ops:
@@ -61,7 +61,7 @@ def test_gathered_rows_equal_each_requests_pages(ops):
 
 
 def test_slots_are_reused_and_capacity_grows():
-    rows = RequestRows(capacity=1, width=2)
+    rows = InputBatch(capacity=1, width=2, page_size=4)
     a, b, c = (make_request(i) for i in range(3))
     for r in (a, b, c):
         r.pages = [r.request_id]
