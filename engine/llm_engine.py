@@ -56,13 +56,14 @@ class LLMEngine:
         requested = engine_cfg or EngineConfig()
         engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings, self.platform)
         make_runner = ModelRunner
+        fit = requested.max_model_len is not None  # else the context follows the cache
         if mesh is None:
-            num_pages = self._num_pages(cfg, model, engine_cfg)
+            num_pages = self._num_pages(cfg, model, engine_cfg, fit)
             pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
         else:  # sharded over a (data, model) mesh: engine/sharded_runner.py
             num_pages, pool, make_runner = sharded_engine_parts(
-                mesh, cfg, engine_cfg, lambda c: self._num_pages(c, model, engine_cfg))
-        if requested.max_model_len is None:  # the default context: what the cache holds
+                mesh, cfg, engine_cfg, lambda c: self._num_pages(c, model, engine_cfg, fit))
+        if not fit:  # the default context: the model's, as far as the cache holds it
             engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings,
                                                self.platform, num_pages * engine_cfg.page_size)
         self.cfg, self.tokenizer, self.engine_cfg, self.pool = cfg, tokenizer, engine_cfg, pool
@@ -114,10 +115,10 @@ class LLMEngine:
         self._wait_s = 0.0
         self._round_steps = 1
 
-    def _num_pages(self, cfg: ModelConfig, model, engine_cfg: EngineConfig) -> int:
+    def _num_pages(self, cfg: ModelConfig, model, engine_cfg: EngineConfig, fit: bool) -> int:
         """The KV cache's pages (of one data shard) for a resolved config (see EngineConfig).
-        With a memory fraction and no max_model_len asked for, the plan needs room for one
-        page only: the context then defaults to what the cache holds."""
+        With a memory fraction the plan must hold one sequence of max_model_len tokens if `fit`
+        (a context asked for), else one page: the default context then follows the cache."""
         page_size, max_len = engine_cfg.page_size, engine_cfg.max_model_len
         self.cache_plan = None
         if engine_cfg.num_pages is not None:
@@ -127,7 +128,7 @@ class LLMEngine:
         kv_dtype = jax.tree.leaves(nnx.state(model))[0].dtype
         self.cache_plan = plan_kv_cache(
             cfg, kv_dtype, page_size, max_len, engine_cfg.max_num_batched_tokens,
-            engine_cfg.max_num_seqs, engine_cfg.memory_fraction, fit_max_model_len=False)
+            engine_cfg.max_num_seqs, engine_cfg.memory_fraction, fit_max_model_len=fit)
         return self.cache_plan.num_pages
 
     def _cache_summary(self, num_pages: int) -> str:

@@ -83,8 +83,11 @@ def plan_kv_cache(cfg: ModelConfig, kv_dtype, page_size: int, max_model_len: int
     budget = int(total * memory_fraction) - in_use - reserve
     num_pages = max(budget // bytes_per_page, 0)
     plan = CachePlan(num_pages, page_size, bytes_per_page, total, in_use, reserve, max_model_len)
-    needed = -(-max_model_len // page_size) if fit_max_model_len else 1
-    if num_pages < needed:
+    if not fit_max_model_len and num_pages < 1:
+        raise ValueError(f"memory_fraction={memory_fraction} leaves no room for a KV-cache page "
+                         f"({plan.summary()}): raise --memory_fraction")
+    needed = -(-max_model_len // page_size)
+    if fit_max_model_len and num_pages < needed:
         raise ValueError(
             f"memory_fraction={memory_fraction} leaves room for {num_pages} KV-cache pages, but "
             f"one sequence of max_model_len={max_model_len} needs {needed} "

@@ -132,18 +132,14 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "update_computed", "update computed")
-    timed(engine.scheduler.rows, "slots", "rows + batch")
-    timed(engine, "_step_batch", "rows + batch")
-    timed(engine, "_sampling_arrays", "sampling arrays")
-    # With a dispatch thread (EngineConfig.dispatch_thread) the dispatches run beside the
-    # engine's host time, not in it: their phases are marked WORKER.
-    worker = WORKER if getattr(engine, "_dispatcher", None) is not None else ""
+    timed(engine.input_batch, "slots", "rows + batch")
+    timed(engine.input_batch, "_step_batch", "rows + batch")
+    timed(engine.input_batch, "_sampling_arrays", "sampling arrays")
     for name, phase in (("execute_and_sample", "dispatch step"),
                         ("execute_multi_step", "dispatch multi-step"),
                         ("execute_mixed_round", "dispatch mixed round")):
         if hasattr(engine.runner, name):
-            totals[worker + phase] = totals.pop(phase)
-            timed(engine.runner, name, worker + phase)
+            timed(engine.runner, name, phase)
     timed(engine, "_append_samples", "finish + append")  # a step's tokens, read
     timed(engine, "_append_round", "finish + append")  # a multi-step round's
     timed(engine, "_append_tokens", "finish + append")  # (rounds and speculation call it)

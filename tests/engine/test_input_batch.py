@@ -72,3 +72,35 @@ def test_slots_are_reused_and_capacity_grows():
     assert rows.tables[0, 0] == c.request_id
     slots = rows.slots([make_request(9, logprobs=2)])  # grows the rows again
     assert rows.capacity == 4 and rows.logprobs[slots].tolist() == [True]
+
+
+def test_rows_follow_the_schedulers_releases():
+    """The scheduler reports every request whose pages it freed (finished, aborted, preempted)
+    in its next output's `released`; `update` gives their slots back, so a preempted request
+    readmitted later writes a fresh row of its new pages."""
+    from engine.block_pool import BlockPool
+    from engine.request import FinishReason
+    from engine.scheduler import Scheduler, SchedulerConfig
+    pool = BlockPool(6, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=24), pool)
+    batch = InputBatch(capacity=4, width=6, page_size=4)
+    a, b, c = (Request(i, [1] * 7, SamplingParams(), seed=i) for i in range(3))
+    for r in (a, b, c):
+        scheduler.add(r)
+    out = scheduler.schedule()  # 2 pages each: the pool is full
+    batch.update(out)
+    batch.slots(out.requests, out.held())
+    assert batch.num_used == 3 and not out.released
+    scheduler.update_computed(out)
+    scheduler.finish(a, FinishReason.STOP)
+    for r in (b, c):
+        r.output_ids.append(5)  # a token more each: both grow into a's freed pages
+    out = scheduler.schedule()
+    assert out.released == [a]
+    batch.update(out)
+    assert a.slot == -1 and batch.num_used == 2
+    slots = batch.slots(out.requests, out.held())
+    for r, slot in zip(out.requests, slots.tolist()):
+        assert batch.tables[slot, : len(r.pages)].tolist() == r.pages
+        assert not batch.tables[slot, len(r.pages):].any()
