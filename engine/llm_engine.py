@@ -67,7 +67,6 @@ class LLMEngine:
             engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings,
                                                self.platform, num_pages * engine_cfg.page_size)
         self.cfg, self.tokenizer, self.engine_cfg, self.pool = cfg, tokenizer, engine_cfg, pool
-        self.kv_summary = f"{engine_cfg.summary()}\n{self._cache_summary(num_pages)}"
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=engine_cfg.max_num_seqs,
                             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
@@ -98,6 +97,10 @@ class LLMEngine:
             self.rounds = MultiStepRounds(engine_cfg.num_decode_steps, engine_cfg.mixed_rounds,
                                           engine_cfg.max_num_seqs, self.runner, self.scheduler,
                                           self.input_batch)
+        settings = engine_cfg.summary()
+        if engine_cfg.num_decode_steps > 1 and self.rounds is None:
+            settings += " (taken as single steps: speculation or a sharded runner)"
+        self.kv_summary = f"{settings}\n{self._cache_summary(num_pages)}"
         self.stats = EngineStats()
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._next_request = 0
