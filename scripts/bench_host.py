@@ -43,8 +43,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 7, "Timings (the best is reported).")
     flags.DEFINE_bool("async_scheduling", True, "Engine with asynchronous scheduling.")
     flags.DEFINE_integer("num_decode_steps", 1, "Decode steps per round (multi-step rounds).")
-    flags.DEFINE_bool("pause_admissions_for_rounds", False,
-                      "EngineConfig.pause_admissions_for_rounds (with --num_decode_steps > 1).")
     flags.DEFINE_bool("mixed_rounds", True,
                       "EngineConfig.mixed_rounds (with --num_decode_steps > 1).")
     flags.DEFINE_integer("num_requests", 400, "Requests of the serving workload (more give more "
@@ -56,8 +54,7 @@ def define_flags() -> None:
 
 def stub_engine(num_seqs: int, async_scheduling: bool, num_decode_steps: int = 1,
                 add_requests: bool = True, max_num_batched_tokens: int = 8192,
-                max_model_len: int = 4096, pause_admissions_for_rounds: bool = False,
-                mixed_rounds: bool = True):
+                max_model_len: int = 4096, mixed_rounds: bool = True):
     """An engine of tiny-llama's shapes whose runner returns token ids 3.. at once (a round:
     the same ids at every step); with add_requests, num_seqs requests that do not finish
     before max_model_len."""
@@ -70,18 +67,18 @@ def stub_engine(num_seqs: int, async_scheduling: bool, num_decode_steps: int = 1
     engine = llm_engine.LLMEngine(cfg, random_model(cfg, 0), None, llm_engine.EngineConfig(
         max_model_len=max_model_len, max_num_seqs=num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         async_scheduling=async_scheduling, num_decode_steps=num_decode_steps,
-        pause_admissions_for_rounds=pause_admissions_for_rounds, mixed_rounds=mixed_rounds))
+        mixed_rounds=mixed_rounds))
     tokens = np.arange(max_num_batched_tokens, dtype=np.int32) % 200 + 3  # never an EOS id
 
     def execute_and_sample(batch, arrays, prev_samples=None, sample_index=None):
         return tokens[: max(batch.num_seqs, 1)].copy(), None, None, None
 
-    def execute_multi_step(batch, arrays, steps, unroll, prev_samples=None, sample_index=None):
+    def execute_multi_step(batch, arrays, steps, prev_samples=None, sample_index=None):
         return np.tile(tokens[: bucket(batch.num_seqs)], (steps, 1)), None
 
-    def execute_mixed_round(batch, complete, arrays, steps, unroll, prev_samples=None,
+    def execute_mixed_round(batch, complete, arrays, steps, prev_samples=None,
                             sample_index=None):
-        return execute_multi_step(batch, arrays, steps, unroll)
+        return execute_multi_step(batch, arrays, steps)
 
     engine.runner.execute_and_sample = execute_and_sample
     engine.runner.execute_multi_step = execute_multi_step
@@ -111,15 +108,12 @@ def serving_workload(engine, num_requests: int = 400, seed: int = 0) -> None:
 
 
 def measure_serving(num_seqs: int, async_scheduling: bool, num_decode_steps: int,
-                    pause_admissions_for_rounds: bool = False,
                     mixed_rounds: bool = True, num_requests: int = 400) -> dict:
     """Host seconds per model step over the serving workload: all rounds, and those of each
     of timing.round_sets (the most sequences running; saturated), in total and per phase
     (timers on)."""
     engine = stub_engine(num_seqs, async_scheduling, num_decode_steps, add_requests=False,
-                         max_num_batched_tokens=2048,
-                         pause_admissions_for_rounds=pause_admissions_for_rounds,
-                         mixed_rounds=mixed_rounds)
+                         max_num_batched_tokens=2048, mixed_rounds=mixed_rounds)
     engine.stats = type(engine.stats)(record_steps=True)
     per_step: list = []
     phases = timing.time_engine_phases(engine, per_step)
@@ -180,7 +174,7 @@ def measure(num_seqs: int, steps: int, repeats: int, async_scheduling: bool,
 def main(_):
     if FLAGS.workload == "serving":
         result = measure_serving(FLAGS.num_seqs, FLAGS.async_scheduling, FLAGS.num_decode_steps,
-                                 FLAGS.pause_admissions_for_rounds, FLAGS.mixed_rounds,
+                                 FLAGS.mixed_rounds,
                                  FLAGS.num_requests)
     else:
         result = measure(FLAGS.num_seqs, FLAGS.steps, FLAGS.repeats, FLAGS.async_scheduling,

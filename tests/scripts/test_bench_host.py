@@ -30,36 +30,10 @@ def test_bench_host_writes_its_table_and_json(tmp_path):
     assert "| schedule |" in proc.stdout
 
 
-def test_admission_pause_puts_more_model_steps_in_rounds_under_load():
-    """bench_serving's workload through 256 slots of the stub engine, 8-step rounds: while
-    requests wait, the admission pause for rounds (EngineConfig.pause_admissions_for_rounds)
-    runs a larger share of the model steps in rounds than admitting every step (measured
-    0.83 against 0.63), at most a round of admissions later (the running set stays at least
-    7/8 full on average). Without mixed rounds, which make admitting steps rounds too."""
-    import numpy as np
-    from scripts.timing import round_sets
-    shares = {}
-    for pause in (True, False):
-        engine = bench_host.stub_engine(256, True, 8, add_requests=False,
-                                        max_num_batched_tokens=2048,
-                                        pause_admissions_for_rounds=pause,
-                                        mixed_rounds=False)
-        engine.stats = type(engine.stats)(record_steps=True)
-        bench_host.serving_workload(engine)
-        while engine.has_unfinished():
-            engine.step()
-            engine.finished_request_ids()
-        steps = np.asarray(engine.stats.steps)  # (running, host, wall, exposed, steps, waiting)
-        saturated = steps[round_sets(steps)["saturated"]]
-        shares[pause] = saturated[saturated[:, 4] > 1, 4].sum() / saturated[:, 4].sum()
-        assert saturated[:, 0].mean() >= 7 / 8 * 256
-    assert shares[True] > shares[False] + 0.1, shares
-
-
 def test_serving_workload_figures_per_round_set():
     """--workload=serving: host time per model step over all rounds, at the most running and
     while saturated, with rounds counted and phases timed."""
-    result = bench_host.measure_serving(32, True, 4, pause_admissions_for_rounds=True)
+    result = bench_host.measure_serving(32, True, 4)
     assert result["host_s_per_step_all"] > 0
     for name in ("at_max_running", "saturated"):
         assert result[f"rounds_{name}"] > 0 and result[f"host_s_per_step_{name}"] > 0

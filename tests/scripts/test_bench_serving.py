@@ -25,16 +25,13 @@ def run_bench(tmp_path, *flags) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["async", "multi_step", "async_multi_step",
-                                  "async_multi_step_thread", "async_mixed_rounds"])
+                                  "async_mixed_rounds"])
 def test_bench_serving_reports_throughput_and_host_phases(tmp_path, mode):
     flags = {"async": ["--async_scheduling=true"],
              "multi_step": ["--num_decode_steps=4", "--static_baseline=false",
                             "--nomixed_rounds"],
              "async_multi_step": ["--num_decode_steps=4", "--async_scheduling=true",
                                   "--static_baseline=false", "--nomixed_rounds"],
-             "async_multi_step_thread": ["--num_decode_steps=4", "--async_scheduling=true",
-                                         "--dispatch_thread", "--static_baseline=false",
-                                         "--nomixed_rounds"],
              # mixed rounds are the default
              "async_mixed_rounds": ["--num_decode_steps=4", "--async_scheduling=true",
                                     "--static_baseline=false"]}[mode]
