@@ -470,7 +470,8 @@ def test_no_speculation_above_the_batch_cut_off(make_engine):
 
 
 def record_verifications(engine):
-    """Wraps the speculative component's post-verification update to log (request id, drafted, accepted)."""
+    """Wraps the speculative component's post-verification update to log (request id,
+    drafted, accepted)."""
     log, after = [], engine.spec.after_verification
 
     def logged(request, output, row, accepted, stats):
