@@ -39,14 +39,6 @@ def default_dtype(platform: str):
     return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
 
 
-def default_engine_config(cfg: ModelConfig, platform: str) -> EngineConfig:
-    """EngineConfig's defaults, the context capped at the model's own, and on an accelerator
-    the KV cache sized to 90% of the device memory (what the commands run without flags)."""
-    max_model_len = min(EngineConfig.max_model_len, cfg.max_position_embeddings)
-    return EngineConfig(max_model_len=max_model_len,
-                        memory_fraction=None if platform == "cpu" else 0.9)
-
-
 def load_prepared(model: str, *, dtype=None, random_weights: bool = False, seed: int = 0,
                   quantization: QuantConfig | None = None, calib_text: str | None = None,
                   calib_tokens: int = 16384, calib_seq_len: int = 512, mesh=None,
@@ -86,8 +78,8 @@ def load_engine(model: str, *, dtype=None, random_weights: bool = False, seed: i
                 log: Callable[[str], None] | None = None) -> LLMEngine:
     """An LLMEngine over `model`, loaded, quantized and prepared as scripts.serve does.
 
-    engine_config: the engine's sizes; a function of the model's config; or None for
-    default_engine_config. speculative: n-gram or draft-model speculation; a draft model
+    engine_config: the engine's sizes; a function of the model's config; or None: the device's
+    defaults (engine/engine_config.py), which LLMEngine resolves. speculative: n-gram or draft-model speculation; a draft model
     (`draft_model`, any form `model` takes) is loaded in the same dtype and prepared for one
     device, since it runs unsharded. The other arguments are load_prepared's.
     """
@@ -99,9 +91,7 @@ def load_engine(model: str, *, dtype=None, random_weights: bool = False, seed: i
     loaded, _ = load_prepared(model, dtype=dtype, random_weights=random_weights, seed=seed,
                               quantization=quantization, calib_text=calib_text, mesh=mesh,
                               fuse_projections=fuse_projections, gemv_layers=gemv_layers, log=log)
-    if engine_config is None:
-        engine_config = default_engine_config(loaded.cfg, platform)
-    elif callable(engine_config):
+    if callable(engine_config):
         engine_config = engine_config(loaded.cfg)
     draft = None
     if speculative is not None and speculative.method == "draft":

@@ -7,50 +7,66 @@ program, engine.sampling.sampling_mode), then appends the sampled tokens,
 detokenizes incrementally, applies stop conditions and frees the pages of finished requests.
 With asynchronous scheduling (EngineConfig.async_scheduling) the host does all that for step n
 while the device runs step n+1, which reads its input tokens from step n's samples on the
-device. Speculative rounds live in engine/spec_rounds.py.
+device. Two components run other kinds of round: engine/spec_rounds.py (speculative decoding)
+and engine/multi_step.py (several decode steps per program). The step inputs come from the
+runner side's persistent input batch (engine/input_batch.py), never from the scheduler's
+internals. A None field of EngineConfig takes the device's default (engine/engine_config.py).
 """
 from __future__ import annotations
 
-import concurrent.futures
+import dataclasses
 import time
 from typing import Iterator, Sequence
 
+import jax
 import numpy as np
+from flax import nnx
 
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draft import DraftProposer
+from engine.engine_config import EngineConfig, resolve_engine_config
+from engine.engine_types import EngineStats, InFlight, StreamDelta
+from engine.input_batch import InputBatch, PreparedStep
+from engine.memory import plan_kv_cache
+from engine.multi_step import MultiStepRounds
 from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
                             SamplingParams, logprob_entry)
-from engine.runner import ModelRunner, StepBatch, fetch_samples, step_batch_from_arrays
-from engine.sampling import SamplingArrays, draw_steps
+from engine.runner import ModelRunner, fetch_samples
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.engine_types import EngineConfig, EngineStats, InFlight, StreamDelta
-from engine.multi_step import MultiStepRounds
+from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
 from engine.warmup import reachable_steps
 
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "StreamDelta"]
 
-class LLMEngine(SpeculativeRounds, MultiStepRounds):
+
+class LLMEngine:
     """Runs many requests together over one model and one paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, model, tokenizer=None,
-                 engine_cfg: EngineConfig = EngineConfig(), spec_config: SpecConfig | None = None,
-                 draft=None, mesh=None):
-        """draft: (ModelConfig, model) of the draft model when spec_config.method == 'draft'."""
-        if engine_cfg.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={engine_cfg.max_model_len} exceeds the model's "
-                             f"context of {cfg.max_position_embeddings} tokens")
-        self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
+                 engine_cfg: EngineConfig | None = None, spec_config: SpecConfig | None = None,
+                 draft=None, mesh=None, platform: str | None = None):
+        """draft: (ModelConfig, model) of the draft model when spec_config.method == 'draft'.
+        engine_cfg: None fields (all, when None) take the defaults of `platform` (default: jax's
+        backend), engine/engine_config.py; `self.engine_cfg` is the resolved config."""
+        self.platform = platform or jax.default_backend()
+        requested = engine_cfg or EngineConfig()
+        engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings, self.platform)
         make_runner = ModelRunner
+        fit = requested.max_model_len is not None  # else the context follows the cache
         if mesh is None:
-            num_pages = self._num_pages(cfg, model, engine_cfg)
-            self.pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
+            num_pages = self._num_pages(cfg, model, engine_cfg, fit)
+            pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
         else:  # sharded over a (data, model) mesh: engine/sharded_runner.py
-            from engine.sharded_runner import sharded_engine_parts
-            num_pages, self.pool, make_runner = sharded_engine_parts(
-                mesh, cfg, engine_cfg, lambda c: self._num_pages(c, model, engine_cfg))
+            num_pages, pool, make_runner = sharded_engine_parts(
+                mesh, cfg, engine_cfg, lambda c: self._num_pages(c, model, engine_cfg, fit))
+        if not fit:  # the default context: the model's, as far as the cache holds it
+            engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings,
+                                               self.platform, num_pages * engine_cfg.page_size)
+        self.cfg, self.tokenizer, self.engine_cfg, self.pool = cfg, tokenizer, engine_cfg, pool
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=engine_cfg.max_num_seqs,
                             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
@@ -59,21 +75,33 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         max_width = self.pool.pages_needed(engine_cfg.max_model_len)
         self.runner = make_runner(cfg, model, num_pages, engine_cfg.page_size,
                                   max_seqs=engine_cfg.max_num_seqs, max_width=max_width)
+        # The runner side's persistent rows of the running requests (block tables, sampling
+        # rows, length limits), kept up to date from each SchedulerOutput.
+        self.input_batch = InputBatch(engine_cfg.max_num_seqs, max_width, engine_cfg.page_size)
         self.spec_config, self.spec_stats, self.draft = spec_config, SpecStats(), None
-        if spec_config is not None and spec_config.method == "draft":
-            if draft is None:
-                raise ValueError("speculative method 'draft' needs a draft model (--draft_model)")
-            draft_cfg, draft_model = draft
-            if draft_cfg.vocab_size != cfg.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs "
-                                 f"from the target's ({cfg.vocab_size})")
-            from engine.draft import DraftProposer
-            self.draft = DraftProposer(draft_cfg, draft_model, num_pages, engine_cfg.page_size,
-                                       engine_cfg.max_num_seqs, max_width)
+        self.spec: SpeculativeRounds | None = None
+        if spec_config is not None:
+            if spec_config.method == "draft" and draft is not None:
+                draft_cfg, draft_model = draft
+                if draft_cfg.vocab_size != cfg.vocab_size:
+                    raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) "
+                                     f"differs from the target's ({cfg.vocab_size})")
+                self.draft = DraftProposer(draft_cfg, draft_model, num_pages,
+                                           engine_cfg.page_size, engine_cfg.max_num_seqs,
+                                           max_width)
+            self.spec = SpeculativeRounds(spec_config, self.runner, self.scheduler,
+                                          engine_cfg.page_size, self.draft)
+        self.rounds: MultiStepRounds | None = None
+        if (engine_cfg.num_decode_steps > 1 and spec_config is None
+                and self.runner.supports_multi_step):
+            self.rounds = MultiStepRounds(engine_cfg.num_decode_steps, engine_cfg.mixed_rounds,
+                                          engine_cfg.max_num_seqs, self.runner, self.scheduler,
+                                          self.input_batch)
+        settings = engine_cfg.summary()
+        if engine_cfg.num_decode_steps > 1 and self.rounds is None:
+            settings += " (taken as single steps: speculation or a sharded runner)"
+        self.kv_summary = f"{settings}\n{self._cache_summary(num_pages)}"
         self.stats = EngineStats()
-        self._dispatcher = (concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="pallasite-dispatch")
-            if engine_cfg.dispatch_thread and engine_cfg.async_scheduling else None)
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._next_request = 0
         self._next_group = 0
@@ -87,30 +115,32 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         # tokens (_rows_that_may_stop), as a set and as an array.
         self._any_stop_ids: frozenset[int] = frozenset()
         self._any_stop_array = np.zeros(0, np.int64)
-        self._admitted_last = False  # the last step admitted waiting requests (multi_step.py)
         self._wait_s = 0.0
+        self._round_steps = 1
 
-    def _num_pages(self, cfg: ModelConfig, model, engine_cfg: EngineConfig) -> int:
+    def _num_pages(self, cfg: ModelConfig, model, engine_cfg: EngineConfig, fit: bool) -> int:
+        """The KV cache's pages (of one data shard) for a resolved config (see EngineConfig).
+        With a memory fraction the plan must hold one sequence of max_model_len tokens if `fit`
+        (a context asked for), else one page: the default context then follows the cache."""
         page_size, max_len = engine_cfg.page_size, engine_cfg.max_model_len
         self.cache_plan = None
         if engine_cfg.num_pages is not None:
-            num_pages = engine_cfg.num_pages
-        elif engine_cfg.memory_fraction is not None:
-            import jax
-            from flax import nnx
-            from engine.memory import plan_kv_cache
-            kv_dtype = jax.tree.leaves(nnx.state(model))[0].dtype
-            self.cache_plan = plan_kv_cache(
-                cfg, kv_dtype, page_size, max_len, engine_cfg.max_num_batched_tokens,
-                engine_cfg.max_num_seqs, engine_cfg.memory_fraction)
-            num_pages = self.cache_plan.num_pages
-        else:
-            num_pages = engine_cfg.max_num_seqs * -(-max_len // page_size)
-        pages_per_seq = -(-max_len // page_size)
-        self.kv_summary = (self.cache_plan.summary() if self.cache_plan else
-                           f"KV cache: {num_pages} pages x {page_size} tokens; at most "
-                           f"{num_pages // pages_per_seq} sequences of {max_len} tokens at once")
-        return num_pages
+            return engine_cfg.num_pages
+        if engine_cfg.memory_fraction is None:
+            return engine_cfg.max_num_seqs * -(-max_len // page_size)
+        kv_dtype = jax.tree.leaves(nnx.state(model))[0].dtype
+        self.cache_plan = plan_kv_cache(
+            cfg, kv_dtype, page_size, max_len, engine_cfg.max_num_batched_tokens,
+            engine_cfg.max_num_seqs, engine_cfg.memory_fraction, fit_max_model_len=fit)
+        return self.cache_plan.num_pages
+
+    def _cache_summary(self, num_pages: int) -> str:
+        """The KV cache's line of the start-up summary (of the resolved context)."""
+        page_size, max_len = self.engine_cfg.page_size, self.engine_cfg.max_model_len
+        if self.cache_plan is not None:
+            return dataclasses.replace(self.cache_plan, max_model_len=max_len).summary()
+        return (f"KV cache: {num_pages} pages x {page_size} tokens; at most "
+                f"{num_pages // -(-max_len // page_size)} sequences of {max_len} tokens at once")
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -133,8 +163,8 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
             request = Request(self._next_request, list(prompt_ids), params, seed,
                               priority=priority, arrival_time=now, group_id=group_id,
                               sample_index=index, stop_ids=stop_ids)
-            if self.spec_config is not None:  # start optimistic: k proposals
-                request.spec_ema_accepted = float(self.spec_config.num_speculative_tokens)
+            if self.spec is not None:
+                self.spec.admit(request)
             if params.uses_penalties:
                 self._penalized.add(request.request_id)
             if params.logprobs is not None:
@@ -232,7 +262,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
     def _can_overlap(self) -> bool:
         """Asynchronous scheduling needs every token id on the host only for speculation and
         penalties (which count the output tokens)."""
-        return (self.engine_cfg.async_scheduling and self.spec_config is None
+        return (self.engine_cfg.async_scheduling and self.spec is None
                 and self.runner.supports_async_scheduling and not self._penalized)
 
     def _round(self, overlap: bool) -> tuple[int, list[StreamDelta]]:
@@ -243,23 +273,15 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         if had_in_flight and not overlap:
             deltas = self._finish(self._in_flight)
             self._in_flight = None
-        if self.spec_config is not None:
-            launched, spec_deltas = self._speculative_step()
+        if self.spec is not None:
+            launched, spec_deltas = self._speculative_round()
             return launched, deltas + spec_deltas
         # A request whose in-flight token ends it by length computes nothing more (synchronous
         # rounds have no token in flight: nothing to hold).
-        rounds = self._rounds_possible() and self.engine_cfg.pause_admissions_for_rounds
-        output = self.scheduler.schedule(self._context_limit() if overlap else None,
-                                         admit=not (rounds and self._defer_admission()),
-                                         whole_prompts=rounds)
-        self._admitted_last = output.num_admitted > 0
+        output = self.scheduler.schedule(self._context_limit() if overlap else None)
+        self.input_batch.update(output)
         num_running = len(self.scheduler.running)  # held ones included: they keep their slots
-        if self._multi_step_ready(output):
-            launched = self._launch_round(output)
-        elif self._mixed_round_ready(output):
-            launched = self._launch_mixed_round(output)
-        else:
-            launched = self._launch(output) if output.entries else None
+        launched = self._launch(output) if output.entries else None
         if self._in_flight is not None:
             deltas += self._finish(self._in_flight)
         self._in_flight = launched
@@ -271,106 +293,57 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         return num_running, deltas
 
     def _launch(self, output: SchedulerOutput) -> InFlight:
-        """Builds the step batch, runs the step and the sampler; does not wait for them."""
+        """Runs the scheduled step (as a multi-step round where one can run: self.rounds),
+        without waiting for it; returns its InFlight."""
         prev = self._in_flight
-        requests, completes, batch, sample_index, arrays, slots = self._step_inputs(output)
+        prev_inputs = None if prev is None else prev.next_inputs
+        limit = self._context_limit()
+        kind = (self.rounds.ready(output, limit, bool(self._with_logprobs))
+                if self.rounds is not None and not self._penalized else None)
+        if kind is not None:
+            step, results, next_inputs = self.rounds.launch(kind, output, prev_inputs)
+            steps = self.rounds.num_steps
+        else:
+            step = self.input_batch.prepare(output, bool(self._penalized))
+            results = self.runner.execute_and_sample(step.batch, step.arrays, prev_inputs,
+                                                     step.sample_index)
+            next_inputs, steps = results[0], 1
+        self.stats.num_tokens_from_device += step.num_from_device
+        return self._launched(output, step, results, next_inputs, steps, limit)
 
-        def dispatch():
-            results = self.runner.execute_and_sample(
-                batch, arrays, None if prev is None else prev.next_inputs, sample_index)
-            return results, results[0]
-
-        return self._launched(output, requests, completes, self._dispatch(dispatch), 1, slots)
-
-    def _launched(self, output: SchedulerOutput, requests: list[Request], completes: list[bool],
-                  launch, steps: int, slots: np.ndarray) -> InFlight:
+    def _launched(self, output: SchedulerOutput, step: PreparedStep, results, next_inputs,
+                  steps: int, limit: int) -> InFlight:
         """The bookkeeping of a launched step or round of `steps` model steps: each complete
         row (its step token is its request's next one) computes steps - 1 tokens more than its
         step's and leaves `steps` sampled tokens in flight; counters and cached pages advance.
-        It notes which rows (at `slots` of the persistent rows) its tokens may end by length
-        or bring their first token (InFlight.may_end), vectorized: once all the tokens in
-        flight before it are appended, a row holds its scheduled total plus `steps`."""
-        rows = self.scheduler.rows
-        totals = output.columns()[2]  # [S]
-        limits = np.minimum(rows.token_limits[slots], self._context_limit())
-        may_end = (totals + steps >= limits) | (totals == rows.prompt_lens[slots])
-        self.stats.num_computed_tokens += self.scheduler.update_computed(output, completes, steps)
+        It notes which rows its tokens may end by length or bring their first token
+        (InFlight.may_end), vectorized: once all the tokens in flight before it are appended,
+        a row holds its scheduled total plus `steps`."""
+        may_end = self.input_batch.may_end(step.slots, output.columns()[2], steps, limit)
+        self.stats.num_computed_tokens += self.scheduler.update_computed(
+            output, step.completes, steps)
         self._round_steps = steps
-        return InFlight(requests, completes, launch, steps=steps, may_end=may_end)
+        return InFlight(step.requests, step.completes, results, next_inputs, steps, may_end)
 
-    def _step_inputs(self, output: SchedulerOutput) -> tuple:
-        """(requests, completes, StepBatch, sample_index, SamplingArrays, slots) of a scheduled
-        step.
-        completes[i]: request i's last token this step is its next one (its sample is a new
-        token), not a prefill chunk short of the prompt's end."""
-        requests = output.requests
-        # Per row, as the scheduler recorded them (no Python pass over the rows): tokens
-        # computed this step, first position, tokens in all and in flight, pages held.
-        counts, firsts, totals, pendings = output.columns()  # [S] each
-        knowns = totals - pendings  # [S] tokens the host has
-        ends = firsts + counts
-        completes = (ends >= totals).tolist()
-        # A row whose last token is in flight reads it from prev's samples (a placeholder 0
-        # here); the rest of its tokens, and every token of the other rows, the host has:
-        # written row by row for the rows with such tokens only (prompts, mostly).
-        in_flight = np.flatnonzero(ends > knowns)  # [F]
-        starts = np.zeros(len(requests) + 1, np.int64)
-        np.cumsum(counts, out=starts[1:])
-        num_tokens = int(starts[-1])
-        tokens = np.zeros(num_tokens, np.int32)  # [N]
-        upto = np.minimum(ends, knowns)
-        for i in np.flatnonzero(upto > firsts).tolist():
-            first, last = int(firsts[i]), int(upto[i])
-            tokens[starts[i]:starts[i] + last - first] = requests[i].tokens_between(first, last)
-        placeholders = starts[1:][in_flight] - 1
-        sources = [requests[i].pending_row for i in in_flight.tolist()]
-        # [S] rows of the persistent tables
-        slots = self.scheduler.rows.slots(requests, output.held())
-        batch = self._step_batch(slots, tokens, counts, firsts)
-        sample_index = self._sample_index(num_tokens, placeholders, sources)
-        return (requests, completes, batch, sample_index,
-                self._sampling_arrays(requests, slots), slots)
-
-    def _dispatch(self, dispatch):
-        """dispatch()'s (results, next_inputs), or a Future of them made on the worker thread
-        (EngineConfig.dispatch_thread), which runs dispatches in launch order: a dispatch that
-        reads the step before's next_inputs finds that step dispatched."""
-        if self._dispatcher is None:
-            return dispatch()
-        return self._dispatcher.submit(dispatch)
-
-    def _sample_index(self, num_tokens: int, placeholders, sources: list[int]
-                      ) -> np.ndarray | None:
-        """int32 [num_tokens]: for the tokens at `placeholders` (indices), whose ids are still
-        in flight, their rows `sources` in the in-flight step's samples; -1 for the host's ids.
-        None when every id is on the host."""
-        if len(placeholders) == 0:
-            return None
-        sample_index = np.full(num_tokens, -1, np.int32)
-        sample_index[placeholders] = sources
-        self.stats.num_tokens_from_device += len(placeholders)
-        return sample_index
-
-    def _step_batch(self, slots: np.ndarray, tokens, counts, firsts) -> StepBatch:
-        """The StepBatch of rows `slots` of the persistent block tables computing `counts`
-        tokens each from positions `firsts` (tokens: all rows' token ids, concatenated)."""
-        rows = self.scheduler.rows
-        num_pages = rows.num_pages[slots]  # [S]
-        return step_batch_from_arrays(
-            np.asarray(tokens, np.int32), np.asarray(counts, np.int32),
-            np.asarray(firsts, np.int32), rows.tables[slots, : max(int(num_pages.max()), 1)],
-            num_pages, self.pool.page_size)
-
-    def _sampling_arrays(self, requests: list[Request], slots: np.ndarray) -> SamplingArrays:
-        """The step's sampling arrays, gathered from the persistent rows (per request only when
-        a request has penalties or logprobs, which need its tokens or more outputs)."""
-        rows = self.scheduler.rows
-        if self._penalized or rows.logprobs[slots].any():
-            return SamplingArrays.from_requests(requests)
-        table = rows.sampling[slots]  # [S, 5]
-        sampled = (table[:, 0] > 0).any()  # greedy rows need no step index
-        return SamplingArrays.from_rows(table, draw_steps(requests) if sampled
-                                        else np.zeros(len(requests), np.int32))
+    def _speculative_round(self) -> tuple[int, list[StreamDelta]]:
+        """One synchronous speculative round (self.spec); returns (sequences run, deltas)."""
+        limit = self._context_limit()
+        spec_round = self.spec.step(limit, self.spec_stats)
+        if spec_round is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could schedule nothing although requests wait")
+            return 0, []
+        self._wait_s += spec_round.wait_s
+        requests = spec_round.requests
+        self.stats.num_computed_tokens += spec_round.num_computed
+        deltas = []
+        for i, (request, tokens) in enumerate(zip(requests, spec_round.new_tokens)):
+            if not tokens:
+                continue
+            logprob = logprob_entry(request, i, *spec_round.logprobs)
+            deltas.append(self._append_tokens(request, tokens, logprob, spec_round.now, limit))
+        self.stats.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
+        return len(requests), deltas
 
     def _finish(self, flight: InFlight) -> list[StreamDelta]:
         """Reads a launched step's samples (waiting for the device) and appends them."""
@@ -412,6 +385,38 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                        logprob_entry(request, i, chosen, top_ids, top_logprobs))
             deltas.append(self._append_tokens(request, [token], logprob, now, limit))
         self.stats.num_generated_tokens += len(deltas)  # one token each
+        return deltas
+
+    def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
+        """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop
+        condition (a request that stopped inside the round drops the rest); returns the
+        deltas. A row none of whose tokens can end its request (no stop id of the round's
+        requests among them, max_tokens and the context not reached: InFlight.may_end), that
+        does not bring its first token and has no text to detokenize is appended whole; the
+        others token by token (_append_tokens)."""
+        limit = self._context_limit()
+        steps = flight.steps
+        requests = flight.requests
+        block = tokens[:, : len(requests)].T  # [S, steps]
+        detokenizers = self._detokenizers
+        deltas = []
+        slow_rows = slow_tokens = 0  # rows appended token by token, and their tokens
+        for r, row, special, complete in zip(requests, block.tolist(),
+                                             self._rows_that_may_stop(flight, block),
+                                             flight.completes):
+            if not complete:
+                continue  # a mixed round's prefill chunk short of the prompt's end
+            r.num_pending -= steps
+            if r.finish_reason is not None:
+                continue  # ended or aborted while the round ran: its tokens are dropped
+            if special or (detokenizers and r.request_id in detokenizers):
+                deltas.append(self._append_tokens(r, row, None, now, limit))
+                slow_rows += 1
+                slow_tokens += len(deltas[-1].token_ids)
+            else:
+                r.output_ids += row
+                deltas.append(StreamDelta(r.group_id, r.sample_index, "", row, None, None))
+        self.stats.num_generated_tokens += steps * (len(deltas) - slow_rows) + slow_tokens
         return deltas
 
     def _rows_that_may_stop(self, flight: InFlight, block: np.ndarray) -> list[bool]:
@@ -545,7 +550,7 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
                       prompt_lens: list[int] | None = None) -> list[tuple[list[int], int, bool]]:
         """The steps (tokens of each sequence, block-table width, verification?) whose programs
         a run can reach (engine/warmup.py)."""
-        return reachable_steps(self.engine_cfg, self.pool, self.runner.fixed_width,
+        return reachable_steps(self.engine_cfg, self.pool, self.runner.min_width,
                                self.spec_config, num_seqs, max_total_len, prompt_lens)
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
@@ -553,16 +558,13 @@ class LLMEngine(SpeculativeRounds, MultiStepRounds):
         """Compiles the programs of `warmup_shapes`; returns how many were new."""
         shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
-        multi_steps = (self.engine_cfg.num_decode_steps if self.runner.supports_multi_step
-                       and self.spec_config is None else 1)
+        rounds = self.rounds
         for i, (q_lens, width, verification) in enumerate(shapes):
             self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
-            if multi_steps > 1 and max(q_lens) == 1 and not verification:
-                self.runner.warmup_multi_step(len(q_lens), width, multi_steps,
-                                              self.engine_cfg.unroll_decode_steps)
-            if multi_steps > 1 and max(q_lens) > 1 and self.engine_cfg.mixed_rounds:
-                self.runner.warmup_mixed_round(q_lens, width, multi_steps,
-                                               self.engine_cfg.unroll_decode_steps)
+            if rounds is not None and max(q_lens) == 1 and not verification:
+                self.runner.warmup_multi_step(len(q_lens), width, rounds.num_steps)
+            if rounds is not None and max(q_lens) > 1 and rounds.mixed_rounds:
+                self.runner.warmup_mixed_round(q_lens, width, rounds.num_steps)
             if progress is not None:
                 progress(i + 1, len(shapes))
         self.runner.warmup_samplers()

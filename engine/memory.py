@@ -71,8 +71,10 @@ def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_
 
 def plan_kv_cache(cfg: ModelConfig, kv_dtype, page_size: int, max_model_len: int,
                   max_num_batched_tokens: int, max_num_seqs: int, memory_fraction: float,
-                  device=None) -> CachePlan:
-    """How many pages fit in `memory_fraction` of the device; ValueError if not one sequence."""
+                  device=None, fit_max_model_len: bool = True) -> CachePlan:
+    """How many pages fit in `memory_fraction` of the device; ValueError if not one sequence of
+    max_model_len tokens (with fit_max_model_len; else if not one page: the caller then bounds
+    its context by the pages there are)."""
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     total, in_use = device_memory(device)
@@ -81,8 +83,11 @@ def plan_kv_cache(cfg: ModelConfig, kv_dtype, page_size: int, max_model_len: int
     budget = int(total * memory_fraction) - in_use - reserve
     num_pages = max(budget // bytes_per_page, 0)
     plan = CachePlan(num_pages, page_size, bytes_per_page, total, in_use, reserve, max_model_len)
+    if not fit_max_model_len and num_pages < 1:
+        raise ValueError(f"memory_fraction={memory_fraction} leaves no room for a KV-cache page "
+                         f"({plan.summary()}): raise --memory_fraction")
     needed = -(-max_model_len // page_size)
-    if num_pages < needed:
+    if fit_max_model_len and num_pages < needed:
         raise ValueError(
             f"memory_fraction={memory_fraction} leaves room for {num_pages} KV-cache pages, but "
             f"one sequence of max_model_len={max_model_len} needs {needed} "

@@ -110,7 +110,7 @@ class Request:
     finish_time: Optional[float] = None
     group_id: int = -1  # the id add_request returned (its samples share it)
     sample_index: int = 0  # which of the group's n samples this is
-    # Its row in the engine's persistent block tables (engine/request_rows.py), -1 when it has
+    # Its row in the runner side's persistent input batch (engine/input_batch.py), -1 when it has
     # none.
     slot: int = -1
     # Token ids that end it: params.stop_token_ids, and the model's EOS ids unless ignore_eos

@@ -28,6 +28,11 @@ from ops.kv_quant import is_quantized_kv_dtype
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 4
 MAX_SHORT_Q = 16  # speculative verification steps: at most this many tokens per sequence
+# On a GPU the attention kernels read only each sequence's own pages, so a block table wider
+# than its sequences costs only its copy to the device: steps pad their tables to at least this
+# many tokens' pages (one width, few programs, for every context up to it) and wider ones to a
+# power of two (a step of 256 sequences with a 128k-token context's full table would copy 8 MB).
+FIXED_WIDTH_TOKENS = 2048
 
 
 @dataclasses.dataclass
@@ -77,7 +82,7 @@ def step_batch_from_arrays(token_ids: np.ndarray, counts: np.ndarray, firsts: np
 
     token_ids int32 [N] (the rows' tokens, concatenated); counts, firsts, num_pages int32 [S]:
     tokens computed, first position, pages held by each row; tables int32 [S, W >= the most
-    pages of a row], zero past each row's pages (engine.request_rows keeps its rows so). The
+    pages of a row], zero past each row's pages (engine.input_batch keeps its rows so). The
     batch's block tables are cut to the widest row.
     """
     num_rows = len(counts)
@@ -124,6 +129,17 @@ def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
             bucket(num_prefill_seqs))
 
 
+def table_widths(max_width: int, page_size: int, platform: str) -> tuple[int, int]:
+    """(least block-table width of any step, least of a prefill step), in pages, for a runner
+    of sequences up to max_width pages on `platform` (a jax platform name). On the CPU decode
+    steps take their own width's bucket and prefill steps the widest (few prefill programs); on
+    a GPU every step pads to FIXED_WIDTH_TOKENS' pages or its own bucket, whichever is wider."""
+    if platform != "gpu":
+        return 1, max_width
+    floor = min(max_width, -(-FIXED_WIDTH_TOKENS // page_size))
+    return floor, floor
+
+
 def input_tokens(fields: dict, prev_samples: jax.Array) -> jax.Array:
     """A step's input token ids [N] (inside its program): the host's, or prev_samples
     [sample_index] where the unpacked fields' sample_index is >= 0 (a token the previous step
@@ -152,9 +168,8 @@ class ModelRunner:
         # ops.backends.device_kernels) and passed to every traced step.
         self.kernels = device_kernels() if kernels is None else kernels
         self.max_seqs, self.max_width = max_seqs, max_width
-        # The GPU kernels read only each sequence's own pages, so a block table as wide as the
-        # longest sequence costs nothing there: one width means fewer programs to compile.
-        self.fixed_width = jax.default_backend() == "gpu"
+        self.min_width, self.prefill_width = table_widths(max_width, page_size,
+                                                          jax.default_backend())
         self.graphdef, self.state = nnx.split(model)
         kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
         # int8 / fp8 KV: until the model stores quantized pages, the pages keep the model's float
@@ -180,9 +195,9 @@ class ModelRunner:
         self._step_and_argmax = jax.jit(self._step_and_argmax_impl, donate_argnums=(1,),
                                         static_argnames=("layout", "out_rows"))
         self._multi_step = jax.jit(self._multi_step_impl, donate_argnums=(1,),
-                                   static_argnames=("layout", "num_steps", "mode", "unroll"))
+                                   static_argnames=("layout", "num_steps", "mode"))
         self._mixed_round = jax.jit(self._mixed_round_impl, donate_argnums=(1,),
-                                    static_argnames=("layout", "num_steps", "mode", "unroll"))
+                                    static_argnames=("layout", "num_steps", "mode"))
 
     def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
@@ -219,12 +234,11 @@ class ModelRunner:
         return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
 
     def _multi_step_impl(self, weights, cache, packed, floats, ints, prev_samples,
-                         layout: StepLayout, num_steps: int, mode: str, unroll: bool = False):
+                         layout: StepLayout, num_steps: int, mode: str):
         """`num_steps` decode steps of one token per sequence in one program (a device loop):
         each step's tokens are the previous step's samples, its positions, cache slots and
         lengths one further. floats / ints: the packed sampling rows (sampling.pack_sampling;
-        each step draws with the step index + i). With `unroll` the steps are traced one after
-        another (no device loop: one straight program, num_steps times longer to compile).
+        each step draws with the step index + i).
         A first token whose sample_index is >= 0 is prev_samples[sample_index] (asynchronous
         scheduling, as in `_step_impl`).
         Returns (tokens int32 [num_steps, S], the last step's tokens int32 [sample_rows]
@@ -234,10 +248,10 @@ class ModelRunner:
         first_tokens = input_tokens(x, prev_samples)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return self._decode_loop(model, cache, first_tokens, x["positions"], x["kv_lens"] > 0,
-                                 x["block_tables"], floats, ints, num_steps, 0, mode, unroll)
+                                 x["block_tables"], floats, ints, num_steps, 0, mode)
 
     def _decode_loop(self, model, cache, first_tokens, positions, real, tables, floats, ints,
-                     num_steps: int, first_draw: int, mode: str, unroll: bool):
+                     num_steps: int, first_draw: int, mode: str):
         """`num_steps` decode steps of the S rows in one device loop: step i computes token
         first_tokens (then each step's samples) at positions + i, in the rows where `real`
         (the others compute nothing and write nowhere), and samples with draw index ints[2] +
@@ -263,8 +277,7 @@ class ModelRunner:
             return cache, tokens, out.at[i].set(tokens)
 
         out = jnp.zeros((num_steps, num_seqs), jnp.int32)
-        cache, last, out = jax.lax.fori_loop(0, num_steps, body, (cache, first_tokens, out),
-                                             unroll=unroll)
+        cache, last, out = jax.lax.fori_loop(0, num_steps, body, (cache, first_tokens, out))
         return out, jnp.pad(last, (0, self.sample_rows - last.shape[0])), cache
 
     @staticmethod
@@ -277,7 +290,7 @@ class ModelRunner:
         return sample_from_packed(logits, floats, ints.at[2].add(draw), mode=mode)
 
     def _mixed_round_impl(self, weights, cache, packed, floats, ints, prev_samples,
-                          layout: StepLayout, num_steps: int, mode: str, unroll: bool = False):
+                          layout: StepLayout, num_steps: int, mode: str):
         """A step of any kind (prefill chunks and decodes mixed, `_step_impl`) and then
         num_steps - 1 decode steps of its rows, in one program. packed: the step's inputs
         (step_inputs.pack) followed by one int32 per row, 1 where the row's step token is its
@@ -293,11 +306,11 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         rest, last, cache = self._decode_loop(model, cache, first, x["kv_lens"], complete,
                                               x["block_tables"], floats, ints, num_steps - 1,
-                                              1, mode, unroll)
+                                              1, mode)
         return jnp.concatenate([first[None], rest]), last, cache
 
     def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
-                           unroll: bool = False, prev_samples: jax.Array | None = None,
+                           prev_samples: jax.Array | None = None,
                            sample_index: np.ndarray | None = None) -> tuple:
         """Runs `num_steps` decode steps of a decode batch (one token per sequence, every
         sequence with room in its pages for num_steps tokens) as one program, without waiting.
@@ -305,16 +318,15 @@ class ModelRunner:
         [:, :S]; their copy to the host has started) and the last step's tokens int32
         [sample_rows], from which a next step launched before the host reads these can take
         its input tokens (asynchronous scheduling; prev_samples and sample_index as in
-        `execute_padded`). No penalties or logprobs (they need the host between steps).
-        `unroll`: see `_multi_step_impl`."""
+        `execute_padded`). No penalties or logprobs (they need the host between steps)."""
         if len(batch.token_ids) != batch.num_seqs:
             raise ValueError(f"multi-step decoding needs one token per sequence, got "
                              f"{len(batch.token_ids)} tokens for {batch.num_seqs} sequences")
-        return self._run_round(self._multi_step, "multi_step", batch, arrays, num_steps, unroll,
+        return self._run_round(self._multi_step, "multi_step", batch, arrays, num_steps,
                                prev_samples, sample_index)
 
     def execute_mixed_round(self, batch: StepBatch, complete: np.ndarray,
-                            arrays: SamplingArrays, num_steps: int, unroll: bool = False,
+                            arrays: SamplingArrays, num_steps: int,
                             prev_samples: jax.Array | None = None,
                             sample_index: np.ndarray | None = None) -> tuple:
         """Runs a step of any kind and then num_steps - 1 decode steps of the rows where
@@ -326,10 +338,10 @@ class ModelRunner:
         if len(complete) != batch.num_seqs:
             raise ValueError(f"complete has {len(complete)} rows for {batch.num_seqs} sequences")
         return self._run_round(self._mixed_round, "mixed_round", batch, arrays, num_steps,
-                               unroll, prev_samples, sample_index, complete)
+                               prev_samples, sample_index, complete)
 
     def _run_round(self, program, kind: str, batch: StepBatch, arrays: SamplingArrays,
-                   num_steps: int, unroll: bool, prev_samples, sample_index,
+                   num_steps: int, prev_samples, sample_index,
                    complete: np.ndarray | None = None) -> tuple:
         """Pads and packs a round's batch (with `complete` appended, for a mixed round), runs
         the jitted `program` without waiting and starts its tokens' copy to the host; returns
@@ -338,28 +350,25 @@ class ModelRunner:
             raise ValueError(f"a {kind.replace('_', '-')} round takes no penalties or logprobs")
         layout, packed = self._padded(batch, sample_index)
         mode = arrays.mode()
-        self.compiled_shapes.add((kind, layout, num_steps, mode, unroll))
+        self.compiled_shapes.add((kind, layout, num_steps, mode))
         if complete is not None:
             packed = np.concatenate([packed, _pad(np.asarray(complete, np.int32),
                                                   (layout.num_seqs,), 0)])
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
         tokens, last, self.cache = program(
             self._weights, self.cache, packed, floats, ints,
-            self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode,
-            unroll)
+            self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode)
         tokens.copy_to_host_async()
         return tokens, last
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket."""
         q_lens = np.diff(batch.query_start_loc)
-        width = batch.block_tables.shape[1]
-        if self.fixed_width:
-            width = max(self.max_width, width)
+        width = max(self.min_width, batch.block_tables.shape[1])
         key = bucket_key(len(batch.token_ids), batch.num_seqs, width,
                          int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
-                         max(self.max_seqs, batch.num_seqs),
-                         max(self.max_width, batch.block_tables.shape[1]), batch.verification)
+                         max(self.max_seqs, batch.num_seqs), max(self.prefill_width, width),
+                         batch.verification)
         n, s, w, max_q, max_prefill = key
         self.compiled_shapes.add(key)
         start = np.full(s + 1, batch.query_start_loc[-1], np.int32)
@@ -431,22 +440,20 @@ class ModelRunner:
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
 
-    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int,
-                          unroll: bool = False) -> None:
+    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int) -> None:
         """Compiles the greedy multi-step program of a decode batch (running it on padding:
         nothing is written). Sampled multi-step programs compile when first used."""
         dummy = _padding_batch([1] * num_seqs, num_pages)
-        np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs), num_steps,
-                                           unroll)[0])
+        np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs),
+                                           num_steps)[0])
 
-    def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int,
-                           unroll: bool = False) -> None:
+    def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int) -> None:
         """Compiles the greedy mixed-round program of a step whose sequences compute q_lens
         tokens each (on padding: nothing is written)."""
         dummy = _padding_batch(q_lens, num_pages)
         np.asarray(self.execute_mixed_round(dummy, np.zeros(dummy.num_seqs, np.bool_),
-                                            SamplingArrays.defaults(dummy.num_seqs), num_steps,
-                                            unroll)[0])
+                                            SamplingArrays.defaults(dummy.num_seqs),
+                                            num_steps)[0])
 
     def warmup_samplers(self) -> None:
         """Compiles the sampler programs of batches with sampled rows (without and with top-k /

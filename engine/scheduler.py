@@ -19,7 +19,6 @@ import numpy as np
 
 from engine.block_pool import BlockPool
 from engine.request import FinishReason, Request
-from engine.request_rows import RequestRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +49,16 @@ class SchedulerOutput:
     The entries' columns are lists, made once on first use (`requests`, `counts`, ...), and
     numpy arrays (`columns`, `held`): what changes after scheduling changes them (a speculative
     round's accepted tokens `counts`, a round's new pages `held`). For a speculating request a
-    row's count is its last token plus request.lookahead proposed tokens."""
+    row's count is its last token plus request.lookahead proposed tokens.
+
+    `released`: the requests whose pages were freed since the previous output (finished,
+    aborted, or preempted, this step's preemptions included): the runner side's persistent
+    rows give their slots back (engine/input_batch.py)."""
 
     entries: list[tuple[Request, int, int, int, int, int]]
     preempted: list[Request]
     num_admitted: int = 0  # waiting requests admitted this step (the last entries)
+    released: list[Request] = dataclasses.field(default_factory=list)
     _lists: tuple | None = dataclasses.field(default=None, repr=False)
     _columns: tuple | None = dataclasses.field(default=None, repr=False)
     _held: np.ndarray | None = dataclasses.field(default=None, repr=False)
@@ -104,9 +108,7 @@ class Scheduler:
         self._order = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Persistent block tables and sampling rows of the running requests (the engine reads
-        # them to build each step; a request's slot goes when its pages go).
-        self.rows = RequestRows(config.max_num_seqs, pool.pages_needed(config.max_model_len))
+        self._released: list[Request] = []  # pages freed since the last output (its `released`)
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -149,20 +151,16 @@ class Scheduler:
         self.pool.free(request.pages)
         request.pages = []
         request.num_cached_pages = 0
-        self.rows.release(request)
+        self._released.append(request)
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def schedule(self, hold_limit: int | None = None, admit: bool = True,
-                 whole_prompts: bool = False) -> SchedulerOutput:
+    def schedule(self, hold_limit: int | None = None) -> SchedulerOutput:
         """Chooses this step's requests and token counts, allocating their pages.
 
         hold_limit (asynchronous scheduling: the context limit): a request whose tokens in
         flight end it by length (max_tokens, or this many tokens) is skipped: it computes
-        nothing more. admit=False: no waiting request is admitted this step unless none is
-        running. whole_prompts: a waiting request whose prompt does not fit the remaining
-        budget is admitted (and chunked) only as the step's first admission. The engine sets
-        both for multi-step rounds, which need every running request decoding.
+        nothing more.
         """
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput([], [])
@@ -199,21 +197,20 @@ class Scheduler:
             entries.append((request, num_new, computed, num_tokens, pending, num_pages))
             budget -= num_new
         # 2. Waiting requests, by priority then arrival, while budgets and pages allow.
-        admit = admit or not self.running
-        while (admit and self._waiting and budget > 0 and not preempted
+        while (self._waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self._waiting[0][2]
             if request.num_pending:
                 break  # preempted while a token was in flight: readmitted once it is read
             if request.wait_for is not None and not request.wait_for.prompt_cached:
                 break  # a parallel sample waits until its sibling's prompt pages are cached
-            if not self._admit(request, budget, out,
-                               allow_partial=not (whole_prompts and out.num_admitted)):
+            if not self._admit(request, budget, out):
                 break
             heapq.heappop(self._waiting)
             self.running.append(request)
             budget -= entries[-1][1]
             out.num_admitted += 1
+        out.released, self._released = self._released, []
         return out
 
     def _grow_or_preempt(self, request: Request, num_tokens: int,
@@ -228,14 +225,13 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput,
-               allow_partial: bool = True) -> bool:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         # At least one token must be computed to produce logits: never hit the whole sequence.
         cached = self.pool.cached_prefix(request.token_ids, request.num_tokens - 1)
         num_computed = len(cached) * self.pool.page_size
         num_new = min(request.num_tokens - num_computed, budget)
-        if num_new < request.num_tokens - num_computed and not (
-                allow_partial and self.config.enable_chunked_prefill):
+        if (num_new < request.num_tokens - num_computed
+                and not self.config.enable_chunked_prefill):
             self.pool.free(cached)
             return False
         pages = list(cached)

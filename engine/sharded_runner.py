@@ -26,6 +26,7 @@ the cache, as the single-device runner does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +36,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs.model import ModelConfig
+from engine.block_pool import BlockPool
 from engine.mesh import DATA, mesh_shape
 from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepBatch,
-                           bucket, bucket_key, input_tokens, start_copies)
+                           bucket, bucket_key, input_tokens, start_copies, table_widths)
 from engine.sampling import SamplingArrays, sample_step
-from engine.sharding import init_sharded_kv_cache, replicated
+from engine.sharded_pool import ShardedBlockPool
+from engine.sharding import init_sharded_kv_cache, kv_local_config, replicated
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, forward
 from models.sharding import attention_plan, put, shard_state
@@ -95,7 +98,8 @@ class ShardedModelRunner(ModelRunner):
         self.model_cfg = cfg
         self.plan = attention_plan(cfg, self.tp)
         self.max_seqs, self.max_width = max_seqs, max_width
-        self.fixed_width = jax.default_backend() == "gpu"
+        self.min_width, self.prefill_width = table_widths(max_width, page_size,
+                                                          jax.default_backend())
         self.graphdef, state = nnx.split(model)
         self.state, self.cfg = shard_state(state, cfg, mesh)
         kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
@@ -167,7 +171,7 @@ class ShardedModelRunner(ModelRunner):
         max_q = int(q_lens.max(initial=1))
         max_seqs = max(self.max_seqs, batch.num_seqs)
         key = bucket_key(tokens, seqs, width, max_q, prefill, max_seqs,
-                         max(self.max_width, batch.block_tables.shape[1]))
+                         max(self.prefill_width, width))
         n, s, w, q, p = key
         if n >= tokens and s >= seqs and w >= width and q >= max_q and p >= prefill:
             return key
@@ -185,9 +189,7 @@ class ShardedModelRunner(ModelRunner):
         q_lens = np.diff(batch.query_start_loc)
         shard = self._shard_of_seqs(batch)  # [S_batch]
         groups = [np.flatnonzero(shard == d) for d in range(dp)]
-        width = batch.block_tables.shape[1]
-        if self.fixed_width:
-            width = max(self.max_width, width)
+        width = max(self.min_width, batch.block_tables.shape[1])
         key = self._bucket(q_lens, groups, width, batch)
         n, s, w, _, _ = key
         # Each sequence's index j within its shard and first token t0 within its shard's tokens.
@@ -317,12 +319,6 @@ def sharded_engine_parts(mesh, cfg: ModelConfig, engine_cfg, num_pages_for):
     num_pages_for(cfg) sizes the cache as the engine does; it gets a config with the KV heads one
     device stores, so a memory fraction counts each device's own share of a page.
     """
-    import functools
-
-    from engine.block_pool import BlockPool
-    from engine.sharded_pool import ShardedBlockPool
-    from engine.sharding import kv_local_config
-
     _, dp = mesh_shape(mesh)
     num_pages = num_pages_for(kv_local_config(cfg, mesh))
     if dp == 1:

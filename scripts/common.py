@@ -1,6 +1,7 @@
 """Flags and helpers shared by the absl entry points in scripts/."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from engine.api import default_dtype, load_prepared
-from engine.llm_engine import EngineConfig
+from engine.engine_config import EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
 from models.prepare import check_preparation, prepare_for_device
 from ops.quant_wgmma import on_hopper
@@ -48,43 +49,39 @@ def define_model_flags() -> None:
 
 
 def define_engine_flags() -> None:
-    """Engine sizing and batching flags."""
+    """Engine sizing and batching flags; unset ones take the device's default
+    (engine/engine_config.py: the fastest measured serving configuration on a GPU, small sizes
+    on the CPU)."""
     flags.DEFINE_integer("max_model_len", None,
-                         "Longest sequence (prompt + output) served (default: the model's context, "
-                         "at most 2048).")
-    flags.DEFINE_integer("max_num_seqs", 8, "Most sequences running at once.")
-    flags.DEFINE_integer("max_num_batched_tokens", 512,
-                         "Most tokens computed in one step (longer prompts are chunked).")
+                         "Longest sequence (prompt + output) served (default: the model's "
+                         "context; on a GPU bounded by what the KV cache holds, on the CPU by "
+                         "2048).")
+    flags.DEFINE_integer("max_num_seqs", None,
+                         "Most sequences running at once (default: 256 on a GPU, 8 on the CPU).")
+    flags.DEFINE_integer("max_num_batched_tokens", None,
+                         "Most tokens computed in one step, longer prompts are chunked (default: "
+                         "2048 on a GPU, 512 on the CPU).")
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
     flags.DEFINE_integer("num_pages", None, "KV-cache pages (overrides --memory_fraction).")
     flags.DEFINE_float("memory_fraction", None,
                        "Size the KV cache to fill this fraction of device memory (default: 0.9 "
-                       "on GPUs; on the CPU, room for max_num_seqs full-length sequences).")
+                       "on a GPU; on the CPU, room for max_num_seqs full-length sequences).")
     flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached pages of shared prefixes.")
     flags.DEFINE_bool("enable_chunked_prefill", True, "Split long prompts across steps.")
-    flags.DEFINE_bool("async_scheduling", False,
+    flags.DEFINE_bool("async_scheduling", None,
                       "Schedule and launch the next step while the device runs the current one "
                       "(host work hides behind device work); speculation and penalties run "
-                      "synchronously.")
-    flags.DEFINE_bool("dispatch_thread", False,
-                      "With --async_scheduling: dispatch each step's program from a worker "
-                      "thread, so the engine's Python runs while XLA launches the step.")
-    flags.DEFINE_integer("num_decode_steps", 1,
+                      "synchronously (default: on on a GPU, off on the CPU).")
+    flags.DEFINE_integer("num_decode_steps", None,
                          "Decode steps per program while every running request decodes "
                          "(multi-step scheduling: the host works once per this many steps; "
-                         "with --async_scheduling rounds overlap too). 1: off.")
-    flags.DEFINE_bool("pause_admissions_for_rounds", False,
-                      "With --num_decode_steps: after a step that admitted requests, admit none "
-                      "while fewer than 1/8 of the slots are free, and chunk only a step's first "
-                      "admitted prompt, so that the next step can be a round.")
+                         "with --async_scheduling rounds overlap too). 1: off (default: 8 on a "
+                         "GPU, 1 on the CPU).")
     flags.DEFINE_bool("mixed_rounds", True,
                       "With --num_decode_steps: run a step with prefill chunks and then "
                       "num_decode_steps - 1 decode steps of its rows in one program, when more "
                       "than half of the sequence slots are scheduled (--nomixed_rounds: such "
                       "steps run alone).")
-    flags.DEFINE_bool("unroll_decode_steps", False,
-                      "With --num_decode_steps: trace a round's steps one after another (one "
-                      "straight program) instead of a device loop; compiles longer.")
 
 
 def define_quant_flags() -> None:
@@ -127,23 +124,21 @@ def resolve_dtype(name: str | None):
 
 
 def engine_config_from_flags(FLAGS, cfg):
-    """The EngineConfig of the engine flags for model config `cfg`."""
-    max_model_len = FLAGS.max_model_len or min(2048, cfg.max_position_embeddings)
-    memory_fraction = FLAGS.memory_fraction
-    if memory_fraction is None and FLAGS.num_pages is None and jax.default_backend() != "cpu":
-        memory_fraction = 0.9
-    return EngineConfig(max_model_len=max_model_len, max_num_seqs=FLAGS.max_num_seqs,
-                        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-                        page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
-                        memory_fraction=memory_fraction,
-                        enable_prefix_caching=FLAGS.enable_prefix_caching,
-                        enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
-                        async_scheduling=FLAGS.async_scheduling,
-                        dispatch_thread=FLAGS.dispatch_thread,
-                        num_decode_steps=FLAGS.num_decode_steps,
-                        pause_admissions_for_rounds=FLAGS.pause_admissions_for_rounds,
-                        mixed_rounds=FLAGS.mixed_rounds,
-                        unroll_decode_steps=FLAGS.unroll_decode_steps)
+    """The EngineConfig of the engine flags for model config `cfg`, resolved for this process's
+    jax backend (engine.engine_config.resolve_engine_config), except an unset --max_model_len:
+    it stays None, for LLMEngine to bound the model's context by the KV cache it plans."""
+    requested = EngineConfig(max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs,
+                             max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                             page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+                             memory_fraction=FLAGS.memory_fraction,
+                             enable_prefix_caching=FLAGS.enable_prefix_caching,
+                             enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
+                             async_scheduling=FLAGS.async_scheduling,
+                             num_decode_steps=FLAGS.num_decode_steps,
+                             mixed_rounds=FLAGS.mixed_rounds)
+    resolved = resolve_engine_config(requested, cfg.max_position_embeddings,
+                                     jax.default_backend())
+    return dataclasses.replace(resolved, max_model_len=FLAGS.max_model_len)
 
 
 def fail(message: str) -> None:

@@ -344,7 +344,7 @@ def main(argv):
         loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         compare = parse_compare(FLAGS.compare, engine_cfg)
-        if spec.longest > engine_cfg.max_model_len:
+        if engine_cfg.max_model_len is not None and spec.longest > engine_cfg.max_model_len:
             raise ValueError(f"shared_prefix_len + max_input_len + max_output_len = "
                              f"{spec.longest} exceeds max_model_len {engine_cfg.max_model_len}")
         work = make_workload(spec, FLAGS.seed, loaded.cfg.vocab_size)

@@ -7,7 +7,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from engine.api import default_engine_config, load_engine, load_prepared
+from engine.api import load_engine, load_prepared
 from engine.llm_engine import EngineConfig
 from engine.request import SamplingParams
 from engine.speculative import SpecConfig
@@ -39,16 +39,11 @@ def test_load_engine_generates_what_the_command_generates():
 
 
 def test_defaults_on_the_cpu():
-    """On the CPU: float32 weights, projections left unfused (auto), EngineConfig's sizes with
-    the context capped at the model's, an engine config built from the loaded config."""
+    """On the CPU: float32 weights, projections left unfused (auto), and an engine config built
+    from the loaded config."""
     loaded, settings = load_prepared(TINY_DIR, log=pytest.fail)  # no note: nothing to change
     assert settings is None and not loaded.cfg.fused_projections
     assert loaded.model.embed_tokens.embedding.get_value().dtype == jnp.float32
-    cfg = default_engine_config(loaded.cfg, "cpu")
-    assert cfg.max_model_len == min(EngineConfig.max_model_len,
-                                    loaded.cfg.max_position_embeddings)
-    assert cfg.memory_fraction is None
-    assert default_engine_config(loaded.cfg, "gpu").memory_fraction == 0.9
     seen = []
     engine = load_engine(TINY_DIR, engine_config=lambda c: seen.append(c) or EngineConfig(
         max_model_len=64, max_num_seqs=2))

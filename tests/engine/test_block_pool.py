@@ -411,41 +411,6 @@ def test_scheduler_preempts_the_youngest_and_never_schedules_a_preempted_request
     pool.check_invariants()
 
 
-def test_scheduler_admission_flags():
-    """admit=False admits no waiting request while one runs (and does when none runs);
-    whole_prompts chunks a prompt only as the step's first admission: a later prompt that
-    does not fit what is left of the budget waits, whole, for the next admitting step."""
-    from engine.request import Request, SamplingParams
-    from engine.scheduler import Scheduler, SchedulerConfig
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24,
-                                      max_model_len=64), BlockPool(32, 4))
-    lengths = [30, 10, 10, 23]
-    reqs = [Request(i, list(range(40 * i, 40 * i + n)), SamplingParams(), 0)
-            for i, n in enumerate(lengths)]
-    for r in reqs:
-        sched.add(r)
-    held = sched.schedule(admit=False)  # nothing runs: it admits anyway
-    assert list(zip(held.requests, held.counts)) == [(reqs[0], 24)]
-    assert held.num_admitted == 1  # the first admission is chunked (30 > 24)
-    sched.update_computed(held)
-    none = sched.schedule(admit=False)  # reqs[0] runs: no admission, its last chunk only
-    assert list(zip(none.requests, none.counts)) == [(reqs[0], 6)]
-    assert none.num_admitted == 0 and sched.num_waiting == 3
-    sched.update_computed(none)
-    reqs[0].output_ids.append(5)
-    whole = sched.schedule(whole_prompts=True)  # 1 decode + 10 + 10 fit; 23 > 3 left waits
-    assert list(zip(whole.requests, whole.counts)) == [
-        (reqs[0], 1), (reqs[1], 10), (reqs[2], 10)]
-    assert whole.num_admitted == 2 and sched.num_waiting == 1 and not reqs[3].pages
-    sched.update_computed(whole)
-    for r in reqs[:3]:
-        r.output_ids.append(6)
-    chunked = sched.schedule(whole_prompts=True)  # 3 decodes, then 21 of 23 as a first admission
-    assert list(zip(chunked.requests, chunked.counts)) == [
-        (reqs[0], 1), (reqs[1], 1), (reqs[2], 1), (reqs[3], 21)]
-    sched.pool.check_invariants()
-
-
 def test_pages_past_the_prompt_are_keyed_when_the_request_releases_them():
     """While a request runs only its prompt's full pages are in the prefix cache; when it
     releases its pages (here by abort; finish and preemption release the same way) every full

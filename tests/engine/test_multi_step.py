@@ -14,6 +14,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.multi_step import MIXED
 from engine.request import FinishReason, SamplingParams
 from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
                                                    engine_maker, random_prompt, request_streams,
@@ -67,14 +68,12 @@ def test_random_streams_equal_single_steps(make_engine):
     assert sum(multi) > 0
 
 
-@pytest.mark.parametrize("dispatch_thread", [False, True])
-def test_random_streams_with_asynchronous_rounds_equal_single_steps(make_engine, dispatch_thread):
+def test_random_streams_with_asynchronous_rounds_equal_single_steps(make_engine):
     """Asynchronous scheduling with multi-step rounds (each round or step launched before the
-    host reads the one before), its dispatches made on the engine's thread or on a worker
-    thread: the same outcomes as synchronous single steps, and rounds did read their first
-    tokens on the device."""
+    host reads the one before): the same outcomes as synchronous single steps, and rounds did
+    read their first tokens on the device."""
     overlapped = []
-    config = dataclasses.replace(MULTI_ASYNC_STRESS, dispatch_thread=dispatch_thread)
+    config = MULTI_ASYNC_STRESS
 
     @HYPOTHESIS
     @given(stream=request_streams())
@@ -92,12 +91,12 @@ def test_random_streams_with_asynchronous_rounds_equal_single_steps(make_engine,
     assert sum(r for r, _ in overlapped) > 0 and sum(t for _, t in overlapped) > 0
 
 
-@pytest.mark.parametrize("unroll,overlap", [(False, False), (True, False), (False, True)])
-def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, unroll, overlap):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, overlap):
     """max_tokens that are not multiples of the round, a stop token met inside a round and
     seeded sampling (plain and with cuts): the tokens of single steps; the stopped request's
-    extra tokens are computed and dropped, and every page is free at the end; rounds as a
-    device loop, unrolled, and launched asynchronously."""
+    extra tokens are computed and dropped, and every page is free at the end; rounds launched
+    synchronously and asynchronously."""
     rng = np.random.default_rng(40)
     prompts = [random_prompt(rng, n) for n in (5, 17, 30, 9)]
     [free_run] = make_engine(SINGLE_BASE).generate(
@@ -109,8 +108,7 @@ def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, unroll
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.1, top_k=20,
                              top_p=0.9, seed=6)]
     results = {}
-    for cfg in (SINGLE_BASE, dataclasses.replace(MULTI_BASE, unroll_decode_steps=unroll,
-                                                 async_scheduling=overlap)):
+    for cfg in (SINGLE_BASE, dataclasses.replace(MULTI_BASE, async_scheduling=overlap)):
         engine = make_engine(cfg)
         log = multi_step_rounds(engine)
         outs = engine.generate(prompts, params)
@@ -172,11 +170,9 @@ def test_warmup_compiles_the_rounds_a_run_reaches(make_engine, mixed):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_outputs_under_load_with_and_without_the_admission_pause(overlap):
+def test_outputs_under_load(overlap):
     """Under load (three times more requests than slots, a request ending almost every step),
-    rounds with admissions paused for them (EngineConfig.pause_admissions_for_rounds) and
-    (synchronous only: the suite's time) without give single steps' outputs, rounds ran while
-    requests waited, and no page leaks."""
+    rounds give single steps' outputs, rounds ran while requests waited, and no page leaks."""
     rng = np.random.default_rng(42)
     prompts = [random_prompt(rng, int(n)) for n in rng.integers(4, 24, 48)]
     params = [SamplingParams(max_tokens=int(n), ignore_eos=True)
@@ -186,9 +182,8 @@ def test_outputs_under_load_with_and_without_the_admission_pause(overlap):
                                  async_scheduling=overlap)
     make_engine = engine_maker(unit_scale_model(CFG, 3))  # its own: 16 slots, not 4
     outs = []
-    for steps, pause in ((1, True), (4, True)) + (() if overlap else ((4, False),)):
-        engine = make_engine(dataclasses.replace(loaded, num_decode_steps=steps,
-                                                 pause_admissions_for_rounds=pause))
+    for steps in (1, 4):
+        engine = make_engine(dataclasses.replace(loaded, num_decode_steps=steps))
         engine.stats = type(engine.stats)(record_steps=True)
         outs.append([o.output_ids for o in engine.generate(prompts, params)])
         check_all_free(engine)
@@ -214,12 +209,14 @@ def test_random_streams_with_mixed_rounds_equal_single_steps(make_engine, overla
     @given(stream=request_streams())
     def run(stream):
         def instrument(engine):
-            launches, inner = [], engine._launch_mixed_round
+            launches, inner = [], engine.rounds.launch if engine.rounds else None
 
-            def launch(output):
-                launches.append(len(output.entries))
-                return inner(output)
-            engine._launch_mixed_round = launch
+            def launch(kind, output, prev_inputs):
+                if kind == MIXED:
+                    launches.append(len(output.entries))
+                return inner(kind, output, prev_inputs)
+            if engine.rounds is not None:
+                engine.rounds.launch = launch
             return launches
 
         _, launches = same_outcomes_across(make_engine, (STRESS, config), stream, instrument)

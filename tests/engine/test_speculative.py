@@ -443,14 +443,14 @@ def test_engine_sampling_distribution_matches_the_target(small_vocab_models, tem
 # --------------------------------------------------- batch cut-off, adaptive k, counters, n-grams
 
 def record_lookaheads(engine):
-    """Wraps the engine's speculation planning to log each step's {request id: lookahead}."""
-    log, plan = [], engine._plan_speculation
+    """Wraps the speculative component's planning to log each step's {request id: lookahead}."""
+    log, plan = [], engine.spec.plan
 
-    def planned():
-        plan()
+    def planned(context_limit):
+        plan(context_limit)
         log.append({r.request_id: r.lookahead for r in engine.scheduler.running})
 
-    engine._plan_speculation = planned
+    engine.spec.plan = planned
     return log
 
 
@@ -470,14 +470,15 @@ def test_no_speculation_above_the_batch_cut_off(make_engine):
 
 
 def record_verifications(engine):
-    """Wraps the engine's post-verification update to log (request id, drafted, accepted)."""
-    log, after = [], engine._after_verification
+    """Wraps the speculative component's post-verification update to log (request id,
+    drafted, accepted)."""
+    log, after = [], engine.spec.after_verification
 
-    def logged(request, output, row, accepted):
+    def logged(request, output, row, accepted, stats):
         log.append((request.request_id, len(request.spec_tokens), accepted))
-        after(request, output, row, accepted)
+        after(request, output, row, accepted, stats)
 
-    engine._after_verification = logged
+    engine.spec.after_verification = logged
     return log
 
 

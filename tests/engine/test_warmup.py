@@ -51,3 +51,30 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
     assert [len(o.output_ids) for o in outs] == [6, 5]
     assert engine.runner.compiled_shapes == compiled
     assert sample_packed._cache_size() == samplers
+
+
+def test_block_table_widths_on_a_gpu_and_the_cpu():
+    """On a GPU steps pad their tables to FIXED_WIDTH_TOKENS' pages (one width for every context
+    up to it) and wider ones to their power of two; the warm-up lists those widths only. On the
+    CPU decode steps take their own bucket and prefill steps the widest."""
+    from engine.block_pool import BlockPool
+    from engine.engine_config import resolve_engine_config
+    from engine.runner import FIXED_WIDTH_TOKENS, bucket_key, table_widths
+    from engine.warmup import reachable_steps
+    floor = FIXED_WIDTH_TOKENS // 16
+    assert table_widths(8192, 16, "gpu") == (floor, floor)
+    assert table_widths(40, 16, "gpu") == (40, 40)  # a short context: its own width
+    assert table_widths(8192, 16, "cpu") == (1, 8192)
+    # A decode step of 256 sequences: the floor, or the bucket of a wider table.
+    assert bucket_key(256, 256, max(floor, 5), 1, 0, 256, 8192)[2] == floor
+    assert bucket_key(256, 256, max(floor, 300), 1, 0, 256, 8192)[2] == 512
+    # A prefill step pads to the floor on a GPU, not to the 128k context's 8192 pages.
+    assert bucket_key(2048, 3, floor, 2000, 2, 256, floor)[2] == floor
+    cfg = resolve_engine_config(EngineConfig(max_model_len=131072, num_pages=9000), 131072,
+                                "gpu")
+    pool = BlockPool(9000, 16, False)
+    widths = {w for q_lens, w, _ in reachable_steps(cfg, pool, floor) if max(q_lens) == 1}
+    assert widths == {floor << i for i in range(7)}  # 128 ... 8192
+    widths = {w for q_lens, w, _ in reachable_steps(cfg, pool, floor, max_total_len=1152)
+              if max(q_lens) == 1}
+    assert widths == {floor}

@@ -1,9 +1,9 @@
-"""engine/request_rows.py: persistent block tables and sampling rows against the page lists."""
+"""engine/input_batch.py: persistent block tables and sampling rows against the page lists."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from engine.request import Request, SamplingParams
-from engine.request_rows import RequestRows
+from engine.input_batch import InputBatch
 from engine.runner import make_step_batch, step_batch_from_arrays
 
 
@@ -21,7 +21,7 @@ def test_gathered_rows_equal_each_requests_pages(ops):
     readmission) and lists cut short without a release: after every operation the gathered
     rows hold exactly each request's pages and zeros after them (released rows are cleared:
     step_batch_from_arrays relies on it)."""
-    rows = RequestRows(capacity=2, width=3)  # small: both dimensions must grow
+    rows = InputBatch(capacity=2, width=3, page_size=4)  # small: both dimensions must grow
     requests = [make_request(i, temperature=0.5 * (i % 2)) for i in range(6)]
     next_page = 0
     for index, op, count in ops:
@@ -61,7 +61,7 @@ def test_gathered_rows_equal_each_requests_pages(ops):
 
 
 def test_slots_are_reused_and_capacity_grows():
-    rows = RequestRows(capacity=1, width=2)
+    rows = InputBatch(capacity=1, width=2, page_size=4)
     a, b, c = (make_request(i) for i in range(3))
     for r in (a, b, c):
         r.pages = [r.request_id]
@@ -72,3 +72,35 @@ def test_slots_are_reused_and_capacity_grows():
     assert rows.tables[0, 0] == c.request_id
     slots = rows.slots([make_request(9, logprobs=2)])  # grows the rows again
     assert rows.capacity == 4 and rows.logprobs[slots].tolist() == [True]
+
+
+def test_rows_follow_the_schedulers_releases():
+    """The scheduler reports every request whose pages it freed (finished, aborted, preempted)
+    in its next output's `released`; `update` gives their slots back, so a preempted request
+    readmitted later writes a fresh row of its new pages."""
+    from engine.block_pool import BlockPool
+    from engine.request import FinishReason
+    from engine.scheduler import Scheduler, SchedulerConfig
+    pool = BlockPool(6, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=24), pool)
+    batch = InputBatch(capacity=4, width=6, page_size=4)
+    a, b, c = (Request(i, [1] * 7, SamplingParams(), seed=i) for i in range(3))
+    for r in (a, b, c):
+        scheduler.add(r)
+    out = scheduler.schedule()  # 2 pages each: the pool is full
+    batch.update(out)
+    batch.slots(out.requests, out.held())
+    assert batch.num_used == 3 and not out.released
+    scheduler.update_computed(out)
+    scheduler.finish(a, FinishReason.STOP)
+    for r in (b, c):
+        r.output_ids.append(5)  # a token more each: both grow into a's freed pages
+    out = scheduler.schedule()
+    assert out.released == [a]
+    batch.update(out)
+    assert a.slot == -1 and batch.num_used == 2
+    slots = batch.slots(out.requests, out.held())
+    for r, slot in zip(out.requests, slots.tolist()):
+        assert batch.tables[slot, : len(r.pages)].tolist() == r.pages
+        assert not batch.tables[slot, len(r.pages):].any()
