@@ -2,7 +2,7 @@
 VENV ?= .venv
 PROMPT ?= What is the capital of France?
 ARGS ?=
-# pytest-xdist workers of `make test`
+# pytest-xdist workers of `make test` (two fit the 2-core CI machine)
 TEST_WORKERS ?= 2
 PYTHON_BIN := $(VENV)/bin/python
 

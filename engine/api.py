@@ -79,9 +79,10 @@ def load_engine(model: str, *, dtype=None, random_weights: bool = False, seed: i
     """An LLMEngine over `model`, loaded, quantized and prepared as scripts.serve does.
 
     engine_config: the engine's sizes; a function of the model's config; or None: the device's
-    defaults (engine/engine_config.py), which LLMEngine resolves. speculative: n-gram or draft-model speculation; a draft model
-    (`draft_model`, any form `model` takes) is loaded in the same dtype and prepared for one
-    device, since it runs unsharded. The other arguments are load_prepared's.
+    defaults (engine/engine_config.py), which LLMEngine resolves. speculative: n-gram or
+    draft-model speculation; a draft model (`draft_model`, any form `model` takes) is loaded in
+    the same dtype and prepared for one device, since it runs unsharded. The other arguments
+    are load_prepared's.
     """
     if speculative is not None and speculative.method == "draft" and not draft_model:
         raise ValueError("speculative method 'draft' needs a draft model (draft_model, "

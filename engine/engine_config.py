@@ -25,9 +25,8 @@ class DeviceDefaults:
     max_model_len: int | None  # the longest default context; None: the model's own
 
 
-# Measured on the H200 (llama3.2-1b and llama3.1-8b, 400 requests at once): asynchronous
-# scheduling hid the host's work; asynchronous 8-step rounds gave 16-28% more output tokens/s
-# than single steps (4-step rounds were no faster); mixed rounds another 2.0-2.4%.
+# The fastest serving configuration measured on the H200 (docs/PERFORMANCE.md): asynchronous
+# scheduling hides the host's work, and 8-step rounds amortize it over more model steps.
 ACCELERATOR_DEFAULTS = DeviceDefaults(max_num_seqs=256, max_num_batched_tokens=2048,
                                       async_scheduling=True, num_decode_steps=8,
                                       memory_fraction=0.9, max_model_len=None)
@@ -76,8 +75,8 @@ class EngineConfig:
     # With rounds: a step with prefill chunks is followed, in the same program, by
     # num_decode_steps - 1 decode steps of its rows whose prompts it completes or which decode
     # (engine/multi_step.py), when more than half of the sequence slots' bucket is scheduled and,
-    # while requests wait, fewer than 1/16 of the slots are free. On the H200 2.0-2.4% more
-    # output tokens/s and half the engine's Python per model step.
+    # while requests wait, fewer than 1/16 of the slots are free. It halves the engine's Python
+    # per model step (measured faster on the H200: docs/PERFORMANCE.md).
     mixed_rounds: bool = True
 
     def __post_init__(self):

@@ -92,9 +92,8 @@ def _sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: 
     mode (static; `sampling_mode` picks it on the host): "greedy" when no row samples (argmax
     only), "plain" when no sampling row has a top-k / top-p / min-p cut (no sort over the
     vocabulary), "cuts" otherwise (always correct). A row draws the same token in every mode that
-    fits its batch. The host chooses, not a `lax.cond` on the device: on the H200 such a cond
-    made a synced call 0.29 ms slower (1.48 -> 1.77 ms; scripts/bench_dispatch.py,
-    docs/PERFORMANCE.md), and a cond could not skip the sort for rows without cuts.
+    fits its batch. The host chooses, not a `lax.cond` on the device: a device-side cond
+    measured slower per call on the H200, and it could not skip the sort for rows without cuts.
     """
     if mode not in ("greedy", "plain", "cuts"):
         raise ValueError(f"sampling mode must be greedy, plain or cuts, got {mode!r}")

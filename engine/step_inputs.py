@@ -1,10 +1,9 @@
 """A step's integer inputs packed into one host array: one transfer per step, not eight.
 
-Every numpy argument of a jitted call is a separate host-to-device transfer, and on the H200 each
-costs the host about 0.15-0.25 ms (measured 2026-11-29: a jitted call with two small numpy
-arguments took 0.27-0.55 ms to dispatch, with device arrays 0.07 ms). A decode step has eight
-int32 inputs, so the runner packs them into one array on the host and slices it apart inside the
-jitted step, at offsets fixed by the step's bucket (`StepLayout`, a static argument).
+Every numpy argument of a jitted call is a separate host-to-device transfer, each costing the
+host a fraction of a millisecond on a GPU, several times a device array's dispatch. A decode step
+has eight int32 inputs, so the runner packs them into one array on the host and slices it apart
+inside the jitted step, at offsets fixed by the step's bucket (`StepLayout`, a static argument).
 """
 from __future__ import annotations
 

@@ -15,11 +15,10 @@ GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
 def _share_compilations() -> str | None:
     """One persistent jax compilation cache for the whole test run: many tests build engines of
     the same tiny shapes, each with fresh jitted functions, and without it every one compiles
-    its programs again (test_multi_step.py: 2:42 without, 2:05 with). The directory is made by
-    the first pytest process (before pytest-xdist starts its workers, which inherit the
-    environment, as do the sharding scenarios' subprocesses) and removed when it ends. A
-    JAX_COMPILATION_CACHE_DIR set by the caller is used as it is and kept. Returns the
-    directory this process made, or None."""
+    its programs again. The directory is made by the first pytest process (before
+    pytest-xdist starts its workers, which inherit the environment, as do the sharding
+    scenarios' subprocesses) and removed when it ends. A JAX_COMPILATION_CACHE_DIR set by the
+    caller is used as it is and kept. Returns the directory this process made, or None."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return None
     path = tempfile.mkdtemp(prefix="pallasite-test-jax-cache-")

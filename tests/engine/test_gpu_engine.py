@@ -28,21 +28,13 @@ def decisive_model(cfg, dtype):
 
 
 # (preset, dtype, tokens that must agree, the reference's lead under which a later difference is
-# a near-tie). llama3.1-8b runs in float32 with float32 matmuls ("highest"): on the H200
-# (2026-11-29) its logits with the Pallas kernels came within 0.006 of the reference's (std
-# 11.5) and 27 of 27 greedy tokens agreed, whereas in bfloat16, or with the TF32 products that
-# jax's default precision allows on a GPU, 32 layers of random weights amplify rounding into
-# logit differences of several units. The kernels alone agree with the reference to 2e-5 in
-# float32 and one bf16 unit in the last place (docs/PERFORMANCE.md; test_ragged_attention).
-# The bf16 case allows, in its first 8 tokens, a flip only where the reference leads by at most
-# 0.25: the lm head rounds the logits to bf16, so leads come in steps of bf16's spacing (0.25 for
-# logits of 32-64), and a lead of one step can be turned over by any rounding upstream. On the
-# H200 (2026-11-30, one process each, same GPU kind) the kernels of 31c984d agreed with the
-# reference on 1.0 / 0.75 / 0.46 / 0.75 of the four prompts' tokens (first differences after
-# token 8), those of 54db868 (PTX softmax, 64-key prefill tiles) on 1.0 / 1.0 / 0.125 / 1.0: the
-# third prompt flips at token 3, where the reference leads by exactly 0.25; either change alone
-# (the prefill tiles, or the PTX softmax in decode tiles) flips it the same way. Both float32
-# cases agree on every token.
+# a near-tie). llama3.1-8b runs in float32 with float32 matmuls ("highest"): in bfloat16, or with
+# the TF32 products that jax's default precision allows on a GPU, 32 layers of random weights
+# amplify rounding into logit differences of several units. The kernels alone agree with the
+# reference to 2e-5 in float32 and one bf16 unit in the last place (tests/ops). The bf16 case
+# allows, in its first 8 tokens, a flip only where the reference leads by at most 0.25: the lm
+# head rounds the logits to bf16, so leads come in steps of bf16's spacing (0.25 for logits of
+# 32-64), and a lead of one step can be turned over by any rounding upstream.
 CASES = [("llama3.2-1b-4layers", jnp.float32, 16, 0.02),
          ("llama3.2-1b-4layers", jnp.bfloat16, 8, 0.26),
          ("llama3.1-8b", jnp.float32, 16, 0.02)]
@@ -50,13 +42,13 @@ CASES = [("llama3.2-1b-4layers", jnp.float32, 16, 0.02),
 
 @pytest.mark.parametrize("preset,dtype,agree,tie", CASES)
 def test_pallas_kernels_match_reference_greedy(preset, dtype, agree, tie, monkeypatch):
-    """Issue 4's end-to-end check: llama3.1-8b (all 32 layers, random weights) and a 4-layer 1B."""
+    """Greedy tokens of the Pallas kernels and the reference agree, up to a late difference or a
+    near-tie: llama3.1-8b (all 32 layers, random weights) and a 4-layer 1B."""
     cfg = LLAMA32_1B.replace(num_layers=4) if preset.endswith("4layers") else get_preset(preset)
     model = decisive_model(cfg, dtype)
     rng = np.random.default_rng(0)
-    # The 8B case keeps to prompts that prefill in one step: each program compiles for several
-    # seconds there, and a run must fit a device session (the first try, with a 700-token
-    # prompt chunked over steps, was still compiling after 190 s).
+    # The 8B case keeps to prompts that prefill in one step: each of its programs compiles for
+    # several seconds, and a chunked 700-token prompt would compile many more.
     lengths = (5, 37, 130) if cfg.num_layers > 4 else (5, 37, 130, 700)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)

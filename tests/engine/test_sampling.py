@@ -102,7 +102,7 @@ def test_top_k_alone_and_top_p_alone():
 
 def test_top_p_one_cuts_nothing_even_when_the_tail_underflows():
     """top_p = 1.0 is 'no nucleus cut': far-tail tokens stay even where the float32 mass before
-    them rounds to 1.0 (these rows lost 7 to 30 tokens that way before the fix)."""
+    them rounds to 1.0 (a cut comparing that mass with top_p would drop them)."""
     rng = np.random.default_rng(0)
     peaked = np.r_[10.0, 9.5, -np.linspace(0, 30, VOCAB - 2)]
     logits = np.stack([rng.standard_normal(VOCAB) * 8, peaked, peaked,

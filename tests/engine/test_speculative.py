@@ -405,7 +405,7 @@ def test_engine_sampling_distribution_matches_the_target(small_vocab_models, tem
     """Over 1536 seeded requests, the first three tokens (t1 from the prefill, t2 and t3 from
     draft speculation with k = 2) fit the target's exact distribution (chi-square on t2, t3 and
     the pair (t2, t3)). t1 comes from plain sampling of the prefill, which checks the
-    reference itself (a plain engine's t2 and t3 once ran too; cut for the suite's time)."""
+    reference itself."""
     target, draft, steps, logits = small_vocab_models
     joint = exact_joint(logits, temperature, top_p)
     p1 = joint.sum((1, 2))

@@ -29,8 +29,8 @@ MAX_TOKENS = 8
 # passes, which that flag leaves alone (the hlo scenario's report is byte for byte the same),
 # and each compares a mesh's outputs with one device's compiled the same way (the tiny
 # scenario's tokens are the same and its log-probabilities within 5e-7 of an -O2 run's). It cuts
-# their CPU time by a quarter (tiny 71 s -> 54 s, hlo 22 s -> 15 s). smollm2 executes a 30-layer
-# model and is slower without optimization, so it keeps XLA's default.
+# their CPU time by about a quarter. smollm2 executes a 30-layer model and is slower without
+# optimization, so it keeps XLA's default.
 UNOPTIMIZED_BACKEND = ("tiny", "hlo", "checkpoint", "worker")
 
 
