@@ -177,6 +177,7 @@ def model_nbytes(model) -> int:
 
 
 def is_quantized(model) -> bool:
+    """Whether the decoder linears hold QuantizedWeights (read from the first layer)."""
     return any(isinstance(m.kernel.get_value(), QuantizedWeight)
                for m in linear_modules(model.layers[0]).values())
 
