@@ -176,12 +176,6 @@ def model_nbytes(model) -> int:
                for a in jax.tree.leaves(nnx.state(model)))
 
 
-def is_quantized(model) -> bool:
-    """Whether the decoder linears hold QuantizedWeights (read from the first layer)."""
-    return any(isinstance(m.kernel.get_value(), QuantizedWeight)
-               for m in linear_modules(model.layers[0]).values())
-
-
 def quantize_loaded(loaded, qcfg: QuantConfig, calib_text: str | None = None,
                     calib_tokens: int = 16384, calib_seq_len: int = 512) -> dict:
     """Quantizes a quant.loader.LoadedModel in place; returns the settings to store with it.

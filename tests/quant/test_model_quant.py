@@ -14,12 +14,12 @@ from configs.model import TINY_LLAMA, TINY_LLAMA31
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.runner import full_sequence_logits
+from models.llama import has_quantized_layers
 from models.orbax_io import CONFIG_FILE, save_checkpoint
 from models.weights import random_model
 from quant.calibration import linear_modules
 from quant.loader import load_checkpoint
-from quant.model import (QuantConfig, is_quantized, model_nbytes, quantize_model,
-                         quantized_abstract_model)
+from quant.model import QuantConfig, model_nbytes, quantize_model, quantized_abstract_model
 from quant.qtensor import QuantizedWeight, dequantize
 
 CALIB = np.random.default_rng(0).integers(3, 256, (4, 32)).astype(np.int32)
@@ -54,7 +54,7 @@ def test_quantized_model_is_its_dequantized_float_model(quantized, qcfg):
     """The quantized layers compute exactly x @ dequantize(w), and stay near the float model."""
     cfg = TINY_LLAMA31
     reference, model = quantized[qcfg]
-    assert is_quantized(model)
+    assert has_quantized_layers(model)
     weights = [m.kernel.get_value() for layer in model.layers
                for m in linear_modules(layer).values()]
     assert all(isinstance(w, QuantizedWeight) and w.bits == qcfg.bits for w in weights)
@@ -83,7 +83,8 @@ def test_quantized_checkpoint_round_trips_identical_logits(quantized, qcfg, tmp_
     with open(os.path.join(path, CONFIG_FILE)) as f:
         assert json.load(f)["quantization"]["method"] == qcfg.method
     cfg2, restored, _ = load_checkpoint(path)
-    assert cfg2 == cfg and is_quantized(restored) and model_nbytes(restored) == model_nbytes(model)
+    assert cfg2 == cfg and has_quantized_layers(restored)
+    assert model_nbytes(restored) == model_nbytes(model)
     np.testing.assert_array_equal(logits_of(restored, IDS), logits_of(model, IDS))
     # Loading in bfloat16 casts scales, never the packed codes.
     _, bf16, _ = load_checkpoint(path, jnp.bfloat16)
