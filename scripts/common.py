@@ -17,6 +17,8 @@ from engine.api import default_dtype, load_prepared
 from engine.engine_config import EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
 from models.prepare import check_preparation, prepare_for_device
+from ops.backends import TABLES, active_tags, describe_kernels
+from ops.kernel_choice import KernelBackends
 from ops.quant_wgmma import on_hopper
 from quant.model import QuantConfig, quantize_loaded
 
@@ -51,7 +53,11 @@ def define_model_flags() -> None:
 def define_engine_flags() -> None:
     """Engine sizing and batching flags; unset ones take the device's default
     (engine/engine_config.py: the fastest measured serving configuration on a GPU, small sizes
-    on the CPU)."""
+    on the CPU). Also --print_kernels."""
+    flags.DEFINE_bool("print_kernels", False,
+                      "Print at start-up the table of the kernels the engine runs per op family "
+                      "(ops.backends.describe_kernels: platform, layout, dtype, rows, "
+                      "implementation).")
     flags.DEFINE_integer("max_model_len", None,
                          "Longest sequence (prompt + output) served (default: the model's "
                          "context; on a GPU bounded by what the KV cache holds, on the CPU by "
@@ -160,7 +166,7 @@ flags.DEFINE_bool("exhaustive_gemm_search", False,
                   "autotunes a program (--xla_gpu_exhaustive_tiling_search): on the H200 "
                   "llama3.1-8b decode steps ran 2-8% faster, but programs compile 3-4x longer "
                   "(a server's warm-up of llama3.2-1b took over 4 minutes instead of 66 s; the "
-                  "persistent compilation cache keeps a second start fast). On in bench_decode.")
+                  "persistent compilation cache keeps a second start fast). On in scripts.bench.decode.")
 
 
 def add_xla_flag(name: str, value) -> None:
@@ -246,6 +252,25 @@ def check_fusion(mesh) -> None:
     call it right after parallel.setup_parallel(), before loading."""
     check_preparation(jax.default_backend(), mesh, flags.FLAGS.fuse_projections,
                       flags.FLAGS.gemv_layers)
+
+
+def kernels_line(kernels: KernelBackends) -> str:
+    """One line of the start-up summary: the platform and what each op family runs (the
+    KernelEntry.backend tags of ops/backends.py; "xla" for the float products)."""
+    parts = []
+    for family in TABLES:
+        interpreted = getattr(kernels, family, "") == "pallas_interpret"
+        tags = ["xla" if tag == "any" else "pallas_interpret" if tag == "pallas" and interpreted
+                else tag for tag in active_tags(kernels, family)]
+        parts.append(f"{family} {'+'.join(tags)}")
+    return f"kernels on {kernels.platform}: {', '.join(parts)}"
+
+
+def print_kernels(kernels: KernelBackends, file=sys.stderr) -> None:
+    """Prints `kernels_line`, then with --print_kernels the whole table (describe_kernels)."""
+    print(kernels_line(kernels), file=file, flush=True)
+    if flags.FLAGS.print_kernels:
+        print(describe_kernels(kernels), file=file, flush=True)
 
 
 def log_line(line: str) -> None:
