@@ -163,10 +163,10 @@ flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/pallas
 
 flags.DEFINE_bool("exhaustive_gemm_search", False,
                   "On GPU, XLA tries every Triton tiling of each matrix product when it "
-                  "autotunes a program (--xla_gpu_exhaustive_tiling_search): on the H200 "
-                  "llama3.1-8b decode steps ran 2-8% faster, but programs compile 3-4x longer "
-                  "(a server's warm-up of llama3.2-1b took over 4 minutes instead of 66 s; the "
-                  "persistent compilation cache keeps a second start fast). On in scripts.bench.decode.")
+                  "autotunes a program (--xla_gpu_exhaustive_tiling_search): decode steps run "
+                  "a few percent faster, but programs compile several times longer (the "
+                  "persistent compilation cache keeps a second start fast). On in "
+                  "scripts.bench.decode.")
 
 
 def add_xla_flag(name: str, value) -> None:
@@ -234,15 +234,14 @@ def define_fusion_flags() -> None:
                       "run each product as one Pallas kernel with its RMSNorm, SiLU x up and "
                       "residual add inside (ops/gemv.py; models.llama.transpose_for_gemv), and "
                       "quantized products of more rows the Hopper kernel (ops/quant_wgmma.py, "
-                      "which reads codes stored [out, in] only): llama3.1-8b bf16 batch-1 "
-                      "decode about 7% faster on the H200, larger bf16 batches up to 3% slower. "
+                      "which reads codes stored [out, in] only): faster batch-1 decode. "
                       "Needs fused projections, float, INT8 or INT4 (not act-order) weights and "
                       "one device; the kernels run for bf16 activations on a GPU. Default auto: "
                       "on for INT8 / INT4 models on one Hopper GPU, off otherwise.")
     flags.DEFINE_bool("fuse_projections", None,
                       "Fuse each layer's q/k/v and gate/up kernels into one matmul each after "
-                      "loading (and quantizing); same tokens, fewer and larger matmuls (+36% "
-                      "tokens/s for llama3.1-8b at batch 1 on the H200). Default auto: on on a GPU "
+                      "loading (and quantizing); same tokens, fewer and larger matmuls. "
+                      "Default auto: on on a GPU "
                       "without --tp/--dp, off on the CPU and with a mesh. Forcing it on with a "
                       "mesh is an error (the sharding rules know only the unfused weights).")
 
