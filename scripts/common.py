@@ -240,10 +240,10 @@ def define_fusion_flags() -> None:
                       "on for INT8 / INT4 models on one Hopper GPU, off otherwise.")
     flags.DEFINE_bool("fuse_projections", None,
                       "Fuse each layer's q/k/v and gate/up kernels into one matmul each after "
-                      "loading (and quantizing); same tokens, fewer and larger matmuls. "
-                      "Default auto: on on a GPU "
-                      "without --tp/--dp, off on the CPU and with a mesh. Forcing it on with a "
-                      "mesh is an error (the sharding rules know only the unfused weights).")
+                      "loading (and quantizing); same tokens, fewer and larger matmuls. Default "
+                      "auto: on on a GPU without --tp/--dp, off on the CPU and with a mesh. "
+                      "Forcing it on with a mesh is an error (the sharding rules know only the "
+                      "unfused weights).")
 
 
 def check_fusion(mesh) -> None:
@@ -265,8 +265,10 @@ def kernels_line(kernels: KernelBackends) -> str:
     return f"kernels on {kernels.platform}: {', '.join(parts)}"
 
 
-def print_kernels(kernels: KernelBackends, file=sys.stderr) -> None:
-    """Prints `kernels_line`, then with --print_kernels the whole table (describe_kernels)."""
+def print_kernels(kernels: KernelBackends, file=None) -> None:
+    """Prints `kernels_line`, then with --print_kernels the whole table (describe_kernels), on
+    `file` (default stderr)."""
+    file = sys.stderr if file is None else file
     print(kernels_line(kernels), file=file, flush=True)
     if flags.FLAGS.print_kernels:
         print(describe_kernels(kernels), file=file, flush=True)
