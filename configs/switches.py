@@ -11,12 +11,14 @@ while a step is traced. Unset or empty means the default.
 | PALLASITE_GEMV      | auto, pallas, pallas_interpret, reference | auto    | one-row products     |
 | PALLASITE_WGMMA     | on, off                                   | on      | Hopper codes kernel  |
 | PALLASITE_K_ORDER   | device, natural                           | device  | K order of codes     |
+| PALLASITE_API_KEY   | any string                                | unset   | scripts.serve's key  |
 
 auto: the Pallas kernels on a GPU, the jnp / XLA reference elsewhere; pallas forces the kernel,
 pallas_interpret runs it interpreted (debugging on the CPU), reference the jnp / XLA path.
 PALLASITE_WGMMA=off keeps codes stored [N, K] on the Triton paths instead of ops/quant_wgmma.py.
 PALLASITE_K_ORDER=natural stores codes in natural K order even where the Hopper kernel reads a
-reordered K faster.
+reordered K faster. PALLASITE_API_KEY is the bearer key scripts.serve requires when --api_key
+is not given (kept as it is, not lower-cased).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class Switches:
     gemv: str = "auto"
     wgmma: str = "on"
     k_order: str = "device"
+    api_key: str | None = None
 
     def __post_init__(self):
         for variable, (field, allowed) in VARIABLES.items():
@@ -62,4 +65,5 @@ class Switches:
             value = environ.get(variable, "").strip().lower()
             if value:
                 values[field] = value
-        return cls(**values)
+        api_key = environ.get("PALLASITE_API_KEY", "")
+        return cls(**values, api_key=api_key or None)

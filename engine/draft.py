@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.runner import ModelRunner, bucket, make_step_batch
 from engine.sampling import SamplingArrays, filtered_logits
+from ops.kernel_choice import KernelBackends
 
 
 @functools.partial(jax.jit, static_argnames=())
@@ -45,9 +46,13 @@ class DraftProposer:
     """Runs the draft model over the speculating requests of a step."""
 
     def __init__(self, cfg, model, num_pages: int, page_size: int, max_seqs: int,
-                 max_width: int, kernels=None):
+                 max_width: int, *, kernels: KernelBackends):
+        """kernels: the target runner's choice (one device: no mesh), so that the draft runs
+        the same kernels as the target without choosing again."""
+        if kernels.mesh:
+            raise ValueError("DraftProposer: the draft runs on one device; pass the target's "
+                             "kernels.per_shard(), not a mesh choice")
         self.cfg = cfg
-        # kernels: the target runner's KernelBackends (None: chosen for this device)
         self.runner = ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_seqs,
                                   max_width=max_width, kernels=kernels)
         self.page_size = page_size

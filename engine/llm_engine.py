@@ -88,7 +88,7 @@ class LLMEngine:
                                      f"differs from the target's ({cfg.vocab_size})")
                 self.draft = DraftProposer(draft_cfg, draft_model, num_pages,
                                            engine_cfg.page_size, engine_cfg.max_num_seqs,
-                                           max_width)
+                                           max_width, kernels=self.runner.kernels.per_shard())
             self.spec = SpeculativeRounds(spec_config, self.runner, self.scheduler,
                                           engine_cfg.page_size, self.draft)
         self.rounds: MultiStepRounds | None = None

@@ -17,6 +17,8 @@ from engine.api import default_dtype, load_prepared
 from engine.engine_config import EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
 from models.prepare import check_preparation, prepare_for_device
+from ops.backends import TABLES, active_tags, describe_kernels
+from ops.kernel_choice import KernelBackends
 from ops.quant_wgmma import on_hopper
 from quant.model import QuantConfig, quantize_loaded
 
@@ -51,7 +53,11 @@ def define_model_flags() -> None:
 def define_engine_flags() -> None:
     """Engine sizing and batching flags; unset ones take the device's default
     (engine/engine_config.py: the fastest measured serving configuration on a GPU, small sizes
-    on the CPU)."""
+    on the CPU). Also --print_kernels."""
+    flags.DEFINE_bool("print_kernels", False,
+                      "Print at start-up the table of the kernels the engine runs per op family "
+                      "(ops.backends.describe_kernels: platform, layout, dtype, rows, "
+                      "implementation).")
     flags.DEFINE_integer("max_model_len", None,
                          "Longest sequence (prompt + output) served (default: the model's "
                          "context; on a GPU bounded by what the KV cache holds, on the CPU by "
@@ -157,10 +163,10 @@ flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/pallas
 
 flags.DEFINE_bool("exhaustive_gemm_search", False,
                   "On GPU, XLA tries every Triton tiling of each matrix product when it "
-                  "autotunes a program (--xla_gpu_exhaustive_tiling_search): on the H200 "
-                  "llama3.1-8b decode steps ran 2-8% faster, but programs compile 3-4x longer "
-                  "(a server's warm-up of llama3.2-1b took over 4 minutes instead of 66 s; the "
-                  "persistent compilation cache keeps a second start fast). On in bench_decode.")
+                  "autotunes a program (--xla_gpu_exhaustive_tiling_search): decode steps run "
+                  "a few percent faster, but programs compile several times longer (the "
+                  "persistent compilation cache keeps a second start fast). On in "
+                  "scripts.bench.decode.")
 
 
 def add_xla_flag(name: str, value) -> None:
@@ -228,17 +234,16 @@ def define_fusion_flags() -> None:
                       "run each product as one Pallas kernel with its RMSNorm, SiLU x up and "
                       "residual add inside (ops/gemv.py; models.llama.transpose_for_gemv), and "
                       "quantized products of more rows the Hopper kernel (ops/quant_wgmma.py, "
-                      "which reads codes stored [out, in] only): llama3.1-8b bf16 batch-1 "
-                      "decode about 7% faster on the H200, larger bf16 batches up to 3% slower. "
+                      "which reads codes stored [out, in] only): faster batch-1 decode. "
                       "Needs fused projections, float, INT8 or INT4 (not act-order) weights and "
                       "one device; the kernels run for bf16 activations on a GPU. Default auto: "
                       "on for INT8 / INT4 models on one Hopper GPU, off otherwise.")
     flags.DEFINE_bool("fuse_projections", None,
                       "Fuse each layer's q/k/v and gate/up kernels into one matmul each after "
-                      "loading (and quantizing); same tokens, fewer and larger matmuls (+36% "
-                      "tokens/s for llama3.1-8b at batch 1 on the H200). Default auto: on on a GPU "
-                      "without --tp/--dp, off on the CPU and with a mesh. Forcing it on with a "
-                      "mesh is an error (the sharding rules know only the unfused weights).")
+                      "loading (and quantizing); same tokens, fewer and larger matmuls. Default "
+                      "auto: on on a GPU without --tp/--dp, off on the CPU and with a mesh. "
+                      "Forcing it on with a mesh is an error (the sharding rules know only the "
+                      "unfused weights).")
 
 
 def check_fusion(mesh) -> None:
@@ -246,6 +251,27 @@ def check_fusion(mesh) -> None:
     call it right after parallel.setup_parallel(), before loading."""
     check_preparation(jax.default_backend(), mesh, flags.FLAGS.fuse_projections,
                       flags.FLAGS.gemv_layers)
+
+
+def kernels_line(kernels: KernelBackends) -> str:
+    """One line of the start-up summary: the platform and what each op family runs (the
+    KernelEntry.backend tags of ops/backends.py; "xla" for the float products)."""
+    parts = []
+    for family in TABLES:
+        interpreted = getattr(kernels, family, "") == "pallas_interpret"
+        tags = ["xla" if tag == "any" else "pallas_interpret" if tag == "pallas" and interpreted
+                else tag for tag in active_tags(kernels, family)]
+        parts.append(f"{family} {'+'.join(tags)}")
+    return f"kernels on {kernels.platform}: {', '.join(parts)}"
+
+
+def print_kernels(kernels: KernelBackends, file=None) -> None:
+    """Prints `kernels_line`, then with --print_kernels the whole table (describe_kernels), on
+    `file` (default stderr)."""
+    file = sys.stderr if file is None else file
+    print(kernels_line(kernels), file=file, flush=True)
+    if flags.FLAGS.print_kernels:
+        print(describe_kernels(kernels), file=file, flush=True)
 
 
 def log_line(line: str) -> None:

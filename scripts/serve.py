@@ -8,12 +8,12 @@ new requests (503), lets running ones finish for up to --shutdown_timeout second
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 
 from absl import app, flags
 
+from configs.switches import Switches
 from engine.api import load_engine
 from engine.server.app import Server
 from engine.server.serving import run_until_signal
@@ -60,12 +60,13 @@ def main(argv):
         if mesh is not None:
             print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr, flush=True)
+        common.print_kernels(engine.runner.kernels)
         if FLAGS.warmup:
             engine.warmup(progress=common.print_progress("compiling"))
         common.freeze_startup_objects()
         print(f"ready in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
         server = Server(engine, FLAGS.served_model_name or FLAGS.model,
-                        api_key=FLAGS.api_key or os.environ.get("PALLASITE_API_KEY"),
+                        api_key=FLAGS.api_key or Switches.from_env().api_key,
                         max_waiting=FLAGS.max_waiting, max_body_bytes=FLAGS.max_body_bytes,
                         shutdown_timeout=FLAGS.shutdown_timeout)
     except common.USER_ERRORS as e:

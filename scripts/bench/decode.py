@@ -43,10 +43,11 @@ from absl import app, flags
 from configs.model import get_preset
 from engine.mesh import make_mesh
 from engine.sampling import SamplingArrays
+from ops.backends import device_kernels
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
 from scripts.bench.common import calibrate, error_text, markdown_table, run_info, write_json
-from scripts.common import fail, set_xla_flags
+from scripts.common import fail, kernels_line, set_xla_flags
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -347,6 +348,8 @@ def main(argv):
     run_hf_peer(results)  # before jax takes the GPU's memory
     results |= run_info()
     mesh = make_mesh(FLAGS.tp or 1, 1) if "mesh" in variants else None
+    results["kernels"] = kernels_line(device_kernels())  # what a one-device runner chooses
+    print(results["kernels"], flush=True)
     results["calibration"] = (calibrate() if FLAGS.calibrate else
                               {"copy_TBps": FLAGS.copy_tbs, "read_TBps": FLAGS.copy_tbs,
                                "matmul_TFLOPs": FLAGS.matmul_tflops})

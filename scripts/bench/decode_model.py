@@ -57,11 +57,11 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
     """A model of cfg's shapes with normal(0, 0.02) weights (RMSNorm weights 1), made on the
-    device (on the mesh's shards by engine/sharding.py's rules with a mesh).
+    device (on the mesh's shards by models/sharding.py's rules with a mesh).
 
     One small jitted generator per distinct (shape, sharding), called once per weight: compiling
     the whole initializer as one program (models.weights.random_model) makes XLA build one
-    kernel per weight, which took minutes for llama3.1-8b on the H200.
+    kernel per weight, which takes minutes for an 8B model.
     """
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0),
                                                                             dtype)))

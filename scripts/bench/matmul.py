@@ -25,6 +25,7 @@ from one profiler trace ("dev us", and "dev x" the bf16 peer's device time over 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,9 @@ from absl import app, flags
 from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mgpu_mixed
 
 from ops import quant_wgmma
+from ops.backends import device_kernels
 from ops.gemv import GemvConfig, gemv, gemv_config
+from ops.kernel_choice import KernelBackends
 from ops.matmul import TransposedWeight, device_k_order, linear
 from ops.quant_matmul import (NUM_SMS, MatmulConfig, int4_matmul, int4_matmul_reference,
                               int8_matmul, int8_matmul_reference, matmul_config)
@@ -69,6 +72,13 @@ flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
                   "busy time per product (see the module docstring).")
 flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
+
+
+@functools.cache
+def kernels() -> KernelBackends:
+    """This device's kernel choice (ops.backends.device_kernels, the switches included): what
+    the dispatch rows (`linear`, `int*_nk`) run, as the engine's runner would choose it."""
+    return device_kernels()
 
 
 def time_per_call(fn, args, calls: int) -> float:
@@ -165,7 +175,7 @@ def bench_shape(k: int, n: int, ms: list[int], calib: dict, sweep=None) -> list[
                 rows.append(bench_mgpu(k, n, m, xs, t_bf16, dev_bf16, calib))
         if sweep is None and m <= FLAGS.nk_max_m:
             rows += bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib)
-        if sweep is not None and quant_wgmma.available():
+        if sweep is not None and quant_wgmma.on_hopper():
             rows += wgmma_sweep(k, n, m, xs, t_bf16, dev_bf16, calib)
     del wb
     return rows
@@ -249,8 +259,8 @@ def nk_config(bits: int, m: int, k: int, n: int, group: int) -> str:
     tiles), else the Triton "nk" path's config or XLA's dequantize + dot; XLA's dot for bf16."""
     if bits == 16:
         return "xla"
-    if quant_wgmma.available() and quant_wgmma.supports(bits, m, k, n, group, jnp.bfloat16,
-                                                        jnp.bfloat16):
+    if kernels().wgmma and quant_wgmma.supports(bits, m, k, n, group, jnp.bfloat16,
+                                                 jnp.bfloat16):
         return f"wgmma {quant_wgmma.wgmma_config(bits, m, k, n, group)}"
     return str(matmul_config(bits, m, k, n, group, stored_nk=True) or "xla_dequantize")
 
@@ -281,7 +291,7 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
             packed, s, o = make_weights(bits, k, n, group, sets, jax.random.key(70 + bits))
             weights = [TransposedWeight(a.T, si, oi, group if group < k else 0)
                        for a, si, oi in zip(packed, s, o)]
-            order = device_k_order(weights[0])
+            order = device_k_order(weights[0], kernels())
             weights = tuple(dataclasses.replace(w, k_order=order) for w in weights)
             nbytes = weight_bytes(bits, k, n, group)
         # (row name, ops/gemv.py's tile or None: what `linear` runs)
@@ -302,12 +312,13 @@ def bench_nk(k, n, m, xs, t_bf16, dev_bf16, calib) -> list[dict]:
                                         group_size=group if bits != 16 else None,
                                         k_order=w.k_order, config=tile, interpret=interpret))
                     elif bits == 16:
-                        out.append(linear(xs[c], w))
+                        out.append(linear(xs[c], w, kernels=kernels()))
                     else:
                         product = int4_matmul if bits == 4 else int8_matmul
                         out.append(product(xs[c], w.w_t, w.scales, w.offsets,
                                            group_size=group, layout="nk", k_order=w.k_order,
-                                           impl="pallas_interpret" if interpret else None))
+                                           impl="pallas_interpret" if interpret else None,
+                                           kernels=kernels()))
                 return tuple(out)
             rows.append(timed_row(row, prog, (xs, weights), nbytes, t_bf16, dev_bf16))
             report(rows[-1], calib)

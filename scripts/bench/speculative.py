@@ -21,6 +21,7 @@ Prints tables and writes JSON.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 from absl import app, flags
@@ -28,6 +29,7 @@ from absl import app, flags
 from engine.llm_engine import LLMEngine
 from engine.mesh import is_main_process
 from engine.request import SamplingParams
+from ops.backends import device_kernels
 from quant.loader import EMBEDDED_PRESETS, load_model
 from scripts import common, parallel
 from scripts.bench.common import markdown_table, run_info, write_json
@@ -175,6 +177,9 @@ def main(argv):
         loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         if mesh is not None:
             print(parallel.describe(mesh))
+        # what every runner of this run chooses (engine/runner.py, engine/sharded_runner.py)
+        common.print_kernels(device_kernels(mesh_axes=() if mesh is None else
+                                            tuple(mesh.shape.items())), file=sys.stdout)
         report = run_info() | {"model": FLAGS.model, "modes": FLAGS.modes,
                                "mesh": None if mesh is None else dict(mesh.shape),
                                "fused_projections": loaded.cfg.fused_projections}

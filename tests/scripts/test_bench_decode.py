@@ -29,6 +29,7 @@ def test_decode_rows_variants_multi_step_and_profile(tmp_path):
          f"--json_out={out}"], capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
+    assert res["kernels"].startswith("kernels on cpu: attention reference")
     rows = res["decode"]
     assert [(r["variant"], r["batch"]) for r in rows] == [
         (v, b) for v in ("base", "gemv") for b in (1, 3)]

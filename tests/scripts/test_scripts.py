@@ -9,6 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+from configs.switches import Switches
+from ops.backends import TABLES, select_kernels
+from scripts.common import kernels_line
 from tests.conftest import GOLDEN_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +54,34 @@ def test_generate_streams_text_and_prints_summary(cache_dir):
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
     assert lines[-1].startswith("[2 prompt(s)") and "tokens/s" in lines[-1]
+
+
+def test_generate_print_kernels_lists_every_family(cache_dir):
+    """The start-up summary's kernels line, and with --print_kernels the table of
+    ops.backends.describe_kernels: a row for every op family, the CPU's reference here."""
+    result = run_script("generate", f"--model={TINY_DIR}", "--prompt=hi", "--max_tokens=2",
+                        "--nowarmup", "--print_kernels", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    summary = [line for line in lines if line.startswith("kernels on cpu: ")]
+    assert len(summary) == 1 and "attention reference" in summary[0], result.stderr[-2000:]
+    header = next(i for i, line in enumerate(lines) if line.startswith("family  "))
+    rows = lines[header + 2:]
+    for family in TABLES:
+        assert f"{family} " in summary[0]
+        assert any(row.split()[:2] == [family, "reference" if family != "matmul" else "any"]
+                   for row in rows), (family, result.stderr[-3000:])
+
+
+def test_kernels_line_names_each_family_choice():
+    """A Hopper GPU's choice, one sharded and one interpreted: the line names what each runs."""
+    hopper = kernels_line(select_kernels("gpu", hopper=True))
+    assert hopper == ("kernels on gpu: attention pallas, kv_write pallas, norm pallas, matmul "
+                      "xla, gemv wgmma+pallas, quant_matmul wgmma+pallas")
+    sharded = kernels_line(select_kernels("gpu", mesh_axes=(("data", 1), ("model", 2))))
+    assert "attention mesh+pallas, kv_write mesh+reference, norm reference" in sharded
+    interpreted = kernels_line(select_kernels("cpu", switches=Switches(gemv="pallas_interpret")))
+    assert "gemv pallas_interpret, quant_matmul reference" in interpreted
 
 
 @pytest.mark.parametrize("flag, fragments", [

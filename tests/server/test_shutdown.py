@@ -29,13 +29,14 @@ def cache_dir(tmp_path_factory):
 class ServeProcess:
     """`scripts.serve` on the tiny model and a free port; the address comes from its stdout."""
 
-    def __init__(self, cache_dir: str, log_path, *flags: str):
+    def __init__(self, cache_dir: str, log_path, *flags: str, env: dict | None = None):
         self.log = open(log_path, "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "scripts.serve", f"--model={TINY_DIR}", "--port=0",
              "--served_model_name=tiny", "--nowarmup", "--max_model_len=512",
              f"--compilation_cache_dir={cache_dir}", *flags],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=None if env is None else {**os.environ, **env})
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.url = None
@@ -82,6 +83,20 @@ def stream_in_thread(url: str, first_chunk: threading.Event) -> dict:
     thread.start()
     result["thread"] = thread
     return result
+
+
+def test_the_api_key_comes_from_pallasite_api_key(cache_dir, tmp_path):
+    """Without --api_key the server requires PALLASITE_API_KEY's key (configs.switches)."""
+    server = ServeProcess(cache_dir, tmp_path / "serve.log",
+                          env={"PALLASITE_API_KEY": "env-key"})
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            assert client.get("/v1/models").status_code == 401
+            wrong = client.get("/v1/models", headers={"Authorization": "Bearer other"})
+            right = client.get("/v1/models", headers={"Authorization": "Bearer env-key"})
+            assert wrong.status_code == 401 and right.status_code == 200
+    finally:
+        server.close()
 
 
 def test_sigterm_finishes_running_requests_and_refuses_new_ones(cache_dir, tmp_path):
