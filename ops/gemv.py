@@ -5,7 +5,7 @@ M; the model uses it for one row).
 At batch 1 a Llama layer is four weight reads (q/k/v, o, gate/up, down) and around them about
 eight small XLA kernels (the RMSNorms' reductions and multiplies, the split-K sums, SiLU x up,
 the residual adds) of 1.3-1.7 us each: about 12 us of a 127 us layer on an H200, plus a launch
-gap each (docs/PERFORMANCE.md, "Decode roofline"). XLA fuses none of them into its products. This
+gap each. XLA fuses none of them into its products. This
 kernel reads the weight in the [N, K] layout, so that every program owns whole output columns
 and walks all of K: its outputs are final, with no split-K partials, and what comes before and
 after the product runs inside it:
@@ -38,7 +38,7 @@ words). Then come the norm's scale, the bias, SiLU x up and the residual.
 `gemv_reference` computes the same function in jnp (the tests compare both); `fused_gemv`
 dispatches: the kernel on a GPU for bf16 activations (bf16 weights or codes) and at most
 MAX_ROWS rows, the reference elsewhere. The model's layers use it when their weights are stored
-transposed (models/llama.py, `transpose_for_gemv`). Figures: docs/PERFORMANCE.md.
+transposed (models/llama.py, `transpose_for_gemv`).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ from ops.quant_tiles import _load
 
 HIGH_HALF = -65536  # int32 0xFFFF0000: the bf16 in a word's upper half, as float32 bits
 MAX_ROWS = 1  # fused_gemv runs the kernel for at most this many activation rows (at two rows
-# a llama3.1-8b step was 11% slower than XLA's products: docs/PERFORMANCE.md)
+# a llama3.1-8b step on the H200 was 11% slower than XLA's products)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class GemvConfig:
 
 def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConfig:
     """Tiles for one row on an H200, from device-time sweeps on the four Llama-3.1-8B layer
-    products (docs/PERFORMANCE.md). bf16: gated (gate/up) [4 columns of each half, 256 K]
+    products. bf16: gated (gate/up) [4 columns of each half, 256 K]
     without prefetch; normed (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with
     prefetch; 4 warps each. (num_stages changed nothing: Triton does not pipeline this loop,
     hence the explicit prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks,

@@ -1,4 +1,5 @@
-"""Weight-only quantized matmul, W4A16 and W8A16: x [M, K] @ dequantize(W) [K, N] (Pallas, Triton GPU).
+"""Weight-only quantized matmul, W4A16 and W8A16: x [M, K] @ dequantize(W) [K, N] (Pallas
+Triton, GPU).
 
 Weights arrive in the packed layouts of quant/qtensor.py, read as they are stored:
     int4  packed int32 [K/8, N]: rows 8i..8i+7 of column n in packed[i, n], row 8i+j in bits
@@ -27,7 +28,7 @@ accumulates in float32:
   * block_m < 16 ("fma" path, decode with one or two rows): ops/quant_gemv.py, float32
     fused multiply-adds over "mantissa codes" and pre-scaled activations (its docstring).
     Per-channel INT8 with N a multiple of 4 runs ops/quant_gemv8.py instead, which reads four
-    codes per 32-bit word (path "fma" forces ops/quant_gemv.py's kernel).
+    codes per 32-bit word.
   * block_m >= 16 ("dot" path): the scaled tile, cast to the activation dtype, feeds tl.dot
     (tensor cores), 8 dots of K = R per int4 tile.
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
@@ -50,8 +51,8 @@ to block_m >= 16 by masked loads), ops/quant_mma.py:
     cut the dot's K (group_size / 8 < 16 int4 rows with a larger tile, or not dividing it) fall
     back to scaling every weight before the dot.
 For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
-the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
-docs/PERFORMANCE.md). The KernelBackends' quant_matmul (and wgmma) choose the path.
+the fallback where it measured faster; `matmul_config` encodes that choice. The KernelBackends'
+quant_matmul (and wgmma) choose the path.
 
 Files: this one holds the fma / dot kernel, the configs and the dispatch; ops/quant_mma.py the
 tensor-core paths' kernel; ops/quant_tiles.py the tile loads and code unpacking both share.
@@ -75,7 +76,7 @@ from ops.quant_tiles import (_dequant_tile, _load, _load_codes, _program_tiles,
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
-PATHS = ("auto", "fma", "mma")
+PATHS = ("auto", "mma")
 LAYOUTS = ("kn", "nk")  # weights stored [K, N] (quant/qtensor.py) or transposed [N, K]
 
 
@@ -106,13 +107,12 @@ def matmul_config(bits: int, m: int, k: int, n: int, group_size: int,
     Weights stored [N, K] (`stored_nk`) take the tensor-core paths from one row up (the fma
     kernels read [K, N] only; one row of such weights runs ops/gemv.py instead).
 
-    Tiles from sweeps on an H200 (scripts/bench_matmul.py --modes=sweep: 4096x4096 and
-    4096x28672 at M = 1, 16, 64; then the four Llama shapes at M = 1, 16 with the mma paths;
-    docs/PERFORMANCE.md); above two rows, splits give about two programs per SM (one or two
+    Tiles from sweeps on an H200 (scripts/bench/matmul.py --modes=sweep over the Llama-3.1-8B
+    shapes at M = 1, 16, 64); above two rows, splits give about two programs per SM (one or two
     rows: `_gemv_config`).
     """
     if m > 128:
-        return None  # compute-bound: XLA's dequantize + bf16 dot (see docs/PERFORMANCE.md)
+        return None  # compute-bound: XLA's dequantize + bf16 dot
     if m <= 2 and not stored_nk:
         return _gemv_config(bits, m, k, n, group_size)
     if m <= 16:  # the "mma" path: fastest of the sweep at M = 16 on 3 of the 4 Llama shapes
@@ -152,7 +152,7 @@ def _gemv_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulCo
     [32 rows, 256 columns] 4-warp tiles on products of at least 32M weights, else [16, 512];
     two rows [16, 256] with 2 warps, or [16, 512] with 4 where the columns alone give two
     programs per SM. Group-wise int8 runs 8-warp [32, 256 / M] tiles at about 8 programs per
-    SM (at most 16 splits). From the sweeps of docs/PERFORMANCE.md.
+    SM (at most 16 splits). From H200 sweeps.
     """
     block_m, block_n = _next_pow2(m), 256 // m
     if quant_gemv8.supports(bits, n, -(-k // group_size)):  # per-channel INT8: word kernel
@@ -231,9 +231,8 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     splits = config.num_splits
     grid = (pl.cdiv(m, config.block_m), pl.cdiv(n, config.block_n), splits)  # (rows, cols, K split)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
-    gemv = config.path in ("auto", "fma") and config.block_m < 16
-    if (gemv and config.path == "auto"
-            and quant_gemv8.supports(bits, n, num_groups, config.block_k)):
+    gemv = config.path == "auto" and config.block_m < 16
+    if gemv and quant_gemv8.supports(bits, n, num_groups, config.block_k):
         return quant_gemv8.gemv8_call(
             x, w, scales, offsets, block_m=config.block_m, block_n=config.block_n,
             block_k=config.block_k, num_splits=splits, num_warps=config.num_warps,
@@ -297,11 +296,10 @@ def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
     if config is not None:
         per_word = 8 if bits == 4 else 1
         sizes = (config.block_m, config.block_n, config.block_k // per_word)
-        dot = config.block_m >= 16 or config.path not in ("auto", "fma")
+        dot = config.block_m >= 16 or config.path != "auto"
         if (not all(map(_pow2, sizes)) or config.block_k % per_word or config.num_splits < 1
                 or (dot and sizes[2] < 16) or config.block_n < 16 or config.path not in PATHS
-                or (config.path not in ("auto", "fma") and config.block_m < 16)
-                or (config.path == "fma" and config.block_m >= 16)):
+                or (config.path == "mma" and config.block_m < 16)):
             raise ValueError(f"{name}: config {config} needs power-of-two blocks, block_n >= "
                              f"16, block_k a multiple of {per_word}, path in {PATHS} and, for "
                              f"block_m >= 16 or the mma paths, block_k >= {16 * per_word} (the "
