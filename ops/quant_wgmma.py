@@ -26,12 +26,12 @@ Per-channel scales multiply the accumulator once. INT4 group offsets are added i
 (s c + o, `offsets_in_kernel`); other offsets add o' times the activations' group sums in XLA.
 
 Output: with one K split the program writes its bf16 tile transposed, straight into y [M, N]
-(TMA reads zeros past x's last row and drops stores past y's, so x is not padded where it has
-fewer than 8 rows or a multiple of 8); with more splits float32 partials [splits, N, MP] that one
-XLA fusion sums.
+(TMA reads zeros past x's last row and drops stores past y's, so the one-warpgroup kernel needs
+no padding of x where it has fewer than 8 rows or a multiple of 8); with more splits float32
+partials [splits, N, MP] that one XLA fusion sums.
 
-Tiles and the rule of what the kernels take: ops/quant_wgmma_tiles.py. Register layouts and K
-orders: ops/quant_wgmma_layout.py. Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU;
+Tiles and the rule of what the kernels take: ops/quant_wgmma_tiles.py. The K orders:
+ops/quant_wgmma_layout.py. Used by ops/quant_matmul.py for "nk" weights on a Hopper GPU;
 its reference is that file's `int4_matmul_reference` / `int8_matmul_reference` on the same codes.
 """
 from __future__ import annotations

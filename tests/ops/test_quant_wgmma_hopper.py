@@ -6,8 +6,6 @@ tile rules, errors) are in tests/ops/test_quant_wgmma.py.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

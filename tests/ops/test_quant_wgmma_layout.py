@@ -5,7 +5,6 @@ the conversion produces).
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

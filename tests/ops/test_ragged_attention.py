@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ops.paged_attention import paged_attention_reference
-from ops.ragged_attention import (RaggedConfig, ragged_config, ragged_paged_attention,
+from ops.ragged_attention import (RaggedConfig, ragged_paged_attention,
                                   ragged_paged_attention_reference)
 from tests.ops.paged_cases import NP_DTYPES, attention_np, make_paged_case, rel_err, tolerance
 
