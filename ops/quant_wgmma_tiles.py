@@ -19,13 +19,12 @@ MANY_ROWS = 33  # wgmma_config: from this many rows, K splits for about 192 prog
 # INT8 alike) and INT8 in 64-column programs (the 64-row sweep)
 MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced in 128-byte rows)
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
-MIN_WS_UNITS = 2 * NUM_SMS  # ws_config: work units for two per SM
 # Warp-specialized consumers: at most 3. With four (five warpgroups, 640 threads: 102 registers
 # a thread) Pallas's pipeline asks each consumer to grow to 112 registers, more than the file
 # holds, and the kernel hangs in setmaxnreg.
 MAX_CONSUMERS = 3
-# ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
-# splits: at many rows their float32 partials are as large as the output)
+# ws_config: units for about three quarters of an H200's SMs (fewer K splits: at many rows
+# their float32 partials are as large as the output)
 MIN_WS_ROW_TILE_UNITS = 96
 WS_SMEM_BYTES = 220 * 1024  # shared memory of a warp-specialized program (an H200 SM: 227 KB)
 
@@ -197,25 +196,17 @@ def k_splits(programs: int, steps: int, want: int) -> int:
 
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
               consumers: int = 2, block_m: int | None = None) -> WgmmaConfig:
-    """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
-    swept: `wgmma_config`'s step (INT4: 256 positions, spanning groups), 64 columns per
-    consumer, and the fewest K splits (each at least two steps) that give every SM at least
-    two units. Past MAX_ROWS rows, `row_tile_config`'s row tiles in steps of 64 K, the most
-    stages (up to 4) whose shared memory fits an SM (WS_SMEM_BYTES), and the splits that give
-    MIN_WS_ROW_TILE_UNITS units (`block_m` overrides the row tile's height)."""
-    if m > MAX_ROWS:
-        block_m = block_m or row_tile_config(m, k, n, group_size).block_m
-        units = n // (consumers * BLOCK_N) * -(-m // block_m)
-        return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N,
-                           stages=ws_stages(bits, block_m, consumers * BLOCK_N),
-                           block_m=block_m, consumers=consumers,
-                           num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
-                                               MIN_WS_ROW_TILE_UNITS))
-    block_k = wgmma_config(bits, m, k, n, group_size).block_k  # INT4: steps spanning groups
-    steps = max(1, k // block_k)
-    splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
-    return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, num_splits=splits,
-                       stages=4 if bits == 4 else 2, consumers=consumers)
+    """Row tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py; the dispatch's from
+    LARGE_M_ROWS rows): `row_tile_config`'s height (`block_m` overrides it) in steps of 64 K,
+    64 columns per consumer, the most stages (up to 4) whose shared memory fits an SM
+    (WS_SMEM_BYTES), and the K splits that give MIN_WS_ROW_TILE_UNITS units."""
+    block_m = block_m or row_tile_config(m, k, n, group_size).block_m
+    units = n // (consumers * BLOCK_N) * -(-m // block_m)
+    return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N,
+                       stages=ws_stages(bits, block_m, consumers * BLOCK_N),
+                       block_m=block_m, consumers=consumers,
+                       num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
+                                           MIN_WS_ROW_TILE_UNITS))
 
 
 def ws_stages(bits: int, block_m: int, columns: int, block_k: int = MIN_BLOCK_K,
@@ -231,15 +222,11 @@ def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaCon
     """The tiles scripts/bench/matmul.py --modes=sweep times (INT4 in groups of 128, INT8 per
     channel): 64 / 128 / 256 columns times K splits giving about 120 to 1100 programs (or none
     where the columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2
-    stages), and the warp-specialized kernel's `ws_config` with 2 and 3 consumers. Past
-    MAX_ROWS rows, the row tiles of `_large_m_tiles` and, for the warp-specialized kernel,
-    `_ws_row_tiles`."""
+    stages). Past MAX_ROWS rows, the row tiles of `_large_m_tiles` and, for the warp-specialized
+    kernel, `_ws_row_tiles`."""
     if m > MAX_ROWS:
         return _large_m_tiles(bits, k, n, m) + _ws_row_tiles(bits, k, n, m)
-    group = 128 if bits == 4 else k
-    ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3)
-          if n % (c * BLOCK_N) == 0]
-    return _sweep_tiles(bits, k, n) + ws
+    return _sweep_tiles(bits, k, n)
 
 
 def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:

@@ -75,8 +75,6 @@ def test_supports_and_config():
     for consumers in (1, 4):
         assert not qw.supports(4, 16, 4096, 768, 128, jnp.bfloat16, jnp.bfloat16,
                                qw.WgmmaConfig(block_k=128, consumers=consumers))
-    cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
-    assert (cfg.consumers, cfg.block_n, cfg.num_splits) == (2, 64, 2)
     # past MAX_ROWS rows: row tiles (block_m), within wgmma's N and the accumulator's registers
     cfg = qw.wgmma_config(4, 1024, 4096, 28672, 128)
     assert cfg.block_m and qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16)

@@ -84,14 +84,14 @@ HOPPER_CASES = [
     pytest.param(4, 16, 4096, 4096, 128, True,
                  qw.WgmmaConfig(block_k=128, stages=3, consumers=2), id="ws-offsets"),
     # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
-    pytest.param(4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128),
-                 id="ws-a"),
+    pytest.param(4, 16, 4096, 28672, 128, False,
+                 qw.WgmmaConfig(block_k=256, num_splits=2, stages=4, consumers=2), id="ws-a"),
     pytest.param(4, 1, 4096, 6144, 64, True,
                  qw.WgmmaConfig(block_k=64, num_splits=8, stages=4, consumers=3), id="ws-b"),
     pytest.param(4, 3, 384, 576, 128, False,
                  qw.WgmmaConfig(block_k=128, stages=2, consumers=3), id="ws-c"),
-    pytest.param(8, 16, 14336, 4096, 14336, False, qw.ws_config(8, 16, 14336, 4096, 14336),
-                 id="ws-d"),
+    pytest.param(8, 16, 14336, 4096, 14336, False,
+                 qw.WgmmaConfig(block_k=256, num_splits=8, stages=2, consumers=2), id="ws-d"),
     pytest.param(8, 64, 4096, 6144, 4096, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=2), id="ws-e"),
     # steps spanning several groups, each part of the tile its own group's scales
