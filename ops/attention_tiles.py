@@ -3,8 +3,7 @@ the attention block (ops/rope_kv.py, ops/rms_norm.py).
 
 - `resolve_options` / `check_pages`: dispatch and the input checks the public functions make.
 - In-kernel helpers (called while tracing a Pallas kernel body): `kv_slots` maps token positions
-  to cache slots through a block table, `step_keys` gives a loop step's key positions and slots
-  (or the next step's, read a step ahead), `load_rows` / `store_rows` move [rows, head_dim] tiles
+  to cache slots through a block table, `load_rows` / `store_rows` move [rows, head_dim] tiles
   by row index (masked rows are neither read nor written), `attend_tile` is one step of the
   online softmax (flash attention) over a tile of keys, with int8 / fp8 pages dequantized in
   registers, and `finish` normalizes it.
@@ -23,7 +22,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.kernel_choice import choose_impl
@@ -114,22 +112,6 @@ def kv_slots(table_ref, table_base, tok, *, page_size: int, table_width: int, nu
     return page * page_size + jax.lax.rem(tok, page_size)  # [BK]
 
 
-def step_keys(i, carry, positions, slots_of, prefetch: bool):
-    """Loop step i's keys: (carry, key positions [BK], their slots [BK], the next step's slots
-    or None). positions(i) gives step i's key positions, slots_of(tok) their cache slots.
-
-    With `prefetch` the loop carries (carry, this step's slots) and each step reads the next
-    step's table entries, so that no K/V load waits on a table load of its own step; the loop
-    starts from (carry, slots_of(positions(first))) and each step returns (carry, next slots).
-    Entries past a table are clamped (kv_slots), so the step after the last reads in bounds.
-    """
-    tok = positions(i)
-    if not prefetch:
-        return carry, tok, slots_of(tok), None
-    carry, slots = carry
-    return carry, tok, slots, slots_of(positions(i + 1))
-
-
 def load_rows(ref, rows, valid=None):
     """ref [R, D] -> rows [M] of it as [M, D]; rows where valid [M] is False read as 0."""
     cols = jnp.arange(ref.shape[-1], dtype=jnp.int32)
@@ -184,7 +166,7 @@ def attend_tile(q, k, v, k_scale, v_scale, mask, carry, *, sm_scale: float,
 
     ptx: the softmax scale is applied inside the exponent, one PTX fma and ex2.approx.ftz per
     logit (ops.ptx.exp2_fma) where jnp's exp2 costs several instructions (False in interpret
-    mode; on an H200 it took a 4k-token prefill from 266 to 379 TFLOP/s).
+    mode; on an H200 it took a 4k-token prefill from about 270 to 379 TFLOP/s).
     """
     acc, m, l = carry
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -234,8 +216,8 @@ def merge_splits(out: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     Each split's output is already normalized over its keys; weighting by exp2(lse - max)
     renormalizes over all keys. A row no split saw (all lse == MASK_VALUE) comes out as the
     mean of zeros, i.e. 0. The loops over K are unrolled on purpose: written elementwise
-    (no reduce op), XLA fuses the whole merge into one kernel instead of two (measured on an
-    H200: one launch fewer, about 2.5 us per call).
+    (no reduce op), XLA fuses the whole merge into one kernel instead of two (one launch
+    fewer, about 2.5 us per call on an H200).
     """
     top = lse[0]
     for i in range(1, out.shape[0]):

@@ -5,7 +5,7 @@ M; the model uses it for one row).
 At batch 1 a Llama layer is four weight reads (q/k/v, o, gate/up, down) and around them about
 eight small XLA kernels (the RMSNorms' reductions and multiplies, the split-K sums, SiLU x up,
 the residual adds) of 1.3-1.7 us each: about 12 us of a 127 us layer on an H200, plus a launch
-gap each (docs/PERFORMANCE.md, "Decode roofline"). XLA fuses none of them into its products. This
+gap each. XLA fuses none of them into its products. This
 kernel reads the weight in the [N, K] layout, so that every program owns whole output columns
 and walks all of K: its outputs are final, with no split-K partials, and what comes before and
 after the product runs inside it:
@@ -38,11 +38,10 @@ words). Then come the norm's scale, the bias, SiLU x up and the residual.
 `gemv_reference` computes the same function in jnp (the tests compare both); `fused_gemv`
 dispatches: the kernel on a GPU for bf16 activations (bf16 weights or codes) and at most
 MAX_ROWS rows, the reference elsewhere. The model's layers use it when their weights are stored
-transposed (models/llama.py, `transpose_for_gemv`). Figures: docs/PERFORMANCE.md.
+transposed (models/llama.py, `transpose_for_gemv`).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -51,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import quant_wgmma
+from ops.gemv_config import GemvConfig, gemv_config
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import CODE_ZEROS, INT4_PER_WORD, code_bits, dequantize_rows
 from ops.ptx import fma
@@ -60,48 +60,7 @@ from ops.quant_tiles import _load
 
 HIGH_HALF = -65536  # int32 0xFFFF0000: the bf16 in a word's upper half, as float32 bits
 MAX_ROWS = 1  # fused_gemv runs the kernel for at most this many activation rows (at two rows
-# a llama3.1-8b step was 11% slower than XLA's products: docs/PERFORMANCE.md)
-
-
-@dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    """Tiles: block_n output columns (rows of w_t; of each half when gated) per program,
-    block_k K positions per loop step."""
-    block_n: int = 8
-    block_k: int = 512
-    num_warps: int = 4
-    num_stages: int = 3
-    prefetch: bool = False  # each loop step loads the next K tile before its own math
-
-
-def gemv_config(gated: bool, norm: bool, bits: int = 16, k: int = 0) -> GemvConfig:
-    """Tiles for one row on an H200, from device-time sweeps on the four Llama-3.1-8B layer
-    products (docs/PERFORMANCE.md). bf16: gated (gate/up) [4 columns of each half, 256 K]
-    without prefetch; normed (q/k/v) [8, 512]; plain products (o, down) [4, 1024] with
-    prefetch; 4 warps each. (num_stages changed nothing: Triton does not pipeline this loop,
-    hence the explicit prefetch.) INT8 and INT4 codes (`bits`) take wider column blocks,
-    [block_n, block_k (K positions), warps]: see CODE_TILES; a plain product of at most
-    SHORT_K positions (`k`: o) takes the "short" tile."""
-    if bits != 16:
-        kind = "gated" if gated else "norm" if norm else "short" if k <= SHORT_K else "plain"
-        block_n, block_k, warps = CODE_TILES[bits][kind]
-        return GemvConfig(block_n, block_k, warps, num_stages=1,
-                          prefetch=kind in ("plain", "short"))
-    if gated:
-        return GemvConfig(block_n=4, block_k=256, num_warps=4, num_stages=3)
-    if norm:
-        return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
-    return GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=1, prefetch=True)
-
-
-# (block_n, block_k, num_warps) per bits and product kind: the fastest of 27 tiles each on the
-# H200 (plain = o and down with prefetch, the down product's choice for INT4), and of 36 for the
-# plain products (short = o, K <= SHORT_K; INT4's best is the same for both)
-SHORT_K = 4096
-CODE_TILES = {8: {"gated": (8, 512, 4), "norm": (16, 1024, 8), "plain": (8, 1024, 2),
-                  "short": (16, 1024, 8)},
-              4: {"gated": (8, 1024, 2), "norm": (16, 2048, 4), "plain": (16, 1024, 4),
-                  "short": (16, 1024, 4)}}
+# a llama3.1-8b step on the H200 was 11% slower than XLA's products)
 
 
 def _words(a):

@@ -1,12 +1,13 @@
 """Attention over a paged KV cache, and the KV write at a slot mapping.
 
-Cache layout, per layer (see ../shared/DESIGN.md):
+Cache layout, per layer:
     k_pages, v_pages  [num_kv_heads, num_pages, page_size, head_dim]
 A sequence's logical page j lives in physical page block_tables[b, j]; its token at position p
 is in slot block_tables[b, p // page_size] * page_size + p % page_size.
 
-This file holds the validated public functions and their plain-jnp references; `step_attention`
-dispatches to the Pallas kernel of ops/ragged_attention.py as its KernelBackends say.
+This file holds the KV write, the plain-jnp attention over a ragged step (in a decode and a
+prefill group), and `step_attention`, which dispatches to the Pallas kernel of
+ops/ragged_attention.py as its KernelBackends say.
 """
 from __future__ import annotations
 
@@ -63,42 +64,17 @@ def _quantize_dequantize_kv(x: jax.Array, dtype: str) -> jax.Array:
     return (values.astype(jnp.float32) * scales[..., None]).astype(x.dtype)
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    block_tables: jax.Array, q_positions: jax.Array, kv_lens: jax.Array, *,
-                    scale: float | None = None, soft_cap: float | None = None,
-                    sliding_window: int | None = None) -> jax.Array:
-    """Causal attention of several query tokens per sequence over that sequence's pages.
-
-    q: [B, T, H, D] queries (T = 1 for decode, a prompt chunk for prefill).
-    k_pages, v_pages: [KVH, P, S, D] with H a multiple of KVH (grouped-query attention).
-    block_tables: int32 [B, W], physical page of each logical page (W pages visible).
-    q_positions: int32 [B, T], the position of each query token; padding tokens may hold any
-      position (their output is garbage and must be ignored).
-    kv_lens: int32 [B], number of valid cached tokens of each sequence (after this step's write).
-    A query at position p sees keys at positions <= p and < kv_len (and > p - sliding_window).
-    Returns [B, T, H, D] in q's dtype.
-    """
-    if q.ndim != 4:
-        raise ValueError(f"paged_attention: q must be [batch, tokens, heads, head_dim], got {q.shape}")
-    batch, _, num_heads, head_dim = q.shape
-    num_kv_heads, _, _, page_head_dim = k_pages.shape
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"paged_attention: k_pages {k_pages.shape} != v_pages {v_pages.shape}")
-    if page_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"paged_attention: q {q.shape} does not fit pages {k_pages.shape} "
-                         "(head_dim must match and heads must be a multiple of kv heads)")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"paged_attention: block_tables {block_tables.shape} must be [{batch}, W]")
-    if q_positions.shape != q.shape[:2] or kv_lens.shape != (batch,):
-        raise ValueError(f"paged_attention: q_positions {q_positions.shape} must be {q.shape[:2]} "
-                         f"and kv_lens {kv_lens.shape} must be ({batch},)")
-    return paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv_lens,
-                                     scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-
-
 def paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv_lens, *,
                               scale=None, soft_cap=None, sliding_window=None):
-    """Plain-jnp paged attention: gathers the pages through the block table, then softmax."""
+    """Causal attention of several query tokens per sequence over that sequence's pages, in
+    plain jnp: gathers the pages through the block table, then a softmax.
+
+    q: [B, T, H, D] (H a multiple of KVH); k_pages, v_pages: [KVH, P, S, D]; block_tables:
+    int32 [B, W]; q_positions: int32 [B, T] (padding tokens may hold any position: their output
+    is to be ignored); kv_lens: int32 [B], cached tokens after this step's write. A query at
+    position p sees keys at positions <= p and < kv_len (and > p - sliding_window). Returns
+    [B, T, H, D] in q's dtype.
+    """
     batch, num_q, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads

@@ -5,9 +5,9 @@ Triton does not contract Pallas's separate multiply and add into a fused multipl
 Compute on an H200 found no fused FP32 instruction in the int4 kernel), and
 jnp.exp2 lowers to libdevice's __nv_exp2f, a library function around the hardware's
 approximate exp2. In an inner loop every instruction per element counts, so the hot elementwise
-steps are written as inline PTX here: the int4 kernel's multiply-adds (ops/quant_gemv.py) and
-the attention softmax's exponent (ops/attention_tiles.py; a 4k-token prefill went from 266 to
-379 TFLOP/s, docs/PERFORMANCE.md).
+steps are written as inline PTX here: the quantized kernels' multiply-adds (ops/quant_gemv.py,
+ops/quant_gemv8.py, ops/gemv.py) and the attention softmax's exponent (ops/attention_tiles.py;
+on the H200 a 4k-token prefill went from about 270 to 379 TFLOP/s).
 """
 from __future__ import annotations
 

@@ -2,9 +2,8 @@
 ops/quant_matmul.py): x [M, K] @ dequantize(W) with W4A16 / W8A16 packed weights, float32
 multiply-adds instead of tensor cores.
 
-Measured on an H200 (Nsight Compute, docs/PERFORMANCE.md), this kernel is bound by its
-instructions, not by memory: reading the packed words alone runs at 3.3 TB/s, and the first
-version issued about 52 instructions per int4 word (6.5 per weight). What cuts them:
+This kernel is bound by its instructions, not by memory (Nsight Compute on an H200: reading the
+packed words alone runs at 3.3 TB/s), so each weight is made to cost as few as possible:
 
 * Mantissa codes. A code c moved to mantissa bits p.. under the exponent of 1.0 is the float
   v = 1 + c 2^(p-23), exactly, with no integer-to-float conversion. For int4 one funnel shift
@@ -12,11 +11,10 @@ version issued about 52 instructions per int4 word (6.5 per weight). What cuts t
   rotating the word by 16, 8 or 24 bits puts nibble pairs (0, 7), (1, 2), (5, 6) at bits 16 and
   12, and nibbles 3 and 4 already sit there, so p is 16 or 12. For int8 one shift and one LOP3
   put the byte at p = 15. The LOP3 is PTX through inline assembly (compiled from jnp, the
-  mask and the OR came out as two LOP3 per weight).
+  mask and the OR come out as two LOP3 per weight).
 * Pre-scaled activations. The kernel reads x' = x 2^(23-p) as float32 (computed outside, K
   values per row), so x' v = x c + x 2^(23-p) costs one fused multiply-add per weight, PTX
-  fma.rn.f32 (Triton does not contract Pallas's separate multiply and add: Nsight Compute
-  counted no fused instruction in the first version).
+  fma.rn.f32 (Triton does not contract Pallas's separate multiply and add).
 * The excess x 2^(23-p) and the zero point's x zero do not depend on the output column: where
   a K tile lies in one scale group (group_size a multiple of block_k, or per channel), they are
   subtracted once per tile from a [1, BN] row, s (sum(x') + zero sum(x)), from two 1-D sums of

@@ -1,4 +1,5 @@
-"""Weight-only quantized matmul, W4A16 and W8A16: x [M, K] @ dequantize(W) [K, N] (Pallas, Triton GPU).
+"""Weight-only quantized matmul, W4A16 and W8A16: x [M, K] @ dequantize(W) [K, N] (Pallas
+Triton, GPU).
 
 Weights arrive in the packed layouts of quant/qtensor.py, read as they are stored:
     int4  packed int32 [K/8, N]: rows 8i..8i+7 of column n in packed[i, n], row 8i+j in bits
@@ -27,7 +28,7 @@ accumulates in float32:
   * block_m < 16 ("fma" path, decode with one or two rows): ops/quant_gemv.py, float32
     fused multiply-adds over "mantissa codes" and pre-scaled activations (its docstring).
     Per-channel INT8 with N a multiple of 4 runs ops/quant_gemv8.py instead, which reads four
-    codes per 32-bit word (path "fma" forces ops/quant_gemv.py's kernel).
+    codes per 32-bit word.
   * block_m >= 16 ("dot" path): the scaled tile, cast to the activation dtype, feeds tl.dot
     (tensor cores), 8 dots of K = R per int4 tile.
   * Split-K: with num_splits > 1 each program writes a float32 partial [M, N] and the splits
@@ -50,15 +51,15 @@ to block_m >= 16 by masked loads), ops/quant_mma.py:
     cut the dot's K (group_size / 8 < 16 int4 rows with a larger tile, or not dividing it) fall
     back to scaling every weight before the dot.
 For large M the product is compute-bound and XLA's dequantize-then-dot (the reference below) is
-the fallback when it measures faster; `matmul_config` encodes that choice (measured figures in
-docs/PERFORMANCE.md). The KernelBackends' quant_matmul (and wgmma) choose the path.
+the fallback where it measured faster; `matmul_config` encodes that choice. The KernelBackends'
+quant_matmul (and wgmma) choose the path.
 
-Files: this one holds the fma / dot kernel, the configs and the dispatch; ops/quant_mma.py the
-tensor-core paths' kernel; ops/quant_tiles.py the tile loads and code unpacking both share.
+Files: this one holds the fma / dot kernel and the dispatch; ops/quant_matmul_config.py the
+configs and the tile choice; ops/quant_mma.py the tensor-core paths' kernel; ops/quant_tiles.py
+the tile loads and code unpacking the kernels share.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -70,110 +71,17 @@ from ops.quant_mma import _mma_kernel
 from ops import quant_gemv8, quant_wgmma
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.quant_gemv import gemv_kernel, prescale
+from ops.quant_matmul_config import (  # noqa: F401  (NUM_SMS: scripts/bench/matmul.py)
+    NUM_SMS, PATHS, MatmulConfig, matmul_config)
 from ops.quant_tiles import (_dequant_tile, _load, _load_codes, _program_tiles,
                               _tile_rows_and_scales, split_output, sum_splits)
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-NUM_SMS = 132  # H100 / H200; only shapes the split heuristic
-PATHS = ("auto", "fma", "mma")
 LAYOUTS = ("kn", "nk")  # weights stored [K, N] (quant/qtensor.py) or transposed [N, K]
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulConfig:
-    """Static tiling of the quantized matmul kernel (all sizes powers of two)."""
-
-    block_m: int  # activation rows per program: < 16 fma path, >= 16 tl.dot path
-    block_n: int  # output columns per program
-    block_k: int  # K rows per loop step (int4: a multiple of 8; dot paths: >= 16 words)
-    num_splits: int = 1  # programs along K
-    num_warps: int = 4
-    num_stages: int = 3
-    path: str = "auto"  # "auto": fma below block_m 16, else dot; "mma": tensor cores for decode
 
 
 def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def matmul_config(bits: int, m: int, k: int, n: int, group_size: int,
-                  stored_nk: bool = False) -> MatmulConfig | None:
-    """The tuning heuristic: a kernel config, or None where XLA's dequantize + dot is faster.
-    Weights stored [N, K] (`stored_nk`) take the tensor-core paths from one row up (the fma
-    kernels read [K, N] only; one row of such weights runs ops/gemv.py instead).
-
-    Tiles from sweeps on an H200 (scripts/bench_matmul.py --modes=sweep: 4096x4096 and
-    4096x28672 at M = 1, 16, 64; then the four Llama shapes at M = 1, 16 with the mma paths;
-    docs/PERFORMANCE.md); above two rows, splits give about two programs per SM (one or two
-    rows: `_gemv_config`).
-    """
-    if m > 128:
-        return None  # compute-bound: XLA's dequantize + bf16 dot (see docs/PERFORMANCE.md)
-    if m <= 2 and not stored_nk:
-        return _gemv_config(bits, m, k, n, group_size)
-    if m <= 16:  # the "mma" path: fastest of the sweep at M = 16 on 3 of the 4 Llama shapes
-        cfg = (MatmulConfig(block_m=16, block_n=256, block_k=256, path="mma") if bits == 4
-               else MatmulConfig(block_m=16, block_n=128, block_k=64, path="mma"))
-    else:
-        bm = max(16, _next_pow2(m))
-        cfg = MatmulConfig(block_m=bm, block_n=128 if bm <= 64 else 64,
-                           block_k=256 if bits == 4 else 64)
-    return _with_splits(cfg, bits, m, k, n, per_sm=2, min_tiles=2, max_splits=16)
-
-
-def _with_splits(cfg: MatmulConfig, bits: int, m: int, k: int, n: int, *, per_sm: int,
-                 min_tiles: int, max_splits: int) -> MatmulConfig:
-    """cfg with the K splits that give about `per_sm` programs per SM, each split at least
-    `min_tiles` K tiles, at most `max_splits`."""
-    rows = k // 8 if bits == 4 else k
-    step = cfg.block_k // 8 if bits == 4 else cfg.block_k
-    tiles = -(-rows // step)
-    programs = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    splits = max(1, min(round(per_sm * NUM_SMS / programs), tiles // min_tiles, max_splits))
-    return dataclasses.replace(cfg, num_splits=splits)
-
-
-def _gemv_config(bits: int, m: int, k: int, n: int, group_size: int) -> MatmulConfig:
-    """The fma path's tiles for one or two activation rows (decode at batch 1 or 2).
-
-    The kernel is bound by its instructions and their latency (Nsight Compute on an H200,
-    4096x28672 int4: issue slots 49-66% busy, DRAM 32-50%), so it wants many resident warps,
-    and each thread wants many columns of few packed rows: a thread reads the activations of
-    every packed row it holds (8 per row), whatever its number of columns. int4 at one row runs
-    one-warp programs of [4 words, 256 columns] (8 columns a thread) split over K until there
-    are about 16 programs per SM (at most 128 splits); two rows run [16 words, 128 columns]
-    tiles with 4 warps at about 16 per SM (at most 64 splits), or 8-warp [32, 128] tiles without
-    splits where the columns alone give two programs per SM (the lm head). Per-channel int8
-    (ops/quant_gemv8.py) runs, at about 16 programs per SM (at most 64 splits): one row,
-    [32 rows, 256 columns] 4-warp tiles on products of at least 32M weights, else [16, 512];
-    two rows [16, 256] with 2 warps, or [16, 512] with 4 where the columns alone give two
-    programs per SM. Group-wise int8 runs 8-warp [32, 256 / M] tiles at about 8 programs per
-    SM (at most 16 splits). From the sweeps of docs/PERFORMANCE.md.
-    """
-    block_m, block_n = _next_pow2(m), 256 // m
-    if quant_gemv8.supports(bits, n, -(-k // group_size)):  # per-channel INT8: word kernel
-        if m == 1 and k * n >= 32 * 2 ** 20:
-            cfg = MatmulConfig(block_m=1, block_n=256, block_k=32, num_warps=4)
-        elif m == 1 or -(-n // 256) >= 2 * NUM_SMS:
-            cfg = MatmulConfig(block_m=block_m, block_n=512, block_k=16, num_warps=4)
-        else:
-            cfg = MatmulConfig(block_m=block_m, block_n=256, block_k=16, num_warps=2)
-        return _with_splits(cfg, bits, m, k, n, per_sm=16, min_tiles=1, max_splits=64)
-    if bits == 8:
-        cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=32, num_warps=8)
-        return _with_splits(cfg, bits, m, k, n, per_sm=8, min_tiles=2, max_splits=16)
-    if m == 1:
-        cfg = MatmulConfig(block_m=1, block_n=256, block_k=32, num_warps=1)
-        return _with_splits(cfg, bits, m, k, n, per_sm=16, min_tiles=1, max_splits=128)
-    if -(-n // block_n) >= 2 * NUM_SMS:
-        cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=256, num_warps=8)
-        return _with_splits(cfg, bits, m, k, n, per_sm=2, min_tiles=2, max_splits=16)
-    cfg = MatmulConfig(block_m=block_m, block_n=block_n, block_k=128, num_warps=4)
-    return _with_splits(cfg, bits, m, k, n, per_sm=16, min_tiles=1, max_splits=64)
 
 
 def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: int,
@@ -231,9 +139,8 @@ def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config:
     splits = config.num_splits
     grid = (pl.cdiv(m, config.block_m), pl.cdiv(n, config.block_n), splits)  # (rows, cols, K split)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
-    gemv = config.path in ("auto", "fma") and config.block_m < 16
-    if (gemv and config.path == "auto"
-            and quant_gemv8.supports(bits, n, num_groups, config.block_k)):
+    gemv = config.path == "auto" and config.block_m < 16
+    if gemv and quant_gemv8.supports(bits, n, num_groups, config.block_k):
         return quant_gemv8.gemv8_call(
             x, w, scales, offsets, block_m=config.block_m, block_n=config.block_n,
             block_k=config.block_k, num_splits=splits, num_warps=config.num_warps,
@@ -297,11 +204,10 @@ def _check(name: str, bits: int, x, w, scales, offsets, group_size: int, perm,
     if config is not None:
         per_word = 8 if bits == 4 else 1
         sizes = (config.block_m, config.block_n, config.block_k // per_word)
-        dot = config.block_m >= 16 or config.path not in ("auto", "fma")
+        dot = config.block_m >= 16 or config.path != "auto"
         if (not all(map(_pow2, sizes)) or config.block_k % per_word or config.num_splits < 1
                 or (dot and sizes[2] < 16) or config.block_n < 16 or config.path not in PATHS
-                or (config.path not in ("auto", "fma") and config.block_m < 16)
-                or (config.path == "fma" and config.block_m >= 16)):
+                or (config.path == "mma" and config.block_m < 16)):
             raise ValueError(f"{name}: config {config} needs power-of-two blocks, block_n >= "
                              f"16, block_k a multiple of {per_word}, path in {PATHS} and, for "
                              f"block_m >= 16 or the mma paths, block_k >= {16 * per_word} (the "

@@ -1,11 +1,10 @@
 """The in-kernel building blocks of the Hopper kernels (ops/quant_wgmma.py, one warpgroup;
 ops/quant_wgmma_ws.py, warp-specialized): the conversion of loaded code words to bf16 in
-wgmma's register layout, the group and channel scales, the output store, and the timing probes
-(`parts_removed`) that scripts' kernel bounds use. See ops/quant_wgmma.py for the design.
+wgmma's register layout, the group and channel scales, and the output store. See
+ops/quant_wgmma.py for the design.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -15,8 +14,6 @@ from jax._src.lib.mlir import ir
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-from ops.quant_wgmma_layout import register_relabeling, tile_layout
 
 
 def swizzled(block_minor: int, bits: int):
@@ -53,72 +50,34 @@ def _int8_pairs(word, j: int):
                 "lop3.b32 s2, s0, 0xff80ff80, 0x00800080, 0x6A; sub.bf16x2 $0, s1, s2; }", word)
 
 
-PROBE_PARTS = ("conversion", "load", "product", "scatter")  # what `parts_removed` takes out
-_REMOVED: frozenset = frozenset()  # the parts taken out while `parts_removed` is active
-
-
-def removed(part: str) -> bool:
-    """Whether a `parts_removed` probe takes `part` out of the kernels traced now."""
-    return part in _REMOVED
-
-
-@contextlib.contextmanager
-def parts_removed(*parts: str | None):
-    """Timing probes for scripts/bench_wgmma.py's `bounds` mode (their products are garbage):
-    while active, the one-warpgroup kernels traced leave out each of `parts` (None: nothing):
-    "conversion", each loaded 32-bit word taken as the bf16 pairs as it is; "load", no code
-    tile loaded or converted (a constant tile multiplies x); "product", no wgmma, so nothing
-    reads the tiles and their loads go too: the pipeline alone, TMA copies and barrier waits;
-    "scatter", the code tile's rows (block_k / 2 or block_k bytes each, K bytes apart): each
-    step reads a contiguous block of the same bytes instead, the codes taken as [N K / BK, BK]
-    (what storing them tile by tile would give)."""
-    global _REMOVED
-    for part in parts:
-        if part not in (None, *PROBE_PARTS):
-            raise ValueError(f"parts_removed: part {part!r}, not one of {PROBE_PARTS}")
-    real, _REMOVED = _REMOVED, frozenset(parts) - {None}
-    try:
-        yield
-    finally:
-        _REMOVED = real
-
-
-def codes_to_bf16(bits: int, block_n: int, block_k: int, instruction: str = "wgmma",
-                  unsigned: bool = False):
+def codes_to_bf16(bits: int, block_n: int, block_k: int, unsigned: bool = False):
     """An inline Mosaic GPU function: the code tile [BN, BK] as loaded (one 32-bit register of
     eight INT4 / four INT8 codes per thread, layout WGMMA_UPCAST_4X / _2X) -> bf16 c - z
-    [BN, BK] (INT4 only: `unsigned`, c itself) in
-    `tile_layout(instruction)`, each register converted in place, with no shuffle between
-    threads. What moves is the K order: register j of a loaded word holds the codes listed in
-    `wgmma_k_order`, and the caller permutes x's columns to match."""
+    [BN, BK] (INT4 only: `unsigned`, c itself) in wgmma's A layout (WGMMA), each register
+    converted in place, with no shuffle between threads. What moves is the K order: register j
+    of a loaded word holds the codes listed in `wgmma_k_order`, and the caller permutes x's
+    columns to match."""
     upcast = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     per_word, pairs = (8, _int4_pairs) if bits == 4 else (4, _int8_pairs)
     if unsigned:
         if bits != 4:
             raise ValueError("codes_to_bf16: unsigned codes are for INT4")
         pairs = functools.partial(_int4_pairs, zero=0)
-    if removed("conversion"):  # the probe: each word taken as the bf16 pairs as it is
-        pairs = lambda word, j: word  # noqa: E731
     shape = (block_n, block_k)
-    target = tile_layout(instruction)
-    layout = target.to_mgpu()
-    # instruction="mma": the same values in the same threads, registers under mma.sync's A
-    # layout (MMA_LHS: 16-column register tiles where WGMMA has 8-column ones)
-    relabel = (None if instruction == "wgmma"
-               else register_relabeling(mgpu.WGMMA_LAYOUT, layout, shape))
+    layout = plgpu.Layout.WGMMA.to_mgpu()
 
     @plgpu.inline_mgpu(arg_types=(upcast,), return_type=plgpu.ShapeDtypeStruct(
-        shape, jnp.bfloat16, layout=target))
+        shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
     def convert(_, codes):
         i32 = ir.IntegerType.get_signless(32)
         vec = ir.VectorType.get((2,), ir.BF16Type.get())
         out = np.empty(layout.registers_shape(shape), dtype=object)
-        ndim = len(mgpu.WGMMA_LAYOUT.registers_shape(shape))
+        ndim = out.ndim
         for idx, reg in np.ndenumerate(codes.registers):
             word = mgpu_utils.bitcast(reg, i32)
             for j in range(per_word // 2):  # WGMMA registers per loaded word
                 new = (idx[0], idx[1] * (per_word // 2) + j) + idx[2:ndim]
-                out[relabel[new] if relabel else new] = mgpu_utils.bitcast(pairs(word, j), vec)
+                out[new] = mgpu_utils.bitcast(pairs(word, j), vec)
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
     return upcast, convert
 

@@ -1,9 +1,9 @@
 """The tiles of ops/quant_wgmma.py's kernels: `WgmmaConfig`, which products they take
 (`supports`), the dispatch's tiles (`wgmma_config`: one row tile up to MAX_ROWS rows, then
-`large_m_config`), the warp-specialized kernel's (`ws_config`) and the tiles
-scripts/bench_wgmma.py sweeps (`sweep_configs`). Pure Python over shapes: the sizes and rules
-come from wgmma (m64 programs of BLOCK_N columns, N up to MAX_BLOCK_M rows), the register file
-(MAX_ACC) and the H200 sweeps recorded in docs/PERFORMANCE.md.
+`large_m_config`), the warp-specialized kernel's (`ws_config`) and the tiles that
+scripts/bench/matmul.py --modes=sweep times (`sweep_configs`). Pure Python over shapes: the
+sizes and rules come from wgmma (m64 programs of BLOCK_N columns, N up to MAX_BLOCK_M rows), the
+register file (MAX_ACC) and H200 sweeps.
 """
 from __future__ import annotations
 
@@ -18,17 +18,13 @@ WIDE_STEP_ROWS = 16  # wgmma_config: INT4 steps of 256 K up to this many (padded
 MANY_ROWS = 33  # wgmma_config: from this many rows, K splits for about 192 programs (INT4 and
 # INT8 alike) and INT8 in 64-column programs (the 64-row sweep)
 MIN_GROUP_PART = 64  # steps spanning groups: the narrowest (x's tile is sliced in 128-byte rows)
-MAX_MMA_ROWS = 32  # instruction="mma": every warp holds all of x's step tile in registers
 NUM_SMS = 132  # H100 / H200 (as ops/quant_matmul.py); only shapes the tile choices
-MIN_WS_UNITS = 2 * NUM_SMS  # ws_config: work units for two per SM
-# Warp-specialized consumers: at most 3. With four (five warpgroups, 640 threads) a program
-# starts with at most 65536 / 640 = 102 registers a thread, but Pallas's pipeline asks each
-# consumer to grow to (512 - 40) / 4 = 118 (rounded to 112) on the assumption of a 512-register
-# budget per thread of one warpgroup: 4 x 112 + 40 = 488 > 5 x 96 (likely the reason why
-# four consumers never finished on the H200: setmaxnreg waits for registers no warp releases).
+# Warp-specialized consumers: at most 3. With four (five warpgroups, 640 threads: 102 registers
+# a thread) Pallas's pipeline asks each consumer to grow to 112 registers, more than the file
+# holds, and the kernel hangs in setmaxnreg.
 MAX_CONSUMERS = 3
-# ws_config past MAX_ROWS rows: units for about three quarters of an H200's SMs (fewer K
-# splits: at many rows their float32 partials are as large as the output)
+# ws_config: units for about three quarters of an H200's SMs (fewer K splits: at many rows
+# their float32 partials are as large as the output)
 MIN_WS_ROW_TILE_UNITS = 96
 WS_SMEM_BYTES = 220 * 1024  # shared memory of a warp-specialized program (an H200 SM: 227 KB)
 
@@ -41,10 +37,6 @@ class WgmmaConfig:
     block_n: int = 64  # output columns per program (a multiple of BLOCK_N: m64 wgmmas)
     num_splits: int = 1
     stages: int = 4
-    # codes -> bf16: "inline" (quant_wgmma_convert.codes_to_bf16) or "mosaic" (astype)
-    convert: str = "inline"
-    direct: bool = True  # one split: write the bf16 product [M, N] itself (no XLA epilogue)
-    instruction: str = "wgmma"  # the tensor-core op: "wgmma" or "mma" (mma.sync m16n8k16)
     consumers: int = 0  # >= 2: the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
     block_m: int = 0  # activation rows per program; 0: all of them (up to MAX_ROWS) in one tile
 
@@ -81,12 +73,10 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
              config: WgmmaConfig | None = None) -> bool:
     """Whether the kernel takes the product: bf16 activations and scales, 1..MAX_ROWS rows in
     one tile or any number in tiles of block_m (a multiple of 8 up to MAX_BLOCK_M, at most
-    MAX_ACC accumulator elements: block_n x block_m; one warpgroup per program), at most
-    MAX_MMA_ROWS rows per tile and the inline conversion for instruction="mma", N a multiple
-    of the program's columns (`program_columns`; the warp-specialized kernel: 2-3 consumers,
-    wgmma and the inline conversion; four hung on the H200, see MAX_CONSUMERS), K of whole
+    MAX_ACC accumulator elements: block_n x block_m), N a multiple of the program's columns
+    (`program_columns`; the warp-specialized kernel: 2 to MAX_CONSUMERS consumers), K of whole
     steps (block_k of `config`, default `wgmma_config`'s) for every split, and per-channel
-    scales, groups of whole steps or (wgmma) steps of whole groups of at least MIN_GROUP_PART
+    scales, groups of whole steps or steps of whole groups of at least MIN_GROUP_PART
     positions (`group_parts`)."""
     if bits not in (4, 8) or m < 1 or n % BLOCK_N:
         return False
@@ -97,18 +87,12 @@ def supports(bits: int, m: int, k: int, n: int, group_size: int, x_dtype, scales
             return False
     elif m > MAX_ROWS:
         return False
-    if cfg.instruction not in ("wgmma", "mma") or (cfg.instruction == "mma" and (
-            row_tiling(m, cfg)[0] > MAX_MMA_ROWS or cfg.convert != "inline")):
-        return False
     if cfg.block_n % BLOCK_N or n % program_columns(cfg):
         return False
-    if cfg.consumers and not (2 <= cfg.consumers <= MAX_CONSUMERS
-                              and cfg.instruction == "wgmma"
-                              and cfg.convert == "inline"):
+    if cfg.consumers and not 2 <= cfg.consumers <= MAX_CONSUMERS:
         return False
     grouped = -(-k // group_size) > 1
-    whole_groups = (cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
-                    and cfg.instruction == "wgmma")
+    whole_groups = cfg.block_k % group_size == 0 and group_size >= MIN_GROUP_PART
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(scales_dtype) == jnp.bfloat16
             and cfg.block_k >= MIN_BLOCK_K and k % (cfg.block_k * cfg.num_splits) == 0
             and (not grouped or group_size % cfg.block_k == 0 or whole_groups))
@@ -130,7 +114,7 @@ def group_parts(k: int, group_size: int, block_k: int) -> tuple[int, int]:
 
 
 def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """Tiles from the H200 sweeps at 16 rows (docs/PERFORMANCE.md): INT4 up to WIDE_STEP_ROWS rows
+    """Tiles from the H200 sweeps at 16 rows: INT4 up to WIDE_STEP_ROWS rows
     in steps of 256 positions (spanning groups of 64 or 128) with 4 stages (2 up to 8 rows
     without a K split), K splits up to about 256 programs; else steps of 128 INT4 positions
     (capped by the group) with 3 stages, or 256 INT8 positions with 2, K splits up to about
@@ -148,7 +132,7 @@ def wgmma_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaCon
     if bits == 4 and padded_rows(m) <= WIDE_STEP_ROWS:  # 256-K steps, where the kernel takes them
         splits = 1 if programs >= 200 else k_splits(programs, k // 256, 256)
         # up to 8 rows without a split (gate/up, the lm head) two stages stream faster than
-        # four: the lm head 75.8 against 81.2 us, gate/up 22.4 against 22.8 (16 rows: equal)
+        # four (the lm head 7% on the H200; equal at 16 rows)
         stages = 2 if splits == 1 and padded_rows(m) == 8 else 4
         wide = WgmmaConfig(block_k=256, block_n=block_n, num_splits=splits, stages=stages)
         if supports(bits, m, k, n, group_size, jnp.bfloat16, jnp.bfloat16, wide):
@@ -168,13 +152,11 @@ def step_in_group(block_k: int, k: int, group_size: int) -> int:
 
 
 def large_m_config(bits: int, m: int, k: int, n: int, group_size: int) -> WgmmaConfig:
-    """Tiles past MAX_ROWS rows, from the H200 sweeps at 128 and 1024 rows (docs/
-    PERFORMANCE.md): from LARGE_M_ROWS rows on the
-    warp-specialized kernel's 256-row tiles (`ws_config`: two consumers of 64 columns sharing
-    each x tile), or 128-row tiles of three consumers where N takes them and their units keep
-    an H200's SMs busier by a tenth (`ws_balance`; q/k/v at 1024 rows: 256 units against 192,
-    0.86x bf16 against 0.72x); else the one-warpgroup row tiles of
-    `row_tile_config`."""
+    """Tiles past MAX_ROWS rows, from the H200 sweeps at 128 and 1024 rows: from LARGE_M_ROWS
+    rows on the warp-specialized kernel's 256-row tiles (`ws_config`: two consumers of 64
+    columns sharing each x tile), or 128-row tiles of three consumers where N takes them and
+    their units keep the SMs busier by a tenth (`ws_balance`); else the one-warpgroup row tiles
+    of `row_tile_config`."""
     if m < LARGE_M_ROWS:
         return row_tile_config(m, k, n, group_size)
     two = ws_config(bits, m, k, n, group_size)
@@ -214,25 +196,17 @@ def k_splits(programs: int, steps: int, want: int) -> int:
 
 def ws_config(bits: int, m: int, k: int, n: int, group_size: int,
               consumers: int = 2, block_m: int | None = None) -> WgmmaConfig:
-    """Tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py), up to MAX_ROWS rows not
-    swept: `wgmma_config`'s step (INT4: 256 positions, spanning groups), 64 columns per
-    consumer, and the fewest K splits (each at least two steps) that give every SM at least
-    two units. Past MAX_ROWS rows, `row_tile_config`'s row tiles in steps of 64 K, the most
-    stages (up to 4) whose shared memory fits an SM (WS_SMEM_BYTES), and the splits that give
-    MIN_WS_ROW_TILE_UNITS units (`block_m` overrides the row tile's height)."""
-    if m > MAX_ROWS:
-        block_m = block_m or row_tile_config(m, k, n, group_size).block_m
-        units = n // (consumers * BLOCK_N) * -(-m // block_m)
-        return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N,
-                           stages=ws_stages(bits, block_m, consumers * BLOCK_N),
-                           block_m=block_m, consumers=consumers,
-                           num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
-                                               MIN_WS_ROW_TILE_UNITS))
-    block_k = wgmma_config(bits, m, k, n, group_size).block_k  # INT4: steps spanning groups
-    steps = max(1, k // block_k)
-    splits = k_splits(max(1, n // (consumers * BLOCK_N)), steps, MIN_WS_UNITS)
-    return WgmmaConfig(block_k=block_k, block_n=BLOCK_N, num_splits=splits,
-                       stages=4 if bits == 4 else 2, consumers=consumers)
+    """Row tiles for the warp-specialized kernel (ops/quant_wgmma_ws.py; the dispatch's from
+    LARGE_M_ROWS rows): `row_tile_config`'s height (`block_m` overrides it) in steps of 64 K,
+    64 columns per consumer, the most stages (up to 4) whose shared memory fits an SM
+    (WS_SMEM_BYTES), and the K splits that give MIN_WS_ROW_TILE_UNITS units."""
+    block_m = block_m or row_tile_config(m, k, n, group_size).block_m
+    units = n // (consumers * BLOCK_N) * -(-m // block_m)
+    return WgmmaConfig(block_k=MIN_BLOCK_K, block_n=BLOCK_N,
+                       stages=ws_stages(bits, block_m, consumers * BLOCK_N),
+                       block_m=block_m, consumers=consumers,
+                       num_splits=k_splits(units, max(1, k // MIN_BLOCK_K),
+                                           MIN_WS_ROW_TILE_UNITS))
 
 
 def ws_stages(bits: int, block_m: int, columns: int, block_k: int = MIN_BLOCK_K,
@@ -245,20 +219,14 @@ def ws_stages(bits: int, block_m: int, columns: int, block_k: int = MIN_BLOCK_K,
 
 
 def sweep_configs(bits: int, k: int, n: int, m: int = MAX_ROWS) -> list[WgmmaConfig]:
-    """The tiles scripts/bench_wgmma.py sweeps (INT4 in groups of 128, INT8 per channel): 64 /
-    128 / 256 columns times K splits giving about 120 to 1100 programs (or none where the
-    columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2 stages);
-    for m rows that mma.sync takes (MAX_MMA_ROWS), each also with instruction="mma". Past
-    MAX_ROWS rows, the row tiles of `_large_m_tiles` and, for the warp-specialized kernel,
-    `_ws_row_tiles`."""
+    """The tiles scripts/bench/matmul.py --modes=sweep times (INT4 in groups of 128, INT8 per
+    channel): 64 / 128 / 256 columns times K splits giving about 120 to 1100 programs (or none
+    where the columns alone give more), steps of 128 K (3 stages) or, for INT8, also 256 (2
+    stages). Past MAX_ROWS rows, the row tiles of `_large_m_tiles` and, for the warp-specialized
+    kernel, `_ws_row_tiles`."""
     if m > MAX_ROWS:
         return _large_m_tiles(bits, k, n, m) + _ws_row_tiles(bits, k, n, m)
-    instructions = ("wgmma", "mma") if padded_rows(m) <= MAX_MMA_ROWS else ("wgmma",)
-    group = 128 if bits == 4 else k
-    ws = [ws_config(bits, m, k, n, group, c) for c in (2, 3)
-          if n % (c * BLOCK_N) == 0]
-    return [dataclasses.replace(cfg, instruction=op) for cfg in _sweep_tiles(bits, k, n)
-            for op in instructions] + ws
+    return _sweep_tiles(bits, k, n)
 
 
 def _ws_row_tiles(bits: int, k: int, n: int, m: int) -> list[WgmmaConfig]:

@@ -14,21 +14,12 @@ The programs walk the work units (a C * block_n column tile times a row tile tim
 `num_splits` K ranges) in turn (`plgpu.nd_loop`); a unit's pipeline starts and drains inside
 the unit. With one split each consumer writes its bf16 tile of the product [MP, N] itself,
 transposed on its way through shared memory; with more, float32 partials [splits, N, MP], which
-ops.quant_wgmma.wgmma_matmul sums. INT4 group offsets are added in the kernel, as in the
-one-warpgroup kernel (s c + o per step, the steps lying in one group): at 1024 rows the XLA
-path they took before (float32 partials, the group sums' product) cost 1.6x the product.
+ops.quant_wgmma.wgmma_matmul sums. INT4 group offsets are added in the kernel (s c + o), and
+steps may span whole groups (`group_parts`), as in the one-warpgroup kernel.
 
-Why: INT4 on the one-warpgroup kernel reads at about
-2.1-2.4 TB/s however its instructions, its tensor op or its stage depth change. What is left
-is its structure: 1.7 four-warp programs per SM on gate/up, and x read once per program.
-Measured on the H200: for decode (1 and 16 rows) 12-35% slower than the
-one-warpgroup kernel, so the dispatch does not use it there; with row tiles of 256 rows
-(two consumers of 64 columns share each x tile, halving the x bytes
-per product; 4 stages for INT4, 3 for INT8) 8-12% faster than the one-warpgroup row tiles at
-1024 rows, 0.72-0.97x XLA's bf16 product, and the dispatch's from LARGE_M_ROWS rows.
-
-Steps may span whole groups (INT4 decode's 256-K steps, `group_parts`), each part of the tile
-scaled by its own group as in the one-warpgroup kernel.
+Why: sharing x's tile halves the x bytes per product at many rows. The dispatch runs it from
+LARGE_M_ROWS rows (256-row tiles, two consumers: 8-12% faster than the one-warpgroup row tiles
+at 1024 rows on the H200); at decode sizes it is slower than the one-warpgroup kernel.
 """
 from __future__ import annotations
 

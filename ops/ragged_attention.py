@@ -22,19 +22,10 @@ used for small query counts (decode, speculative verification) over long context
 Tuning (`ragged_config`): block_m = next power of two of max_q_len * G, clamped to [16, 128]
 (64 for head_dim 256). Prefill-sized tiles (block_m >= 64): block_k 64, 4 warps, 3 pipeline
 stages, with the softmax's exponent in PTX (`RaggedConfig.ptx_softmax`: one fma and one
-ex2.approx per logit, where jnp's exp2 costs several instructions). H200 sweeps at 32 q / 8 kv
-heads, TFLOP/s with PTX / jnp softmax at 4k and 8k prefill tokens (three
-runs): (128, 64, 4 warps, 3 stages) 377-379 / 266-273 and 426-436 / 305-307; 4 stages 368-393
-/ 269-276 and 439 / 305; 2 stages 346-356 / 254-262; (128, 32, 4, 5), the best with the jnp
-softmax, 361-373 / 316-330 and 407 / 362; (128, 128, 8, 3) 319 / 260; (256, 64, 8, 3)
-318 / 253; (64, 64, 4, 3) 308-310 / 242-245. Decode-sized tiles keep the jnp softmax: with PTX
-decode measured no faster (two runs, B = 1-32).
-Rescaling the accumulator only when the running max grows by more than 2^8 (branching on it)
-was slower in 11 of 12 pairs and was dropped. head_dim 256 keeps block_k 32 and 5 stages.
-Below that the program is bandwidth-bound like decode: block_k 128 and, when block_m <= 32,
-key splits for about two programs per SM.
-`RaggedConfig.prefetch_slots` reads the next tile's block-table entries a loop step ahead (off
-by default).
+ex2.approx per logit; on the H200 a 4k-token prefill ran at 379 TFLOP/s against about 270 with
+jnp's exp2). Decode-sized tiles keep the jnp softmax (PTX measured no faster there). head_dim 256
+keeps block_k 32 and 5 stages. Below block_m 64 the program is bandwidth-bound like decode:
+block_k 128 and, when block_m <= 32, key splits for about two programs per SM.
 """
 from __future__ import annotations
 
@@ -60,8 +51,6 @@ class RaggedConfig:
     num_splits: int = 1  # programs per (q block, kv head) along the keys
     num_warps: int = 4
     num_stages: int = 3
-    # Read the next tile's block-table entries one loop step ahead (off by default).
-    prefetch_slots: bool = False
     # One PTX fma + exp2 per logit in the online softmax (attention_tiles.attend_tile; jnp
     # in interpret mode). ragged_config turns it on for prefill tiles, where it measured faster.
     ptx_softmax: bool = False
@@ -92,8 +81,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                    num_heads: int, block_m: int, block_k: int, page_size: int, num_pages: int,
                    table_width: int, num_splits: int, sm_scale: float,
                    soft_cap: float | None, sliding_window: int | None, quantized: bool,
-                   split_out: bool, prefetch_slots: bool = False, ptx_softmax: bool = False,
-                   gpu_sync: bool = True):
+                   split_out: bool, ptx_softmax: bool = False, gpu_sync: bool = True):
     # meta_ref:   [5] int32, this q block: (sequence, first flat token, tokens, position of
     #             the first token, keys needed = position of the last token + 1)
     # tables_ref: [S * W] int32, all block tables, flattened
@@ -138,8 +126,8 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                               table_width=table_width, num_pages=num_pages)
 
     def body(i, carry, masked: bool):
-        carry, tok, slots, next_slots = tiles.step_keys(i, carry, positions, slots_of,
-                                                        prefetch_slots)
+        tok = positions(i)
+        slots = slots_of(tok)
         ok = (tok < kv_end) if masked else None
         k = tiles.load_rows(k_ref, slots, ok).astype(q.dtype)  # [BK, D]
         v = tiles.load_rows(v_ref, slots, ok).astype(q.dtype)  # [BK, D]
@@ -154,15 +142,11 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
                 mask &= tok[None, :] > pos[:, None] - sliding_window
         carry = tiles.attend_tile(q, k, v, ks, vs, mask, carry, sm_scale=sm_scale,
                                   soft_cap=soft_cap, ptx=ptx_softmax and gpu_sync)
-        return (carry, next_slots) if prefetch_slots else carry
+        return carry
 
     carry = tiles.init_carry(block_m, q.shape[-1])
-    if prefetch_slots:  # the slots go from the unmasked loop on to the masked one
-        carry = (carry, slots_of(positions(first)))
     carry = jax.lax.fori_loop(first, mid, functools.partial(body, masked=False), carry)
     carry = jax.lax.fori_loop(mid, last, functools.partial(body, masked=True), carry)
-    if prefetch_slots:
-        carry = carry[0]
     out, lse = tiles.finish(carry)  # [M, D], [M]
     tiles.store_rows(out_refs[0], q_rows, out, row_ok)
     if split_out:
@@ -243,7 +227,7 @@ def _ragged_attention_pallas(q, k_pages, v_pages, block_tables, query_start_loc,
         block_k=config.block_k, page_size=page_size, num_pages=num_pages,
         table_width=table_width, num_splits=splits, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, quantized=quantized, split_out=split_out,
-        prefetch_slots=config.prefetch_slots, ptx_softmax=config.ptx_softmax,
+        ptx_softmax=config.ptx_softmax,
         gpu_sync=not interpret)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

@@ -5,12 +5,9 @@ normalizing multiply), each a kernel's start and drain for a few kilobytes: for 
 batch 1 on the H200, 64 of the step's 585 kernels. The kernel here does one row per program:
 the sum of squares, the scale and the weight in one pass over the row held in registers.
 
-When it runs by default (`KERNEL_ROWS`), from llama3.1-8b decode steps on the H200 (docs/
-PERFORMANCE.md): at 32 rows it made the step 1-2% faster (5.28 -> 5.17 ms at context 512,
-8.70 -> 8.60 ms at 4096), but at 1 row 3% slower (4.87 -> 5.01 ms): one program per row leaves
-a single row on one SM, slower than XLA's two small kernels. At 256 rows (llama3.2-1b's decode
-step, dumped on the H200) XLA already emits one normalization kernel; the kernel has not been
-timed at more than 32 rows. So XLA keeps rows outside 16-64.
+It runs by default for KERNEL_ROWS rows: in llama3.1-8b decode steps on the H200 it made the
+step 1-2% faster at 32 rows but 3% slower at one row (a single program on one SM is slower than
+XLA's two small kernels), and at 256 rows XLA already emits one normalization kernel.
 
 Numerics follow the model's definition (HF Llama): y = (x * rsqrt(mean(x^2) + eps)) rounded to
 x's dtype, times the weight, in float32 math and rounded again to x's dtype.

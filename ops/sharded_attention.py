@@ -20,8 +20,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-DATA = "data"
-MODEL = "model"
+from configs.mesh import DATA, MODEL
 
 
 def head_axis(mesh_shape: dict[str, int], num_heads: int, num_kv_heads: int):

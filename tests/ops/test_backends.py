@@ -1,6 +1,6 @@
 """ops.backends and configs.switches: every table entry resolves to a real implementation, the
-choice per platform is what the dispatch took before it was made explicit, the switches are
-validated, and the ops follow the choice they are given (not the environment)."""
+choice per platform takes the GPU kernels on a GPU and the references elsewhere, the switches
+are validated, and the ops follow the choice they are given (not the environment)."""
 from __future__ import annotations
 
 import dataclasses

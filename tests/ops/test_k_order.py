@@ -97,12 +97,10 @@ def test_reorder_refuses_what_it_cannot_store():
 
 
 @pytest.mark.skipif(qw.on_hopper(), reason="the Hopper tests compile and run the kernel")
-@pytest.mark.parametrize("bits,convert,k_order,gathered", [
-    (4, "inline", "wgmma", False), (4, "inline", "natural", True),
-    (8, "inline", "wgmma", False), (4, "mosaic", "wgmma", True), (4, "mosaic", "natural", False)])
-def test_the_kernel_reads_reordered_x_as_it_is(bits, convert, k_order, gathered, monkeypatch):
-    """Reordered codes under the inline conversion need no gather of x; natural codes do (and
-    the library's conversion, natural order, gathers for reordered codes)."""
+@pytest.mark.parametrize("bits,k_order,gathered", [
+    (4, "wgmma", False), (4, "natural", True), (8, "wgmma", False), (8, "natural", True)])
+def test_the_kernel_reads_reordered_x_as_it_is(bits, k_order, gathered, monkeypatch):
+    """Codes stored in the kernel's K order need no gather of x; natural codes do."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
     m, k, n = 16, 512, 256
     group = 128 if bits == 4 else k
@@ -110,7 +108,7 @@ def test_the_kernel_reads_reordered_x_as_it_is(bits, convert, k_order, gathered,
     w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
                              jnp.int32 if bits == 4 else jnp.uint8)
     s = jax.ShapeDtypeStruct((k // group, n), jnp.bfloat16)
-    cfg = qw.WgmmaConfig(block_k=128, stages=2, convert=convert)
+    cfg = qw.WgmmaConfig(block_k=128, stages=2)
     fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=group,
                                                  config=cfg, k_order=k_order))
     text = fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()

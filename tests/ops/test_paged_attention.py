@@ -1,4 +1,4 @@
-"""paged_attention and write_kv against independent numpy (float64) references.
+"""paged_attention_reference and write_kv against independent numpy (float64) references.
 
 Every case lays each sequence's K/V out contiguously first, scatters it into randomly chosen
 physical pages (the rest of the cache holds large random garbage that must never be seen), and
@@ -7,7 +7,6 @@ computed in float64 over the contiguous K/V.
 """
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -16,14 +15,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ops.paged_attention import paged_attention, write_kv
+from ops.paged_attention import paged_attention_reference, write_kv
 
 # (kv_len, number of query tokens) of each sequence: the queries sit at [kv_len - T, kv_len).
 # Lengths 1, mid-page ends for page sizes 4 and 16, a full prefill, a middle chunk, a decode.
 SEQUENCES = ((1, 1), (5, 5), (19, 4), (37, 1), (23, 7))
 GARBAGE = 50.0  # magnitude of the unused cache entries: any leak shows up at once
 
-paged_attention_jit = jax.jit(paged_attention,
+paged_attention_jit = jax.jit(paged_attention_reference,
                               static_argnames=("scale", "soft_cap", "sliding_window"))
 
 
@@ -117,14 +116,14 @@ def test_eager_call_and_block_table_order():
     """Unjitted call; permuting the physical pages (same logical content) changes nothing."""
     rng = np.random.default_rng(1)
     args, q, keys, values = make_case(rng, page_size=4, num_heads=4, num_kv_heads=4, head_dim=16)
-    out = paged_attention(*args)
+    out = paged_attention_reference(*args)
     check(out, dense_reference(q, keys, values, SEQUENCES), SEQUENCES, rtol=1e-5, atol=1e-5)
     q_, k_pages, v_pages, tables, positions, kv_lens = args
     perm = rng.permutation(k_pages.shape[1])  # physical page p moves to perm[p]
     inverse = np.argsort(perm)
     moved = (q_, k_pages[:, inverse], v_pages[:, inverse], jnp.asarray(perm)[tables],
              positions, kv_lens)
-    np.testing.assert_array_equal(np.asarray(paged_attention(*moved))[:len(SEQUENCES)],
+    np.testing.assert_array_equal(np.asarray(paged_attention_reference(*moved))[:len(SEQUENCES)],
                                   np.asarray(out)[:len(SEQUENCES)])
 
 
@@ -249,26 +248,3 @@ def test_write_kv_validation():
         write_kv(pages, pages, k, jnp.ones((4, 2, 8)), slots)  # k vs v
     with pytest.raises(ValueError, match=_shape_text((5,))):
         write_kv(pages, pages, k, k, jnp.zeros(5, jnp.int32))  # slot mapping
-
-
-def test_paged_attention_validation():
-    q = jnp.ones((2, 3, 4, 8))
-    pages = jnp.ones((2, 6, 4, 8))
-    tables = jnp.zeros((2, 3), jnp.int32)
-    positions = jnp.zeros((2, 3), jnp.int32)
-    lens = jnp.ones(2, jnp.int32)
-    call = functools.partial(paged_attention, q, pages, pages, tables, positions, lens)
-    call()  # the valid call works
-    cases = [
-        ((jnp.ones((2, 4, 8)), pages, pages, tables, positions, lens), (2, 4, 8)),
-        ((q, pages, jnp.ones((2, 7, 4, 8)), tables, positions, lens), (2, 7, 4, 8)),
-        ((jnp.ones((2, 3, 4, 16)), pages, pages, tables, positions, lens), (2, 3, 4, 16)),
-        ((jnp.ones((2, 3, 3, 8)), pages, pages, tables, positions, lens), (2, 3, 3, 8)),
-        ((q, pages, pages, jnp.zeros((3, 3), jnp.int32), positions, lens), (3, 3)),
-        ((q, pages, pages, jnp.zeros(2, jnp.int32), positions, lens), (2,)),
-        ((q, pages, pages, tables, jnp.zeros((2, 4), jnp.int32), lens), (2, 4)),
-        ((q, pages, pages, tables, positions, jnp.ones(3, jnp.int32)), (3,)),
-    ]
-    for bad_args, bad_shape in cases:
-        with pytest.raises(ValueError, match=_shape_text(bad_shape)):
-            paged_attention(*bad_args)

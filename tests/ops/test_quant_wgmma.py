@@ -3,7 +3,7 @@ rows, against ops.quant_matmul's references on the very same codes.
 
 The kernel runs only on a Hopper GPU: Mosaic GPU's interpreter has no wgmma with a register
 operand. On the CPU these tests check what can be checked without one (the bit tricks of the
-inline PTX, the K order and the register layouts: tests/ops/test_quant_wgmma_layout.py): the
+inline PTX and the K order: tests/ops/test_quant_wgmma_layout.py): the
 kernel's lowering to Mosaic GPU for an H200 (layout inference and the register conversions run
 at lowering time), the dispatch rule and the errors. The kernel itself against the reference
 on an H200: tests/ops/test_quant_wgmma_hopper.py.
@@ -14,11 +14,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from ops import quant_wgmma as qw
-from ops.quant_wgmma_convert import parts_removed
 from tests.ops.test_quant_wgmma_hopper import random_case
 
 ON_HOPPER = qw.on_hopper()
@@ -40,8 +38,6 @@ def test_supports_and_config():
         assert qw.group_parts(4096, group, 256) == (1, 256 // group)
     assert qw.group_parts(4096, 256, 128) == (2, 1) and qw.group_parts(4096, 4096, 256) == (16, 1)
     assert not qw.supports(4, 16, 4096, 4096, 96, jnp.bfloat16, jnp.bfloat16, span)  # not whole
-    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
-                           dataclasses.replace(span, instruction="mma"))
     assert qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                        dataclasses.replace(span, consumers=2, block_n=64))
     assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.float32)  # f32 groups
@@ -73,35 +69,20 @@ def test_supports_and_config():
         assert (cfg.block_k, cfg.block_n, cfg.num_splits) == tiles, (bits, m, k, n, cfg)
     for bits, k, n, group in ((4, 4096, 6144, 64), (8, 14336, 4096, 14336), (4, 1024, 512, 256)):
         assert qw.supports(bits, 16, k, n, group, jnp.bfloat16, jnp.bfloat16)
-    mma = qw.WgmmaConfig(block_k=128, instruction="mma")
-    assert qw.supports(4, 32, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, mma)
-    assert not qw.supports(4, 33, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, mma)  # rows
-    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
-                           qw.WgmmaConfig(block_k=128, instruction="mma", convert="mosaic"))
-    assert not qw.supports(4, 16, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
-                           qw.WgmmaConfig(block_k=128, instruction="hmma"))
-    assert qw.wgmma_config(4, 16, 4096, 4096, 128).instruction == "wgmma"  # the default
     ws = qw.WgmmaConfig(block_k=128, consumers=3)  # warp-specialized: N of 3 x 64 columns
     assert qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16, ws)
     assert not qw.supports(4, 16, 4096, 512, 128, jnp.bfloat16, jnp.bfloat16, ws)
     for consumers in (1, 4):
         assert not qw.supports(4, 16, 4096, 768, 128, jnp.bfloat16, jnp.bfloat16,
                                qw.WgmmaConfig(block_k=128, consumers=consumers))
-    assert not qw.supports(4, 16, 4096, 576, 128, jnp.bfloat16, jnp.bfloat16,
-                           qw.WgmmaConfig(block_k=128, consumers=3, instruction="mma"))
-    cfg = qw.ws_config(4, 16, 4096, 28672, 128)  # 224 units of 128 columns: 2 splits
-    assert (cfg.consumers, cfg.block_n, cfg.num_splits) == (2, 64, 2)
     # past MAX_ROWS rows: row tiles (block_m), within wgmma's N and the accumulator's registers
     cfg = qw.wgmma_config(4, 1024, 4096, 28672, 128)
     assert cfg.block_m and qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16)
     assert qw.row_tiling(1000, cfg) == (cfg.block_m, -(-1000 // cfg.block_m) * cfg.block_m)
     assert qw.row_tiling(13, qw.WgmmaConfig()) == (16, 16)
     for bad in (qw.WgmmaConfig(block_m=100), qw.WgmmaConfig(block_m=512),
-                qw.WgmmaConfig(block_m=256, block_n=128),
-                qw.WgmmaConfig(block_k=128, block_m=64, instruction="mma")):
+                qw.WgmmaConfig(block_m=256, block_n=128)):
         assert not qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16, bad), bad
-    assert qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
-                       qw.WgmmaConfig(block_k=128, block_m=32, instruction="mma"))
     assert qw.supports(4, 1024, 4096, 4096, 128, jnp.bfloat16, jnp.bfloat16,
                        qw.WgmmaConfig(block_k=64, block_m=256, consumers=2))
     assert all(qw.supports(4, 1024, 4096, 28672, 128, jnp.bfloat16, jnp.bfloat16, c)
@@ -134,26 +115,19 @@ def lowered_for_hopper(monkeypatch, bits, m, k, n, group, cfg, asymmetric=False)
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("bits,group,convert,instruction,consumers,m,block_m", [
-    (4, 128, "inline", "wgmma", 0, 16, 0), (8, 256, "inline", "wgmma", 0, 16, 0),
-    (4, 256, "mosaic", "wgmma", 0, 16, 0), (4, 128, "inline", "mma", 0, 16, 0),
-    (8, 512, "inline", "mma", 0, 16, 0), (4, 128, "inline", "wgmma", 2, 16, 0),
-    (8, 512, "inline", "wgmma", 2, 16, 0), (4, 128, "inline", "wgmma", 0, 300, 128),
-    (8, 512, "inline", "wgmma", 0, 200, 256), (4, 128, "inline", "wgmma", 2, 300, 128),
-    (8, 512, "inline", "wgmma", 2, 200, 64), (4, 64, "inline", "wgmma", 0, 16, 0),
-    (4, 64, "inline", "wgmma", 0, 300, 128), (4, 64, "inline", "wgmma", 2, 16, 0)])
-def test_lowers_for_an_h200(bits, group, convert, instruction, consumers, m, block_m,
-                            monkeypatch):
+@pytest.mark.parametrize("bits,group,consumers,m,block_m", [
+    (4, 128, 0, 16, 0), (8, 256, 0, 16, 0), (4, 128, 2, 16, 0), (8, 512, 2, 16, 0),
+    (4, 128, 0, 300, 128), (8, 512, 0, 200, 256), (4, 128, 2, 300, 128), (8, 512, 2, 200, 64),
+    (4, 64, 0, 16, 0), (4, 64, 0, 300, 128), (4, 64, 2, 16, 0)])
+def test_lowers_for_an_h200(bits, group, consumers, m, block_m, monkeypatch):
     """Lowers the kernel to Mosaic GPU as for the GPU: the layouts, the inline conversion and
     the pipeline are built in Python at this point (the Hopper check is told yes); with
     block_m, row tiles over many activation rows."""
-    block_n = 128 if convert == "inline" and not consumers and block_m <= 128 else 64
-    cfg = qw.WgmmaConfig(block_k=128, block_n=block_n,
-                         num_splits=1 if bits == 4 else 2, stages=2, convert=convert,
-                         instruction=instruction, consumers=consumers, block_m=block_m)
+    block_n = 128 if not consumers and block_m <= 128 else 64
+    cfg = qw.WgmmaConfig(block_k=128, block_n=block_n, num_splits=1 if bits == 4 else 2,
+                         stages=2, consumers=consumers, block_m=block_m)
     text = lowered_for_hopper(monkeypatch, bits, m, 512, 128, group, cfg)
     assert "mosaic_gpu" in text
-    assert ("mma.sync.aligned.m16n8k16" in text) == (instruction == "mma")
     assert ("int%d_wgmma_ws" % bits in text) == bool(consumers)
 
 
@@ -188,15 +162,13 @@ def test_direct_outputs_need_no_padding(m, config, padded, sliced, monkeypatch):
 @pytest.mark.parametrize("bits,group,config,in_kernel", [
     (4, 128, None, True),  # decode tiles: s c + o in the kernel, the output direct
     (4, 128, qw.WgmmaConfig(block_k=128, num_splits=2, stages=2), True),  # split partials
-    (4, 128, qw.WgmmaConfig(block_k=128, stages=2, instruction="mma"), True),
-    (4, 128, qw.WgmmaConfig(block_k=128, stages=2, convert="mosaic"), False),
     (4, 128, qw.WgmmaConfig(block_k=128, stages=2, consumers=2), True),  # warp-specialized
     (4, 128, qw.WgmmaConfig(block_k=64, stages=2, consumers=2, num_splits=2), True),
     (4, 128, qw.WgmmaConfig(block_k=64, stages=2, consumers=2, block_m=64), True),  # row tiles
     (4, 512, None, False),  # per channel: offsets times the sums of x, after the kernel
     (8, 128, None, False)])  # INT8: the same, in XLA
 def test_where_the_offsets_are_added(bits, group, config, in_kernel, monkeypatch):
-    """INT4 group offsets under the inline conversion enter the kernel (its conversion then
+    """INT4 group offsets enter the kernel (its conversion then
     subtracts 128, not 136, and no XLA product of the activations' group sums by o' follows);
     the other forms keep that XLA product."""
     monkeypatch.setattr(qw, "on_hopper", lambda: True)
@@ -210,44 +182,9 @@ def test_where_the_offsets_are_added(bits, group, config, in_kernel, monkeypatch
     text = fn.trace(x, w, s, s).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert ("stablehlo.dot_general" not in text) == in_kernel
-    if bits == 4 and (config is None or config.convert == "inline"):
+    if bits == 4:
         assert ("mov.b32 k, 0x43004300" in text) == in_kernel  # c itself, or c - 8
         assert ("mov.b32 k, 0x43084308" in text) != in_kernel
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="the Hopper tests compile and run the kernel")
-def test_bound_probes_take_their_parts_out(monkeypatch):
-    """The bounds probes' kernels lower without the pair conversions' PTX (their constants:
-    INT4's bf16x2 136, INT8's top-bit mask) or, pipeline only, without any wgmma; the kernel
-    has them again afterwards."""
-    monkeypatch.setattr(qw, "on_hopper", lambda: True)
-    m, k, n = 16, 512, 128
-
-    def lowered(bits):
-        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-        w = jax.ShapeDtypeStruct((n, k // 8) if bits == 4 else (n, k),
-                                 jnp.int32 if bits == 4 else jnp.uint8)
-        s = jax.ShapeDtypeStruct((1, n), jnp.bfloat16)
-        fn = jax.jit(lambda x, w, s: qw.wgmma_matmul(x, w, s, bits=bits, group_size=k))
-        return fn.trace(x, w, s).lower(lowering_platforms=("cuda",)).as_text()
-
-    for bits, instruction in ((4, "0x43084308"), (8, "0xff7fff7f")):
-        with parts_removed("conversion"):
-            assert instruction not in lowered(bits)
-        with parts_removed("load"):  # a constant tile: the wgmmas stay
-            text = lowered(bits)
-            assert "wgmma.mma_async" in text and instruction not in text
-        with parts_removed("product"):  # the pipeline alone: no wgmma, no conversion
-            text = lowered(bits)
-            assert "wgmma.mma_async" not in text and instruction not in text
-        text = lowered(bits)
-        assert "wgmma.mma_async" in text and instruction in text
-    with parts_removed("scatter", "product"):  # contiguous code blocks, the pipeline only
-        text = lowered(4)  # the codes [128, 512] read as [128 * 512 / 256, 256] (256-K steps)
-        assert "wgmma.mma_async" not in text and "256x256xi4" in text
-    with pytest.raises(ValueError, match="not one of"):
-        with parts_removed("everything"):
-            pass
 
 
 def test_float32_tiles_of_the_warp_specialized_kernel_fit_shared_memory(monkeypatch):

@@ -6,8 +6,6 @@ tile rules, errors) are in tests/ops/test_quant_wgmma.py.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,26 +48,12 @@ HOPPER_CASES = [
     (8, 3, 4096, 6144, 128, False, None),
     (8, 16, 14336, 4096, 14336, True, None),
     (8, 64, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=256, num_splits=2, stages=3)),
-    (4, 16, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=128, convert="mosaic")),
-    (8, 16, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, convert="mosaic")),
     (4, 16, 4096, 4096, 128, False, qw.WgmmaConfig(block_k=128, block_n=256, stages=2)),
     (4, 3, 384, 576, 128, True, None),  # odd multiples of the group and of 64 columns
     (8, 16, 1536, 576, 1536, False, None),  # SmolLM2's down projection
     (8, 64, 576, 960, 64, False, None),  # SmolLM2's q/k/v, INT8 in groups of 64
-    (8, 5, 4096, 4096, 4096, True, qw.WgmmaConfig(block_k=256, block_n=128, direct=False)),
-    # mma.sync m16n8k16 instead of wgmma (instruction="mma")
-    (4, 1, 4096, 6144, 128, False, qw.WgmmaConfig(block_k=128, num_splits=4, stages=3,
-                                                  instruction="mma")),
-    (4, 16, 4096, 28672, 128, False, qw.WgmmaConfig(block_k=128, block_n=128, stages=3,
-                                                    instruction="mma")),
-    (4, 3, 384, 576, 128, True, qw.WgmmaConfig(block_k=128, stages=2, instruction="mma")),
-    (4, 32, 2048, 1024, 256, False, qw.WgmmaConfig(block_k=256, num_splits=2, stages=2,
-                                                   instruction="mma")),
-    (8, 16, 14336, 4096, 14336, True, qw.WgmmaConfig(block_k=256, num_splits=4, stages=2,
-                                                     instruction="mma")),
-    (8, 9, 4096, 4096, 4096, False, qw.WgmmaConfig(block_k=128, block_n=128, stages=3,
-                                                   instruction="mma", direct=False)),
-    # row tiles (block_m) past MAX_ROWS rows: ragged rows, offsets, K splits, mma.sync
+    (8, 5, 4096, 4096, 4096, True, qw.WgmmaConfig(block_k=256, block_n=128)),  # XLA offsets
+    # row tiles (block_m) past MAX_ROWS rows: ragged rows, offsets, K splits
     pytest.param(4, 300, 4096, 4096, 128, False,
                  qw.WgmmaConfig(block_k=64, block_m=128, stages=4), id="rowtiles-a"),
     pytest.param(4, 520, 4096, 4096, 128, True,
@@ -82,7 +66,7 @@ HOPPER_CASES = [
                  qw.WgmmaConfig(block_k=128, block_n=128, block_m=64, num_splits=2, stages=3),
                  id="rowtiles-e"),
     pytest.param(8, 96, 1024, 512, 1024, True,
-                 qw.WgmmaConfig(block_k=128, block_m=32, stages=2, instruction="mma"),
+                 qw.WgmmaConfig(block_k=128, block_m=32, stages=2),
                  id="rowtiles-f"),
     pytest.param(4, 1000, 4096, 4096, 128, False,
                  qw.WgmmaConfig(block_k=64, block_m=256, stages=3, consumers=2),
@@ -100,14 +84,14 @@ HOPPER_CASES = [
     pytest.param(4, 16, 4096, 4096, 128, True,
                  qw.WgmmaConfig(block_k=128, stages=3, consumers=2), id="ws-offsets"),
     # the warp-specialized persistent kernel (ops/quant_wgmma_ws.py)
-    pytest.param(4, 16, 4096, 28672, 128, False, qw.ws_config(4, 16, 4096, 28672, 128),
-                 id="ws-a"),
+    pytest.param(4, 16, 4096, 28672, 128, False,
+                 qw.WgmmaConfig(block_k=256, num_splits=2, stages=4, consumers=2), id="ws-a"),
     pytest.param(4, 1, 4096, 6144, 64, True,
                  qw.WgmmaConfig(block_k=64, num_splits=8, stages=4, consumers=3), id="ws-b"),
     pytest.param(4, 3, 384, 576, 128, False,
                  qw.WgmmaConfig(block_k=128, stages=2, consumers=3), id="ws-c"),
-    pytest.param(8, 16, 14336, 4096, 14336, False, qw.ws_config(8, 16, 14336, 4096, 14336),
-                 id="ws-d"),
+    pytest.param(8, 16, 14336, 4096, 14336, False,
+                 qw.WgmmaConfig(block_k=256, num_splits=8, stages=2, consumers=2), id="ws-d"),
     pytest.param(8, 64, 4096, 6144, 4096, True,
                  qw.WgmmaConfig(block_k=256, num_splits=2, stages=2, consumers=2), id="ws-e"),
     # steps spanning several groups, each part of the tile its own group's scales

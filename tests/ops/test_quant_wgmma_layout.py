@@ -1,15 +1,12 @@
 """ops/quant_wgmma_layout.py and the bit tricks of ops/quant_wgmma.py's inline conversion,
 on any backend: a numpy model of each PTX instruction the pair conversions use, run on every
-code; the K order they imply (a permutation inside each block, matching what the model of the
-conversion produces); and the register layouts against the PTX ISA's fragment formulas.
+code, and the K order they imply (a permutation inside each block, matching what the model of
+the conversion produces).
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ops import quant_wgmma_layout as layout
 
@@ -79,28 +76,3 @@ def test_k_order_matches_the_register_conversion(bits):
                 for h in range(2):
                     c = block * span + 8 * j + 2 * t + h
                     assert order[c] == word_k[pair[h]]
-
-
-def test_register_layouts_follow_the_ptx_fragments():
-    """element_coords against the PTX ISA's fragment formulas (lane l, t = l mod 4, g = l div 4,
-    warp w of the warpgroup), and the relabeling it gives from wgmma's A layout to mma.sync's:
-    the same element in the same thread and slot, registers one to one."""
-    a = layout.element_coords(mgpu.WGMMA_LAYOUT, (128, 64))  # wgmma A / the accumulator
-    assert len(set(a.values())) == 128 * 64
-    for (w, lane, _, v), (row, col) in a.items():
-        assert row % 64 == 16 * w + 8 * (row % 16 // 8) + lane // 4
-        assert col % 8 == 2 * (lane % 4) + v
-    rhs = plgpu_layout("MMA_RHS")  # mma.sync B, [K, N]: every warp holds all of it
-    b = layout.element_coords(rhs, (32, 16))
-    assert len(set(b.values())) == 32 * 16
-    for (_, lane, _, v), (k, n) in b.items():
-        assert k % 8 == 2 * (lane % 4) + v and n % 8 == lane // 4
-    lhs = plgpu_layout("MMA_LHS")
-    relabel = layout.register_relabeling(mgpu.WGMMA_LAYOUT, lhs, (128, 256))
-    assert sorted(relabel.values()) == sorted(np.ndindex(lhs.registers_shape((128, 256))))
-    with pytest.raises(ValueError, match="different threads"):
-        layout.register_relabeling(mgpu.WGMMA_LAYOUT, rhs, (64, 64))
-
-
-def plgpu_layout(name: str):
-    return getattr(plgpu.Layout, name)(jnp.bfloat16, m_warps=4).to_mgpu()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ops.paged_attention import paged_attention_reference
-from ops.ragged_attention import (RaggedConfig, ragged_config, ragged_paged_attention,
+from ops.ragged_attention import (RaggedConfig, ragged_paged_attention,
                                   ragged_paged_attention_reference)
 from tests.ops.paged_cases import NP_DTYPES, attention_np, make_paged_case, rel_err, tolerance
 
@@ -69,11 +69,6 @@ CASES = [
     (32, 32, 4, 4, "float16", None, None),  # GQA 1, heuristic config
     (16, 64, 8, 2, "bfloat16", "int8", RaggedConfig(block_m=64, block_k=32)),
     (16, 32, 4, 1, "float16", "float8_e4m3fn", RaggedConfig(block_m=16, block_k=16)),
-    # The next tile's table entries read a loop step ahead, through both loops (splits; int8).
-    (8, 32, 8, 1, "bfloat16", None, RaggedConfig(block_m=16, block_k=16, num_splits=3,
-                                                 prefetch_slots=True)),
-    (16, 64, 8, 2, "float32", "int8", RaggedConfig(block_m=32, block_k=16,
-                                                    prefetch_slots=True)),
     # The softmax's exponent in PTX when compiled (the same jnp as the others when interpreted).
     (16, 64, 8, 2, "bfloat16", None, RaggedConfig(block_m=64, block_k=16, ptx_softmax=True)),
     (8, 32, 8, 1, "float16", "int8", RaggedConfig(block_m=16, block_k=16, num_splits=3,
@@ -167,7 +162,7 @@ def test_validation():
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
 @pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,variant", [
     ("bfloat16", 128, 16, 2048, None), ("int8", 64, 128, 4, None),
-    ("float8_e4m3fn", 256, 8, 512, None), ("bfloat16", 128, 16, 1, "prefetch"),
+    ("float8_e4m3fn", 256, 8, 512, None),
     ("int8", 128, 16, 1, "ptx_softmax")])
 def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size, max_q_len,
                                    variant):
@@ -178,8 +173,7 @@ def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size,
     tables, starts, kv_lens = spec((4, 64), jnp.int32), spec((5,), jnp.int32), spec((4,), jnp.int32)
 
     def f(q, k, v, t, qs, n, ks, vs):
-        config = {"prefetch": RaggedConfig(16, 128, 4, prefetch_slots=True),
-                  "ptx_softmax": RaggedConfig(16, 128, 4, ptx_softmax=True)}.get(variant)
+        config = RaggedConfig(16, 128, 4, ptx_softmax=True) if variant else None
         return ragged_paged_attention(q, k, v, t, qs, n, max_q_len=max_q_len, k_scales=ks,
                                       v_scales=vs, impl="pallas", sliding_window=300,
                                       config=config)
