@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.runner import ModelRunner, bucket, make_step_batch
+from engine.runner import ModelRunner
+from engine.step_batch import bucket, make_step_batch
 from engine.sampling import SamplingArrays, filtered_logits
 from ops.kernel_choice import KernelBackends
 
@@ -73,7 +74,7 @@ class DraftProposer:
         batch = make_step_batch(rows, self.page_size)
         # Catching up on the tokens verified last round (at most k + 1 per sequence) is a short
         # multi-token step like a verification: keyed by (S, W, q), not padded to max_seqs
-        # (runner.bucket_key; a first, long catch-up over a whole prompt still is).
+        # (engine.step_batch.bucket_key; a first, long catch-up over a whole prompt still is).
         batch.verification = True
         for i in range(k):
             # A long catch-up step pads the batch to the runner's max_seqs: keep bucket(num) rows.

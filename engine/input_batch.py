@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from engine.request import Request
-from engine.runner import StepBatch, step_batch_from_arrays
+from engine.step_batch import StepBatch, step_batch_from_arrays
 from engine.sampling import SamplingArrays, draw_steps
 from engine.scheduler import SchedulerOutput
 

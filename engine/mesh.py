@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import AxisType, Mesh
 
-from configs.mesh import AXES, DATA, MODEL, mesh_shape  # noqa: F401  (the axes of every mesh)
+from configs.mesh import AXES
 
 
 def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine.input_batch import InputBatch
-from engine.runner import ModelRunner, bucket
+from engine.runner import ModelRunner
+from engine.step_batch import bucket
 from engine.scheduler import Scheduler, SchedulerOutput
 
 DECODE, MIXED = "decode", "mixed"  # the kinds of round

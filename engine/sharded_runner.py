@@ -10,7 +10,7 @@ Data parallelism is one scheduler over a data-sharded batch, not dp engine repli
   * the price: the data shards step in lockstep (padded to the largest shard's bucket), and a
     prefix is cached per shard.
 
-Layout of one step (engine.runner.StepBatch in, global page ids): the sequences are grouped by the
+Layout of one step (engine.step_batch.StepBatch in, global page ids): the sequences are grouped by the
 data shard of their pages; each group is padded to a common bucket (N tokens, S sequences, W
 pages wide) with its slots, block tables and query offsets local to its shard, and the groups
 are laid end to end along the `data` axis: tokens [dp * N], block tables [dp * S, W], query
@@ -37,9 +37,10 @@ from jax.sharding import PartitionSpec as P
 
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
-from engine.mesh import DATA, mesh_shape
-from engine.runner import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, StepBatch,
-                           bucket, bucket_key, input_tokens, start_copies, table_widths)
+from configs.mesh import DATA, mesh_shape
+from engine.runner import ModelRunner, input_tokens, start_copies
+from engine.step_batch import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, StepBatch, bucket, bucket_key,
+                               table_widths)
 from engine.sampling import SamplingArrays, sample_step
 from engine.sharded_pool import ShardedBlockPool
 from engine.sharding import init_sharded_kv_cache, kv_local_config, replicated

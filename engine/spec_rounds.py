@@ -16,7 +16,8 @@ import numpy as np
 
 from engine.draft import DraftProposer
 from engine.request import Request
-from engine.runner import ModelRunner, StepBatch, bucket, fetch_samples, make_step_batch
+from engine.runner import ModelRunner, fetch_samples
+from engine.step_batch import StepBatch, bucket, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import SpecConfig, SpecStats, propose_ngram, verify

@@ -1,7 +1,7 @@
 """Which step programs a run can reach: the shapes `LLMEngine.warmup` compiles at start-up."""
 from __future__ import annotations
 
-from engine.runner import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
+from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
 
 
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,

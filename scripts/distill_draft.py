@@ -49,7 +49,7 @@ from absl import app, flags
 from flax import nnx
 from tqdm import tqdm
 
-from engine.runner import make_step_batch
+from engine.step_batch import make_step_batch
 from models.kv_cache import init_kv_cache
 from models.llama import AttentionMetadata, forward
 from models.orbax_io import save_checkpoint

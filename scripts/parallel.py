@@ -16,7 +16,8 @@ import sys
 import jax
 from absl import flags
 
-from engine.mesh import initialize_distributed, is_main_process, make_mesh, mesh_shape
+from configs.mesh import mesh_shape
+from engine.mesh import initialize_distributed, is_main_process, make_mesh
 from scripts.common import add_xla_flag
 
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices (mesh axis 'model'). Default 1.")

@@ -22,7 +22,8 @@ from absl import app, flags
 from flax import nnx
 
 from engine.perplexity import default_text, perplexity_of_ids
-from engine.runner import ModelRunner, make_step_batch
+from engine.runner import ModelRunner
+from engine.step_batch import make_step_batch
 from quant.loader import load_model
 from quant.model import model_nbytes
 

@@ -23,7 +23,8 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache, kv_bytes_per_token
-from engine.runner import ModelRunner, StepBatch, fetch_samples, make_step_batch
+from engine.runner import ModelRunner, fetch_samples
+from engine.step_batch import StepBatch, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.sharded_runner import ShardedModelRunner
 from models.sharding import tree_shardings

@@ -17,9 +17,10 @@ import numpy as np
 
 from engine import spec_rounds
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.mesh import mesh_shape
+from configs.mesh import mesh_shape
 from engine.request import SamplingParams
-from engine.runner import ModelRunner, make_step_batch
+from engine.runner import ModelRunner
+from engine.step_batch import make_step_batch
 from engine.sharded_runner import ShardedModelRunner
 from engine.speculative import SpecConfig
 from scripts.bench.common import queued_seconds

@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.request import Request, SamplingParams
 from engine.input_batch import InputBatch
-from engine.runner import make_step_batch, step_batch_from_arrays
+from engine.step_batch import make_step_batch, step_batch_from_arrays
 
 
 def make_request(i: int, temperature: float = 0.0, logprobs=None) -> Request:

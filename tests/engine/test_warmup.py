@@ -59,7 +59,7 @@ def test_block_table_widths_on_a_gpu_and_the_cpu():
     CPU decode steps take their own bucket and prefill steps the widest."""
     from engine.block_pool import BlockPool
     from engine.engine_config import resolve_engine_config
-    from engine.runner import FIXED_WIDTH_TOKENS, bucket_key, table_widths
+    from engine.step_batch import FIXED_WIDTH_TOKENS, bucket_key, table_widths
     from engine.warmup import reachable_steps
     floor = FIXED_WIDTH_TOKENS // 16
     assert table_widths(8192, 16, "gpu") == (floor, floor)

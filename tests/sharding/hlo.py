@@ -9,7 +9,7 @@ import re
 import jax
 import numpy as np
 
-from engine.runner import StepBatch
+from engine.step_batch import StepBatch
 from engine.step_inputs import StepLayout
 
 # `%name = f32[4,256]{0,1} all-gather(...` (also the async `-start` forms of GPU programs).
