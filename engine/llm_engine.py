@@ -3,8 +3,9 @@
 `LLMEngine.step()` asks the scheduler which tokens of which requests to compute (decodes, prefill
 chunks and prefix-cache hits mixed in one ragged batch), builds the step batch, runs one jitted
 program (the model step and its argmax; batches with sampled rows add the sampler as a second
-program, engine.sampling.sampling_mode), then appends the sampled tokens,
-detokenizes incrementally, applies stop conditions and frees the pages of finished requests.
+program, engine.sampling.sampling_mode), then hands the sampled tokens to the output processor
+(engine/output_processor.py: appends, stop conditions, incremental detokenization, outputs) and
+frees the pages of the requests that ended.
 With asynchronous scheduling (EngineConfig.async_scheduling) the host does all that for step n
 while the device runs step n+1, which reads its input tokens from step n's samples on the
 device. Two components run other kinds of round: engine/spec_rounds.py (speculative decoding)
@@ -24,15 +25,14 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
-from engine.detokenizer import IncrementalDetokenizer
 from engine.draft import DraftProposer
 from engine.engine_config import EngineConfig, resolve_engine_config
 from engine.engine_types import EngineStats, InFlight, StreamDelta
 from engine.input_batch import InputBatch, PreparedStep
 from engine.memory import plan_kv_cache
 from engine.multi_step import MultiStepRounds
-from engine.request import (CompletionOutput, FinishReason, Request, RequestOutput,
-                            SamplingParams, logprob_entry)
+from engine.output_processor import OutputProcessor, stop_ids_of
+from engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from engine.runner import ModelRunner, fetch_samples
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
@@ -105,16 +105,11 @@ class LLMEngine:
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._next_request = 0
         self._next_group = 0
-        self._groups: dict[int, list[Request]] = {}
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
-        self._finished_groups: list[int] = []
+        # The postprocess side: appends, stop conditions, detokenization, request outputs.
+        self.output_processor = OutputProcessor(tokenizer, self._on_finish)
         self._in_flight: InFlight | None = None  # the launched step not read yet
         self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
         self._with_logprobs: set[int] = set()  # unfinished requests that want logprobs
-        # Every stop id of every request added (only grows): appends look for these in the
-        # tokens (_rows_that_may_stop), as a set and as an array.
-        self._any_stop_ids: frozenset[int] = frozenset()
-        self._any_stop_array = np.zeros(0, np.int64)
         self._wait_s = 0.0
         self._round_steps = 1
 
@@ -146,39 +141,36 @@ class LLMEngine:
 
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams,
                     priority: int = 0) -> int:
-        """Queues a prompt (token ids, or text when the engine has a tokenizer); returns its id."""
+        """Queues a prompt (token ids, or text when the engine has a tokenizer); returns its id.
+        Raises ValueError for a prompt or stop id the engine cannot take, changing nothing."""
         prompt_ids = self._validated_prompt(prompt)
+        stop_ids = stop_ids_of(params, self.cfg.eos_token_ids)
         group_id = self._next_group
-        self._next_group += 1
         now = time.perf_counter()
-        stop_ids = frozenset(params.stop_token_ids).union(
-            () if params.ignore_eos else self.cfg.eos_token_ids)
-        if not stop_ids <= self._any_stop_ids:
-            self._any_stop_ids |= stop_ids
-            self._any_stop_array = np.fromiter(self._any_stop_ids, np.int64)
         samples = []
         for index in range(params.n):
             seed = (params.seed + index) % 2**32 if params.seed is not None \
                 else int(self._rng.integers(2**32))
-            request = Request(self._next_request, list(prompt_ids), params, seed,
+            request = Request(self._next_request + index, list(prompt_ids), params, seed,
                               priority=priority, arrival_time=now, group_id=group_id,
                               sample_index=index, stop_ids=stop_ids)
             if self.spec is not None:
                 self.spec.admit(request)
+            if index > 0 and self.engine_cfg.enable_prefix_caching:
+                request.wait_for = samples[0]  # share the first sample's prompt pages
+            samples.append(request)
+        # The first add raises if the prompt can never fit the pool (the samples share it),
+        # before any of the engine's sets changes.
+        for request in samples:
+            self.scheduler.add(request)
+        self._next_group += 1
+        self._next_request += params.n
+        for request in samples:
             if params.uses_penalties:
                 self._penalized.add(request.request_id)
             if params.logprobs is not None:
                 self._with_logprobs.add(request.request_id)
-            if index > 0 and self.engine_cfg.enable_prefix_caching:
-                request.wait_for = samples[0]  # share the first sample's prompt pages
-            self._next_request += 1
-            samples.append(request)
-        for request in samples:
-            self.scheduler.add(request)
-            if self.tokenizer is not None:
-                self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, params.stop)
-        self._groups[group_id] = samples
+        self.output_processor.add(group_id, samples)
         return group_id
 
     def _validated_prompt(self, prompt) -> list[int]:
@@ -201,15 +193,13 @@ class LLMEngine:
 
     def abort(self, request_id: int) -> None:
         """Stops a request (all its samples) and frees its pages at once."""
-        for request in self._groups.get(request_id, []):
-            if not request.finished:
-                self.scheduler.abort(request)
-                request.finish_reason = FinishReason.ABORT
-                request.finish_time = time.perf_counter()
-                self._penalized.discard(request.request_id)
-                self._with_logprobs.discard(request.request_id)
-        if request_id in self._groups and request_id not in self._finished_groups:
-            self._finished_groups.append(request_id)
+        self.output_processor.abort(request_id, time.perf_counter())
+
+    def _on_finish(self, request: Request, reason: FinishReason) -> None:
+        """A request ended (an appended token, a stop string, an abort): frees its pages."""
+        self.scheduler.finish(request, reason)
+        self._penalized.discard(request.request_id)
+        self._with_logprobs.discard(request.request_id)
 
     def has_unfinished(self) -> bool:
         """Whether requests wait, run, or have tokens in flight."""
@@ -336,13 +326,9 @@ class LLMEngine:
         self._wait_s += spec_round.wait_s
         requests = spec_round.requests
         self.stats.num_computed_tokens += spec_round.num_computed
-        deltas = []
-        for i, (request, tokens) in enumerate(zip(requests, spec_round.new_tokens)):
-            if not tokens:
-                continue
-            logprob = logprob_entry(request, i, *spec_round.logprobs)
-            deltas.append(self._append_tokens(request, tokens, logprob, spec_round.now, limit))
-        self.stats.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
+        deltas, num_tokens = self.output_processor.append_each(
+            requests, spec_round.new_tokens, spec_round.logprobs, spec_round.now, limit)
+        self.stats.num_generated_tokens += num_tokens
         return len(requests), deltas
 
     def _finish(self, flight: InFlight) -> list[StreamDelta]:
@@ -352,174 +338,29 @@ class LLMEngine:
         samples = fetch_samples(flight.results, flight.steps if round_ else len(flight.requests))
         now = time.perf_counter()
         self._wait_s += now - start
+        limit = self._context_limit()
         if round_:
-            return self._append_round(flight, samples[0], now)
-        return self._append_samples(flight, samples, now)
-
-    def _append_samples(self, flight: InFlight, samples: tuple,
-                        now: float) -> list[StreamDelta]:
-        """Appends a launched step's samples (host arrays: tokens, chosen logprobs, top ids,
-        top logprobs) to its requests; returns their deltas."""
-        tokens, chosen, top_ids, top_logprobs = samples
-        deltas = []
-        limit = self._context_limit()
-        detokenizers = self._detokenizers
-        requests = flight.requests
-        may_stop_rows = self._rows_that_may_stop(flight, tokens[: len(requests), None])
-        for i, (request, complete, token, may_stop) in enumerate(zip(
-                requests, flight.completes, tokens.tolist(), may_stop_rows)):
-            if not complete:
-                continue  # a prefill chunk short of the prompt's end
-            request.num_pending -= 1
-            if request.finish_reason is not None:
-                continue  # ended or aborted while this step ran: the token is dropped
-            if (not may_stop and chosen is None and request.first_token_time is not None
-                    and request.request_id not in detokenizers):
-                # The common case inlined (a decode token that does not stop the request,
-                # no logprobs, no text, not the first): append it.
-                request.output_ids.append(token)
-                deltas.append(StreamDelta(request.group_id, request.sample_index, "",
-                                          [token], None, None))
-                continue
-            logprob = (None if chosen is None else
-                       logprob_entry(request, i, chosen, top_ids, top_logprobs))
-            deltas.append(self._append_tokens(request, [token], logprob, now, limit))
-        self.stats.num_generated_tokens += len(deltas)  # one token each
-        return deltas
-
-    def _append_round(self, flight: InFlight, tokens: np.ndarray, now: float) -> list:
-        """Appends a round's tokens [steps, bucket(S)] to its requests, each up to its stop
-        condition (a request that stopped inside the round drops the rest); returns the
-        deltas. A row none of whose tokens can end its request (no stop id of the round's
-        requests among them, max_tokens and the context not reached: InFlight.may_end), that
-        does not bring its first token and has no text to detokenize is appended whole; the
-        others token by token (_append_tokens)."""
-        limit = self._context_limit()
-        steps = flight.steps
-        requests = flight.requests
-        block = tokens[:, : len(requests)].T  # [S, steps]
-        detokenizers = self._detokenizers
-        deltas = []
-        slow_rows = slow_tokens = 0  # rows appended token by token, and their tokens
-        for r, row, special, complete in zip(requests, block.tolist(),
-                                             self._rows_that_may_stop(flight, block),
-                                             flight.completes):
-            if not complete:
-                continue  # a mixed round's prefill chunk short of the prompt's end
-            r.num_pending -= steps
-            if r.finish_reason is not None:
-                continue  # ended or aborted while the round ran: its tokens are dropped
-            if special or (detokenizers and r.request_id in detokenizers):
-                deltas.append(self._append_tokens(r, row, None, now, limit))
-                slow_rows += 1
-                slow_tokens += len(deltas[-1].token_ids)
-            else:
-                r.output_ids += row
-                deltas.append(StreamDelta(r.group_id, r.sample_index, "", row, None, None))
-        self.stats.num_generated_tokens += steps * (len(deltas) - slow_rows) + slow_tokens
-        return deltas
-
-    def _rows_that_may_stop(self, flight: InFlight, block: np.ndarray) -> list[bool]:
-        """Per row of a launched step or round (block: its tokens [S, k]), whether they may
-        end its request: a stop id of any request (a superset of the row's own) among them, or
-        the length or its first token (InFlight.may_end). The other rows are appended whole,
-        with no stop check."""
-        return (flight.may_end | np.isin(block, self._any_stop_array).any(axis=1)).tolist()
-
-    def _append_tokens(self, request: Request, new_tokens: list[int], logprob,
-                       now: float, limit: int) -> StreamDelta:
-        """Appends a step's tokens to a request (stopping early at a stop condition); `limit`:
-        the context limit (`_context_limit`, computed once per step by the caller)."""
-        if logprob is not None:
-            request.output_logprobs.append(logprob)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        detokenizer = self._detokenizers.get(request.request_id)
-        if detokenizer is None and len(new_tokens) == 1:  # a decode step without text
-            request.output_ids.append(new_tokens[0])
-            reason = self._stop_reason(request, new_tokens[0], limit)
-            text, appended = "", new_tokens
-        elif detokenizer is None:  # several tokens without text: cut at the first that ends it
-            # (what _stop_reason decides token by token: a stop id before the length)
-            stop_ids = request.stop_ids
-            at_stop = next((j for j, token in enumerate(new_tokens) if token in stop_ids), None)
-            num_outputs = len(request.output_ids)
-            at_length = max(min(request.params.max_tokens - num_outputs,  # length_room - 1
-                                limit - len(request.prompt_ids) - num_outputs) - 1, 0)
-            if at_stop is not None and at_stop <= at_length:
-                end, reason = at_stop, FinishReason.STOP
-            elif at_length < len(new_tokens):
-                end, reason = at_length, FinishReason.LENGTH
-            else:
-                end, reason = None, None
-            appended = new_tokens if end is None else new_tokens[: end + 1]
-            request.output_ids += appended
-            text = ""
+            deltas, num_tokens = self.output_processor.append_round(flight, samples[0], now,
+                                                                    limit)
         else:
-            reason, text, appended = None, "", []
-            for token in new_tokens:
-                request.output_ids.append(token)
-                appended.append(token)
-                reason = self._stop_reason(request, token, limit)
-                if detokenizer is not None:
-                    text += detokenizer.add(request.output_ids, reason is not None)
-                    if reason is None and detokenizer.stopped_at is not None:
-                        reason = FinishReason.STOP
-                if reason is not None:
-                    break
-        group_id = request.group_id
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-            self._penalized.discard(request.request_id)
-            self._with_logprobs.discard(request.request_id)
-            request.finish_time = now
-            if all(r.finished for r in self._groups[group_id]):
-                self._finished_groups.append(group_id)
-        return StreamDelta(group_id, request.sample_index, text, appended, reason,
-                           None if logprob is None else [logprob])
+            deltas, num_tokens = self.output_processor.append_step(flight, samples, now, limit)
+        self.stats.num_generated_tokens += num_tokens
+        return deltas
 
     def _context_limit(self) -> int:
         """The context ends at max_model_len or where it fills the whole KV cache: a sequence
         longer than the pool could never be scheduled again (the engine would stall)."""
         return min(self.engine_cfg.max_model_len, self.pool.num_pages * self.pool.page_size)
 
-    def _stop_reason(self, r: Request, token: int, limit: int) -> FinishReason | None:
-        if token in r.stop_ids:
-            return FinishReason.STOP
-        # Request.length_room(limit) <= 0, inlined: this runs for every token.
-        num_outputs = len(r.output_ids)
-        if num_outputs >= r.params.max_tokens or len(r.prompt_ids) + num_outputs >= limit:
-            return FinishReason.LENGTH
-        return None
-
     # ---- outputs and whole generations ----------------------------------------------------------
 
     def finished_request_ids(self) -> list[int]:
         """Ids of requests finished (or aborted) since the last call (the list is cleared)."""
-        done, self._finished_groups = self._finished_groups, []
-        return done
+        return self.output_processor.finished_request_ids()
 
     def output_of(self, request_id: int, release: bool = True) -> RequestOutput:
         """The output of a finished request; with `release`, the engine forgets the request."""
-        samples = self._groups[request_id]
-        outputs = []
-        for index, r in enumerate(samples):
-            detokenizer = self._detokenizers.get(r.request_id)
-            text = detokenizer.text if detokenizer is not None else ""
-            outputs.append(CompletionOutput(index, list(r.output_ids), text, r.finish_reason,
-                                            list(r.output_logprobs)))
-        first = samples[0]
-        first_token = min((r.first_token_time for r in samples if r.first_token_time),
-                          default=first.finish_time)
-        finish = max(r.finish_time or first_token for r in samples)
-        result = RequestOutput(request_id, first.prompt_ids, outputs,
-                               first_token - first.arrival_time, finish - first.arrival_time,
-                               sum(r.num_prefix_hit_tokens for r in samples))
-        if release:
-            for r in samples:
-                self._detokenizers.pop(r.request_id, None)
-            del self._groups[request_id]
-        return result
+        return self.output_processor.output_of(request_id, release)
 
     def _add_all(self, prompts, params) -> list[int]:
         if isinstance(params, SamplingParams):

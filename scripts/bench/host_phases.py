@@ -63,8 +63,8 @@ def round_set_figures(steps, mask, name: str) -> dict:
 
 
 def time_engine_phases(engine, per_step: list | None = None) -> dict:
-    """Wraps the host phases of this engine (its own methods and those of its scheduler, rows
-    and runner: no module-wide patch) with timers; returns {phase: total seconds}, filled as the
+    """Wraps the host phases of this engine (methods of its scheduler, input batch, runner and
+    output processor: no module-wide patch) with timers; returns {phase: total seconds}, filled as the
     engine runs. Dispatch phases include whatever the device call blocks for. The wait for the
     device's tokens is not a phase: it is the engine's step time less its host time
     (EngineStats).
@@ -92,9 +92,9 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
                         ("execute_mixed_round", "dispatch mixed round")):
         if hasattr(engine.runner, name):
             timed(engine.runner, name, phase)
-    timed(engine, "_append_samples", "finish + append")  # a step's tokens, read
-    timed(engine, "_append_round", "finish + append")  # a multi-step round's
-    timed(engine, "_append_tokens", "finish + append")  # (rounds and speculation call it)
+    timed(engine.output_processor, "append_step", "finish + append")  # a step's tokens, read
+    timed(engine.output_processor, "append_round", "finish + append")  # a multi-step round's
+    timed(engine.output_processor, "append", "finish + append")  # (rounds, speculation)
     if per_step is not None:
         inner_step = engine.step
 

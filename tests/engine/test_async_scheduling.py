@@ -157,3 +157,28 @@ def test_penalties_and_logprobs(make_engine):
                 continue
             np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-5)
             assert list(a[1]) == list(b[1])
+
+
+def test_a_rejected_request_leaves_the_engine_as_it_was(make_engine):
+    """add_request rejects a stop id beyond int64 and a penalized prompt that can never fit
+    the pool with a ValueError and leaves no trace: later requests still overlap their steps
+    (no penalized request is left behind) and stop at a new stop id."""
+    small = dataclasses.replace(ASYNC_BASE, num_pages=2)  # 32 tokens in all
+    rng = np.random.default_rng(11)
+    prompt = random_prompt(rng, 8)
+    engine = make_engine(small)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request(prompt, SamplingParams(max_tokens=4, stop_token_ids=(2**70,)))
+    with pytest.raises(ValueError, match="can never run"):
+        engine.add_request(random_prompt(rng, 40),
+                           SamplingParams(max_tokens=4, repetition_penalty=1.2))
+    assert not engine.has_unfinished()
+    [free_run] = make_engine(small).generate([prompt],
+                                             SamplingParams(max_tokens=8, ignore_eos=True))
+    stop = free_run.output_ids[3]
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                     stop_token_ids=(stop,)))
+    assert out.output_ids == free_run.output_ids[: free_run.output_ids.index(stop) + 1]
+    assert out.finish_reason == FinishReason.STOP
+    assert engine.stats.num_tokens_from_device > 0
+    check_all_free(engine)

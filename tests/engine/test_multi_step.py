@@ -15,7 +15,8 @@ from hypothesis import assume, given, settings, strategies as st
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.multi_step import MIXED
-from engine.request import FinishReason, SamplingParams
+from engine.output_processor import OutputProcessor, stop_reason
+from engine.request import FinishReason, Request, SamplingParams
 from tests.engine.test_continuous_batching import (BASE, CFG, HYPOTHESIS, STRESS, check_all_free,
                                                    engine_maker, random_prompt, request_streams,
                                                    same_outcomes_across)
@@ -31,11 +32,6 @@ SINGLE_BASE = dataclasses.replace(MULTI_BASE, num_decode_steps=1)
 @pytest.fixture(scope="module")
 def make_engine():
     return engine_maker(unit_scale_model(CFG, 3))
-
-
-@pytest.fixture(scope="module")
-def append_engine(make_engine):
-    return make_engine(BASE)
 
 
 def multi_step_rounds(engine: LLMEngine) -> list[int]:
@@ -231,26 +227,28 @@ def test_random_streams_with_mixed_rounds_equal_single_steps(make_engine, overla
        tokens=st.lists(st.integers(0, 5), min_size=2, max_size=8), limit=st.integers(2, 20))
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 def test_a_rounds_tokens_are_cut_where_token_by_token_appends_stop(
-        append_engine, prompt_len, num_outputs, max_tokens, stops, tokens, limit):
-    """_append_tokens cuts a round's tokens (no detokenizer) at once where appending them one
-    by one with _stop_reason stops: the first stop id, or the token that reaches max_tokens or
-    the context limit, a stop id winning a tie; then the same finish reason."""
-    from engine.request import Request
+        prompt_len, num_outputs, max_tokens, stops, tokens, limit):
+    """OutputProcessor.append cuts a round's tokens (no detokenizer) at once where appending
+    them one by one with stop_reason stops: the first stop id, or the token that reaches
+    max_tokens or the context limit, a stop id winning a tie; then the same finish reason,
+    reported once to on_finish."""
     assume(prompt_len + num_outputs < limit and num_outputs < max_tokens)
-    engine = append_engine
+    ended = []
+    processor = OutputProcessor(None, lambda r, why: ended.append((r.request_id, why)))
     request = Request(0, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens),
                       seed=0, output_ids=[1] * num_outputs, group_id=0,
                       stop_ids=frozenset(stops), first_token_time=0.0)
-    engine._groups[0] = [request]
+    processor.add(0, [request])
     want, reason = list(request.output_ids), None
     for token in tokens:  # the reference: token by token
         want.append(token)
-        reason = engine._stop_reason(Request(0, request.prompt_ids, request.params, seed=0,
-                                             output_ids=want, stop_ids=request.stop_ids),
-                                     token, limit)
+        reason = stop_reason(Request(0, request.prompt_ids, request.params, seed=0,
+                                     output_ids=want, stop_ids=request.stop_ids), token, limit)
         if reason is not None:
             break
-    delta = engine._append_tokens(request, list(tokens), None, 1.0, limit)
+    delta = processor.append(request, list(tokens), None, 1.0, limit)
     assert request.output_ids == want
     assert delta.token_ids == want[num_outputs:]
     assert (delta.finish_reason, request.finish_reason) == (reason, reason)
+    assert ended == ([] if reason is None else [(0, reason)])
+    assert processor.finished_request_ids() == ([] if reason is None else [0])
