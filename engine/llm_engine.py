@@ -144,7 +144,7 @@ class LLMEngine:
         """Queues a prompt (token ids, or text when the engine has a tokenizer); returns its id.
         Raises ValueError for a prompt or stop id the engine cannot take, changing nothing."""
         prompt_ids = self._validated_prompt(prompt)
-        stop_ids = stop_ids_of(params, self.cfg.eos_token_ids)
+        stop_ids = stop_ids_of(params, self.cfg.eos_token_ids, self.cfg.vocab_size)
         group_id = self._next_group
         now = time.perf_counter()
         samples = []

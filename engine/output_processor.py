@@ -22,14 +22,19 @@ from engine.request import (CompletionOutput, FinishReason, Request, RequestOutp
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
-def stop_ids_of(params: SamplingParams, eos_token_ids: Sequence[int]) -> frozenset[int]:
+def stop_ids_of(params: SamplingParams, eos_token_ids: Sequence[int],
+                vocab_size: int | None = None) -> frozenset[int]:
     """The token ids that end a request: its stop_token_ids, and the model's EOS ids unless
-    ignore_eos. Raises ValueError for a stop id that is not an integer fitting int64."""
+    ignore_eos. Raises ValueError for a stop id that is not an integer fitting int64, or (given
+    `vocab_size`) that lies outside the vocabulary: such an id could never be sampled."""
     for token in params.stop_token_ids:
         if (not isinstance(token, (int, np.integer)) or isinstance(token, bool)
                 or not INT64_MIN <= token <= INT64_MAX):
             raise ValueError(f"stop_token_ids must be integer token ids that fit in int64, "
                              f"got {token!r}")
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            raise ValueError(f"stop_token_ids must be token ids in the vocabulary "
+                             f"[0, {vocab_size}), got {token!r}")
     return frozenset(int(t) for t in params.stop_token_ids).union(
         () if params.ignore_eos else eos_token_ids)
 

@@ -3,11 +3,13 @@
 Loads the model, sizes the KV cache (the summary is printed), compiles the engine's programs,
 then listens: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream=true gives
 server-sent events), GET /health, GET /metrics (Prometheus). SIGTERM or Ctrl-C stops admitting
-new requests (503), lets running ones finish for up to --shutdown_timeout seconds, then exits.
+new requests (503), lets running ones finish for up to --shutdown_timeout seconds, and exits
+within --shutdown_timeout + 1 s.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -28,9 +30,17 @@ flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port; the add
 flags.DEFINE_string("api_key", None, "If set, /v1/ requests need 'Authorization: Bearer <key>' "
                     "(default: the PALLASITE_API_KEY environment variable, if set).")
 flags.DEFINE_string("served_model_name", None, "The model id clients send (default: --model).")
-flags.DEFINE_integer("max_waiting", 256, "Most sequences waiting to start; above it, 429.")
+flags.DEFINE_integer("max_waiting", 256, "Most sequences waiting for a free slot (beyond "
+                     "--max_num_seqs running); above it, 429.")
 flags.DEFINE_integer("max_body_bytes", 1 << 20, "Largest request body; above it, 413.")
-flags.DEFINE_float("shutdown_timeout", 30.0, "Seconds running requests get to finish on SIGTERM.")
+flags.DEFINE_float("shutdown_timeout", 30.0, "Seconds running requests get to finish on SIGTERM; "
+                   "the process exits within this + 1 s.")
+flags.DEFINE_float("header_timeout", 20.0, "Seconds a connection may go without sending a whole "
+                   "request head (from its opening or its last response); then it is closed.")
+flags.DEFINE_float("body_timeout", 20.0, "Seconds to receive a request's body; then 408.")
+flags.DEFINE_bool("special_tokens_in_content", False, "Let special-token text in chat messages' "
+                  "content (e.g. '<|im_end|>') become the special token; off: it is encoded as "
+                  "plain text, so a user cannot forge a role marker.")
 flags.DEFINE_bool("warmup", True, "Compile every program the engine can reach before listening.")
 FLAGS = flags.FLAGS
 
@@ -43,8 +53,11 @@ def main(argv):
     for name in ("max_waiting", "max_body_bytes"):
         if getattr(FLAGS, name) < 1:
             common.fail(f"--{name} must be >= 1")
-    if FLAGS.shutdown_timeout < 0:
+    if not FLAGS.shutdown_timeout >= 0:
         common.fail("--shutdown_timeout must be >= 0")
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(FLAGS, name) > 0:
+            common.fail(f"--{name} must be > 0")
     try:
         start = time.perf_counter()
         if FLAGS.coordinator_address or (FLAGS.num_processes or 1) > 1:
@@ -68,7 +81,9 @@ def main(argv):
         server = Server(engine, FLAGS.served_model_name or FLAGS.model,
                         api_key=FLAGS.api_key or Switches.from_env().api_key,
                         max_waiting=FLAGS.max_waiting, max_body_bytes=FLAGS.max_body_bytes,
-                        shutdown_timeout=FLAGS.shutdown_timeout)
+                        shutdown_timeout=FLAGS.shutdown_timeout,
+                        header_timeout=FLAGS.header_timeout, body_timeout=FLAGS.body_timeout,
+                        special_tokens_in_content=FLAGS.special_tokens_in_content)
     except common.USER_ERRORS as e:
         common.fail(str(e))
 
@@ -81,6 +96,11 @@ def main(argv):
     except OSError as e:
         common.fail(f"cannot listen on {FLAGS.host}:{FLAGS.port}: {e.strerror or e}")
     print("server stopped", file=sys.stderr, flush=True)
+    # Exit now: the engine thread may still be inside a step (a compile can take seconds), and
+    # finalizing the interpreter under it could crash or overrun --shutdown_timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""The aiohttp application: OpenAI routes, /health, /metrics, API key, body limit, errors.
+"""The aiohttp application: OpenAI routes, /health, /metrics, API key, limits, errors.
 
 Every error is answered in OpenAI's format {"error": {"message", "type", "param", "code"}};
-bad input never gives a 500, and an unexpected exception gives a 500 without a stack trace (the
-trace goes to the server's log).
+bad input (a wrong field, a lone surrogate, a header that is not UTF-8) never gives a 500, and
+an unexpected exception gives a 500 without a stack trace (the trace goes to the server's log).
+
+Admission: a request is refused with 429 only if its sequences would wait beyond `max_waiting`
+(sequences admitted and not finished, less the engine's `max_num_seqs` slots, or the engine's
+own waiting count when it is short of KV pages); one that could never be admitted is a 400.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from aiohttp import web
 
 from engine.server import protocol
 from engine.server.async_engine import AsyncEngine, EngineRequestError, Finished
+from engine.server.chat import ChatEncoder
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import OpenAIError, bad_request
 
@@ -28,7 +33,20 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 
 def _dumps(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: JSON's \u escapes can still spell it
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _header_bytes(value: str) -> bytes | None:
+    """A header's bytes as sent (aiohttp decodes headers as UTF-8 with surrogateescape);
+    None for a value that no bytes could give."""
+    try:
+        return value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return None
 
 
 def error_response(error: OpenAIError) -> web.Response:
@@ -41,19 +59,34 @@ class Server:
 
     def __init__(self, engine, served_model_name: str, api_key: str | None = None,
                  max_waiting: int = 256, max_body_bytes: int = 1 << 20,
-                 shutdown_timeout: float = 30.0):
+                 shutdown_timeout: float = 30.0, header_timeout: float = 20.0,
+                 body_timeout: float = 20.0, special_tokens_in_content: bool = False):
+        for name, value, least in (("max_waiting", max_waiting, 1),
+                                   ("max_body_bytes", max_body_bytes, 1),
+                                   ("shutdown_timeout", shutdown_timeout, 0),
+                                   ("header_timeout", header_timeout, 0.001),
+                                   ("body_timeout", body_timeout, 0.001)):
+            if not value >= least:  # NaN fails too
+                raise ValueError(f"{name} must be >= {least}, got {value}")
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key or None
         self.max_waiting = max_waiting
         self.max_body_bytes = max_body_bytes
         self.shutdown_timeout = shutdown_timeout
+        self.header_timeout = header_timeout  # the connection's keep-alive / idle limit
+        self.body_timeout = body_timeout
         self.metrics = ServerMetrics()
         self.async_engine = AsyncEngine(engine, self.metrics)
         self.max_model_len = engine.engine_cfg.max_model_len
+        self.max_num_seqs = engine.engine_cfg.max_num_seqs
+        self.vocab_size = engine.cfg.vocab_size
         self.logprob_format = protocol.LogprobFormatter(engine.tokenizer)
+        self.chat_encoder = (None if engine.tokenizer is None
+                             else ChatEncoder(engine.tokenizer, special_tokens_in_content))
         self.draining = False
         self.in_flight = 0
+        self.active = 0  # sequences admitted and not yet finished (the event loop's count)
         self.created = int(time.time())
 
     # ---- application ----------------------------------------------------------------------------
@@ -102,10 +135,10 @@ class Server:
     def _check_api_key(self, request: web.Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("Authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                                 self.api_key.encode()):
+        header = _header_bytes(request.headers.get("Authorization", "")) or b""
+        scheme, _, key = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(),
+                                                                  self.api_key.encode()):
             raise OpenAIError(401, "missing or incorrect API key: send 'Authorization: Bearer "
                               "<key>'", "invalid_request_error", None, "invalid_api_key")
 
@@ -144,10 +177,13 @@ class Server:
             raise OpenAIError(413, f"the request body has {request.content_length} bytes; the "
                               f"limit is {self.max_body_bytes}", code="request_too_large")
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.body_timeout)
         except web.HTTPRequestEntityTooLarge:
             raise OpenAIError(413, f"the request body exceeds {self.max_body_bytes} bytes",
                               code="request_too_large") from None
+        except asyncio.TimeoutError:
+            raise OpenAIError(408, f"the request body did not arrive within "
+                              f"{self.body_timeout:g} s", code="request_timeout") from None
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
@@ -172,16 +208,32 @@ class Server:
         if req.kind == "completion":
             return tokenizer.encode(req.prompt_text, add_special_tokens=True)
         try:
-            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            return self.chat_encoder.encode(req.messages)
         except Exception as e:  # noqa: BLE001 - a template's own raise_exception, bad roles, ...
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") \
                 from None
-        return tokenizer.encode(text)
+
+    def _reserve(self, n: int) -> None:
+        """Admits `n` sequences (429 if they would wait beyond max_waiting, 400 if they never
+        could); the caller releases them with `self.active -= n`. No await in between: the
+        check and the count are one step of the event loop."""
+        most = self.max_num_seqs + self.max_waiting
+        if n > most:
+            raise bad_request(f"'n' is {n}, but at most {most} sequences are admitted at once "
+                              f"({self.max_num_seqs} running and {self.max_waiting} waiting): "
+                              "this request can never be admitted", "n", "invalid_value")
+        queued = self.async_engine.num_waiting  # > 0: the engine is short of slots or pages
+        waiting = max(self.active + n - self.max_num_seqs, queued + n if queued else 0)
+        if waiting > self.max_waiting:
+            raise OpenAIError(429, f"too many requests waiting ({waiting - n} sequences, limit "
+                              f"{self.max_waiting}): retry later", "rate_limit_error", None,
+                              "rate_limit_exceeded")
+        self.active += n
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.perf_counter()
         self._check_admitting()
-        req = parse(await self._read_json(request))
+        req = parse(await self._read_json(request), self.vocab_size)
         if req.model is not None and req.model != self.model_name:
             raise OpenAIError(400, f"the model '{req.model}' does not exist; this server serves "
                               f"'{self.model_name}'", "invalid_request_error", "model",
@@ -189,10 +241,8 @@ class Server:
         loop = asyncio.get_running_loop()
         prompt_ids = await loop.run_in_executor(None, self._encode, req)
         params = protocol.sampling_params(req, len(prompt_ids), self.max_model_len)
-        if self.async_engine.num_queued + params.n > self.max_waiting:
-            raise OpenAIError(429, f"too many requests waiting ({self.async_engine.num_queued}, "
-                              f"limit {self.max_waiting}): retry later", "rate_limit_error",
-                              None, "rate_limit_exceeded")
+        self._check_admitting()  # the server may have begun draining while this one encoded
+        self._reserve(params.n)
         self.in_flight += 1
         stream = None
         try:
@@ -209,6 +259,7 @@ class Server:
             return await run.collect()
         finally:
             self.in_flight -= 1
+            self.active -= params.n
             if stream is not None and not stream.done:
                 self.async_engine.abort(stream)
                 self.metrics.finished.labels("abort").inc()
@@ -219,21 +270,21 @@ class Server:
 
     # ---- shutdown -------------------------------------------------------------------------------
 
-    async def drain(self) -> None:
+    async def drain(self, grace: float = 0.3) -> None:
         """Stops admitting (503), lets running requests finish within shutdown_timeout, then
-        fails the rest with 503."""
+        fails the rest with 503 and gives their handlers at most `grace` seconds to send it."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.shutdown_timeout
         while self.in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
         if self.in_flight:
             log.warning("aborting %d requests still running after %.1fs", self.in_flight,
                         self.shutdown_timeout)
             self.async_engine.abort_all(503, "the server is shutting down")
-            deadline = loop.time() + 5.0
+            deadline = loop.time() + grace
             while self.in_flight and loop.time() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
 
 
 class _Run:

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import traceback
+import weakref
 
 from engine.request import RequestOutput, SamplingParams
 
@@ -74,7 +75,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[int, RequestStream] = {}  # engine request id -> stream (thread only)
-        self._pending = 0  # submitted, not yet admitted (event loop only)
+        self._live: weakref.WeakSet = weakref.WeakSet()  # admitted streams (event loop only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failures = 0
@@ -90,23 +91,15 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.healthy and self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_queued(self) -> int:
-        """Sequences waiting: in the engine's queue and not yet handed to the engine."""
-        return self.num_waiting + self._pending
-
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
                      priority: int = 0) -> RequestStream:
         """Hands a request to the engine; raises ValueError if the engine rejects it."""
         if not self.alive:
             raise EngineRequestError(503, f"the engine is not serving: {self.error}")
         stream = RequestStream(self._loop, prompt_ids, params, priority)
-        self._pending += params.n
         self._send(("add", stream))
-        try:
-            await stream.admitted
-        finally:
-            self._pending -= params.n
+        await stream.admitted
+        self._live.add(stream)
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -116,8 +109,14 @@ class AsyncEngine:
             self._send(("abort", stream))
 
     def abort_all(self, status: int, message: str) -> None:
-        """Fails every request in the engine with `status` (for shutdown)."""
-        self._send(("abort_all", EngineRequestError(status, message)))
+        """Fails every request in the engine with `status` (for shutdown): at once on the event
+        loop, whatever the engine thread is doing (a step may take long); the engine thread
+        then frees their pages."""
+        error = EngineRequestError(status, message)
+        for stream in list(self._live):
+            if not stream.done:
+                stream.queue.put_nowait(error)
+        self._send(("abort_all", error))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._send(("stop", None))

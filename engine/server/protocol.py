@@ -1,7 +1,9 @@
 """The OpenAI API's request and response shapes (plain Python: no jax, no web framework).
 
 `parse_completion` and `parse_chat` check a decoded JSON body field by field and raise
-`OpenAIError` (status 400, naming the parameter) on a wrong type or an out-of-range value.
+`OpenAIError` (status 400, naming the parameter) on a wrong type, an out-of-range value, a
+token id outside the vocabulary or a string that is not valid Unicode (a lone surrogate, which
+JSON can spell but UTF-8 cannot encode).
 `sampling_params` then builds the engine's SamplingParams once the prompt length is known.
 The builders at the bottom shape responses and stream chunks.
 
@@ -118,10 +120,49 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _token_ids(value: Any, name: str) -> list[int]:
+def _token_ids(value: Any, name: str, vocab_size: int | None) -> list[int]:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise _type_error(name, "a list of integer token ids", value)
+    if vocab_size is not None:
+        bad = next((t for t in value if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"'{name}' must hold token ids in the vocabulary [0, {vocab_size}), "
+                              f"got {str(bad):.80}", name, "invalid_value")
     return list(value)
+
+
+def _is_text(s: str) -> bool:
+    """Whether `s` is valid Unicode text (no lone surrogate)."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_unicode(body: Any) -> None:
+    """Rejects a body with a string (a key or a value, anywhere) that is not valid Unicode,
+    naming its place as `messages[0].content`. Iterative: the depth of a body is unbounded."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                raise bad_request(f"'{path or 'body'}' is not valid Unicode text: it holds a "
+                                  "lone surrogate (such as \\ud800)", path or None,
+                                  "invalid_unicode")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else key
+                if not _is_text(key):
+                    raise bad_request(f"the key {ascii(key)} in '{path or 'body'}' is not valid "
+                                      "Unicode text (a lone surrogate)", path or None,
+                                      "invalid_unicode")
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def _reject_unsupported(body: dict) -> None:
@@ -144,10 +185,11 @@ def _reject_unsupported(body: dict) -> None:
                           "response_format", "unsupported")
 
 
-def _common(body: dict, kind: str) -> GenerateRequest:
+def _common(body: dict, kind: str, vocab_size: int | None) -> GenerateRequest:
     """The fields both endpoints share."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_unicode(body)
     _reject_unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -181,13 +223,13 @@ def _common(body: dict, kind: str) -> GenerateRequest:
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
             raise _type_error("stop_token_ids", "a list of integer token ids", stop_ids)
-        s["stop_token_ids"] = tuple(_token_ids(stop_ids, "stop_token_ids"))
+        s["stop_token_ids"] = tuple(_token_ids(stop_ids, "stop_token_ids", vocab_size))
     return req
 
 
-def parse_completion(body: dict) -> GenerateRequest:
-    """Checks a /v1/completions body."""
-    req = _common(body, "completion")
+def parse_completion(body: dict, vocab_size: int | None = None) -> GenerateRequest:
+    """Checks a /v1/completions body (token ids against `vocab_size` where given)."""
+    req = _common(body, "completion", vocab_size)
     req.max_tokens = _int(body, "max_tokens", 1, None, allowed="an integer >= 1")
     req.logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
     prompt = body.get("prompt")
@@ -205,7 +247,7 @@ def parse_completion(body: dict) -> GenerateRequest:
                               "per prompt", "prompt", "unsupported")
         if not prompt:
             raise bad_request("'prompt' is empty", "prompt")
-        req.prompt_ids = _token_ids(prompt, "prompt")
+        req.prompt_ids = _token_ids(prompt, "prompt", vocab_size)
     else:
         raise _type_error("prompt", "a string or a list of token ids", prompt)
     return req
@@ -236,9 +278,9 @@ def _message(i: int, m: Any) -> dict:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def parse_chat(body: dict) -> GenerateRequest:
-    """Checks a /v1/chat/completions body."""
-    req = _common(body, "chat")
+def parse_chat(body: dict, vocab_size: int | None = None) -> GenerateRequest:
+    """Checks a /v1/chat/completions body (token ids against `vocab_size` where given)."""
+    req = _common(body, "chat", vocab_size)
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", "messages", "missing_required_parameter")

@@ -1,7 +1,8 @@
 """One OpenAI-compatible server on the tiny test model, shared by the server tests.
 
 It runs in a background thread of the test process on a free loopback port, with an API key, a
-small context (128 tokens) and a small body limit, so that every error path is cheap to reach.
+small context (128 tokens), a small body limit and short header and body timeouts, so that
+every error path is cheap to reach.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ API_KEY = "test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
 MAX_BODY_BYTES = 64 * 1024
+MAX_NUM_SEQS = 8
+HEADER_TIMEOUT = 3.0
+BODY_TIMEOUT = 2.0
 
 
 @pytest.fixture(scope="session")
@@ -30,10 +34,12 @@ def server():
 
     loaded = load_model(TINY_DIR)
     engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer,
-                       EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                       EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                                     max_num_batched_tokens=64))
     thread = ServerThread(Server(engine, MODEL, api_key=API_KEY, max_waiting=256,
-                                 max_body_bytes=MAX_BODY_BYTES, shutdown_timeout=5.0)).start()
+                                 max_body_bytes=MAX_BODY_BYTES, shutdown_timeout=5.0,
+                                 header_timeout=HEADER_TIMEOUT,
+                                 body_timeout=BODY_TIMEOUT)).start()
     yield thread
     thread.stop()
 
