@@ -1,6 +1,8 @@
-"""Load: 64 concurrent streaming clients with random prompts, some hanging up early.
+"""Load: 64 concurrent streaming clients with random prompts, some hanging up early; a soak of
+mixed traffic with aborts and bad requests, then a leak check.
 
-Bounded: 64 requests of at most 24 tokens each, on loopback, under a 120 s deadline.
+Bounded: 64 requests of at most 24 tokens each, on loopback, under a 120 s deadline; the soak
+sends traffic for 5 s.
 """
 from __future__ import annotations
 
@@ -122,3 +124,73 @@ def test_bench_serving_drives_the_server_over_http(server, tmp_path):
     assert report["errors"] == 0 and report["requests_per_s"] > 0
     assert report["output_tokens_per_s"] > 0 and report["ttft_s"]["p50"] > 0
     assert report["tpot_s"]["p90"] is not None and report["preemptions"] == 0
+
+
+SOAK_SECONDS = 5.0
+
+
+async def soak_worker(server, client: httpx.AsyncClient, rng: random.Random, until: float,
+                      counts: dict) -> None:
+    """Mixed traffic until `until`: whole and streamed requests, hang-ups, client timeouts,
+    bad bodies and bodies cut off mid-way."""
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    while time.monotonic() < until:
+        kind = rng.choice(["whole", "stream", "hang_up", "timeout", "bad", "cut_body"])
+        counts[kind] = counts.get(kind, 0) + 1
+        body = {"model": MODEL, "prompt": "the sea " * rng.randint(1, 10),
+                "max_tokens": rng.randint(1, 16), "n": rng.choice([1, 1, 2]),
+                "temperature": rng.choice([0.0, 0.9]), "ignore_eos": True}
+        if kind == "whole":
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        elif kind in ("stream", "hang_up"):
+            status, events, _ = await one_client(client, rng, 1 if kind == "hang_up" else None)
+            assert status == 200 and events
+        elif kind == "timeout":  # the client gives up before the answer
+            try:
+                await client.post("/v1/completions", json=body | {"max_tokens": 100},
+                                  timeout=0.05)
+            except httpx.TimeoutException:
+                pass
+        elif kind == "bad":
+            bad = rng.choice([{"stop_token_ids": [2**63]}, {"stop_token_ids": [-1]},
+                              {"n": 1000}, {"prompt": [10**6]}, {"temperature": "x"}])
+            assert (await client.post("/v1/completions", json=body | bad)).status_code == 400
+        else:  # a body that stops half-way, then the connection closes
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         f"{API_KEY}\r\nContent-Length: 500\r\n\r\n{{\"prompt\":".encode())
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+
+
+def test_soak_mixed_traffic_leaks_nothing(server, http):
+    """Sustained mixed traffic with aborts and bad requests; then running 0, waiting 0, no KV
+    page held, no sequence counted as admitted, and no 5xx."""
+    errors_before = server_errors(http.get("/metrics").text)
+    counts: dict = {}
+
+    async def run_all():
+        until = time.monotonic() + SOAK_SECONDS
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+            await asyncio.gather(*(soak_worker(server, client, random.Random(100 + i), until,
+                                               counts) for i in range(12)))
+
+    asyncio.run(asyncio.wait_for(run_all(), timeout=SOAK_SECONDS + 60))
+    assert min(counts.values()) >= 2 and len(counts) == 6, counts
+    deadline = time.monotonic() + 60.0  # an engine step may be compiling a new shape
+    while True:
+        text = http.get("/metrics").text
+        idle = (metric(text, "pallasite_num_requests_running") == 0
+                and metric(text, "pallasite_num_requests_waiting") == 0
+                and metric(text, "pallasite_kv_cache_pages_used") == 0
+                and server.server.active == 0 and server.server.in_flight == 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle, ([line for line in text.splitlines() if "num_requests" in line or "pages_used" in line],
+                  server.server.active, server.server.in_flight, counts)
+    assert server_errors(text) == errors_before, "5xx answers in the soak"
+    engine = server.server.engine
+    assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.num_pages
