@@ -98,7 +98,11 @@ class AsyncEngine:
             raise EngineRequestError(503, f"the engine is not serving: {self.error}")
         stream = RequestStream(self._loop, prompt_ids, params, priority)
         self._send(("add", stream))
-        await stream.admitted
+        try:
+            await stream.admitted
+        except asyncio.CancelledError:  # the client left while the engine took the request
+            self.abort(stream)
+            raise
         self._live.add(stream)
         return stream
 
