@@ -145,18 +145,27 @@ def stalled_reader(url: str) -> socket.socket:
     return sock
 
 
+def stalled_body(url: str) -> socket.socket:
+    """A request whose body never arrives: its handler is still reading at shutdown."""
+    host, port = url.rsplit("/", 1)[1].split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    return sock
+
+
 def test_sigterm_exits_within_the_timeout_plus_one_second(cache_dir, tmp_path):
     """Three streams still running at the deadline are failed with 503, a fourth whose client
-    stopped reading is cut off, and the process is gone within --shutdown_timeout + 1 s of
-    SIGTERM (+ the harness's margin)."""
+    stopped reading and a fifth whose body never came are cut off, and the process is gone
+    within --shutdown_timeout + 1 s of SIGTERM (+ the harness's margin)."""
     server = ServeProcess(cache_dir, tmp_path / "serve.log",
                           f"--shutdown_timeout={SHUTDOWN_TIMEOUT}")
     try:
         firsts = [threading.Event() for _ in range(3)]
         runs = [stream_in_thread(server.url, first) for first in firsts]
         assert all(first.wait(60) for first in firsts)
-        stalled = stalled_reader(server.url)
-        time.sleep(1.0)  # its writes fill the socket buffers
+        stalled = [stalled_reader(server.url), stalled_body(server.url)]
+        time.sleep(1.0)  # the reader's writes fill the socket buffers
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         while server.proc.poll() is None and time.monotonic() - start < 30:
@@ -172,7 +181,8 @@ def test_sigterm_exits_within_the_timeout_plus_one_second(cache_dir, tmp_path):
             error = json.loads(events[-2])["error"]
             assert error["code"] == "service_unavailable" and "shutting down" in error["message"]
         assert "Traceback" not in server.stderr()
-        stalled.close()
+        for sock in stalled:
+            sock.close()
     finally:
         server.close()
 
