@@ -225,9 +225,9 @@ class Server:
         queued = self.async_engine.num_waiting  # > 0: the engine is short of slots or pages
         waiting = max(self.active + n - self.max_num_seqs, queued + n if queued else 0)
         if waiting > self.max_waiting:
-            raise OpenAIError(429, f"too many requests waiting ({waiting - n} sequences, limit "
-                              f"{self.max_waiting}): retry later", "rate_limit_error", None,
-                              "rate_limit_exceeded")
+            raise OpenAIError(429, f"too many requests: this one would leave {waiting} sequences "
+                              f"waiting for a slot (limit {self.max_waiting}); retry later",
+                              "rate_limit_error", None, "rate_limit_exceeded")
         self.active += n
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:

@@ -26,8 +26,7 @@ class ChatEncoder:
         self._special_ids = frozenset(specials)
         self._special_text = (re.compile("|".join(re.escape(s) for s in specials.values()))
                               if specials else None)
-        self._plain = tokenizers.Tokenizer.from_str(hf.to_str())  # special tokens as text
-        self._plain.encode_special_tokens = True
+        self._plain: tokenizers.Tokenizer | None = None  # special tokens as text; on first use
         self._nonce = uuid.uuid4().hex  # marks of private-use characters no content matches
         self._mark = re.compile(f"\ue000{self._nonce}:" + r"(\d+)\ue001")
 
@@ -41,6 +40,10 @@ class ChatEncoder:
             return self.tokenizer.encode(text)
         spans = self._content_spans(text, messages)
         encoding = self.tokenizer.hf_tokenizer.encode(text, add_special_tokens=False)
+        if self._plain is None:  # a copy: the shared tokenizer's setting stays as it is
+            plain = tokenizers.Tokenizer.from_str(self.tokenizer.hf_tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
         ids = []
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
             if token_id in self._special_ids and any(a <= start and end <= b for a, b in spans):
