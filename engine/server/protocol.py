@@ -51,6 +51,7 @@ class GenerateRequest:
     prompt_ids: list[int] | None = None  # completions: token ids as given
     messages: list[dict] | None = None  # chat
     max_tokens: int | None = None  # None: the default of the endpoint
+    max_tokens_param: str = "max_tokens"  # the field it came from (errors name it)
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # top-N logprobs per token (0: only the chosen token's)
@@ -290,7 +291,9 @@ def parse_chat(body: dict, vocab_size: int | None = None) -> GenerateRequest:
         raise bad_request("'messages' must hold at least one message", "messages")
     req.messages = [_message(i, m) for i, m in enumerate(messages)]
     req.max_tokens = _int(body, "max_completion_tokens", 1, None, allowed="an integer >= 1")
-    if req.max_tokens is None:
+    if req.max_tokens is not None:
+        req.max_tokens_param = "max_completion_tokens"
+    else:
         req.max_tokens = _int(body, "max_tokens", 1, None, allowed="an integer >= 1")
     want = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
@@ -315,7 +318,7 @@ def sampling_params(req: GenerateRequest, prompt_len: int, max_model_len: int) -
         raise bad_request(f"this model's context is {max_model_len} tokens, but {prompt_len + max_tokens}"
                           f" were requested ({prompt_len} in the prompt, {max_tokens} to "
                           "generate): reduce the prompt or max_tokens",
-                          "max_tokens", "context_length_exceeded")
+                          req.max_tokens_param, "context_length_exceeded")
     fields = {k: v for k, v in req.sampling.items() if v is not None}
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, **fields)

@@ -87,6 +87,17 @@ def chat(**fields) -> dict:
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=50), "top_logprobs"),
     ("/v1/chat/completions", chat(max_completion_tokens=-1), "max_completion_tokens"),
     ("/v1/chat/completions", chat(stream_options={"include_usage": True}), "stream_options"),
+    # integers beyond int64 and token ids outside the vocabulary, in every integer field
+    ("/v1/completions", completion(prompt=[5, 2**63]), "prompt"),
+    ("/v1/completions", completion(prompt=[5, 1_000_000]), "prompt"),
+    ("/v1/completions", completion(n=2**63), "n"),
+    ("/v1/completions", completion(top_k=2**63), "top_k"),
+    ("/v1/completions", completion(seed=2**70), "seed"),
+    ("/v1/completions", completion(logprobs=2**63), "logprobs"),
+    ("/v1/completions", completion(max_tokens=2**63), "max_tokens"),
+    ("/v1/chat/completions", chat(max_completion_tokens=2**63), "max_completion_tokens"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=-2**63 - 1), "top_logprobs"),
+    ("/v1/chat/completions", chat(n=10**30), "n"),
     # unsupported
     ("/v1/completions", completion(echo=True), "echo"),
     ("/v1/completions", completion(prompt=["a", "b"]), "prompt"),
