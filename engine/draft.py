@@ -1,8 +1,9 @@
 """Draft-model proposer for speculative decoding.
 
 The draft is any smaller model with the target's tokenizer. It has its own paged KV cache of the
-same number and size of pages, indexed by the same block tables as the target (a request's pages
-hold the target's K/V in the target's cache and the draft's in the draft's). Each engine step it
+same number and size of pages and the same --kv_cache_dtype, indexed by the same block tables as
+the target (a request's pages hold the target's K/V in the target's cache and the draft's in the
+draft's). Each engine step it
 runs, for all speculating requests at once: one ragged catch-up step over the tokens its cache
 lacks (the newest token, plus any accepted since), then k - 1 single-token steps, sampling each
 proposal from its own filtered distribution q (greedy for greedy requests). `num_draft_computed`
@@ -47,15 +48,16 @@ class DraftProposer:
     """Runs the draft model over the speculating requests of a step."""
 
     def __init__(self, cfg, model, num_pages: int, page_size: int, max_seqs: int,
-                 max_width: int, *, kernels: KernelBackends):
+                 max_width: int, *, kernels: KernelBackends, kv_dtype=None):
         """kernels: the target runner's choice (one device: no mesh), so that the draft runs
-        the same kernels as the target without choosing again."""
+        the same kernels as the target without choosing again. kv_dtype: the draft cache's
+        (as the target's: ops.kv_quant.kv_cache_dtype, None or 'auto' the draft's dtype)."""
         if kernels.mesh:
             raise ValueError("DraftProposer: the draft runs on one device; pass the target's "
                              "kernels.per_shard(), not a mesh choice")
         self.cfg = cfg
-        self.runner = ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_seqs,
-                                  max_width=max_width, kernels=kernels)
+        self.runner = ModelRunner(cfg, model, num_pages, page_size, kv_dtype,
+                                  max_seqs=max_seqs, max_width=max_width, kernels=kernels)
         self.page_size = page_size
 
     def propose(self, requests: list, k: int):

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 PLATFORMS = ("cpu", "gpu", "tpu")
+# KV-cache storage (ops.kv_quant.KV_CACHE_DTYPES): the model's dtype, bf16, or int8 / fp8 pages
+# with a float32 scale per token and head.
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +49,10 @@ class EngineConfig:
     """Engine sizes and scheduling; a None field takes the device's default
     (`resolve_engine_config`; LLMEngine resolves its config when it is built).
 
-    The KV cache has `num_pages` pages if given; else, with `memory_fraction`, as many as fit in
-    that fraction of the device's memory (engine/memory.py); else enough for max_num_seqs
-    sequences of max_model_len tokens.
+    The KV cache has `num_pages` pages if given; else as many as fit in `kv_cache_memory`
+    bytes if given; else, with `memory_fraction`, as many as fit in that fraction of the
+    device's memory (engine/memory.py); else enough for max_num_seqs sequences of
+    max_model_len tokens. `kv_cache_dtype` is its storage (KV_CACHE_DTYPES).
     """
 
     # Longest sequence (prompt + output). Default: the model's context, bounded on a GPU by what
@@ -59,6 +63,8 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None
     memory_fraction: float | None = None  # default 0.9 on a GPU unless num_pages is given
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "bf16", "int8" or "fp8"
+    kv_cache_memory: int | None = None  # the cache's bytes (per device), on any device
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -81,10 +87,13 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
-                     "num_decode_steps"):
+                     "num_decode_steps", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
@@ -102,12 +111,15 @@ class EngineConfig:
                   f"{' with mixed rounds' if self.mixed_rounds else ''}"
                   if self.num_decode_steps > 1 else "single decode steps")
         cache = (f"{self.num_pages} KV pages" if self.num_pages is not None else
+                 f"KV cache in {self.kv_cache_memory / 2**20:.1f} MiB"
+                 if self.kv_cache_memory is not None else
                  f"KV cache in {self.memory_fraction:.0%} of device memory"
                  if self.memory_fraction is not None else "KV cache for every sequence at full "
                  "length")
         return (f"engine: {self.max_num_seqs} sequences, {self.max_num_batched_tokens}-token "
                 f"steps, context {self.max_model_len} tokens, asynchronous scheduling "
-                f"{'on' if self.async_scheduling else 'off'}, {rounds}, {cache}")
+                f"{'on' if self.async_scheduling else 'off'}, {rounds}, {cache} "
+                f"({self.kv_cache_dtype})")
 
 
 def resolve_engine_config(engine_cfg: EngineConfig, model_context: int, platform: str,
@@ -130,7 +142,8 @@ def resolve_engine_config(engine_cfg: EngineConfig, model_context: int, platform
         max_model_len = min(model_context, d.max_model_len or model_context,
                             kv_tokens or model_context)
     memory_fraction = engine_cfg.memory_fraction
-    if memory_fraction is None and engine_cfg.num_pages is None:
+    if memory_fraction is None and engine_cfg.num_pages is None \
+            and engine_cfg.kv_cache_memory is None:
         memory_fraction = d.memory_fraction
     budget = engine_cfg.max_num_batched_tokens
     if budget is None:  # without chunked prefill a whole prompt must fit one step

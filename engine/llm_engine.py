@@ -21,7 +21,6 @@ from typing import Iterator, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
@@ -33,12 +32,13 @@ from engine.memory import plan_kv_cache
 from engine.multi_step import MultiStepRounds
 from engine.output_processor import OutputProcessor, stop_ids_of
 from engine.request import FinishReason, Request, RequestOutput, SamplingParams
-from engine.runner import ModelRunner, fetch_samples
+from engine.runner import ModelRunner, fetch_samples, model_dtype
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
 from engine.warmup import reachable_steps
+from ops.kv_quant import kv_cache_dtype
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "StreamDelta"]
 
@@ -74,7 +74,8 @@ class LLMEngine:
                             enable_chunked_prefill=engine_cfg.enable_chunked_prefill), self.pool)
         max_width = self.pool.pages_needed(engine_cfg.max_model_len)
         self.runner = make_runner(cfg, model, num_pages, engine_cfg.page_size,
-                                  max_seqs=engine_cfg.max_num_seqs, max_width=max_width)
+                                  engine_cfg.kv_cache_dtype, max_seqs=engine_cfg.max_num_seqs,
+                                  max_width=max_width)
         # The runner side's persistent rows of the running requests (block tables, sampling
         # rows, length limits), kept up to date from each SchedulerOutput.
         self.input_batch = InputBatch(engine_cfg.max_num_seqs, max_width, engine_cfg.page_size)
@@ -88,7 +89,8 @@ class LLMEngine:
                                      f"differs from the target's ({cfg.vocab_size})")
                 self.draft = DraftProposer(draft_cfg, draft_model, num_pages,
                                            engine_cfg.page_size, engine_cfg.max_num_seqs,
-                                           max_width, kernels=self.runner.kernels.per_shard())
+                                           max_width, kernels=self.runner.kernels.per_shard(),
+                                           kv_dtype=engine_cfg.kv_cache_dtype)
             self.spec = SpeculativeRounds(spec_config, self.runner, self.scheduler,
                                           engine_cfg.page_size, self.draft)
         self.rounds: MultiStepRounds | None = None
@@ -121,12 +123,13 @@ class LLMEngine:
         self.cache_plan = None
         if engine_cfg.num_pages is not None:
             return engine_cfg.num_pages
-        if engine_cfg.memory_fraction is None:
+        if engine_cfg.memory_fraction is None and engine_cfg.kv_cache_memory is None:
             return engine_cfg.max_num_seqs * -(-max_len // page_size)
-        kv_dtype = jax.tree.leaves(nnx.state(model))[0].dtype
+        kv_dtype = kv_cache_dtype(engine_cfg.kv_cache_dtype, model_dtype(model))
         self.cache_plan = plan_kv_cache(
             cfg, kv_dtype, page_size, max_len, engine_cfg.max_num_batched_tokens,
-            engine_cfg.max_num_seqs, engine_cfg.memory_fraction, fit_max_model_len=fit)
+            engine_cfg.max_num_seqs, engine_cfg.memory_fraction, fit_max_model_len=fit,
+            kv_cache_memory=engine_cfg.kv_cache_memory)
         return self.cache_plan.num_pages
 
     def _cache_summary(self, num_pages: int) -> str:
@@ -134,7 +137,8 @@ class LLMEngine:
         page_size, max_len = self.engine_cfg.page_size, self.engine_cfg.max_model_len
         if self.cache_plan is not None:
             return dataclasses.replace(self.cache_plan, max_model_len=max_len).summary()
-        return (f"KV cache: {num_pages} pages x {page_size} tokens; at most "
+        return (f"KV cache ({self.runner.kv_dtype.name}): {num_pages} pages x {page_size} "
+                f"tokens = {num_pages * page_size} tokens; at most "
                 f"{num_pages // -(-max_len // page_size)} sequences of {max_len} tokens at once")
 
     # ---- requests -------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """KV-cache sizing from the memory the device has free (like vLLM's gpu_memory_utilization).
 
 budget = memory_fraction x device memory - memory in use (the weights) - activation reserve
-pages  = budget // bytes of one page across all layers (K and V)
+         (or a fixed number of bytes: kv_cache_memory, on any device)
+pages  = budget // bytes of one page across all layers (K and V, and the scales of int8 / fp8
+         pages)
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class CachePlan:
     in_use_bytes: int
     reserve_bytes: int
     max_model_len: int
+    kv_dtype: str = ""
+    fixed_bytes: int | None = None  # kv_cache_memory, when the budget was given
 
     @property
     def cache_bytes(self) -> int:
@@ -35,11 +39,20 @@ class CachePlan:
 
     def summary(self) -> str:
         gib = 2**30
-        return (f"KV cache: {self.num_pages} pages x {self.page_size} tokens = "
-                f"{self.num_pages * self.page_size} tokens, {self.cache_bytes / gib:.2f} GiB "
-                f"(device {self.device_bytes / gib:.1f} GiB, in use {self.in_use_bytes / gib:.2f}"
-                f" GiB, activation reserve {self.reserve_bytes / gib:.2f} GiB); at most "
-                f"{self.max_full_length_seqs} sequences of {self.max_model_len} tokens at once")
+        source = (f"of a fixed {size(self.fixed_bytes)}" if self.fixed_bytes is not None
+                  else f"device {self.device_bytes / gib:.1f} GiB, in use "
+                       f"{self.in_use_bytes / gib:.2f} GiB, activation reserve "
+                       f"{self.reserve_bytes / gib:.2f} GiB")
+        return (f"KV cache ({self.kv_dtype}): {self.num_pages} pages x {self.page_size} tokens = "
+                f"{self.num_pages * self.page_size} tokens, {size(self.cache_bytes)} "
+                f"({source}); at most {self.max_full_length_seqs} sequences of "
+                f"{self.max_model_len} tokens at once")
+
+
+def size(num_bytes: int) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return (f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30
+            else f"{num_bytes / 2**20:.1f} MiB")
 
 
 def device_memory(device=None) -> tuple[int, int]:
@@ -70,26 +83,38 @@ def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_
 
 
 def plan_kv_cache(cfg: ModelConfig, kv_dtype, page_size: int, max_model_len: int,
-                  max_num_batched_tokens: int, max_num_seqs: int, memory_fraction: float,
-                  device=None, fit_max_model_len: bool = True) -> CachePlan:
-    """How many pages fit in `memory_fraction` of the device; ValueError if not one sequence of
-    max_model_len tokens (with fit_max_model_len; else if not one page: the caller then bounds
-    its context by the pages there are)."""
-    if not 0.0 < memory_fraction <= 1.0:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    total, in_use = device_memory(device)
-    reserve = activation_reserve_bytes(cfg, max_num_batched_tokens, max_num_seqs, kv_dtype)
-    bytes_per_page = kv_bytes_per_token(cfg, jnp.dtype(kv_dtype)) * page_size
-    budget = int(total * memory_fraction) - in_use - reserve
+                  max_num_batched_tokens: int, max_num_seqs: int,
+                  memory_fraction: float | None, device=None, fit_max_model_len: bool = True,
+                  kv_cache_memory: int | None = None) -> CachePlan:
+    """How many pages of `kv_dtype` (scales counted) fit in `kv_cache_memory` bytes if given,
+    else in `memory_fraction` of the device; ValueError if not one sequence of max_model_len
+    tokens (with fit_max_model_len; else if not one page: the caller then bounds its context by
+    the pages there are)."""
+    dtype = jnp.dtype(kv_dtype)
+    bytes_per_page = kv_bytes_per_token(cfg, dtype) * page_size
+    if kv_cache_memory is not None:
+        if kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {kv_cache_memory}")
+        total = in_use = reserve = 0
+        budget, setting, knob = kv_cache_memory, f"kv_cache_memory={kv_cache_memory}", \
+            "--kv_cache_memory"
+    else:
+        if memory_fraction is None or not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        total, in_use = device_memory(device)
+        reserve = activation_reserve_bytes(cfg, max_num_batched_tokens, max_num_seqs, dtype)
+        budget = int(total * memory_fraction) - in_use - reserve
+        setting, knob = f"memory_fraction={memory_fraction}", "--memory_fraction"
     num_pages = max(budget // bytes_per_page, 0)
-    plan = CachePlan(num_pages, page_size, bytes_per_page, total, in_use, reserve, max_model_len)
+    plan = CachePlan(num_pages, page_size, bytes_per_page, total, in_use, reserve, max_model_len,
+                     dtype.name, kv_cache_memory)
     if not fit_max_model_len and num_pages < 1:
-        raise ValueError(f"memory_fraction={memory_fraction} leaves no room for a KV-cache page "
-                         f"({plan.summary()}): raise --memory_fraction")
+        raise ValueError(f"{setting} leaves no room for a KV-cache page ({plan.summary()}): "
+                         f"raise {knob}")
     needed = -(-max_model_len // page_size)
     if fit_max_model_len and num_pages < needed:
         raise ValueError(
-            f"memory_fraction={memory_fraction} leaves room for {num_pages} KV-cache pages, but "
-            f"one sequence of max_model_len={max_model_len} needs {needed} "
-            f"({plan.summary()}): raise --memory_fraction or lower --max_model_len")
+            f"{setting} leaves room for {num_pages} KV-cache pages, but one sequence of "
+            f"max_model_len={max_model_len} needs {needed} ({plan.summary()}): raise {knob} or "
+            f"lower --max_model_len")
     return plan

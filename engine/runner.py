@@ -16,7 +16,12 @@ from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
-from ops.kv_quant import is_quantized_kv_dtype
+from ops.kv_quant import kv_cache_dtype
+
+
+def model_dtype(model: LlamaForCausalLM):
+    """The model's activation dtype (its embedding's), the KV cache's default dtype."""
+    return model.embed_tokens.embedding.get_value().dtype
 
 
 def input_tokens(fields: dict, prev_samples: jax.Array) -> jax.Array:
@@ -44,15 +49,9 @@ class ModelRunner:
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           jax.default_backend())
         self.graphdef, self.state = nnx.split(model)
-        kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
-        # int8 / fp8 KV: until the model stores quantized pages, the pages keep the model's float
-        # dtype and each new K/V row is rounded through the quantized type at the write (the
-        # reference numerics, ops.paged_attention.write_kv's kv_quant).
-        self.kv_quant = None
-        if is_quantized_kv_dtype(kv_dtype):
-            self.kv_quant = jnp.dtype(kv_dtype).name
-            kv_dtype = model.embed_tokens.embedding.get_value().dtype
-        self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, kv_dtype)
+        # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
+        self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
+        self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, self.kv_dtype)
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
         # Sampled tokens come back padded to this many rows, so that a step can read its input
@@ -85,7 +84,7 @@ class ModelRunner:
             positions=x["positions"], slot_mapping=x["slot_mapping"],
             block_tables=x["block_tables"], query_start_loc=x["query_start_loc"],
             kv_lens=x["kv_lens"], max_q_len=layout.max_q_len,
-            max_prefill_seqs=layout.max_prefill_seqs, kv_quant=self.kv_quant)
+            max_prefill_seqs=layout.max_prefill_seqs)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return forward(model, cache, tokens, meta, self.cfg,
                        None if all_logits else x["logits_indices"], kernels=self.kernels)
@@ -142,8 +141,7 @@ class ModelRunner:
                 positions=pos, slot_mapping=jnp.where(real, page * page_size + pos % page_size,
                                                       -1),
                 block_tables=tables, query_start_loc=start,
-                kv_lens=jnp.where(real, pos + 1, 0), max_q_len=1, max_prefill_seqs=0,
-                kv_quant=self.kv_quant)
+                kv_lens=jnp.where(real, pos + 1, 0), max_q_len=1, max_prefill_seqs=0)
             logits, cache = forward(model, cache, tokens, meta, self.cfg, rows,
                                     kernels=self.kernels)
             tokens = self._draw(logits, floats, ints, first_draw + i, mode)
@@ -386,7 +384,8 @@ def full_sequence_logits(cfg: ModelConfig, model: LlamaForCausalLM, token_ids: n
     """Logits of every position of each row of token_ids [B, T], one prefill in a fresh cache.
 
     Returns float32 numpy [B, T, V]. Used by perplexity evaluation and numerics tests.
-    kv_dtype: the KV cache's dtype (default: the model's); int8 / float8_e4m3fn quantize K/V.
+    kv_dtype: the KV cache's dtype (ops.kv_quant.kv_cache_dtype: None or 'auto' the model's;
+    'int8' / 'fp8' store quantized pages).
     """
     token_ids = np.asarray(token_ids, np.int32)
     batch, seq = token_ids.shape

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
 from configs.mesh import DATA, mesh_shape
-from engine.runner import ModelRunner, input_tokens, start_copies
+from engine.runner import ModelRunner, input_tokens, model_dtype, start_copies
 from engine.step_batch import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, StepBatch, bucket, bucket_key,
                                table_widths)
 from engine.sampling import SamplingArrays, sample_step
@@ -48,7 +48,7 @@ from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, forward
 from models.sharding import attention_plan, put, shard_state
 from ops.backends import device_kernels
-from ops.kv_quant import is_quantized_kv_dtype
+from ops.kv_quant import kv_cache_dtype
 
 
 class InBatchOrder:
@@ -103,13 +103,9 @@ class ShardedModelRunner(ModelRunner):
                                                           jax.default_backend())
         self.graphdef, state = nnx.split(model)
         self.state, self.cfg = shard_state(state, cfg, mesh)
-        kv_dtype = kv_dtype or jax.tree.leaves(self.state)[0].dtype
-        self.kv_quant = None
-        if is_quantized_kv_dtype(kv_dtype):  # as ModelRunner: float pages, rounded K/V rows
-            self.kv_quant = jnp.dtype(kv_dtype).name
-            kv_dtype = model.embed_tokens.embedding.get_value().dtype
+        self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))  # as ModelRunner's
         self.pages_per_shard = num_pages
-        self.cache = init_sharded_kv_cache(self.cfg, num_pages, page_size, kv_dtype, mesh)
+        self.cache = init_sharded_kv_cache(self.cfg, num_pages, page_size, self.kv_dtype, mesh)
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
         self._per_shard = NamedSharding(mesh, P(DATA, None))  # [dp, ...]: row d on shard d
@@ -143,8 +139,7 @@ class ShardedModelRunner(ModelRunner):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         meta = AttentionMetadata(
             x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
-            x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs,
-            kv_quant=self.kv_quant)
+            x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs)
         logits, cache = forward(model, cache, tokens, meta, self.cfg,
                                 None if all_logits else x["logits_indices"],
                                 kernels=self.kernels)

@@ -37,8 +37,6 @@ class AttentionMetadata:
     kv_lens          [S]      cached tokens of each sequence once this step's tokens are written
     max_q_len, max_prefill_seqs (static): bounds of the query tokens of one sequence and of the
       number of sequences with more than one (see ops.paged_attention.ragged_attention_by_groups)
-    kv_quant (static): None, or 'int8' / 'float8_e4m3fn' to round new K/V through that type at
-      the cache write (reference numerics of a quantized cache; ops.paged_attention.write_kv)
     """
 
     positions: jax.Array
@@ -48,7 +46,6 @@ class AttentionMetadata:
     kv_lens: jax.Array
     max_q_len: int = dataclasses.field(default=1, metadata=dict(static=True))
     max_prefill_seqs: int = dataclasses.field(default=0, metadata=dict(static=True))
-    kv_quant: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -145,7 +142,7 @@ class Attention(nnx.Module):
         # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
         q, k_pages, v_pages = rope_and_write_kv(
             qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
-            num_heads=cfg.num_heads, kv_quant=meta.kv_quant, kernels=kernels)  # q [N, H, D]
+            num_heads=cfg.num_heads, kernels=kernels)  # q [N, H, D]
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs,
@@ -270,14 +267,15 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     """
     inv_freq = rope_inv_freq(cfg)
     x = model.embed_tokens(tokens)  # [N, hidden]
-    k_all, v_all = list(cache.k_pages), list(cache.v_pages)
+    # per layer: float pages, or QuantizedPages of an int8 / fp8 cache (models/kv_cache.py)
+    k_all, v_all = map(list, zip(*(cache.layer(i) for i in range(len(model.layers)))))
     for i, layer in enumerate(model.layers):
         x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
     x = model.norm(x, kernels)
     logits = model.embed_tokens.attend(x) if cfg.tie_word_embeddings else model.lm_head(x, kernels)
-    return logits.astype(jnp.float32), KVCache(tuple(k_all), tuple(v_all))
+    return logits.astype(jnp.float32), KVCache.from_layers(k_all, v_all)
 
 
 def _check_fusable(kernels: list) -> None:

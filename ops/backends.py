@@ -70,10 +70,12 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
     "kv_write": (
         KernelEntry("mesh", "any", f"{PAGES} split over (model: heads, data: sequences)",
                     "any", "any", sharded_write_kv),
-        KernelEntry("pallas", "gpu", f"{PAGES}, q/k/v fused or three", "pages in the q/k/v "
-                    "dtype, no kv_quant", "head_dim a power of two >= 16, N >= 1",
+        KernelEntry("pallas", "gpu", f"{PAGES}, q/k/v fused or three", "float pages in the "
+                    "q/k/v dtype", "head_dim a power of two >= 16, N >= 1",
                     rope_kv._rope_kv_pallas),
-        KernelEntry("pallas", "gpu", PAGES, "any", "other inputs (kv_quant, head_dim)",
+        KernelEntry("pallas", "gpu", f"{PAGES} + scales [KVH, P, S]", "int8 / fp8 pages "
+                    "(the kernel stores no scales)", "any", rope_kv.rope_and_write_kv_reference),
+        KernelEntry("pallas", "gpu", PAGES, "any", "other head_dim",
                     rope_kv.rope_and_write_kv_reference),
         KernelEntry("reference", "any", PAGES, "any", "any", rope_kv.rope_and_write_kv_reference),
         KernelEntry("reference", "any", PAGES, "any", "the scatter alone", write_kv),

@@ -2,6 +2,8 @@
 
 Cache layout, per layer:
     k_pages, v_pages  [num_kv_heads, num_pages, page_size, head_dim]
+or, for an int8 / fp8 cache, `ops.kv_quant.QuantizedPages` (those values plus float32 scales
+[num_kv_heads, num_pages, page_size]); every function here takes either.
 A sequence's logical page j lives in physical page block_tables[b, j]; its token at position p
 is in slot block_tables[b, p // page_size] * page_size + p % page_size.
 
@@ -17,51 +19,52 @@ import jax
 import jax.numpy as jnp
 
 from ops.kernel_choice import KernelBackends, or_reference
-from ops.kv_quant import quantize_kv
+from ops.kv_quant import QuantizedPages, dequantize_pages, quantize_kv
 from ops.ragged_attention import ragged_paged_attention
 from ops.sharded_attention import sharded_step_attention, sharded_write_kv
 
 
-def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array, kv_quant: str | None = None,
-             kernels: KernelBackends | None = None) -> tuple[jax.Array, jax.Array]:
+def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+             kernels: KernelBackends | None = None):
     """Scatters new keys and values into the pages at flat slot indices.
 
-    k_pages, v_pages: [KVH, P, S, D]; k, v: [N, KVH, D]; slot_mapping: int32 [N].
-    Slots outside [0, P * S) (padding) are dropped. Returns the updated pages; when the pages
-    are donated to the enclosing jit, XLA performs the scatter in place.
-    kv_quant: 'int8' or 'float8_e4m3fn' rounds each new row (token, head) of k and v through that
-    type with its own scale (ops.kv_quant.quantize_kv) before storing it in the float pages: the
-    numerics of a quantized cache, as a reference, until the model stores quantized pages.
+    k_pages, v_pages: [KVH, P, S, D] float arrays, or QuantizedPages (int8 / fp8): each new row
+    (token, head) is then quantized with its own scale (ops.kv_quant.quantize_kv) and its values
+    and scale stored. k, v: [N, KVH, D]; slot_mapping: int32 [N]. Slots outside [0, P * S)
+    (padding) are dropped. Returns the updated pages, of the pages' type; when the pages are
+    donated to the enclosing jit, XLA performs the scatter in place.
     kernels: with a mesh (a sharded step), each shard writes its own part (shard_map).
     """
     kernels = or_reference(kernels)
     if kernels.mesh:  # a sharded step: write per shard
-        shard = functools.partial(write_kv, kv_quant=kv_quant, kernels=kernels.per_shard())
+        shard = functools.partial(write_kv, kernels=kernels.per_shard())
         return sharded_write_kv(kernels.mesh_shape, shard, k_pages, v_pages, k, v,
                                 slot_mapping)
-    if kv_quant is not None:
-        k, v = _quantize_dequantize_kv(k, kv_quant), _quantize_dequantize_kv(v, kv_quant)
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     if k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"write_kv: k {k.shape} and v {v.shape} must be [N, {num_kv_heads}, "
                          f"{head_dim}] to match pages {k_pages.shape}")
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
+    if isinstance(k_pages, QuantizedPages) != isinstance(v_pages, QuantizedPages):
+        raise ValueError("write_kv: k_pages and v_pages must both be quantized or both float")
     # Padding slots (< 0) go to page num_pages, past the end, where mode="drop" discards them.
     # The scatter is written in the 4-D page layout (no reshape) so that XLA updates the donated
     # pages in place instead of copying them.
     page = jnp.where(slot_mapping < 0, num_pages, slot_mapping // page_size)  # [N]
     offset = slot_mapping % page_size  # [N]
-    k_pages = k_pages.at[:, page, offset].set(k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[:, page, offset].set(v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
-    return k_pages, v_pages
 
+    def scatter(pages, rows):  # rows [N, KVH, ...] -> pages[:, page, offset]
+        return pages.at[:, page, offset].set(rows.swapaxes(0, 1).astype(pages.dtype),
+                                             mode="drop")
 
-def _quantize_dequantize_kv(x: jax.Array, dtype: str) -> jax.Array:
-    """x [..., D] rounded through `dtype` with one scale per row, back in x's dtype."""
-    values, scales = quantize_kv(x, dtype)
-    return (values.astype(jnp.float32) * scales[..., None]).astype(x.dtype)
+    def write(pages, rows):
+        if not isinstance(pages, QuantizedPages):
+            return scatter(pages, rows)
+        values, scales = quantize_kv(rows, pages.dtype)  # [N, KVH, D], [N, KVH]
+        return QuantizedPages(scatter(pages.values, values), scatter(pages.scales, scales))
+
+    return write(k_pages, k), write(v_pages, v)
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv_lens, *,
@@ -69,7 +72,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv
     """Causal attention of several query tokens per sequence over that sequence's pages, in
     plain jnp: gathers the pages through the block table, then a softmax.
 
-    q: [B, T, H, D] (H a multiple of KVH); k_pages, v_pages: [KVH, P, S, D]; block_tables:
+    q: [B, T, H, D] (H a multiple of KVH); k_pages, v_pages: [KVH, P, S, D] (or QuantizedPages,
+    dequantized after the gather); block_tables:
     int32 [B, W]; q_positions: int32 [B, T] (padding tokens may hold any position: their output
     is to be ignored); kv_lens: int32 [B], cached tokens after this step's write. A query at
     position p sees keys at positions <= p and < kv_len (and > p - sliding_window). Returns
@@ -80,11 +84,15 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, q_positions, kv
     group = num_heads // num_kv_heads
     width = block_tables.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
-    # Gather each sequence's pages: [KVH, B, W, S, D] -> [B, W*S, KVH, D].
-    k = k_pages[:, block_tables].reshape(num_kv_heads, batch, width * page_size, head_dim)
-    v = v_pages[:, block_tables].reshape(num_kv_heads, batch, width * page_size, head_dim)
-    k = k.transpose(1, 2, 0, 3).astype(jnp.float32)  # [B, K, KVH, D]
-    v = v.transpose(1, 2, 0, 3).astype(jnp.float32)
+
+    def gather(pages):  # each sequence's pages, float32: [KVH, B, W, S, D] -> [B, W*S, KVH, D]
+        if isinstance(pages, QuantizedPages):  # dequantize only the gathered pages
+            rows = dequantize_pages(pages.values[:, block_tables], pages.scales[:, block_tables])
+        else:
+            rows = pages[:, block_tables].astype(jnp.float32)
+        return rows.reshape(num_kv_heads, batch, width * page_size, head_dim).transpose(1, 2, 0, 3)
+
+    k, v = gather(k_pages), gather(v_pages)  # [B, K, KVH, D]
     qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, group, head_dim)
     logits = jnp.einsum("btngd,bsnd->bngts", qg, k) * scale  # [B, KVH, G, T, K]
     if soft_cap is not None:
@@ -157,7 +165,7 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    kernels: KernelBackends | None = None) -> jax.Array:
     """The engine's attention over a ragged step, as `kernels.attention` says.
 
-    Arguments as in `ragged_attention_by_groups`. "pallas" runs the ragged Pallas kernel
+    Arguments as in `ragged_attention_by_groups` (pages float or QuantizedPages). "pallas" runs the ragged Pallas kernel
     (ops/ragged_attention.py), which reads only each sequence's own pages; "reference" (and
     kernels None) the grouped jnp reference. With a mesh in `kernels` each shard runs this on
     its own heads and sequences (ops/sharded_attention.py).
@@ -170,8 +178,12 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         return sharded_step_attention(kernels.mesh_shape, shard, q, k_pages, v_pages,
                                       block_tables, query_start_loc, kv_lens)
     if kernels.attention != "reference":
+        scales = {}
+        if isinstance(k_pages, QuantizedPages):  # the kernel dequantizes in registers
+            scales = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
+            k_pages, v_pages = k_pages.values, v_pages.values
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
-                                      kv_lens, max_q_len=max_q_len, kernels=kernels)
+                                      kv_lens, max_q_len=max_q_len, kernels=kernels, **scales)
     return ragged_attention_by_groups(q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len,
                                       max_prefill_seqs=max_prefill_seqs)

@@ -11,10 +11,11 @@ Kernel: one program per (token, kv head). It computes the token's angles (positi
 frequency, float32), rotates the kv head's key and writes it and the value to the token's slot
 in the pages (which are aliased to the outputs: written in place), and rotates the kv head's G
 query heads into the output. Rotate-half (HF) layout: element i pairs with i +- D/2. A slot < 0
-(padding) writes nothing. Quantized caches, a sharded step (its KernelBackends hold a mesh) and
-head dims that are not a power of two take the jnp path.
+(padding) writes nothing. Quantized caches (int8 / fp8 QuantizedPages: the kernel stores no
+scales), a sharded step (its KernelBackends hold a mesh) and head dims that are not a power of
+two take the jnp path, which quantizes each new row in ops.paged_attention.write_kv.
 
-Cache layout as in ops/paged_attention.py: k_pages, v_pages [KVH, P, S, D].
+Cache layout as in ops/paged_attention.py: k_pages, v_pages [KVH, P, S, D] or QuantizedPages.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import attention_tiles as tiles
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
+from ops.kv_quant import QuantizedPages
 from ops.paged_attention import write_kv
 
 
@@ -56,16 +58,14 @@ def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int):
 
 
 def rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *,
-                                num_heads: int, kv_quant: str | None = None,
-                                kernels: KernelBackends | None = None):
+                                num_heads: int, kernels: KernelBackends | None = None):
     """The unfused ops: RoPE on q and k (apply_rope), then write_kv (per shard under a mesh in
     `kernels`)."""
     num_kv_heads, _, _, head_dim = k_pages.shape
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, kv_quant=kv_quant,
-                                kernels=kernels)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, kernels=kernels)
     return q, k_pages, v_pages
 
 
@@ -153,15 +153,15 @@ def _rope_kv_pallas(positions, slot_mapping, freq, sources, k_pages, v_pages, *,
 
 def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: jax.Array,
                       v_pages: jax.Array, slot_mapping: jax.Array, *, num_heads: int,
-                      kv_quant: str | None = None, impl: str | None = None,
+                      impl: str | None = None,
                       kernels: KernelBackends | None = None):
     """RoPE on this step's queries and keys, and the keys and values written to their slots.
 
     qkv: the fused projection [N, (H + 2 KVH) * D] (columns q, k, v), or the three projections
       (q [N, H * D], k [N, KVH * D], v [N, KVH * D]), in the pages' dtype.
     positions, slot_mapping: int32 [N] (slot < 0: padding, not written); inv_freq: float32
-      [D / 2] (models.llama.rope_inv_freq). k_pages, v_pages: [KVH, P, S, D].
-    kv_quant as in ops.paged_attention.write_kv (the jnp path runs it).
+      [D / 2] (models.llama.rope_inv_freq). k_pages, v_pages: [KVH, P, S, D], or QuantizedPages
+      (int8 / fp8; the jnp path quantizes the new rows: ops.paged_attention.write_kv).
     impl: None (kernels.kv_write where the kernel takes the inputs, else jnp; kernels None:
       jnp), 'pallas', 'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
     Returns (q [N, H, D] rotated, k_pages, v_pages); the pages are updated in place when donated.
@@ -183,16 +183,16 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
                          f"{num_kv_heads}")
     kernels = or_reference(kernels)
     resolved = choose_impl(name, impl, kernels.kv_write)
-    kernel_ok = (head_dim >= 16 and head_dim == tiles.next_pow2(head_dim) and kv_quant is None
+    quantized = isinstance(k_pages, QuantizedPages)
+    kernel_ok = (head_dim >= 16 and head_dim == tiles.next_pow2(head_dim) and not quantized
                  and not kernels.mesh and k_pages.dtype == sources[0].dtype
                  and positions.shape[0] > 0)
     if resolved == "reference" or not kernel_ok:
         if resolved != "reference" and impl is not None:
             raise ValueError(f"{name}: the kernel needs a power-of-two head_dim >= 16, pages in "
-                             f"the projections' dtype, no kv_quant and no mesh")
+                             f"the projections' dtype (not quantized pages) and no mesh")
         return rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages,
-                                           slot_mapping, num_heads=num_heads, kv_quant=kv_quant,
-                                           kernels=kernels)
+                                           slot_mapping, num_heads=num_heads, kernels=kernels)
     columns = ((0, num_heads * head_dim, (num_heads + num_kv_heads) * head_dim) if fused
                else (0, 0, 0))
     freq = jnp.asarray(np.concatenate([inv_freq, inv_freq]).astype(np.float32))  # [D]

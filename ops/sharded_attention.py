@@ -21,6 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from configs.mesh import DATA, MODEL
+from ops.kv_quant import QuantizedPages
 
 
 def head_axis(mesh_shape: dict[str, int], num_heads: int, num_kv_heads: int):
@@ -36,13 +37,23 @@ def check_mesh(mesh_shape: dict[str, int]) -> None:
                          f"({DATA!r}, {MODEL!r})")
 
 
+def page_spec(pages, heads):
+    """The partition spec of a layer's pages [KVH, P, S, D] (heads, data), or of QuantizedPages
+    (the scales [KVH, P, S] split alike)."""
+    spec = P(heads, DATA, None, None)
+    if isinstance(pages, QuantizedPages):
+        return QuantizedPages(spec, P(heads, DATA, None))
+    return spec
+
+
 def sharded_write_kv(mesh_shape: dict[str, int], write: Callable, k_pages, v_pages, k, v,
                      slot_mapping):
     """write(k_pages, v_pages, k, v, slot_mapping) per shard: k, v [N, KVH, D] split (data,
-    heads); slots local to the data shard. `write` is the single-device write_kv."""
+    heads); slots local to the data shard; pages float or QuantizedPages. `write` is the
+    single-device write_kv."""
     check_mesh(mesh_shape)
     heads = head_axis(mesh_shape, k.shape[1], k.shape[1])
-    pages = P(heads, DATA, None, None)
+    pages = page_spec(k_pages, heads)
     fn = jax.shard_map(write, check_vma=False,
                        in_specs=(pages, pages, P(DATA, heads, None), P(DATA, heads, None),
                                  P(DATA)),
@@ -56,7 +67,7 @@ def sharded_step_attention(mesh_shape: dict[str, int], attend: Callable, q, k_pa
     single-device step_attention; arguments laid out per data shard: see module doc)."""
     check_mesh(mesh_shape)
     heads = head_axis(mesh_shape, q.shape[1], k_pages.shape[0])
-    pages = P(heads, DATA, None, None)
+    pages = page_spec(k_pages, heads)
     fn = jax.shard_map(attend, check_vma=False,
                        in_specs=(P(DATA, heads, None), pages, pages, P(DATA, None), P(DATA),
                                  P(DATA)),

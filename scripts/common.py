@@ -6,6 +6,7 @@ import gc
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from engine.api import default_dtype, load_prepared
-from engine.engine_config import EngineConfig, resolve_engine_config
+from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
 from models.prepare import check_preparation, prepare_for_device
 from ops.backends import TABLES, active_tags, describe_kernels
@@ -72,6 +73,11 @@ def define_engine_flags() -> None:
     flags.DEFINE_float("memory_fraction", None,
                        "Size the KV cache to fill this fraction of device memory (default: 0.9 "
                        "on a GPU; on the CPU, room for max_num_seqs full-length sequences).")
+    define_kv_cache_dtype_flag()
+    flags.DEFINE_string("kv_cache_memory", None,
+                        "Bytes of the KV cache per device, e.g. 8GiB, 512MiB or 1000000 "
+                        "(overrides --memory_fraction; works on the CPU too): fixes the cache's "
+                        "memory, so a smaller --kv_cache_dtype holds more tokens.")
     flags.DEFINE_bool("enable_prefix_caching", True, "Reuse cached pages of shared prefixes.")
     flags.DEFINE_bool("enable_chunked_prefill", True, "Split long prompts across steps.")
     flags.DEFINE_bool("async_scheduling", None,
@@ -88,6 +94,30 @@ def define_engine_flags() -> None:
                       "num_decode_steps - 1 decode steps of its rows in one program, when more "
                       "than half of the sequence slots are scheduled (--nomixed_rounds: such "
                       "steps run alone).")
+
+
+def define_kv_cache_dtype_flag() -> None:
+    """--kv_cache_dtype (engine.engine_config.KV_CACHE_DTYPES)."""
+    flags.DEFINE_enum("kv_cache_dtype", "auto", list(KV_CACHE_DTYPES),
+                      "KV-cache storage: auto (the model's dtype), bf16, or int8 / fp8 "
+                      "(float8_e4m3fn) pages with a float32 scale per token and head: about "
+                      "half the bytes of bf16.")
+
+
+BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+              "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'8GiB', '512MiB', '2GB', '1000000' -> bytes (None stays None); ValueError otherwise."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in BYTE_UNITS:
+        raise ValueError(f"--kv_cache_memory={text!r} must be a number of bytes with an optional "
+                         f"unit ({', '.join(u for u in BYTE_UNITS if u)})")
+    return int(float(match.group(1)) * BYTE_UNITS[unit])
 
 
 def define_quant_flags() -> None:
@@ -137,6 +167,8 @@ def engine_config_from_flags(FLAGS, cfg):
                              max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                              page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
                              memory_fraction=FLAGS.memory_fraction,
+                             kv_cache_dtype=FLAGS.kv_cache_dtype,
+                             kv_cache_memory=parse_bytes(FLAGS.kv_cache_memory),
                              enable_prefix_caching=FLAGS.enable_prefix_caching,
                              enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
                              async_scheduling=FLAGS.async_scheduling,

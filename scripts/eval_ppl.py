@@ -8,7 +8,8 @@ log-likelihood of each token given the ones before it). The default text is CPyt
 --quant=METHOD quantizes the weights on the fly (quant/model.py; GPTQ and AWQ calibrate on
 --calib_text, by default a built-in text other than this evaluation text); a quantized checkpoint
 written by scripts/quantize.py is evaluated with --model=DIR. --kv_cache_dtype=bf16|int8|fp8
-stores K/V in that type (int8 / fp8 with per-token, per-head scales). --fuse_projections fuses
+stores K/V in that type in the paged cache the pass attends over (int8 / fp8 pages with a
+float32 scale per token and head, as the engine stores them). --fuse_projections fuses
 q/k/v and gate/up after quantizing (default: on a GPU), as the serving scripts do.
 """
 from __future__ import annotations
@@ -31,9 +32,7 @@ flags.DEFINE_string("json_out", None, "Also write the result as JSON to this fil
 flags.DEFINE_enum("quant", None, ["int8", "int8_asym", "int4_rtn", "int4_gptq", "int4_awq"],
                   "Quantize the weights on the fly with this method before evaluating.")
 common.define_quant_flags()
-flags.DEFINE_enum("kv_cache_dtype", None, ["bf16", "int8", "fp8"],
-                  "KV cache dtype (default: the model's dtype); fp8 is float8_e4m3fn.")
-KV_DTYPES = {"bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}
+common.define_kv_cache_dtype_flag()
 FLAGS = flags.FLAGS
 
 
@@ -57,8 +56,8 @@ def main(argv):
         if loaded.tokenizer is None:
             raise ValueError(f"model {FLAGS.model!r} has no tokenizer to encode the text with")
         ids = loaded.tokenizer.encode(text)[: FLAGS.num_tokens]
-        kv_dtype = KV_DTYPES[FLAGS.kv_cache_dtype] if FLAGS.kv_cache_dtype else None
-        ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, FLAGS.page_size, kv_dtype)
+        ppl, nll = perplexity_of_ids(loaded.cfg, loaded.model, ids, FLAGS.page_size,
+                                     FLAGS.kv_cache_dtype)
     except common.USER_ERRORS as e:
         common.fail(str(e))
     result = {"model": FLAGS.model, "text": FLAGS.text_file or "pydoc_data.topics",
@@ -67,7 +66,8 @@ def main(argv):
               "kv_cache_dtype": FLAGS.kv_cache_dtype,
               "fused_projections": loaded.cfg.fused_projections}
     extras = "".join(f", {name} {value}" for name, value in (
-        ("--quant", FLAGS.quant), ("KV cache", FLAGS.kv_cache_dtype)) if value)
+        ("--quant", FLAGS.quant), ("KV cache", FLAGS.kv_cache_dtype))
+        if value not in (None, "auto"))
     print(f"perplexity {ppl:.4f} (mean NLL {nll:.5f}) over {len(ids)} tokens of "
           f"{result['text']} with {FLAGS.model}{extras}; weights "
           f"{result['weight_bytes'] / 2**20:.1f} MiB")

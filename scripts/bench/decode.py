@@ -56,6 +56,9 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weig
 flags.DEFINE_enum("matmul_precision", "default", ["default", "high", "highest"],
                   "jax's default matmul precision: on a GPU 'default' lets float32 products "
                   "use TF32; 'highest' keeps them float32 (for float32 greedy checks).")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "bf16", "int8", "fp8"],
+                  "KV-cache storage: auto (--dtype), bf16, or int8 / fp8 pages with a float32 "
+                  "scale per token and head (the floor counts the scales' bytes).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128).")
 flags.DEFINE_bool("quant_lm_head", False, "With --quant: the untied output head quantized too.")
@@ -152,7 +155,7 @@ def variant_setup(name: str, variant: str, dtype, mesh):
         batches.append(FLAGS.greedy_batch)
         contexts.append(FLAGS.greedy_context + FLAGS.multi_step)
     runner = dm.make_runner(cfg, model, max(batches), max(contexts), FLAGS.page_size,
-                            mesh if variant == "mesh" else None)
+                            mesh if variant == "mesh" else None, FLAGS.kv_cache_dtype)
     dm.fill_cache_random(runner, FLAGS.seed + 1)
     return cfg, model, runner
 
@@ -196,7 +199,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
     """Greedy check, decode rows and prefill rows of one model variant."""
     dtype = jnp.dtype(FLAGS.dtype)
     head = {"model": name, "variant": variant, "quant": FLAGS.quant, "dtype": FLAGS.dtype,
-            "label": FLAGS.label}
+            "kv_cache_dtype": FLAGS.kv_cache_dtype, "label": FLAGS.label}
     start = time.perf_counter()
     cfg, model, runner = variant_setup(name, variant, dtype, mesh)
     tables = dm.page_tables(runner.max_seqs, runner.max_width, FLAGS.seed)

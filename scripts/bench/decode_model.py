@@ -13,6 +13,7 @@ Words used below:
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -22,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from configs.model import ModelConfig
-from models.kv_cache import KVCache, kv_bytes_per_token
+from models.kv_cache import kv_bytes_per_token
 from engine.runner import ModelRunner, fetch_samples
 from engine.step_batch import StepBatch, make_step_batch
 from engine.sampling import SamplingArrays
@@ -91,13 +92,15 @@ def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
 
 
 def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_size: int,
-                mesh=None) -> ModelRunner:
-    """A runner whose cache holds max_batch sequences of max_context tokens (+ padding page)."""
+                mesh=None, kv_dtype=None) -> ModelRunner:
+    """A runner whose cache holds max_batch sequences of max_context tokens (+ padding page);
+    kv_dtype: the cache's (ops.kv_quant.kv_cache_dtype: None / 'auto', 'bf16', 'int8', 'fp8')."""
     width = -(-max_context // page_size)
     num_pages = max_batch * width + 1
     if mesh is None:
-        return ModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch, max_width=width)
-    return ShardedModelRunner(cfg, model, num_pages, page_size, max_seqs=max_batch,
+        return ModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
+                           max_width=width)
+    return ShardedModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
                               max_width=width, mesh=mesh)
 
 
@@ -114,7 +117,10 @@ def _random_pages(pages: jax.Array, key: jax.Array) -> jax.Array:
     def fill_chunk(i, acc):
         start = jnp.minimum(i * chunk, num_pages - chunk)  # the last chunk may overlap
         values = jax.random.normal(jax.random.fold_in(key, i), (chunk,) + pages.shape[1:],
-                                   pages.dtype)
+                                   jnp.float32)
+        if pages.dtype == jnp.int8:  # codes of an int8 cache: spread over its range
+            values = jnp.clip(jnp.round(values * 32), -127, 127)
+        values = values.astype(pages.dtype)
         return jax.lax.dynamic_update_slice_in_dim(acc, values, start, axis=0)
 
     return jax.lax.fori_loop(0, -(-num_pages // chunk), fill_chunk, pages)
@@ -123,14 +129,15 @@ def _random_pages(pages: jax.Array, key: jax.Array) -> jax.Array:
 def fill_cache_random(runner: ModelRunner, seed: int) -> None:
     """Overwrites every K and V page of the runner's cache with normal(0, 1) values, in place
     (one small jitted program, donated page array by page array, drawing a bounded chunk of
-    pages at a time: no second copy of the cache, even at 70 GB)."""
+    pages at a time: no second copy of the cache, even at 70 GB). An int8 / fp8 cache gets
+    random codes (its scales stay as they are: the step reads the same bytes)."""
     cache = runner.cache
     first = cache.k_pages[0]
     fill = jax.jit(_random_pages, donate_argnums=0, out_shardings=first.sharding)
     keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k_pages))
     k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k_pages))
     v = tuple(fill(a, keys[len(k) + i]) for i, a in enumerate(cache.v_pages))
-    runner.cache = KVCache(k, v)
+    runner.cache = dataclasses.replace(cache, k_pages=k, v_pages=v)
     jax.block_until_ready(runner.cache)
 
 

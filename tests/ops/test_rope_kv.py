@@ -13,6 +13,8 @@ import pytest
 
 from configs.model import get_preset
 from models.llama import rope_inv_freq
+from ops.kernel_choice import KernelBackends
+from ops.kv_quant import zero_pages
 from ops.rope_kv import apply_rope, rope_and_write_kv, rope_and_write_kv_reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -96,16 +98,19 @@ def test_validation_and_fallbacks():
         rope_and_write_kv(qkv[:, :-1], pos, inv_freq, k_pages, v_pages, slots, num_heads=4)
     with pytest.raises(ValueError, match="slot_mapping"):
         rope_and_write_kv(qkv, pos, inv_freq, k_pages, v_pages, slots[:3], num_heads=4)
-    with pytest.raises(ValueError, match="kv_quant"):  # an explicit kernel request cannot
-        rope_and_write_kv(qkv, pos, inv_freq, k_pages, v_pages, slots, num_heads=4,
-                          kv_quant="int8", impl=IMPL)
-    # Without an explicit impl, a quantized write takes the jnp path.
-    got = rope_and_write_kv(qkv, pos, inv_freq, k_pages, v_pages, slots, num_heads=4,
-                            kv_quant="int8")
-    want = rope_and_write_kv_reference(qkv, pos, inv_freq, k_pages, v_pages, slots,
-                                       num_heads=4, kv_quant="int8")
-    for a, b in zip(got, want):
+    k_quant = zero_pages(k_pages.shape, jnp.int8)
+    v_quant = zero_pages(v_pages.shape, jnp.int8)
+    with pytest.raises(ValueError, match="quantized pages"):  # an explicit kernel request
+        rope_and_write_kv(qkv, pos, inv_freq, k_quant, v_quant, slots, num_heads=4, impl=IMPL)
+    # With the GPU's kernel choice, int8 pages take the jnp path (the kernel stores no scales).
+    gpu = KernelBackends(platform="gpu", kv_write=IMPL)
+    got = rope_and_write_kv(qkv, pos, inv_freq, k_quant, v_quant, slots, num_heads=4,
+                            kernels=gpu)
+    want = rope_and_write_kv_reference(qkv, pos, inv_freq, k_quant, v_quant, slots,
+                                       num_heads=4)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert got[1].values.dtype == jnp.int8 and float(jnp.abs(got[1].scales).sum()) > 0
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
