@@ -1,7 +1,9 @@
 """Loading HF transformers checkpoint directories (config.json + safetensors) as float32 numpy.
 
-Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2) and "qwen2"
-(Qwen2ForCausalLM, q/k/v biases); rope_scaling none/"default" or rope_type "llama3"; weights in
+Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2), "qwen2" (q/k/v biases),
+"qwen3" (q/k norms), "mistral" (sliding window) and "gemma2" (soft caps, alternating sliding
+window, GeGLU, four norms per layer stored as w of (1 + w)); rope_scaling none/"default", rope_type
+"llama3" or "linear"; EOS ids from config.json and generation_config.json; weights in
 `model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
 (BF16 is widened from its raw bytes, so no bfloat16 numpy dtype is needed). The tokenizer is read
 from tokenizer.json (+ tokenizer_config.json) when present.
@@ -22,7 +24,12 @@ from configs.model import ModelConfig, RopeScaling
 from models.checkpoint import LoadedCheckpoint, expected_tensor_shapes, validate_tensors
 from models.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                         "gemma2": "Gemma2ForCausalLM"}
+# Families whose RMSNorm multiplies by (1 + w): the loader stores 1 + w (models/checkpoint.py).
+UNIT_OFFSET_NORMS = ("gemma2",)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
@@ -54,6 +61,9 @@ def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Load
 
     tensors = _read_weights(d)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if raw.get("model_type") in UNIT_OFFSET_NORMS:
+        tensors = {k: v + np.float32(1.0) if k.endswith("norm.weight") else v
+                   for k, v in tensors.items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     unknown = sorted(set(tensors) - set(expected_tensor_shapes(cfg)))
@@ -83,13 +93,24 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             raise ValueError(f"{source}: required key {key!r} is missing")
         return raw[key]
 
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    act_key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
+    act = raw.get(act_key) or "silu"
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"{source}: {act_key} {act!r} is not supported "
+                         f"(only {', '.join(_ACTIVATIONS)})")
     if raw.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias is not supported")
-    if raw.get("use_sliding_window"):
-        raise ValueError(f"{source}: sliding-window attention is not supported")
+    if raw.get("use_sliding_window"):  # Qwen2/3: a window on the layers past max_window_layers
+        raise ValueError(f"{source}: use_sliding_window is not supported")
+    windowed = model_type in ("mistral", "gemma2")
+    sliding_window = raw.get("sliding_window") if windowed else None
+    layer_types = tuple(raw.get("layer_types") or ())
+    if model_type == "gemma2" and not layer_types:  # sliding first, then alternating
+        layer_types = tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
+                            for i in range(int(req("num_hidden_layers"))))
+    if sliding_window is None or (layer_types and set(layer_types) == {"full_attention"}):
+        sliding_window, layer_types = None, ()
+    gemma = model_type == "gemma2"
     hidden, num_heads = int(req("hidden_size")), int(req("num_attention_heads"))
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
@@ -114,11 +135,22 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
             rope_theta=rope_theta, rope_scaling=rope_scaling,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias, bos_token_id=raw.get("bos_token_id"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            attention_bias=attention_bias, qk_norm=model_type == "qwen3",
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            layer_types=layer_types,
+            attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
+            query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
+            hidden_act=_ACTIVATIONS[act], sandwich_norms=gemma, embed_scale=gemma,
+            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in [*eos_ids, *extra_eos_token_ids])))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _optional_float(value) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]:
@@ -127,9 +159,11 @@ def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
     if kind != "llama3":
         raise ValueError(f"{source}: rope scaling type {kind!r} is not supported "
-                         f"(only 'llama3')")
+                         f"(only 'llama3' and 'linear')")
     defaults = RopeScaling()
     return RopeScaling(
         factor=float(scaling.get("factor", defaults.factor)),

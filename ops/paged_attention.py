@@ -153,11 +153,13 @@ def ragged_attention_by_groups(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
 
 def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, query_start_loc: jax.Array, kv_lens: jax.Array, *,
-                   max_q_len: int, max_prefill_seqs: int,
+                   max_q_len: int, max_prefill_seqs: int, scale: float | None = None,
+                   soft_cap: float | None = None, sliding_window: int | None = None,
                    kernels: KernelBackends | None = None) -> jax.Array:
     """The engine's attention over a ragged step, as `kernels.attention` says.
 
-    Arguments as in `ragged_attention_by_groups`. "pallas" runs the ragged Pallas kernel
+    Arguments as in `ragged_attention_by_groups`; scale, soft_cap and sliding_window as in
+    `paged_attention_reference` (every path applies them). "pallas" runs the ragged Pallas kernel
     (ops/ragged_attention.py), which reads only each sequence's own pages; "reference" (and
     kernels None) the grouped jnp reference. With a mesh in `kernels` each shard runs this on
     its own heads and sequences (ops/sharded_attention.py).
@@ -165,13 +167,17 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernels = or_reference(kernels)
     if kernels.mesh:
         shard = functools.partial(step_attention, max_q_len=max_q_len,
-                                  max_prefill_seqs=max_prefill_seqs,
+                                  max_prefill_seqs=max_prefill_seqs, scale=scale,
+                                  soft_cap=soft_cap, sliding_window=sliding_window,
                                   kernels=kernels.per_shard())
         return sharded_step_attention(kernels.mesh_shape, shard, q, k_pages, v_pages,
                                       block_tables, query_start_loc, kv_lens)
     if kernels.attention != "reference":
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
-                                      kv_lens, max_q_len=max_q_len, kernels=kernels)
+                                      kv_lens, max_q_len=max_q_len, scale=scale,
+                                      soft_cap=soft_cap, sliding_window=sliding_window,
+                                      kernels=kernels)
     return ragged_attention_by_groups(q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len,
-                                      max_prefill_seqs=max_prefill_seqs)
+                                      max_prefill_seqs=max_prefill_seqs, scale=scale,
+                                      soft_cap=soft_cap, sliding_window=sliding_window)

@@ -117,3 +117,34 @@ def test_hf_golden_dirs(name):
     for case in g["encodings"]:
         assert ck.tokenizer.encode(case["text"]) == case["ids"], case["text"]
     assert ck.tokenizer.apply_chat_template(g["chat_messages"]) == g["chat_rendered"]
+
+
+def test_transformers_saved_dir_chat_template_and_generation_eos():
+    """A directory saved by transformers 5 (save_pretrained): the chat template comes from
+    chat_template.jinja, and generation_config.json's EOS ids join config.json's."""
+    d = GOLDEN / "tiny-qwen3"
+    assert (d / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((d / "tokenizer_config.json").read_text())
+    ck = load_hf_dir(d)
+    assert ck.config == PRESETS["tiny-qwen3"].replace(eos_token_ids=(2, 0))
+    assert set(ck.tokenizer.eos_token_ids) >= {0, 2}
+    g = json.loads((GOLDEN / "tokenizer_golden.json").read_text())
+    assert ck.tokenizer.apply_chat_template(g["chat_messages"]) == g["chat_rendered"]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral", "tiny-gemma2"])
+def test_family_configs_read_as_presets(name):
+    """config.json in each family's own field names maps onto the preset."""
+    ck = load_hf_dir(GOLDEN / name, load_tokenizer=False)
+    assert ck.config == PRESETS[name].replace(eos_token_ids=(2, 0))
+
+
+def test_unsupported_family_fields_name_the_field(tmp_path):
+    cfg = TINY
+    d = write_hf(tmp_path / "bad", cfg, random_hf(cfg, 0))
+    for extra, field in (({"hidden_act": "relu"}, "hidden_act 'relu'"),
+                         ({"use_sliding_window": True}, "use_sliding_window"),
+                         ({"rope_scaling": {"rope_type": "longrope"}}, "'longrope'")):
+        (d / "config.json").write_text(json.dumps(hf_config(cfg, **extra)))
+        with pytest.raises(ValueError, match=field):
+            load_hf_dir(d)
