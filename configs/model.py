@@ -29,7 +29,7 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of a decoder of the Llama family and its relatives (Llama 2/3,
-    SmolLM2, Qwen2/3, Mistral, Gemma 2), switched by the fields below."""
+    SmolLM2, Qwen2/3, Mistral, Gemma 2 and 3), switched by the fields below."""
 
     name: str
     vocab_size: int
@@ -42,6 +42,9 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
     rope_scaling: Optional[RopeScaling] = None
+    # RoPE base of the sliding-window layers, which take no scaling (Gemma 3); None: rope_theta
+    # and rope_scaling on every layer.
+    rope_local_theta: Optional[float] = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
@@ -186,6 +189,15 @@ TINY_QWEN2 = ModelConfig(
     num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=512, rope_theta=1000000.0,
     rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True, eos_token_ids=(2,))
 
+GEMMA3_12B = ModelConfig(
+    name="gemma-3-12b", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+    num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=131072,
+    rope_theta=1000000.0, rope_scaling=RopeScaling(factor=8.0, rope_type="linear"),
+    rope_local_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
+    sliding_window=1024, layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 8,
+    query_pre_attn_scalar=256.0, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
+    bos_token_id=2, eos_token_ids=(1, 106))
+
 # The families' distinctive features switched on: untied heads, a sliding window shorter than
 # the golden sequences (12 prompt + 16 generated tokens), soft caps that bind.
 TINY_QWEN3 = ModelConfig(
@@ -207,10 +219,19 @@ TINY_GEMMA2 = ModelConfig(
     final_logit_softcap=8.0, query_pre_attn_scalar=24.0, hidden_act="gelu_tanh",
     sandwich_norms=True, embed_scale=True, bos_token_id=1, eos_token_ids=(2,))
 
+TINY_GEMMA3 = ModelConfig(
+    name="tiny-gemma3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+    rope_theta=1000000.0, rope_scaling=RopeScaling(factor=4.0, rope_type="linear"),
+    rope_local_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+    sliding_window=5, layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+    query_pre_attn_scalar=24.0, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
+    bos_token_id=1, eos_token_ids=(2,))
+
 PRESETS: dict[str, ModelConfig] = {
     c.name: c for c in (SMOLLM2_135M, LLAMA32_1B, LLAMA31_8B, QWEN25_05B, QWEN3_8B, MISTRAL_7B,
-                        GEMMA2_9B, TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2, TINY_QWEN3,
-                        TINY_MISTRAL, TINY_GEMMA2)
+                        GEMMA2_9B, GEMMA3_12B, TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2,
+                        TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3)
 }
 PRESETS["tiny"] = TINY_LLAMA
 

@@ -1,9 +1,11 @@
 """Loading HF transformers checkpoint directories (config.json + safetensors) as float32 numpy.
 
 Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2), "qwen2" (q/k/v biases),
-"qwen3" (q/k norms), "mistral" (sliding window) and "gemma2" (soft caps, alternating sliding
-window, GeGLU, four norms per layer stored as w of (1 + w)); rope_scaling none/"default", rope_type
-"llama3" or "linear"; EOS ids from config.json and generation_config.json; weights in
+"qwen3" (q/k norms), "mistral" (sliding window), "gemma2" (soft caps, alternating sliding
+window, GeGLU, four norms per layer stored as w of (1 + w)) and "gemma3_text" (Gemma 2's layout,
+q/k norms, 5:1 local:global layers with their own RoPE base; "gemma3" directories load their text
+decoder from text_config); rope_scaling none/"default", rope_type "llama3" or "linear"; EOS ids
+from config.json and generation_config.json; weights in
 `model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
 (BF16 is widened from its raw bytes, so no bfloat16 numpy dtype is needed). The tokenizer is read
 from tokenizer.json (+ tokenizer_config.json) when present.
@@ -26,9 +28,16 @@ from models.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                         "gemma2": "Gemma2ForCausalLM"}
+                         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                         "gemma3": "Gemma3ForConditionalGeneration"}
 # Families whose RMSNorm multiplies by (1 + w): the loader stores 1 + w (models/checkpoint.py).
-UNIT_OFFSET_NORMS = ("gemma2",)
+UNIT_OFFSET_NORMS = ("gemma2", "gemma3_text", "gemma3")
+# Gemma 3's multimodal checkpoints: the text decoder's tensor prefixes (transformers 5, then 4.x)
+# and the vision tensors, which are not loaded.
+_TEXT_DECODER_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                          "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                    "multi_modal_projector.")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
@@ -61,6 +70,8 @@ def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Load
 
     tensors = _read_weights(d)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if raw.get("model_type") == "gemma3":
+        tensors = _text_decoder_tensors(tensors)
     if raw.get("model_type") in UNIT_OFFSET_NORMS:
         tensors = {k: v + np.float32(1.0) if k.endswith("norm.weight") else v
                    for k, v in tensors.items()}
@@ -87,6 +98,12 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "gemma3":  # multimodal: the text decoder's config is nested
+        if not isinstance(raw.get("text_config"), dict):
+            raise ValueError(f"{source}: model_type 'gemma3' needs a text_config object")
+        outer_eos = {k: raw[k] for k in ("eos_token_id", "bos_token_id") if k in raw}
+        raw = {**outer_eos, **raw["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
 
     def req(key: str):
         if raw.get(key) is None:
@@ -102,21 +119,31 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
         raise ValueError(f"{source}: mlp_bias is not supported")
     if raw.get("use_sliding_window"):  # Qwen2/3: a window on the layers past max_window_layers
         raise ValueError(f"{source}: use_sliding_window is not supported")
-    windowed = model_type in ("mistral", "gemma2")
+    gemma = model_type in ("gemma2", "gemma3_text")
+    windowed = gemma or model_type == "mistral"
     sliding_window = raw.get("sliding_window") if windowed else None
     layer_types = tuple(raw.get("layer_types") or ())
-    if model_type == "gemma2" and not layer_types:  # sliding first, then alternating
-        layer_types = tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
+    if gemma and not layer_types:  # every pattern-th layer global (Gemma 2: 2, Gemma 3: 6)
+        pattern = 2 if model_type == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        layer_types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
                             for i in range(int(req("num_hidden_layers"))))
     if sliding_window is None or (layer_types and set(layer_types) == {"full_attention"}):
         sliding_window, layer_types = None, ()
-    gemma = model_type == "gemma2"
     hidden, num_heads = int(req("hidden_size")), int(req("num_attention_heads"))
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
 
-    # transformers >= 5 may nest rope settings in "rope_parameters".
+    # transformers >= 5 may nest rope settings in "rope_parameters", per layer type for Gemma 3.
     rope_params = raw.get("rope_parameters") or {}
+    rope_local_theta = (raw.get("rope_local_base_freq", 10000.0) if model_type == "gemma3_text"
+                        else None)
+    if "full_attention" in rope_params:
+        local = rope_params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: rope_parameters.sliding_attention rope_type "
+                             f"{local['rope_type']!r} is not supported (only 'default')")
+        rope_local_theta = local.get("rope_theta", rope_local_theta)
+        rope_params = rope_params["full_attention"] or {}
     rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = raw.get("rope_scaling")
     if scaling is None and rope_params.get("rope_type", "default") != "default":
@@ -136,7 +163,8 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             rope_theta=rope_theta, rope_scaling=rope_scaling,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
-            attention_bias=attention_bias, qk_norm=model_type == "qwen3",
+            rope_local_theta=_optional_float(rope_local_theta),
+            attention_bias=attention_bias, qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=None if sliding_window is None else int(sliding_window),
             layer_types=layer_types,
             attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
@@ -147,6 +175,17 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in [*eos_ids, *extra_eos_token_ids])))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _text_decoder_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A multimodal Gemma 3 checkpoint's text-decoder tensors under the text model's names."""
+    out = {}
+    for name, arr in tensors.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_DECODER_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else _TEXT_DECODER_PREFIXES[prefix] + name[len(prefix):]] = arr
+    return out
 
 
 def _optional_float(value) -> Optional[float]:

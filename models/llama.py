@@ -1,6 +1,6 @@
-"""The Llama family and its relatives (Llama 2/3/3.1, SmolLM2, Qwen2/3, Mistral, Gemma 2) in
-Flax NNX, over a paged KV cache; ModelConfig's fields switch the variants (q/k norms, sliding
-windows, soft caps, GeGLU, Gemma's extra norms and embedding scale).
+"""The Llama family and its relatives (Llama 2/3/3.1, SmolLM2, Qwen2/3, Mistral, Gemma 2, Gemma 3
+text) in Flax NNX, over a paged KV cache; ModelConfig's fields switch the variants (q/k norms,
+sliding windows, soft caps, GeGLU, Gemma's extra norms, embedding scale and local RoPE base).
 
 The module tree only holds weights. Running it is a pure function (`forward` below): weights,
 cache and step metadata in, logits and the new cache out; nothing is stored on the modules.
@@ -53,12 +53,15 @@ class AttentionMetadata:
     kv_quant: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     """Inverse rotary frequencies [head_dim // 2], float32, with the configured scaling
-    (Llama 3.1's, or linear)."""
+    (Llama 3.1's, or linear). local: those of the sliding-window layers, which have their own
+    base and no scaling where cfg.rope_local_theta is set (Gemma 3)."""
+    local = local and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
     exponents = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / cfg.head_dim
-    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
-    s = cfg.rope_scaling
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq
     if s.rope_type == "linear":
@@ -312,14 +315,16 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     float32. kernels (static, hashable): the implementation of every op family, chosen once
     by the runner (ops.backends.select_kernels); None runs the jnp / XLA references.
     """
-    inv_freq = rope_inv_freq(cfg)
+    inv_freq, local_inv_freq = rope_inv_freq(cfg), rope_inv_freq(cfg, local=True)
     x = model.embed_tokens(tokens)  # [N, hidden]
     if cfg.embed_scale:
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
     for i, layer in enumerate(model.layers):
-        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels,
-                                      cfg.layer_window(i))
+        window = cfg.layer_window(i)
+        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg,
+                                      inv_freq if window is None else local_inv_freq, kernels,
+                                      window)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
     x = model.norm(x, kernels)

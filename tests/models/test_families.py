@@ -16,12 +16,14 @@ from ops import paged_attention
 from ops.backends import select_kernels
 from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
-FAMILIES = ("qwen3-8b", "mistral-7b", "gemma-2-9b")
+FAMILIES = ("qwen3-8b", "mistral-7b", "gemma-2-9b", "gemma-3-12b")
 
 
 def two_layers(name: str):
+    """The preset with one local and one global layer (or two of its only kind)."""
     cfg = get_preset(name)
-    return cfg.replace(num_layers=2, layer_types=cfg.layer_types[:2])
+    types = ("sliding_attention", "full_attention") if cfg.layer_types else ()
+    return cfg.replace(num_layers=2, layer_types=types)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
