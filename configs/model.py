@@ -29,7 +29,7 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of a decoder of the Llama family and its relatives (Llama 2/3,
-    SmolLM2, Qwen2/3, Mistral, Gemma 2 and 3), switched by the fields below."""
+    SmolLM2, Qwen2/3, Mistral, Gemma 2 and 3, Phi-3), switched by the fields below."""
 
     name: str
     vocab_size: int
@@ -198,6 +198,12 @@ GEMMA3_12B = ModelConfig(
     query_pre_attn_scalar=256.0, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
     bos_token_id=2, eos_token_ids=(1, 106))
 
+PHI3_MINI = ModelConfig(  # Phi-3-mini-4k: the checkpoint's fused qkv and gate/up are split
+    name="phi-3-mini", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+    num_layers=32, num_heads=32, num_kv_heads=32, head_dim=96, max_position_embeddings=4096,
+    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=2047,
+    bos_token_id=1, eos_token_ids=(32000, 32001, 32007))
+
 # The families' distinctive features switched on: untied heads, a sliding window shorter than
 # the golden sequences (12 prompt + 16 generated tokens), soft caps that bind.
 TINY_QWEN3 = ModelConfig(
@@ -228,10 +234,16 @@ TINY_GEMMA3 = ModelConfig(
     query_pre_attn_scalar=24.0, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
     bos_token_id=1, eos_token_ids=(2,))
 
+TINY_PHI3 = ModelConfig(
+    name="tiny-phi3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+    tie_word_embeddings=False, sliding_window=5, bos_token_id=1, eos_token_ids=(2,))
+
 PRESETS: dict[str, ModelConfig] = {
     c.name: c for c in (SMOLLM2_135M, LLAMA32_1B, LLAMA31_8B, QWEN25_05B, QWEN3_8B, MISTRAL_7B,
-                        GEMMA2_9B, GEMMA3_12B, TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2,
-                        TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3)
+                        GEMMA2_9B, GEMMA3_12B, PHI3_MINI, TINY_LLAMA, TINY_LLAMA31,
+                        TINY_QWEN2, TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3,
+                        TINY_PHI3)
 }
 PRESETS["tiny"] = TINY_LLAMA
 

@@ -4,7 +4,9 @@ Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2), "qwen2" (q
 "qwen3" (q/k norms), "mistral" (sliding window), "gemma2" (soft caps, alternating sliding
 window, GeGLU, four norms per layer stored as w of (1 + w)) and "gemma3_text" (Gemma 2's layout,
 q/k norms, 5:1 local:global layers with their own RoPE base; "gemma3" directories load their text
-decoder from text_config); rope_scaling none/"default", rope_type "llama3" or "linear"; EOS ids
+decoder from text_config) and "phi3" (sliding window; its fused qkv_proj and gate_up_proj are
+split into the q/k/v and gate/up tensors); rope_scaling none/"default", rope_type "llama3" or
+"linear" (not Phi-3's "longrope"); EOS ids
 from config.json and generation_config.json; weights in
 `model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
 (BF16 is widened from its raw bytes, so no bfloat16 numpy dtype is needed). The tokenizer is read
@@ -29,7 +31,7 @@ from models.tokenizer import Tokenizer
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                          "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                         "gemma3": "Gemma3ForConditionalGeneration"}
+                         "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM"}
 # Families whose RMSNorm multiplies by (1 + w): the loader stores 1 + w (models/checkpoint.py).
 UNIT_OFFSET_NORMS = ("gemma2", "gemma3_text", "gemma3")
 # Gemma 3's multimodal checkpoints: the text decoder's tensor prefixes (transformers 5, then 4.x)
@@ -72,6 +74,8 @@ def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Load
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if raw.get("model_type") == "gemma3":
         tensors = _text_decoder_tensors(tensors)
+    if raw.get("model_type") == "phi3":
+        tensors = _split_fused(cfg, tensors)
     if raw.get("model_type") in UNIT_OFFSET_NORMS:
         tensors = {k: v + np.float32(1.0) if k.endswith("norm.weight") else v
                    for k, v in tensors.items()}
@@ -120,7 +124,11 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
     if raw.get("use_sliding_window"):  # Qwen2/3: a window on the layers past max_window_layers
         raise ValueError(f"{source}: use_sliding_window is not supported")
     gemma = model_type in ("gemma2", "gemma3_text")
-    windowed = gemma or model_type == "mistral"
+    windowed = gemma or model_type in ("mistral", "phi3")
+    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                    raw.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {rotary} is not supported (only 1)")
     sliding_window = raw.get("sliding_window") if windowed else None
     layer_types = tuple(raw.get("layer_types") or ())
     if gemma and not layer_types:  # every pattern-th layer global (Gemma 2: 2, Gemma 3: 6)
@@ -175,6 +183,32 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in [*eos_ids, *extra_eos_token_ids])))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Phi-3's fused self_attn.qkv_proj (rows q, k, v) and mlp.gate_up_proj (rows gate, up)
+    split into the separate HF tensors (models.llama.fuse_projections fuses them again where a
+    device wants it)."""
+    h, kvh, d, i = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    out = {}
+    for name, arr in tensors.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name[:-len("qkv_proj.weight")]
+            if arr.shape[0] != (h + 2 * kvh) * d:
+                raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected "
+                                 f"({(h + 2 * kvh) * d}, {cfg.hidden_size})")
+            out[base + "q_proj.weight"] = arr[:h * d]
+            out[base + "k_proj.weight"] = arr[h * d:(h + kvh) * d]
+            out[base + "v_proj.weight"] = arr[(h + kvh) * d:]
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name[:-len("gate_up_proj.weight")]
+            if arr.shape[0] != 2 * i:
+                raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected "
+                                 f"({2 * i}, {cfg.hidden_size})")
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = arr[:i], arr[i:]
+        else:
+            out[name] = arr
+    return out
 
 
 def _text_decoder_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

