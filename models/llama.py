@@ -305,6 +305,20 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs, dtype)
 
 
+def embed(model: LlamaForCausalLM, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The input embeddings [N, hidden] of tokens [N] (times sqrt(hidden) where configured)."""
+    x = model.embed_tokens(tokens)
+    if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+    return x
+
+
+def layer_attention(cfg: ModelConfig, layer: int) -> tuple[np.ndarray, int | None]:
+    """(inverse RoPE frequencies, sliding window or None) of decoder layer `layer`."""
+    window = cfg.layer_window(layer)
+    return rope_inv_freq(cfg, local=window is not None), window
+
+
 def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: AttentionMetadata,
             cfg: ModelConfig, logits_indices: jax.Array | None = None,
             kernels: KernelBackends | None = None) -> tuple[jax.Array, KVCache]:
@@ -315,15 +329,11 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     float32. kernels (static, hashable): the implementation of every op family, chosen once
     by the runner (ops.backends.select_kernels); None runs the jnp / XLA references.
     """
-    inv_freq, local_inv_freq = rope_inv_freq(cfg), rope_inv_freq(cfg, local=True)
-    x = model.embed_tokens(tokens)  # [N, hidden]
-    if cfg.embed_scale:
-        x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+    x = embed(model, tokens, cfg)  # [N, hidden]
     k_all, v_all = list(cache.k_pages), list(cache.v_pages)
     for i, layer in enumerate(model.layers):
-        window = cfg.layer_window(i)
-        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg,
-                                      inv_freq if window is None else local_inv_freq, kernels,
+        inv_freq, window = layer_attention(cfg, i)
+        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels,
                                       window)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
