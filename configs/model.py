@@ -11,17 +11,25 @@ from typing import Optional
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style rope frequency scaling ("rope_type": "llama3" in HF configs)."""
+    """Rope frequency scaling: Llama-3.1's ("rope_type": "llama3" in HF configs, the default) or
+    linear ("linear": every frequency divided by `factor`; Gemma 3's global layers)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"RopeScaling.rope_type {self.rope_type!r} is not supported "
+                             "(only 'llama3' and 'linear')")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and numerics of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2)."""
+    """Shapes and numerics of a decoder of the Llama family and its relatives (Llama 2/3,
+    SmolLM2, Qwen2/3, Mistral, Gemma 2 and 3, Phi-3), switched by the fields below."""
 
     name: str
     vocab_size: int
@@ -34,9 +42,26 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
     rope_scaling: Optional[RopeScaling] = None
+    # RoPE base of the sliding-window layers, which take no scaling (Gemma 3); None: rope_theta
+    # and rope_scaling on every layer.
+    rope_local_theta: Optional[float] = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3)
+    # Keys a query sees: positions > its own - sliding_window, on the layers `layer_types` marks
+    # "sliding_attention" (every layer when layer_types is empty: Mistral); None: full attention.
+    sliding_window: Optional[int] = None
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" or "full_attention"
+    attn_logit_softcap: Optional[float] = None  # attention logits -> cap * tanh(logits / cap)
+    final_logit_softcap: Optional[float] = None  # the same on the output logits (Gemma 2)
+    query_pre_attn_scalar: Optional[float] = None  # softmax scale 1/sqrt(this), not head_dim
+    hidden_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh" (GeGLU, Gemma)
+    # Gemma's four norms per layer: attention and MLP outputs are normed before their residual
+    # add (post_attention_layernorm, post_feedforward_layernorm), the MLP input by
+    # pre_feedforward_layernorm.
+    sandwich_norms: bool = False
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     # One [hidden, (H + 2 KVH) * D] q/k/v kernel and one [hidden, 2 I] gate/up kernel per layer
     # instead of five (models.llama.fuse_projections; fewer, larger matmuls in a decode step).
     # Checkpoints store the unfused layout; fusion happens after loading, on one device.
@@ -57,6 +82,30 @@ class ModelConfig:
                       "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, field) < 1:
                 raise ValueError(f"ModelConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"ModelConfig.hidden_act {self.hidden_act!r} is not supported "
+                             "(only 'silu' and 'gelu_tanh')")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"ModelConfig.layer_types: unknown layer types {sorted(unknown)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of decoder layer `layer`, or None where it attends to every key."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> Optional[float]:
+        """The softmax scale when it is not head_dim ** -0.5 (query_pre_attn_scalar), else None."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
 
     @property
     def q_per_kv(self) -> int:
@@ -72,7 +121,9 @@ class ModelConfig:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * i + 2 * h
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * h * i + (4 if self.sandwich_norms else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
 
@@ -101,6 +152,26 @@ QWEN25_05B = ModelConfig(
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True,
     bos_token_id=None, eos_token_ids=(151645, 151643))
 
+QWEN3_8B = ModelConfig(
+    name="qwen3-8b", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+    num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+    bos_token_id=None, eos_token_ids=(151645, 151643))
+
+MISTRAL_7B = ModelConfig(  # v0.1: the release with a 4096-token sliding window
+    name="mistral-7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=4096,
+    bos_token_id=1, eos_token_ids=(2,))
+
+GEMMA2_9B = ModelConfig(
+    name="gemma-2-9b", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+    num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=8192,
+    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=4096,
+    layer_types=("sliding_attention", "full_attention") * 21, attn_logit_softcap=50.0,
+    final_logit_softcap=30.0, query_pre_attn_scalar=256.0, hidden_act="gelu_tanh",
+    sandwich_norms=True, embed_scale=True, bos_token_id=2, eos_token_ids=(1, 107))
+
 # Tiny test configs: one per architectural variant, small enough for CPU tests.
 TINY_LLAMA = ModelConfig(
     name="tiny-llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -118,9 +189,61 @@ TINY_QWEN2 = ModelConfig(
     num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=512, rope_theta=1000000.0,
     rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True, eos_token_ids=(2,))
 
+GEMMA3_12B = ModelConfig(
+    name="gemma-3-12b", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+    num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, max_position_embeddings=131072,
+    rope_theta=1000000.0, rope_scaling=RopeScaling(factor=8.0, rope_type="linear"),
+    rope_local_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
+    sliding_window=1024, layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 8,
+    query_pre_attn_scalar=256.0, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
+    bos_token_id=2, eos_token_ids=(1, 106))
+
+PHI3_MINI = ModelConfig(  # Phi-3-mini-4k: the checkpoint's fused qkv and gate/up are split
+    name="phi-3-mini", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+    num_layers=32, num_heads=32, num_kv_heads=32, head_dim=96, max_position_embeddings=4096,
+    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=2047,
+    bos_token_id=1, eos_token_ids=(32000, 32001, 32007))
+
+# The families' distinctive features switched on: untied heads, a sliding window shorter than
+# the golden sequences (12 prompt + 16 generated tokens), soft caps that bind.
+TINY_QWEN3 = ModelConfig(
+    name="tiny-qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True, bos_token_id=1,
+    eos_token_ids=(2,))
+
+TINY_MISTRAL = ModelConfig(
+    name="tiny-mistral", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+    tie_word_embeddings=False, sliding_window=5, bos_token_id=1, eos_token_ids=(2,))
+
+TINY_GEMMA2 = ModelConfig(
+    name="tiny-gemma2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=5,
+    layer_types=("sliding_attention", "full_attention"), attn_logit_softcap=2.0,
+    final_logit_softcap=8.0, query_pre_attn_scalar=24.0, hidden_act="gelu_tanh",
+    sandwich_norms=True, embed_scale=True, bos_token_id=1, eos_token_ids=(2,))
+
+TINY_GEMMA3 = ModelConfig(
+    name="tiny-gemma3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+    rope_theta=1000000.0, rope_scaling=RopeScaling(factor=4.0, rope_type="linear"),
+    rope_local_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+    sliding_window=5, layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+    query_pre_attn_scalar=24.0, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
+    bos_token_id=1, eos_token_ids=(2,))
+
+TINY_PHI3 = ModelConfig(
+    name="tiny-phi3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+    tie_word_embeddings=False, sliding_window=5, bos_token_id=1, eos_token_ids=(2,))
+
 PRESETS: dict[str, ModelConfig] = {
-    c.name: c for c in (SMOLLM2_135M, LLAMA32_1B, LLAMA31_8B, QWEN25_05B,
-                        TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2)
+    c.name: c for c in (SMOLLM2_135M, LLAMA32_1B, LLAMA31_8B, QWEN25_05B, QWEN3_8B, MISTRAL_7B,
+                        GEMMA2_9B, GEMMA3_12B, PHI3_MINI, TINY_LLAMA, TINY_LLAMA31,
+                        TINY_QWEN2, TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3,
+                        TINY_PHI3)
 }
 PRESETS["tiny"] = TINY_LLAMA
 
@@ -154,6 +277,7 @@ def config_from_dict(d: dict) -> ModelConfig:
     d = dict(d)
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    if "eos_token_ids" in d:
-        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    for key in ("eos_token_ids", "layer_types"):
+        if key in d:
+            d[key] = tuple(d[key])
     return ModelConfig(**d)

@@ -10,14 +10,18 @@ dict of numpy arrays named and shaped as in HF transformers checkpoints:
     model.layers.{i}.self_attn.v_proj.weight       [num_kv_heads * head_dim, hidden]
     model.layers.{i}.self_attn.{q,k,v}_proj.bias   [out]            (Qwen2 only)
     model.layers.{i}.self_attn.o_proj.weight       [hidden, num_heads * head_dim]
+    model.layers.{i}.self_attn.{q,k}_norm.weight   [head_dim]       (qk_norm: Qwen3)
     model.layers.{i}.post_attention_layernorm.weight [hidden]
+    model.layers.{i}.{pre,post}_feedforward_layernorm.weight [hidden] (sandwich_norms: Gemma)
     model.layers.{i}.mlp.gate_proj.weight          [intermediate, hidden]
     model.layers.{i}.mlp.up_proj.weight            [intermediate, hidden]
     model.layers.{i}.mlp.down_proj.weight          [hidden, intermediate]
     model.norm.weight                              [hidden]
     lm_head.weight                                 [vocab, hidden]  (untied models only)
 
-Q and K rows are in HF order (rotate-half RoPE), never GGUF's interleaved order.
+Q and K rows are in HF order (rotate-half RoPE), never GGUF's interleaved order. Norm weights
+are the factors the normed values are multiplied by: Gemma checkpoints store w of (1 + w), and
+the HF loader adds the one (as llama.cpp's GGUF conversion does).
 """
 from __future__ import annotations
 
@@ -59,6 +63,12 @@ def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.num_heads * d,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * d,)
             shapes[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * d,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if cfg.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)

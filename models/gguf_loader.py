@@ -1,7 +1,8 @@
 """Loading GGUF files (llama.cpp's format) into HF-named float32 tensors.
 
 Supported:
-  architectures   general.architecture "llama" (Llama 2/3, SmolLM2) and "qwen2" (q/k/v biases)
+  architectures   general.architecture "llama" (Llama 2/3, SmolLM2), "qwen2" (q/k/v biases) and
+                  "qwen3" (q/k norms); gemma2, gemma3 and phi3 raise ValueError (not yet)
   tensor types    F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, dequantized to float32 with
                   `gguf.quants.dequantize`; any other type raises ValueError naming the tensor
   rope scaling    none, or Llama 3 style, which llama.cpp stores as a `rope_freqs.weight` tensor of
@@ -32,7 +33,7 @@ from models.checkpoint import LoadedCheckpoint, validate_tensors
 from models.gguf_file import open_gguf
 from models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_TENSOR_TYPES = (
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
@@ -53,6 +54,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -106,6 +109,8 @@ def load_gguf(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Loaded
                          f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
     if arch == "llama" and cfg.attention_bias:
         raise ValueError(f"{p}: llama GGUF with q/k/v biases is not supported")
+    if arch == "qwen3" and "blk.0.attn_q_norm.weight" not in by_name:
+        raise ValueError(f"{p}: qwen3 GGUF without q/k norms (blk.0.attn_q_norm.weight missing)")
     if arch == "qwen2" and "blk.0.attn_q.bias" not in by_name:
         raise ValueError(f"{p}: qwen2 GGUF without q/k/v biases (blk.0.attn_q.bias missing)")
     del reader  # releases the memory map: every tensor above is a copy
@@ -173,6 +178,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)))
 

@@ -1,7 +1,13 @@
 """Loading HF transformers checkpoint directories (config.json + safetensors) as float32 numpy.
 
-Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2) and "qwen2"
-(Qwen2ForCausalLM, q/k/v biases); rope_scaling none/"default" or rope_type "llama3"; weights in
+Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2), "qwen2" (q/k/v biases),
+"qwen3" (q/k norms), "mistral" (sliding window), "gemma2" (soft caps, alternating sliding
+window, GeGLU, four norms per layer stored as w of (1 + w)) and "gemma3_text" (Gemma 2's layout,
+q/k norms, 5:1 local:global layers with their own RoPE base; "gemma3" directories load their text
+decoder from text_config) and "phi3" (sliding window; its fused qkv_proj and gate_up_proj are
+split into the q/k/v and gate/up tensors); rope_scaling none/"default", rope_type "llama3" or
+"linear" (not Phi-3's "longrope"); EOS ids
+from config.json and generation_config.json; weights in
 `model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
 (BF16 is widened from its raw bytes, so no bfloat16 numpy dtype is needed). The tokenizer is read
 from tokenizer.json (+ tokenizer_config.json) when present.
@@ -22,7 +28,19 @@ from configs.model import ModelConfig, RopeScaling
 from models.checkpoint import LoadedCheckpoint, expected_tensor_shapes, validate_tensors
 from models.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                         "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM"}
+# Families whose RMSNorm multiplies by (1 + w): the loader stores 1 + w (models/checkpoint.py).
+UNIT_OFFSET_NORMS = ("gemma2", "gemma3_text", "gemma3")
+# Gemma 3's multimodal checkpoints: the text decoder's tensor prefixes (transformers 5, then 4.x)
+# and the vision tensors, which are not loaded.
+_TEXT_DECODER_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                          "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                    "multi_modal_projector.")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
@@ -54,6 +72,13 @@ def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Load
 
     tensors = _read_weights(d)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if raw.get("model_type") == "gemma3":
+        tensors = _text_decoder_tensors(tensors)
+    if raw.get("model_type") == "phi3":
+        tensors = _split_fused(cfg, tensors)
+    if raw.get("model_type") in UNIT_OFFSET_NORMS:
+        tensors = {k: v + np.float32(1.0) if k.endswith("norm.weight") else v
+                   for k, v in tensors.items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     unknown = sorted(set(tensors) - set(expected_tensor_shapes(cfg)))
@@ -77,25 +102,56 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type == "gemma3":  # multimodal: the text decoder's config is nested
+        if not isinstance(raw.get("text_config"), dict):
+            raise ValueError(f"{source}: model_type 'gemma3' needs a text_config object")
+        outer_eos = {k: raw[k] for k in ("eos_token_id", "bos_token_id") if k in raw}
+        raw = {**outer_eos, **raw["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
 
     def req(key: str):
         if raw.get(key) is None:
             raise ValueError(f"{source}: required key {key!r} is missing")
         return raw[key]
 
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    act_key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
+    act = raw.get(act_key) or "silu"
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"{source}: {act_key} {act!r} is not supported "
+                         f"(only {', '.join(_ACTIVATIONS)})")
     if raw.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias is not supported")
-    if raw.get("use_sliding_window"):
-        raise ValueError(f"{source}: sliding-window attention is not supported")
+    if raw.get("use_sliding_window"):  # Qwen2/3: a window on the layers past max_window_layers
+        raise ValueError(f"{source}: use_sliding_window is not supported")
+    gemma = model_type in ("gemma2", "gemma3_text")
+    windowed = gemma or model_type in ("mistral", "phi3")
+    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                    raw.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {rotary} is not supported (only 1)")
+    sliding_window = raw.get("sliding_window") if windowed else None
+    layer_types = tuple(raw.get("layer_types") or ())
+    if gemma and not layer_types:  # every pattern-th layer global (Gemma 2: 2, Gemma 3: 6)
+        pattern = 2 if model_type == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        layer_types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                            for i in range(int(req("num_hidden_layers"))))
+    if sliding_window is None or (layer_types and set(layer_types) == {"full_attention"}):
+        sliding_window, layer_types = None, ()
     hidden, num_heads = int(req("hidden_size")), int(req("num_attention_heads"))
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
 
-    # transformers >= 5 may nest rope settings in "rope_parameters".
+    # transformers >= 5 may nest rope settings in "rope_parameters", per layer type for Gemma 3.
     rope_params = raw.get("rope_parameters") or {}
+    rope_local_theta = (raw.get("rope_local_base_freq", 10000.0) if model_type == "gemma3_text"
+                        else None)
+    if "full_attention" in rope_params:
+        local = rope_params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: rope_parameters.sliding_attention rope_type "
+                             f"{local['rope_type']!r} is not supported (only 'default')")
+        rope_local_theta = local.get("rope_theta", rope_local_theta)
+        rope_params = rope_params["full_attention"] or {}
     rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = raw.get("rope_scaling")
     if scaling is None and rope_params.get("rope_type", "default") != "default":
@@ -114,11 +170,60 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
             rope_theta=rope_theta, rope_scaling=rope_scaling,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias, bos_token_id=raw.get("bos_token_id"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            rope_local_theta=_optional_float(rope_local_theta),
+            attention_bias=attention_bias, qk_norm=model_type in ("qwen3", "gemma3_text"),
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            layer_types=layer_types,
+            attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
+            query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
+            hidden_act=_ACTIVATIONS[act], sandwich_norms=gemma, embed_scale=gemma,
+            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in [*eos_ids, *extra_eos_token_ids])))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Phi-3's fused self_attn.qkv_proj (rows q, k, v) and mlp.gate_up_proj (rows gate, up)
+    split into the separate HF tensors (models.llama.fuse_projections fuses them again where a
+    device wants it)."""
+    h, kvh, d, i = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    out = {}
+    for name, arr in tensors.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name[:-len("qkv_proj.weight")]
+            if arr.shape[0] != (h + 2 * kvh) * d:
+                raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected "
+                                 f"({(h + 2 * kvh) * d}, {cfg.hidden_size})")
+            out[base + "q_proj.weight"] = arr[:h * d]
+            out[base + "k_proj.weight"] = arr[h * d:(h + kvh) * d]
+            out[base + "v_proj.weight"] = arr[(h + kvh) * d:]
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name[:-len("gate_up_proj.weight")]
+            if arr.shape[0] != 2 * i:
+                raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected "
+                                 f"({2 * i}, {cfg.hidden_size})")
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = arr[:i], arr[i:]
+        else:
+            out[name] = arr
+    return out
+
+
+def _text_decoder_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A multimodal Gemma 3 checkpoint's text-decoder tensors under the text model's names."""
+    out = {}
+    for name, arr in tensors.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_DECODER_PREFIXES if name.startswith(p)), None)
+        out[name if prefix is None else _TEXT_DECODER_PREFIXES[prefix] + name[len(prefix):]] = arr
+    return out
+
+
+def _optional_float(value) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]:
@@ -127,9 +232,11 @@ def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
     if kind != "llama3":
         raise ValueError(f"{source}: rope scaling type {kind!r} is not supported "
-                         f"(only 'llama3')")
+                         f"(only 'llama3' and 'linear')")
     defaults = RopeScaling()
     return RopeScaling(
         factor=float(scaling.get("factor", defaults.factor)),

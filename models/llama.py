@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3/3.1, SmolLM2, Qwen2) in Flax NNX, over a paged KV cache.
+"""The Llama family and its relatives (Llama 2/3/3.1, SmolLM2, Qwen2/3, Mistral, Gemma 2, Gemma 3
+text) in Flax NNX, over a paged KV cache; ModelConfig's fields switch the variants (q/k norms,
+sliding windows, soft caps, GeGLU, Gemma's extra norms, embedding scale and local RoPE base).
 
 The module tree only holds weights. Running it is a pure function (`forward` below): weights,
 cache and step metadata in, logits and the new cache out; nothing is stored on the modules.
@@ -48,13 +50,19 @@ class AttentionMetadata:
     max_prefill_seqs: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies [head_dim // 2], float32, with Llama-3.1 scaling if configured."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim // 2], float32, with the configured scaling
+    (Llama 3.1's, or linear). local: those of the sliding-window layers, which have their own
+    base and no scaling where cfg.rope_local_theta is set (Gemma 3)."""
+    local = local and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
     exponents = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / cfg.head_dim
-    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
-    s = cfg.rope_scaling
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq
+    if s.rope_type == "linear":
+        return (inv_freq / np.float32(s.factor)).astype(np.float32)
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -105,6 +113,9 @@ def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs, dtype, bias=F
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
         h, d = cfg.hidden_size, cfg.head_dim
+        if cfg.qk_norm:  # one [head_dim] scale shared by every query head, one by every key head
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         if cfg.fused_projections:  # columns: q (H * D), then k (KVH * D), then v (KVH * D)
             self.qkv_proj = _linear(cfg, h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, rngs,
                                     dtype, cfg.attention_bias)
@@ -122,23 +133,42 @@ class Attention(nnx.Module):
         return self.q_proj(x, kernels), self.k_proj(x, kernels), self.v_proj(x, kernels)
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                 inv_freq: np.ndarray, kernels: KernelBackends | None = None):
+                 inv_freq: np.ndarray, kernels: KernelBackends | None = None,
+                 window: int | None = None):
         """Attention of normed hidden states x [N, hidden]: project_qkv, then `attend`."""
         return self.attend(self.project_qkv(x, kernels), k_pages, v_pages, meta, cfg, inv_freq,
-                           kernels)
+                           kernels, window)
 
     def attend(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-               inv_freq: np.ndarray, kernels: KernelBackends | None = None):
+               inv_freq: np.ndarray, kernels: KernelBackends | None = None,
+               window: int | None = None):
         """Attention of projected tokens (project_qkv's output) over the cache, with this step's
-        K/V written; returns (o_proj's output [N, hidden], k_pages, v_pages)."""
+        K/V written; returns (o_proj's output [N, hidden], k_pages, v_pages). window: this
+        layer's sliding window (ModelConfig.layer_window), None for full attention."""
         heads, k_pages, v_pages = self.attention_heads(qkv, k_pages, v_pages, meta, cfg,
-                                                       inv_freq, kernels)
+                                                       inv_freq, kernels, window)
         return self.o_proj(heads, kernels), k_pages, v_pages
 
+    def norm_qk(self, qkv, cfg: ModelConfig, kernels: KernelBackends | None = None):
+        """(q, k, v) of project_qkv's output with each query and key head RMS-normed (q_norm,
+        k_norm: Qwen3, Gemma 3); q [N, H * D], k and v [N, KVH * D]."""
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if isinstance(qkv, tuple):
+            q, k, v = qkv
+        else:
+            q, k, v = qkv[:, :h * d], qkv[:, h * d:(h + kvh) * d], qkv[:, (h + kvh) * d:]
+        n = q.shape[0]
+        q = self.q_norm(q.reshape(n * h, d), kernels).reshape(n, h * d)
+        k = self.k_norm(k.reshape(n * kvh, d), kernels).reshape(n, kvh * d)
+        return q, k, v
+
     def attention_heads(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                        inv_freq: np.ndarray, kernels: KernelBackends | None = None):
+                        inv_freq: np.ndarray, kernels: KernelBackends | None = None,
+                        window: int | None = None):
         """`attend` before o_proj: (the heads' outputs [N, H * D], k_pages, v_pages)."""
         num_tokens = meta.positions.shape[0]
+        if cfg.qk_norm:
+            qkv = self.norm_qk(qkv, cfg, kernels)
         # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
         q, k_pages, v_pages = rope_and_write_kv(
             qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
@@ -146,6 +176,7 @@ class Attention(nnx.Module):
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs,
+            scale=cfg.attention_scale, soft_cap=cfg.attn_logit_softcap, sliding_window=window,
             kernels=kernels)  # [N, H, D]
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), k_pages, v_pages
 
@@ -153,6 +184,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
         h, i = cfg.hidden_size, cfg.intermediate_size
+        self.hidden_act = cfg.hidden_act
         if cfg.fused_projections:  # columns: gate (I), then up (I)
             self.gate_up_proj = _linear(cfg, h, 2 * i, rngs, dtype)
         else:
@@ -170,17 +202,20 @@ class MLP(nnx.Module):
         return self.down(self.project_gate_up(x, kernels), kernels)
 
     def down(self, gate_up, kernels: KernelBackends | None = None):
-        """down_proj(SiLU(gate) x up) of project_gate_up's output."""
-        return self.down_proj(gated_activation(gate_up), kernels)
+        """down_proj(act(gate) x up) of project_gate_up's output."""
+        return self.down_proj(gated_activation(gate_up, self.hidden_act), kernels)
 
 
-def gated_activation(gate_up):
-    """SiLU(gate) x up [N, I] of (gate [N, I], up [N, I]) or of the fused [N, 2 I]."""
+def gated_activation(gate_up, hidden_act: str = "silu"):
+    """act(gate) x up [N, I] of (gate [N, I], up [N, I]) or of the fused [N, 2 I]; act is SiLU
+    or the tanh-approximate GELU (hidden_act "gelu_tanh": GeGLU)."""
     if isinstance(gate_up, tuple):
         gate, up = gate_up
     else:
         i = gate_up.shape[-1] // 2
         gate, up = gate_up[:, :i], gate_up[:, i:]
+    if hidden_act == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True) * up
     return jax.nn.silu(gate) * up
 
 
@@ -189,23 +224,35 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, rngs, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, rngs, dtype)
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                 inv_freq: np.ndarray, kernels: KernelBackends | None = None):
-        """Pre-norm attention then MLP, each with a residual; returns (x, k_pages, v_pages)."""
+                 inv_freq: np.ndarray, kernels: KernelBackends | None = None,
+                 window: int | None = None):
+        """Pre-norm attention then MLP, each with a residual (with sandwich_norms their outputs
+        are normed too); returns (x, k_pages, v_pages). window: ModelConfig.layer_window."""
         if cfg.gemv_layers and x.shape[0] <= gemv_ops.MAX_ROWS:
-            return self.gemv_call(x, k_pages, v_pages, meta, cfg, inv_freq, kernels)
+            return self.gemv_call(x, k_pages, v_pages, meta, cfg, inv_freq, kernels, window)
         qkv = self.self_attn.project_qkv(self.input_layernorm(x, kernels), kernels)
         attn_out, k_pages, v_pages = self.self_attn.attend(qkv, k_pages, v_pages, meta, cfg,
-                                                           inv_freq, kernels)
+                                                           inv_freq, kernels, window)
+        if cfg.sandwich_norms:
+            attn_out = self.post_attention_layernorm(attn_out, kernels)
+            mlp_in = self.pre_feedforward_layernorm(x + attn_out, kernels)
+        else:
+            mlp_in = self.post_attention_layernorm(x + attn_out, kernels)
         x = x + attn_out
-        gate_up = self.mlp.project_gate_up(self.post_attention_layernorm(x, kernels), kernels)
-        x = x + self.mlp.down(gate_up, kernels)
-        return x, k_pages, v_pages
+        mlp_out = self.mlp.down(self.mlp.project_gate_up(mlp_in, kernels), kernels)
+        if cfg.sandwich_norms:
+            mlp_out = self.post_feedforward_layernorm(mlp_out, kernels)
+        return x + mlp_out, k_pages, v_pages
 
     def gemv_call(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
-                  inv_freq: np.ndarray, kernels: KernelBackends | None = None):
+                  inv_freq: np.ndarray, kernels: KernelBackends | None = None,
+                  window: int | None = None):
         """`__call__` of a transposed layer (ModelConfig.gemv_layers) for a step of at most
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
         and residuals inside them, around RoPE + KV write and attention; gate/up, o and down
@@ -222,7 +269,7 @@ class DecoderLayer(nnx.Module):
                       eps=cfg.rms_norm_eps,
                       bias=None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[...])
         heads, k_pages, v_pages = attn.attention_heads(qkv, k_pages, v_pages, meta, cfg,
-                                                       inv_freq, kernels)
+                                                       inv_freq, kernels, window)
         apart = functools.partial(gemv_ops.runs_apart, rows=x.shape[0], kernels=kernels,
                                   x_dtype=x.dtype)
 
@@ -255,6 +302,20 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, rngs, dtype)
 
 
+def embed(model: LlamaForCausalLM, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The input embeddings [N, hidden] of tokens [N] (times sqrt(hidden) where configured)."""
+    x = model.embed_tokens(tokens)
+    if cfg.embed_scale:
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+    return x
+
+
+def layer_attention(cfg: ModelConfig, layer: int) -> tuple[np.ndarray, int | None]:
+    """(inverse RoPE frequencies, sliding window or None) of decoder layer `layer`."""
+    window = cfg.layer_window(layer)
+    return rope_inv_freq(cfg, local=window is not None), window
+
+
 def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: AttentionMetadata,
             cfg: ModelConfig, logits_indices: jax.Array | None = None,
             kernels: KernelBackends | None = None) -> tuple[jax.Array, KVCache]:
@@ -265,17 +326,22 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     float32. kernels (static, hashable): the implementation of every op family, chosen once
     by the runner (ops.backends.select_kernels); None runs the jnp / XLA references.
     """
-    inv_freq = rope_inv_freq(cfg)
-    x = model.embed_tokens(tokens)  # [N, hidden]
+    x = embed(model, tokens, cfg)  # [N, hidden]
     # per layer: float pages, or QuantizedPages of an int8 / fp8 cache (models/kv_cache.py)
     k_all, v_all = map(list, zip(*(cache.layer(i) for i in range(len(model.layers)))))
     for i, layer in enumerate(model.layers):
-        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels)
+        inv_freq, window = layer_attention(cfg, i)
+        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels,
+                                      window)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
     x = model.norm(x, kernels)
     logits = model.embed_tokens.attend(x) if cfg.tie_word_embeddings else model.lm_head(x, kernels)
-    return logits.astype(jnp.float32), KVCache.from_layers(k_all, v_all)
+    logits = logits.astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        cap = cfg.final_logit_softcap
+        logits = cap * jnp.tanh(logits / cap)
+    return logits, KVCache.from_layers(k_all, v_all)
 
 
 def _check_fusable(kernels: list) -> None:
@@ -363,6 +429,10 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str |
         raise ValueError("transpose_for_gemv: the model is already transposed")
     if not cfg.fused_projections:
         raise ValueError("transpose_for_gemv: fuse the projections first (fuse_projections)")
+    plain = {"sandwich_norms": cfg.sandwich_norms, "hidden_act": cfg.hidden_act != "silu"}
+    if any(plain.values()):
+        raise ValueError(f"transpose_for_gemv: the fused decode layer has no "
+                         f"{next(k for k, v in plain.items() if v)} (ModelConfig)")
     linears = _transposed_linears(cfg, model)
     if k_order is None and kernels is None:
         kernels = device_kernels()

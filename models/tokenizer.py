@@ -173,7 +173,9 @@ class Tokenizer:
                       tokenizer_config_path: str | os.PathLike | None = None, *,
                       eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
         """Builds from HF files. `eos_token_ids` (e.g. from the model's config.json) are added to
-        the tokenizer config's EOS token."""
+        the tokenizer config's EOS token. The chat template is read from `chat_template.jinja`
+        beside tokenizer.json (where transformers 5 saves it; it wins, as in transformers), else
+        from the tokenizer config."""
         tj = Path(tokenizer_json_path)
         if not tj.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {tj}")
@@ -209,7 +211,7 @@ class Tokenizer:
             with_special = tok.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and bool(with_special) and with_special[0] == bos
         return cls(tok, bos_token_id=bos, eos_token_ids=eos, add_bos=add_bos,
-                   chat_template=_pick_template(config.get("chat_template")),
+                   chat_template=_chat_template(tj.parent, config),
                    vocab_size=config.get("vocab_size"))
 
     # ------------------------------------------------------------------ GGUF
@@ -298,6 +300,14 @@ def _gguf_field(reader, key: str, default=None):
     if f is None:
         return default
     return f.contents()
+
+
+def _chat_template(directory: Path, config: dict) -> Optional[str]:
+    """The chat template of an HF tokenizer directory: chat_template.jinja, else the config's."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    return _pick_template(config.get("chat_template"))
 
 
 def _pick_template(template) -> Optional[str]:

@@ -35,9 +35,14 @@ def hf_tensors_to_pure_dict(cfg: ModelConfig, tensors: dict[str, np.ndarray]) ->
         if cfg.attention_bias:
             for name in ("q_proj", "k_proj", "v_proj"):
                 attn[name]["bias"] = t[p + f"self_attn.{name}.bias"]
+        if cfg.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                attn[name] = {"weight": t[p + f"self_attn.{name}.weight"]}
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if cfg.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
         layers[i] = {
-            "input_layernorm": {"weight": t[p + "input_layernorm.weight"]},
-            "post_attention_layernorm": {"weight": t[p + "post_attention_layernorm.weight"]},
+            **{name: {"weight": t[p + f"{name}.weight"]} for name in norms},
             "self_attn": attn,
             "mlp": {name: {"kernel": t[p + f"mlp.{name}.weight"].T}
                     for name in ("gate_proj", "up_proj", "down_proj")},

@@ -161,11 +161,14 @@ def ragged_attention_by_groups(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
 
 def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, query_start_loc: jax.Array, kv_lens: jax.Array, *,
-                   max_q_len: int, max_prefill_seqs: int,
+                   max_q_len: int, max_prefill_seqs: int, scale: float | None = None,
+                   soft_cap: float | None = None, sliding_window: int | None = None,
                    kernels: KernelBackends | None = None) -> jax.Array:
     """The engine's attention over a ragged step, as `kernels.attention` says.
 
-    Arguments as in `ragged_attention_by_groups` (pages float or QuantizedPages). "pallas" runs the ragged Pallas kernel
+    Arguments as in `ragged_attention_by_groups` (pages float or QuantizedPages); scale,
+    soft_cap and sliding_window as in `paged_attention_reference` (every path applies them).
+    "pallas" runs the ragged Pallas kernel
     (ops/ragged_attention.py), which reads only each sequence's own pages; "reference" (and
     kernels None) the grouped jnp reference. With a mesh in `kernels` each shard runs this on
     its own heads and sequences (ops/sharded_attention.py).
@@ -173,7 +176,8 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernels = or_reference(kernels)
     if kernels.mesh:
         shard = functools.partial(step_attention, max_q_len=max_q_len,
-                                  max_prefill_seqs=max_prefill_seqs,
+                                  max_prefill_seqs=max_prefill_seqs, scale=scale,
+                                  soft_cap=soft_cap, sliding_window=sliding_window,
                                   kernels=kernels.per_shard())
         return sharded_step_attention(kernels.mesh_shape, shard, q, k_pages, v_pages,
                                       block_tables, query_start_loc, kv_lens)
@@ -183,7 +187,10 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             scales = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
             k_pages, v_pages = k_pages.values, v_pages.values
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
-                                      kv_lens, max_q_len=max_q_len, kernels=kernels, **scales)
+                                      kv_lens, max_q_len=max_q_len, scale=scale,
+                                      soft_cap=soft_cap, sliding_window=sliding_window,
+                                      kernels=kernels, **scales)
     return ragged_attention_by_groups(q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len,
-                                      max_prefill_seqs=max_prefill_seqs)
+                                      max_prefill_seqs=max_prefill_seqs, scale=scale,
+                                      soft_cap=soft_cap, sliding_window=sliding_window)

