@@ -1,10 +1,14 @@
-"""Shared fixtures: the real SmolLM2 model (loaded once per session) and the golden files."""
+"""Shared fixtures (the real SmolLM2 model, loaded once per session, and the golden files), the
+jax compilation cache of the run, float32 products on a GPU, and the Triton deprecation shown
+once."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -33,6 +37,50 @@ _MADE_CACHE = _share_compilations()
 def pytest_unconfigure(config):
     if _MADE_CACHE:
         shutil.rmtree(_MADE_CACHE, ignore_errors=True)
+
+
+@functools.cache
+def on_gpu() -> bool:
+    """Whether jax runs on a GPU here (asked on first use, inside the process that runs tests,
+    so that pytest-xdist's controller never claims the device)."""
+    import jax
+    return jax.default_backend() == "gpu"
+
+
+@pytest.fixture(autouse=True)
+def _float32_products_on_gpu(request):
+    """The CPU computes float32 products exactly, and the tests written against it compare
+    float32 results with tolerances near 1e-5. A GPU's default is TF32 (about 1e-3), so on a
+    GPU every test not marked `gpu` runs with jax's default matmul precision at "highest".
+    Tests marked `gpu` run the kernels as the engine runs them and set the precision of their
+    references themselves."""
+    if request.node.get_closest_marker("gpu") is None and on_gpu():
+        import jax
+        with jax.default_matmul_precision("highest"):
+            yield
+    else:
+        yield
+
+
+# jax warns at every Pallas Triton lowering that the backend is deprecated (the kernels' port to
+# Mosaic GPU is planned work). pytest would list it under every test that lowers a kernel; this
+# keeps the first one per process and passes every other warning through unchanged.
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+_shown_triton_deprecation = False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _shown_triton_deprecation
+    with warnings.catch_warnings(record=True) as caught:
+        result = yield
+    for w in caught:
+        if str(w.message).startswith(TRITON_DEPRECATION):
+            if _shown_triton_deprecation:
+                continue
+            _shown_triton_deprecation = True
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return result
 
 
 @pytest.fixture(scope="session")
