@@ -4,6 +4,7 @@ once."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -40,8 +41,12 @@ def _compile_without_llvm_optimizations() -> None:
     which decide fusion, sharding and aliasing, are unchanged) it spends about a quarter less
     (tests/engine/test_warmup.py and test_multi_step.py: 192 s -> 140 s of CPU). Set before jax
     starts, and inherited by pytest-xdist's workers and the subprocesses that keep the
-    environment; XLA_FLAGS set by the caller are kept as they are."""
-    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    environment; XLA_FLAGS set by the caller are kept as they are. Not where jax may take a
+    GPU (a CUDA plugin installed): XLA's GPU programs would lose their optimizations too."""
+    cuda = any(importlib.util.find_spec(name) is not None
+               for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    if not cuda or os.environ.get("JAX_PLATFORMS") == "cpu":
+        os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 
 _compile_without_llvm_optimizations()
