@@ -4,9 +4,12 @@ PROMPT ?= What is the capital of France?
 ARGS ?=
 # pytest-xdist workers of `make test` (two fit the 2-core CI machine)
 TEST_WORKERS ?= 2
+# `make test-gpu`: its workers share the one GPU (no preallocation), and its log
+GPU_TEST_WORKERS ?= 4
+GPU_TEST_LOG ?= test-gpu.log
 PYTHON_BIN := $(VENV)/bin/python
 
-.PHONY: setup generate test clean
+.PHONY: setup generate test test-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +27,12 @@ generate: setup
 
 test: setup
 	$(PYTHON_BIN) -m pytest tests -n $(TEST_WORKERS) $(ARGS)
+
+# The tests marked `gpu` on this machine's GPU: the kernels compiled for real against their
+# references (a handful of shapes each), the engine with the GPU kernels against the reference.
+test-gpu: setup
+	XLA_PYTHON_CLIENT_PREALLOCATE=false bash -o pipefail -c \
+	    '$(PYTHON_BIN) -m pytest tests -m gpu -n $(GPU_TEST_WORKERS) -rs --durations=20 $(ARGS) 2>&1 | tee $(GPU_TEST_LOG)'
 
 clean:
 	rm -rf $(VENV)

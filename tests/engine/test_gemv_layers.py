@@ -201,6 +201,7 @@ def test_transpose_errors_leave_the_model_whole():
         transpose_for_gemv(cfg, model)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ops.quant_wgmma.on_hopper(), reason="needs a Hopper GPU (wgmma)")
 def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
     """A bf16 model with INT4 codes (groups of 128) stored transposed, shapes the Hopper kernel

@@ -1,6 +1,6 @@
 """On a GPU: the engine with the Pallas attention kernels gives the jnp reference's tokens.
 
-Skipped without a GPU (CI has none); run on the H200 with `pytest tests/engine/test_gpu_engine.py`.
+Skipped without a GPU (CI has none); `make test-gpu` runs it.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from configs.model import LLAMA32_1B, get_preset
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
 
 def decisive_model(cfg, dtype):

@@ -16,6 +16,7 @@ import pytest
 from ops.gemv import GemvConfig, fused_gemv, gemv, gemv_reference
 from ops.kernel_choice import KernelBackends
 from ops.matmul import TransposedWeight, linear, reorder_k
+from tests.marks import gpu_picks
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas" if ON_GPU else "pallas_interpret"
@@ -125,7 +126,8 @@ def check(out, want, dtype_ulp: float = 2.0 ** -8):
     np.testing.assert_array_less(np.abs(out - want), dtype_ulp * np.abs(want) + 1e-4 * scale)
 
 
-@pytest.mark.parametrize("m,k,n,variant,config", CASES)
+@pytest.mark.parametrize("m,k,n,variant,config",
+                         gpu_picks(CASES, {0, 1, 2, 5, 7, 9, 11, 13, 14, 16}))
 def test_kernel_against_float64(m, k, n, variant, config):
     x, w_t, kw = operands(m * 1000 + k + n, m, k, n, variant)
     out = gemv(x, w_t, config=config, interpret=not ON_GPU, **kw)
@@ -138,13 +140,15 @@ def test_kernel_against_float64(m, k, n, variant, config):
     check(ref, float64_want(x, w_t, **kw))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the Llama-3.1-8B shapes run compiled on a GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the Llama-3.1-8B shapes run compiled")
 @pytest.mark.parametrize("m,k,n,variant", LLAMA_CASES)
 def test_llama_shapes_on_gpu(m, k, n, variant):
     x, w_t, kw = operands(k + n + m, m, k, n, variant)
     check(fused_gemv(x, w_t, impl="pallas", **kw), float64_want(x, w_t, **kw))
 
 
+@pytest.mark.gpu
 def test_fused_gemv_dispatch(monkeypatch):
     x, w_t, kw = operands(3, 1, 64, 32, "norm_residual")
     ref = gemv_reference(x, w_t, **kw)
@@ -243,7 +247,8 @@ def test_lowers_to_triton_for_h200(h200_lowering, variant):
 
 @pytest.mark.parametrize("variant,m,impl", [
     ("int8", 3, None), ("asym", 1, None), ("int4_g32", 5, None), ("int4_g32_asym", 80, None),
-    ("int4_g40", 2, None), ("int8", 3, "pallas_interpret"), ("int4_g32_asym", 20, IMPL)])
+    ("int4_g40", 2, None), ("int8", 3, "pallas_interpret"),
+    pytest.param("int4_g32_asym", 20, IMPL, marks=pytest.mark.gpu)])
 def test_linear_over_transposed_codes(variant, m, impl, monkeypatch):
     """ops.matmul.linear on a TransposedWeight of codes (the model's steps of more than one row):
     float32 x against float64, per channel and in groups (a shorter last group with g40). impl
@@ -261,6 +266,7 @@ def test_linear_over_transposed_codes(variant, m, impl, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,variant,config", [
     (1, 256, 64, "int4_g64_norm_residual", GemvConfig(8, 128, 4, 1)),
     (2, 384, 70, "int4_g128_asym_gated", GemvConfig(8, 128, 4, 1, prefetch=True)),

@@ -116,6 +116,7 @@ def test_the_kernel_reads_reordered_x_as_it_is(bits, k_order, gathered, monkeypa
     assert ("gather" in text) == gathered
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not qw.on_hopper(), reason="needs a Hopper GPU (wgmma)")
 @pytest.mark.parametrize("bits,m,k,n,group,asymmetric", [
     (4, 16, 4096, 28672, 128, True), (4, 1, 14336, 4096, 128, False),

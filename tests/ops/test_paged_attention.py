@@ -3,7 +3,9 @@
 Every case lays each sequence's K/V out contiguously first, scatters it into randomly chosen
 physical pages (the rest of the cache holds large random garbage that must never be seen), and
 compares the paged attention of several query tokens per sequence with a dense causal attention
-computed in float64 over the contiguous K/V.
+computed in float64 over the contiguous K/V. On a GPU these float32 products run at "highest"
+precision, not TF32 (tests/conftest.py, for every test not marked `gpu`), as the 1e-5
+tolerances assume.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from ops.matmul import linear
 from ops.quant_matmul import (MatmulConfig, int4_matmul, int4_matmul_reference, int8_matmul,
                               int8_matmul_reference, matmul_config)
 from quant.qtensor import dequantize, make_quantized_weight
+from tests.marks import GPU_SWEEP, gpu_picks
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas" if ON_GPU else "pallas_interpret"
@@ -90,13 +91,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,act_order", CASES)
+@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,act_order",
+                         gpu_picks(CASES, {0, 1, 3, 4, 8, 9, 10, 12, 13, 16, 18}))
 def test_matches_references(bits, m, k, n, group_size, asymmetric, dtype, act_order):
     run_case(bits=bits, m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric,
              dtype=dtype, act_order=act_order, seed=m + k + n + group_size)
 
 
-@pytest.mark.parametrize("bits,config", [
+@pytest.mark.parametrize("bits,config", gpu_picks([
     (4, MatmulConfig(block_m=1, block_n=32, block_k=64, num_splits=3)),  # splits > tiles/split
     (4, MatmulConfig(block_m=2, block_n=64, block_k=128, num_splits=1)),
     (4, MatmulConfig(block_m=16, block_n=32, block_k=128, num_splits=2)),  # 16 words of 8 rows
@@ -104,13 +106,14 @@ def test_matches_references(bits, m, k, n, group_size, asymmetric, dtype, act_or
     (8, MatmulConfig(block_m=1, block_n=64, block_k=16, num_splits=4)),
     (8, MatmulConfig(block_m=2, block_n=32, block_k=32, num_splits=2)),
     (8, MatmulConfig(block_m=16, block_n=64, block_k=32, num_splits=1)),
-])
+], {0, 2, 4}))
 def test_explicit_configs(bits, config):
     # K = 448: 14 groups of 32, a partial last tile for every block_k above.
     run_case(bits=bits, m=5, k=448, n=96, group_size=32, asymmetric=True, config=config,
              seed=config.block_m * 7 + config.num_splits)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,config", [
     (1, MatmulConfig(block_m=1, block_n=64, block_k=16, num_splits=3)),  # K % 16 != 0
     (2, MatmulConfig(block_m=2, block_n=32, block_k=32, num_splits=2)),
@@ -124,6 +127,7 @@ def test_int8_word_kernel_configs(m, config, asymmetric):
              dtype="float32", seed=config.block_k + m + asymmetric)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [64, 66])
 def test_int8_one_row_precision_with_biased_activations(n):
     """The one-row kernels cancel large excess terms in float32 (ops/quant_gemv8.py for N a
@@ -156,7 +160,8 @@ MMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,block_k", MMA_CASES)
+@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,block_k",
+                         gpu_picks(MMA_CASES, {0, 1, 2, 5, 7}))
 def test_mma_path(bits, m, k, n, group_size, asymmetric, dtype, block_k):
     config = MatmulConfig(block_m=16, block_n=32, block_k=block_k, num_splits=2, path="mma")
     run_case(bits=bits, m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric,
@@ -176,7 +181,8 @@ NK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,config", NK_CASES)
+@pytest.mark.parametrize("bits,m,k,n,group_size,asymmetric,dtype,config",
+                         gpu_picks(NK_CASES, {0, 2, 4, 5}))
 def test_transposed_layout(bits, m, k, n, group_size, asymmetric, dtype, config):
     run_case(bits=bits, m=m, k=k, n=n, group_size=group_size, asymmetric=asymmetric,
              dtype=dtype, config=config, layout="nk", seed=m + k + n + bits)
@@ -196,6 +202,7 @@ def test_transposed_layout_errors():
         int4_matmul(x, w.packed, w.scales, group_size=64, impl=IMPL, layout="nk")
 
 
+@pytest.mark.gpu
 def test_leading_dims_and_linear_dispatch():
     run_case(bits=4, m=None, k=256, n=128, group_size=64, lead=(2, 3), seed=3)
     rng = np.random.default_rng(4)
@@ -296,10 +303,13 @@ def test_validation():
         int4_matmul(x, w.packed, w.scales, group_size=64, impl="triton")
 
 
-LLAMA = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
+# Llama-3.1-8B's shapes: q/k/v and down by default, every projection and the lm head in the sweep
+LLAMA = ([(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)] if GPU_SWEEP
+         else [(4096, 6144), (14336, 4096)])
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Llama-3.1-8B shapes: GPU only (compiled kernel)")
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the Llama-3.1-8B shapes run compiled")
 @pytest.mark.parametrize("k,n", LLAMA)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_llama_shapes(bits, k, n):
@@ -314,7 +324,7 @@ def test_gpu_llama_shapes(bits, k, n):
                      impl=impl, kernels=kernels, seed=m + n)
 
 
-@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
 @pytest.mark.parametrize("bits,block_m,asymmetric,path,dtype,group", [
     (4, 1, False, None, "bfloat16", 128), (4, 2, True, None, "bfloat16", 128),
     (4, 1, True, None, "float16", 32),  # groups finer than the fma path's tile

@@ -4,7 +4,8 @@ Each case is one step of a continuous-batching engine: a flat array of query tok
 sequences doing a whole prefill, a prefill chunk after cached tokens (chunked prefill or a
 prefix-cache hit), a speculative verification (a few tokens) and a decode (one token), plus
 padding sequences and padding tokens at the end. On CPU the Pallas kernel runs with
-interpret=True; on a GPU compiled, with a larger sweep under PALLASITE_GPU_SWEEP=1.
+interpret=True; on a GPU compiled (the tests marked `gpu`, run by `make test-gpu`), with a larger
+sweep under PALLASITE_GPU_SWEEP=1. The references compute in float32 at HIGHEST precision.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size,head_dim,num_heads,num_kv_heads,dtype,kv_dtype,config", CASES)
 def test_matches_references(page_size, head_dim, num_heads, num_kv_heads, dtype, kv_dtype,
                             config):
@@ -83,6 +85,7 @@ def test_matches_references(page_size, head_dim, num_heads, num_kv_heads, dtype,
              num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype, config=config)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharp_softmax_at_llama_8b_head_dim(dtype):
     """Queries 8x larger than the keys (logits of std 8: a softmax close to one-hot, as in a
@@ -92,8 +95,10 @@ def test_sharp_softmax_at_llama_8b_head_dim(dtype):
                                  ptx_softmax=True), seed=4)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not ON_GPU, reason="interpreted, the PTX softmax runs the same jnp as ptx=False"))])
+    not ON_GPU, reason="needs a GPU: interpreted, the PTX softmax runs the same jnp as "
+                       "ptx=False"))])
 def test_soft_cap_sliding_window_and_odd_group(ptx):
     # A group of 3 query heads: q blocks of 5 tokens in 16 rows.
     run_case(page_size=8, head_dim=32, num_heads=6, num_kv_heads=2, soft_cap=5.0,
@@ -102,6 +107,7 @@ def test_soft_cap_sliding_window_and_odd_group(ptx):
              seed=1)
 
 
+@pytest.mark.gpu
 def test_single_token_queries_equal_padded_decode():
     """max_q_len=1 (decode): the kernel equals the padded [B, 1] reference of
     ops.paged_attention, each query at its sequence's last position."""
@@ -114,7 +120,9 @@ def test_single_token_queries_equal_padded_decode():
     ragged = ragged_paged_attention(q, *pages, starts, jnp.asarray(case.kv_lens), max_q_len=1,
                                     impl=IMPL)
     kv_lens = jnp.asarray(case.kv_lens)
-    decode = paged_attention_reference(q[:, None], *pages, (kv_lens - 1)[:, None], kv_lens)[:, 0]
+    with jax.default_matmul_precision("highest"):  # float32 products on a GPU too (not TF32)
+        decode = paged_attention_reference(q[:, None], *pages, (kv_lens - 1)[:, None],
+                                           kv_lens)[:, 0]
     # row 3 belongs to no sequence (the kernel writes zeros; the reference's padding row is
     # unspecified)
     np.testing.assert_allclose(np.asarray(ragged)[:3], np.asarray(decode)[:3], atol=1e-5)
@@ -132,7 +140,8 @@ def gpu_sweep_cases():
         yield page, 128, 4, "bfloat16", kv
 
 
-@pytest.mark.skipif(not ON_GPU, reason="GPU sweep (compiled kernel)")
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the sweep of long contexts compiles the kernel")
 @pytest.mark.parametrize("page_size,head_dim,group,dtype,kv_dtype", list(gpu_sweep_cases()))
 def test_gpu_sweep(page_size, head_dim, group, dtype, kv_dtype):
     sequences = ((1000, 1000), (3000, 700), (0, 0), (1, 1), (2049, 5), (517, 1), (4100, 1))
@@ -159,7 +168,7 @@ def test_validation():
         ragged_paged_attention(**base, max_q_len=0)
 
 
-@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
 @pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,variant", [
     ("bfloat16", 128, 16, 2048, None), ("int8", 64, 128, 4, None),
     ("float8_e4m3fn", 256, 8, 512, None),

@@ -23,6 +23,7 @@ def norm_np(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(np.float64)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows,hidden,dtype", [(1, 64, jnp.float32), (5, 96, jnp.bfloat16),
                                                (3, 2048, jnp.bfloat16), (2, 576, jnp.float32)])
 def test_matches_reference_and_float64(rows, hidden, dtype):
@@ -44,6 +45,7 @@ def test_matches_reference_and_float64(rows, hidden, dtype):
         assert np.all(np.abs(got32 - want) <= 3 * (np.abs(want) * 2.0 ** -7) + 1e-6)
 
 
+@pytest.mark.gpu
 def test_one_dimensional_input_and_validation():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal(32), jnp.float32)
@@ -56,7 +58,7 @@ def test_one_dimensional_input_and_validation():
         rms_norm(x, w, 1e-6, impl="cuda")
 
 
-@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
 def test_lowers_to_triton_for_h200(h200_lowering):
     spec = jax.ShapeDtypeStruct
     text = jax.jit(lambda x, w: rms_norm(x, w, 1e-5, impl="pallas")).trace(

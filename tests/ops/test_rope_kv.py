@@ -46,6 +46,7 @@ CASES = [(5, 8, 2, 64, 16, jnp.float32, True),     # GQA 4
          (3, 6, 2, 128, 16, jnp.bfloat16, True)]   # GQA 3: padded head rows
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,page_size,dtype,fused", CASES)
 def test_matches_the_unfused_ops(tokens, heads, kv_heads, head_dim, page_size, dtype, fused):
     rng = np.random.default_rng(tokens)
@@ -113,7 +114,7 @@ def test_validation_and_fallbacks():
     assert got[1].values.dtype == jnp.int8 and float(jnp.abs(got[1].scales).sum()) > 0
 
 
-@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernel for real")
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
 @pytest.mark.parametrize("fused", [True, False])
 def test_lowers_to_triton_for_h200(h200_lowering, fused):
     spec = jax.ShapeDtypeStruct

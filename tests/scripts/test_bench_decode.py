@@ -3,6 +3,7 @@ the parts it counts with (bytes and FLOPs per step, the profile's trace summary)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ from models.kv_cache import kv_bytes_per_token
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
 
-ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+# a bare environment (no PALLASITE_* switch of the caller's), with the run's XLA flags
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+       "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
 TINY = ["--model=tiny-llama31", "--dtype=float32", "--steps=2", "--runs=1", "--page_size=8",
         "--nocalibrate", "--nohf", "--matmul_precision=highest"]
 

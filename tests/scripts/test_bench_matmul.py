@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -47,7 +48,8 @@ def run_bench(tmp_path, *flags: str) -> tuple[list[dict], str]:
          "--modes=bench", "--shapes=256x128", "--ms=1,2", "--calls=2", "--queue=1",
          "--runs=1", "--mgpu_max_m=0", "--variants=dispatch", f"--json_out={out}", *flags],
         capture_output=True, text=True, timeout=300,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+             "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text())["rows"], proc.stdout
 

@@ -2,13 +2,16 @@
 batching and a --compare configuration), the host phases, the stub device, and bad --compare
 entries (figures are checked for shape and consistency, never for speed)."""
 import json
+import os
 import subprocess
 import sys
 
 WORKLOAD = ["--model=tiny-llama", "--random_weights", "--num_requests=8", "--max_num_seqs=4",
             "--max_num_batched_tokens=64", "--max_model_len=128", "--max_input_len=32",
             "--max_output_len=12", "--input_len=12", "--output_len=6", "--warmup=rerun"]
-ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+# a bare environment (no PALLASITE_* switch of the caller's), with the run's XLA flags
+ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+       "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
 
 
 def run_bench(tmp_path, *flags):

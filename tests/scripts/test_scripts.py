@@ -24,9 +24,13 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-def run_script(module: str, *args: str, cache_dir: str = "") -> subprocess.CompletedProcess:
+def run_script(module: str, *args: str, cache_dir: str = "",
+               optimized: bool = False) -> subprocess.CompletedProcess:
+    """optimized: XLA's default LLVM optimizations (SmolLM2's 30 layers run slower without them,
+    see tests/conftest.py), else the test run's XLA_FLAGS."""
     cmd = [sys.executable, "-m", f"scripts.{module}", f"--compilation_cache_dir={cache_dir}", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "XLA_FLAGS": ""} if optimized else None
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
 def assert_one_clear_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -40,7 +44,7 @@ def assert_one_clear_error(result: subprocess.CompletedProcess, *fragments: str)
 
 def test_generate_answers_the_capital_of_france(cache_dir):
     result = run_script("generate", "--prompt=What is the capital of France?", "--json",
-                        "--max_tokens=24", cache_dir=cache_dir)
+                        "--max_tokens=24", cache_dir=cache_dir, optimized=True)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert "Paris" in out["text"]
