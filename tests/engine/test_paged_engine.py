@@ -61,8 +61,10 @@ def hf_rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.array(out)
 
 
-def reference_logits(cfg: ModelConfig, pure: dict, tokens) -> np.ndarray:
-    """Dense float64 forward of one sequence: [T] token ids -> [T, V] logits."""
+def reference_logits(cfg: ModelConfig, pure: dict, tokens, cached_kv=None) -> np.ndarray:
+    """Dense float64 forward of one sequence: [T] token ids -> [T, V] logits. cached_kv: None,
+    or a function i -> (k [T, KVH, D] after RoPE, v [T, KVH, D]) whose keys and values layer i's
+    attention reads instead of its own (a KV cache's stored rows)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), pure)
     d, h, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     seq = len(tokens)
@@ -89,8 +91,11 @@ def reference_logits(cfg: ModelConfig, pure: dict, tokens) -> np.ndarray:
         a = layer["self_attn"]
         hn = rms_norm(x, layer["input_layernorm"]["weight"])
         q = rope(proj(hn, a, "q_proj").reshape(seq, h, d))
-        k = rope(proj(hn, a, "k_proj").reshape(seq, kvh, d))
-        v = proj(hn, a, "v_proj").reshape(seq, kvh, d)
+        if cached_kv is None:
+            k = rope(proj(hn, a, "k_proj").reshape(seq, kvh, d))
+            v = proj(hn, a, "v_proj").reshape(seq, kvh, d)
+        else:
+            k, v = cached_kv(i)
         out = np.zeros((seq, h, d))
         for head in range(h):
             kv = head // (h // kvh)

@@ -6,9 +6,7 @@ the same tokens as one whole prefill; a fixed --kv_cache_memory holds about twic
 """
 from __future__ import annotations
 
-import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ from ops.kernel_choice import KernelBackends
 from ops.kv_quant import QuantizedPages, kv_cache_dtype, quantize_kv, zero_pages
 from ops import paged_attention
 from ops.paged_attention import step_attention, write_kv
-from tests.engine.test_paged_engine import hf_rope_inv_freq
+from tests.engine.test_paged_engine import reference_logits
 from tests.engine.weights import unit_scale_pure_dict
 
 PAGE = 4
@@ -123,42 +121,6 @@ def greedy_tokens(engine: LLMEngine, prompt) -> list[int]:
     return out.output_ids
 
 
-def reference_logits_over_cache(cfg, pure, tokens, cached_kv) -> np.ndarray:
-    """float64 forward of one sequence [T] -> logits [T, V] whose attention reads layer i's
-    keys and values from cached_kv(i) -> (k [T, KVH, D] after RoPE, v [T, KVH, D])."""
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), pure)
-    d, h, kvh, seq = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, len(tokens)
-
-    def rms_norm(x, weight):
-        return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-
-    angles = np.arange(seq)[:, None] * hf_rope_inv_freq(cfg)[None]  # [T, D/2]
-    cos = np.cos(np.concatenate([angles, angles], -1))[:, None]  # [T, 1, D]
-    sin = np.sin(np.concatenate([angles, angles], -1))[:, None]
-    rotate = lambda x: np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)  # noqa: E731
-    causal = np.tril(np.ones((seq, seq), bool))
-    x = p["embed_tokens"]["embedding"][np.asarray(tokens)]  # [T, hidden]
-    for i in range(cfg.num_layers):
-        layer, (k, v) = p["layers"][i], cached_kv(i)
-        a = layer["self_attn"]
-        q = (rms_norm(x, layer["input_layernorm"]["weight"]) @ a["q_proj"]["kernel"])
-        q = q.reshape(seq, h, d)
-        q = q * cos + rotate(q) * sin
-        out = np.zeros((seq, h, d))
-        for head in range(h):
-            kv = head // (h // kvh)
-            scores = np.where(causal, q[:, head] @ k[:, kv].T / math.sqrt(d), -np.inf)
-            w = np.exp(scores - scores.max(-1, keepdims=True))
-            out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
-        x = x + out.reshape(seq, h * d) @ a["o_proj"]["kernel"]
-        hn = rms_norm(x, layer["post_attention_layernorm"]["weight"])
-        m = layer["mlp"]
-        gate = hn @ m["gate_proj"]["kernel"]
-        x = x + (gate / (1 + np.exp(-gate)) * (hn @ m["up_proj"]["kernel"])) \
-            @ m["down_proj"]["kernel"]
-    return rms_norm(x, p["norm"]["weight"]) @ p["lm_head"]["kernel"]
-
-
 def test_int8_engine_tokens_match_a_float64_reference_over_the_stored_pages(tiny):
     cfg, pure, model = tiny
     engine = int8_engine(model, cfg, enable_prefix_caching=False)
@@ -186,7 +148,7 @@ def test_int8_engine_tokens_match_a_float64_reference_over_the_stored_pages(tiny
             rows.append((values * scale[..., None]).swapaxes(0, 1))
         return rows
 
-    logits = reference_logits_over_cache(cfg, pure, tokens[:seq], stored)
+    logits = reference_logits(cfg, pure, tokens[:seq], cached_kv=stored)
     first = len(PROMPT) - 1
     want = logits[first:].argmax(-1)  # [NEW_TOKENS]
     top2 = np.sort(logits[first:], -1)[:, -2:]
