@@ -30,10 +30,11 @@ def cache_dir(tmp_path_factory):
 class ServeProcess:
     """`scripts.serve` on the tiny model and a free port; the address comes from its stdout."""
 
-    def __init__(self, cache_dir: str, log_path, *flags: str, env: dict | None = None):
+    def __init__(self, cache_dir: str, log_path, *flags: str, env: dict | None = None,
+                 module: str = "scripts.serve"):
         self.log = open(log_path, "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "scripts.serve", f"--model={TINY_DIR}", "--port=0",
+            [sys.executable, "-m", module, f"--model={TINY_DIR}", "--port=0",
              "--served_model_name=tiny", "--nowarmup", "--max_model_len=512",
              f"--compilation_cache_dir={cache_dir}", *flags],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -157,9 +158,10 @@ def stalled_body(url: str) -> socket.socket:
 def test_sigterm_exits_within_the_timeout_plus_one_second(cache_dir, tmp_path):
     """Three streams still running at the deadline are failed with 503, a fourth whose client
     stopped reading and a fifth whose body never came are cut off, and the process is gone
-    within --shutdown_timeout + 1 s of SIGTERM (+ the harness's margin)."""
+    within --shutdown_timeout + 1 s of SIGTERM (+ the harness's margin). The server is paced
+    (tests/server/paced_serve.py) so that the streams outlast the deadline on a fast host."""
     server = ServeProcess(cache_dir, tmp_path / "serve.log",
-                          f"--shutdown_timeout={SHUTDOWN_TIMEOUT}")
+                          f"--shutdown_timeout={SHUTDOWN_TIMEOUT}", module="tests.server.paced_serve")
     try:
         firsts = [threading.Event() for _ in range(3)]
         runs = [stream_in_thread(server.url, first) for first in firsts]
