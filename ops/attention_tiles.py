@@ -51,7 +51,7 @@ def resolve_options(name: str, impl: str | None, default: str, q_shape: tuple,
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"{name}: soft_cap {soft_cap} must be > 0")
     sm_scale = float(head_dim ** -0.5 if scale is None else scale)
-    kernel_ok = head_dim >= 16 and head_dim == next_pow2(head_dim)
+    kernel_ok = kernel_takes_head_dim(head_dim)
     resolved = choose_impl(name, impl, default)
     if resolved != "reference" and not kernel_ok:
         if impl is not None:
@@ -89,6 +89,12 @@ def check_pages(name: str, q_dtype, num_heads: int, head_dim: int, k_pages, v_pa
                          f"be {k_pages.shape[:3]} for pages {k_pages.shape}")
     if not 1 <= page_size <= 1024:
         raise ValueError(f"{name}: page_size {page_size} out of range for pages {k_pages.shape}")
+
+
+def kernel_takes_head_dim(head_dim: int) -> bool:
+    """Whether the GPU attention and RoPE + KV-write kernels take this head_dim (a power of two
+    >= 16); other head_dims run the reference (Phi-3's 96, for one)."""
+    return head_dim >= 16 and head_dim == next_pow2(head_dim)
 
 
 def next_pow2(n: int) -> int:

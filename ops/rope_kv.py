@@ -184,7 +184,7 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
     kernels = or_reference(kernels)
     resolved = choose_impl(name, impl, kernels.kv_write)
     quantized = isinstance(k_pages, QuantizedPages)
-    kernel_ok = (head_dim >= 16 and head_dim == tiles.next_pow2(head_dim) and not quantized
+    kernel_ok = (tiles.kernel_takes_head_dim(head_dim) and not quantized
                  and not kernels.mesh and k_pages.dtype == sources[0].dtype
                  and positions.shape[0] > 0)
     if resolved == "reference" or not kernel_ok:

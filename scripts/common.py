@@ -18,6 +18,7 @@ from engine.api import default_dtype, load_prepared
 from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
 from models.prepare import check_preparation, prepare_for_device
+from ops.attention_tiles import kernel_takes_head_dim
 from ops.backends import TABLES, active_tags, describe_kernels
 from ops.kernel_choice import KernelBackends
 from ops.quant_wgmma import on_hopper
@@ -285,23 +286,30 @@ def check_fusion(mesh) -> None:
                       flags.FLAGS.gemv_layers)
 
 
-def kernels_line(kernels: KernelBackends) -> str:
+def kernels_line(kernels: KernelBackends, head_dim: int | None = None) -> str:
     """One line of the start-up summary: the platform and what each op family runs (the
-    KernelEntry.backend tags of ops/backends.py; "xla" for the float products)."""
+    KernelEntry.backend tags of ops/backends.py; "xla" for the float products). With the
+    model's head_dim, attention and the KV write say so when their kernel cannot take it."""
     parts = []
     for family in TABLES:
         interpreted = getattr(kernels, family, "") == "pallas_interpret"
         tags = ["xla" if tag == "any" else "pallas_interpret" if tag == "pallas" and interpreted
                 else tag for tag in active_tags(kernels, family)]
-        parts.append(f"{family} {'+'.join(tags)}")
+        part = f"{family} {'+'.join(tags)}"
+        if (family in ("attention", "kv_write") and head_dim is not None
+                and getattr(kernels, family) != "reference"
+                and not kernel_takes_head_dim(head_dim)):
+            part = (f"{family} reference (head_dim {head_dim}: the kernel takes a power of two "
+                    ">= 16)")
+        parts.append(part)
     return f"kernels on {kernels.platform}: {', '.join(parts)}"
 
 
-def print_kernels(kernels: KernelBackends, file=None) -> None:
-    """Prints `kernels_line`, then with --print_kernels the whole table (describe_kernels), on
-    `file` (default stderr)."""
+def print_kernels(kernels: KernelBackends, head_dim: int | None = None, file=None) -> None:
+    """Prints `kernels_line` (for a model of this head_dim), then with --print_kernels the
+    whole table (describe_kernels), on `file` (default stderr)."""
     file = sys.stderr if file is None else file
-    print(kernels_line(kernels), file=file, flush=True)
+    print(kernels_line(kernels, head_dim), file=file, flush=True)
     if flags.FLAGS.print_kernels:
         print(describe_kernels(kernels), file=file, flush=True)
 

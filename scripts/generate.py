@@ -89,7 +89,7 @@ def main(argv):
         if mesh is not None:
             print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr)
-        common.print_kernels(engine.runner.kernels)
+        common.print_kernels(engine.runner.kernels, engine.cfg.head_dim)
         if FLAGS.warmup:
             longest = max(len(p) for p in prompt_ids)
             engine.warmup(len(prompt_ids), longest + FLAGS.max_tokens,

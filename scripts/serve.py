@@ -73,7 +73,7 @@ def main(argv):
         if mesh is not None:
             print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr, flush=True)
-        common.print_kernels(engine.runner.kernels)
+        common.print_kernels(engine.runner.kernels, engine.cfg.head_dim)
         if FLAGS.warmup:
             engine.warmup(progress=common.print_progress("compiling"))
         common.freeze_startup_objects()

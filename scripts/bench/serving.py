@@ -363,7 +363,7 @@ def main(argv):
     if mesh is not None:
         print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}")
     print(engine.kv_summary)
-    common.print_kernels(engine.runner.kernels, file=sys.stdout)
+    common.print_kernels(engine.runner.kernels, engine.cfg.head_dim, file=sys.stdout)
     start = time.perf_counter()
     results["continuous"], results["programs_compiled_at_start"] = timed_run(
         engine, work, spec.longest)

@@ -86,6 +86,10 @@ def test_kernels_line_names_each_family_choice():
     assert "attention mesh+pallas, kv_write mesh+reference, norm reference" in sharded
     interpreted = kernels_line(select_kernels("cpu", switches=Switches(gemv="pallas_interpret")))
     assert "gemv pallas_interpret, quant_matmul reference" in interpreted
+    phi3 = kernels_line(select_kernels("gpu"), head_dim=96)  # Phi-3's heads
+    assert ("attention reference (head_dim 96: the kernel takes a power of two >= 16), "
+            "kv_write reference (head_dim 96") in phi3
+    assert kernels_line(select_kernels("gpu"), head_dim=128) == kernels_line(select_kernels("gpu"))
 
 
 @pytest.mark.parametrize("flag, fragments", [
