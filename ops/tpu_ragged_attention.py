@@ -12,8 +12,9 @@ interpret mode.
 Kernel: a program handles one kv head and one q block (`block_q` tokens of one sequence, never
 two: row r of its [block_q * G, D] tile is token r // G, query head r % G of the kv head's
 group, so the group shares every key load). The q blocks are enumerated in jnp before the call
-in increasing token order (at most cdiv(N, block_q) + S of them, a static bound) and passed with
-the block tables as scalar prefetch (SMEM). The program DMAs its query rows, then walks the
+in increasing token order (at most cdiv(N, block_q) + S of them, a static bound) and passed as
+scalar prefetch (SMEM). The program DMAs its query rows and its sequence's block-table row (into
+SMEM: the whole table of a long-context batch would not fit there), then walks the
 sequence's keys `pages_per_block` pages at a time: while it computes block b (online softmax in
 float32) the DMAs of block b + 1 run into the other half of the double buffer. The output tile
 is DMAed to the rows of its tokens; a tile's rows past its tokens belong to the next q block,
@@ -36,24 +37,25 @@ MASKED = -1e30  # logit of a masked key: finite, so a row with no visible key ye
 META = 5  # per q block: sequence, first flat token, tokens, first position, keys needed
 
 
-def _kernel(meta_ref, tables_ref, q_hbm, k_hbm, v_hbm, *refs, group: int, block_q: int,
+def _kernel(meta_ref, tables_hbm, q_hbm, k_hbm, v_hbm, *refs, group: int, block_q: int,
             pages_per_block: int, page_size: int, num_pages: int, table_width: int,
             sm_scale: float, soft_cap: float | None, sliding_window: int | None,
             quantized: bool):
     # meta_ref:   [NB * 5] int32 (SMEM), per q block (sequence, first token, tokens, position
     #             of the first token, keys needed = position of its last token + 1)
-    # tables_ref: [S * W] int32 (SMEM), the block tables, flattened
+    # tables_hbm: [S, W] int32 (HBM), the block tables; this program's row goes to SMEM
     # q_hbm:      [KVH, (N + block_q) * G, D], row t * G + g = token t, head g of the group
     # k_hbm, v_hbm: [KVH, P, S, D] pages (HBM)
     # refs: (ks_hbm, vs_hbm [KVH, P, 1, S] f32 when quantized), then
     #   o_hbm [KVH, (N + block_q) * G, D] (output, HBM),
-    #   q_buf, o_buf [M, D] VMEM (M = block_q * G); k_buf, v_buf [2, BK, D] VMEM
-    #   (BK = pages_per_block * S); (ks_buf, vs_buf [2, 1, BK] f32 VMEM when quantized);
-    #   sems: DMA semaphores [5, 2] (q / out, k, v, k scales, v scales) x buffer slot
+    #   table [W] int32 SMEM (the sequence's block table), q_buf, o_buf [M, D] VMEM
+    #   (M = block_q * G); k_buf, v_buf [2, BK, D] VMEM (BK = pages_per_block * S);
+    #   (ks_buf, vs_buf [2, 1, BK] f32 VMEM when quantized);
+    #   sems: DMA semaphores [5, 2] (q / out / table, k, v, k scales, v scales) x buffer slot
     if quantized:
-        ks_hbm, vs_hbm, o_hbm, q_buf, o_buf, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+        ks_hbm, vs_hbm, o_hbm, table, q_buf, o_buf, k_buf, v_buf, ks_buf, vs_buf, sems = refs
     else:
-        o_hbm, q_buf, o_buf, k_buf, v_buf, sems = refs
+        o_hbm, table, q_buf, o_buf, k_buf, v_buf, sems = refs
         ks_hbm = vs_hbm = ks_buf = vs_buf = None
     h, i = pl.program_id(0), pl.program_id(1)
     seq, q_start, q_count, q_pos0, kv_end = (meta_ref[i * META + f] for f in range(META))
@@ -65,6 +67,8 @@ def _kernel(meta_ref, tables_ref, q_hbm, k_hbm, v_hbm, *refs, group: int, block_
         q_copy = pltpu.make_async_copy(q_hbm.at[h, pl.ds(q_start * group, rows)], q_buf,
                                        sems.at[0, 0])
         q_copy.start()
+        table_copy = pltpu.make_async_copy(tables_hbm.at[seq], table, sems.at[0, 1])
+        table_copy.start()
         lo = 0
         if sliding_window is not None:  # the first token sees keys > q_pos0 - window
             lo = jnp.maximum(q_pos0 - sliding_window + 1, 0)
@@ -76,7 +80,7 @@ def _kernel(meta_ref, tables_ref, q_hbm, k_hbm, v_hbm, *refs, group: int, block_
             copies = []
             for j in range(pages_per_block):
                 logical = jnp.minimum(first_page + b * pages_per_block + j, last_page)
-                page = jnp.clip(tables_ref[seq * table_width + logical], 0, num_pages - 1)
+                page = jnp.clip(table[logical], 0, num_pages - 1)
                 dst = pl.ds(j * page_size, page_size)
                 copies.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, dst],
                                                     sems.at[1, slot]))
@@ -89,6 +93,7 @@ def _kernel(meta_ref, tables_ref, q_hbm, k_hbm, v_hbm, *refs, group: int, block_
                         vs_hbm.at[h, page], vs_buf.at[slot, :, dst], sems.at[4, slot]))
             return copies
 
+        table_copy.wait()
         for copy in page_copies(0, 0):
             copy.start()
         q_copy.wait()
@@ -183,8 +188,8 @@ def _tpu_ragged_attention(q, k_pages, v_pages, block_tables, query_start_loc, kv
     qt = jnp.pad(qt, ((0, 0), (0, block_q), (0, 0), (0, 0)))
     qt = qt.reshape(num_kv_heads, (num_tokens + block_q) * group, head_dim)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    args = [qt, k_pages, v_pages]
-    scratch = [pltpu.VMEM((rows, head_dim), q.dtype), pltpu.VMEM((rows, head_dim), q.dtype),
+    args = [block_tables, qt, k_pages, v_pages]
+    scratch = [pltpu.SMEM((table_width,), jnp.int32), pltpu.VMEM((rows, head_dim), q.dtype), pltpu.VMEM((rows, head_dim), q.dtype),
                pltpu.VMEM((2, block_k, head_dim), k_pages.dtype),
                pltpu.VMEM((2, block_k, head_dim), v_pages.dtype)]
     if quantized:  # [KVH, P, S] -> [KVH, P, 1, S]: a page's scales are one row of lanes
@@ -199,13 +204,13 @@ def _tpu_ragged_attention(q, k_pages, v_pages, block_tables, query_start_loc, kv
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(num_kv_heads, num_q_blocks),
+            num_scalar_prefetch=1, grid=(num_kv_heads, num_q_blocks),
             in_specs=[any_spec] * len(args), out_specs=any_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="tpu_ragged_paged_attention",
-    )(meta, block_tables.reshape(-1), *args)
+    )(meta, *args)
     out = out[:, :num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim)
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)
     in_a_sequence = jnp.arange(num_tokens) < query_start_loc[-1]  # [N]
