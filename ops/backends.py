@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from configs.switches import Switches
 from ops import gemv, quant_gemv, quant_gemv8, quant_matmul, quant_mma, quant_wgmma, rms_norm
-from ops import ragged_attention, rope_kv, tpu_ragged_attention
+from ops import ragged_attention, rope_kv, tpu_quant_matmul, tpu_ragged_attention
 from ops.kernel_choice import KernelBackends
 from ops.matmul import coded_product
 from ops.paged_attention import ragged_attention_by_groups, write_kv
@@ -124,6 +124,11 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
                     quant_matmul._matmul_kernel),
         KernelEntry("pallas", "gpu", "codes [K, N] or [N, K]", "float x",
                     "> 128 rows (XLA dequantize + dot)", quant_matmul.int4_matmul_reference),
+        KernelEntry("pallas", "tpu", "codes [K, N]", "INT4 / INT8, N and the group a multiple "
+                    "of 128", "any (rows padded to 16, blocks of 256)",
+                    tpu_quant_matmul._tpu_quant_matmul),
+        KernelEntry("pallas", "tpu", "codes [K, N] or stored [N, K]", "other shapes", "any",
+                    quant_matmul.int4_matmul_reference),
         KernelEntry("reference", "any", "codes [K, N]", "any", "any",
                     quant_matmul.int4_matmul_reference),
         KernelEntry("reference", "any", "codes [K, N]", "INT8", "any",
@@ -198,7 +203,7 @@ def _select_tpu_kernels(switches: Switches, device_kind: str,
 
     return KernelBackends(
         platform="tpu", attention=pick(switches.attention), kv_write="reference",
-        norm="reference", gemv="reference", quant_matmul="reference",
+        norm="reference", gemv="reference", quant_matmul=pick(switches.matmul),
         mesh=tuple((str(a), int(n)) for a, n in mesh_axes),
         tpu_generation=generation_of_device_kind(device_kind))
 

@@ -56,10 +56,12 @@ def test_selection_per_platform():
     # a TPU: the Mosaic TPU kernels of attention (block sizes by generation), XLA elsewhere
     tpu = select_kernels("tpu", device_kind="TPU v6 lite")
     assert tpu == dataclasses.replace(REFERENCE, platform="tpu", attention="pallas",
-                                      tpu_generation="v6e")
+                                      quant_matmul="pallas", tpu_generation="v6e")
     assert select_kernels("cpu", switches=Switches(kernels="tpu_interpret")) == \
-        dataclasses.replace(tpu, attention="pallas_interpret", tpu_generation="default")
+        dataclasses.replace(tpu, attention="pallas_interpret", quant_matmul="pallas_interpret",
+                            tpu_generation="default")
     assert "ops.tpu_ragged_attention" in describe_kernels(tpu)
+    assert "ops.tpu_quant_matmul" in describe_kernels(tpu)
     assert "ops.ragged_attention._ragged" not in describe_kernels(tpu)
     hopper = select_kernels("gpu", hopper=True)
     other = select_kernels("gpu", hopper=False)
