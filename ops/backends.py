@@ -193,7 +193,9 @@ def _select_tpu_kernels(switches: Switches, device_kind: str,
                         mesh_axes: tuple[tuple[str, int], ...]) -> KernelBackends:
     """select_kernels on a TPU (or with the TPU kernels interpreted): the Mosaic TPU kernels of
     attention and the quantized products where the switches say auto or pallas, XLA for the
-    RoPE + KV write, RMSNorm and the one-row products."""
+    RoPE + KV write, RMSNorm and the one-row products. Under a mesh the quantized products
+    take XLA's dequantize + dot, which XLA partitions (a Mosaic call is not partitioned
+    automatically; attention runs per shard under shard_map)."""
     interpret = switches.kernels == "tpu_interpret"
 
     def pick(value: str) -> str:
@@ -203,7 +205,8 @@ def _select_tpu_kernels(switches: Switches, device_kind: str,
 
     return KernelBackends(
         platform="tpu", attention=pick(switches.attention), kv_write="reference",
-        norm="reference", gemv="reference", quant_matmul=pick(switches.matmul),
+        norm="reference", gemv="reference",
+        quant_matmul="reference" if mesh_axes else pick(switches.matmul),
         mesh=tuple((str(a), int(n)) for a, n in mesh_axes),
         tpu_generation=generation_of_device_kind(device_kind))
 

@@ -51,13 +51,19 @@ def generation_of_device_kind(device_kind: str) -> str:
 
 
 @contextlib.contextmanager
-def tpu_lowering(chip: str = "v6e", num_devices: int = 1):
+def tpu_lowering(chip: str = "v6e", mesh=None):
     """Lower for TPU from any host: inside, `jit(f).trace(...).lower(lowering_platforms=("tpu",))`
-    sees an abstract TPU device of `chip` (a key of CHIPS, or a generation name "v5e" / "v6e"),
-    which is what Pallas TPU kernels ask for their chip's information."""
+    sees an abstract TPU device of `chip` (a key of CHIPS), which is what Pallas TPU kernels
+    ask for their chip's information. mesh: the jax Mesh a sharded step runs over (its axes
+    and their types are kept), None for one device."""
     if chip not in CHIPS:
         raise ValueError(f"tpu_lowering: chip {chip!r} must be one of {tuple(CHIPS)}")
     device = AbstractDevice(device_kind=CHIPS[chip].device_kinds[0], num_cores=1, platform="tpu")
-    mesh = AbstractMesh((num_devices,), ("tpu",), (AxisType.Explicit,), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        yield mesh
+    if mesh is None:
+        sizes, names, types = (1,), ("tpu",), (AxisType.Explicit,)
+    else:
+        sizes, names, types = tuple(mesh.axis_sizes), tuple(mesh.axis_names), \
+            tuple(mesh.axis_types)
+    abstract = AbstractMesh(sizes, names, types, abstract_device=device)
+    with jax.sharding.use_abstract_mesh(abstract):
+        yield abstract

@@ -62,6 +62,8 @@ def test_selection_per_platform():
                             tpu_generation="default")
     assert "ops.tpu_ragged_attention" in describe_kernels(tpu)
     assert "ops.tpu_quant_matmul" in describe_kernels(tpu)
+    sharded_tpu = select_kernels("tpu", mesh_axes=MESH)  # attention per shard; XLA products
+    assert (sharded_tpu.attention, sharded_tpu.quant_matmul) == ("pallas", "reference")
     assert "ops.ragged_attention._ragged" not in describe_kernels(tpu)
     hopper = select_kernels("gpu", hopper=True)
     other = select_kernels("gpu", hopper=False)
