@@ -11,15 +11,17 @@ from engine.request import SamplingParams
 from models.weights import model_from_pure_dict
 from tests.engine.weights import unit_scale_pure_dict
 
-ENGINE_CFG = EngineConfig(max_model_len=64, max_num_seqs=2, page_size=4,
-                          max_num_batched_tokens=32)
+# A step budget of 8 tokens chunks the prompts (11 and 14 tokens): the third step is the first
+# request's decode and a 7-token prefill chunk of the second.
+ENGINE_CFG = EngineConfig(max_model_len=64, max_num_seqs=2, page_size=8,
+                          max_num_batched_tokens=8)
 
 
 def test_greedy_tokens_equal_the_reference_path(monkeypatch):
     model = model_from_pure_dict(TINY_LLAMA31, unit_scale_pure_dict(TINY_LLAMA31, 7))
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, TINY_LLAMA31.vocab_size, n).tolist() for n in (11, 6)]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9)]
+    prompts = [rng.integers(3, TINY_LLAMA31.vocab_size, n).tolist() for n in (11, 14)]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)] * 2
     monkeypatch.setenv("PALLASITE_KERNELS", "device")
     reference = LLMEngine(TINY_LLAMA31, model, engine_cfg=ENGINE_CFG)
     assert reference.runner.kernels.attention == "reference"

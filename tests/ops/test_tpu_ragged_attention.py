@@ -72,7 +72,7 @@ def make_step(rng, sequences, q_dtype, kv_dtype):
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", list(TOL))
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequences=steps(), options=st.sampled_from(OPTIONS), seed=st.integers(0, 2**16))
 def test_matches_float64_reference(q_dtype, kv_dtype, sequences, options, seed):
