@@ -56,7 +56,7 @@ def tpu_matmul_blocks(m: int, k: int, n: int, group_size: int) -> TpuMatmulBlock
     return TpuMatmulBlocks(block_m, block_n, block_k)
 
 
-def _kernel(x_ref, w_ref, s_ref, *refs, bits: int, block_k: int, asymmetric: bool):
+def _kernel(x_ref, w_ref, s_ref, *refs, bits: int, asymmetric: bool):
     # x_ref [BM, BK] (columns permuted for int4, see the module docstring); w_ref int4 words
     # int32 [BK / 8, BN] or int8 codes uint8 [BK, BN]; s_ref (and o_ref) [1, BN] this block's
     # group; out_ref [BM, BN] x's dtype; acc_ref [BM, BN] float32 VMEM.
@@ -110,7 +110,7 @@ def _tpu_quant_matmul(x, codes, scales, offsets, *, bits: int, group_size: int,
     if offsets is not None:
         in_specs.append(pl.BlockSpec((None, 1, bn), lambda i, j, kb: (group_of(kb), 0, j)))
         args.append(offsets.reshape(-1, 1, n))
-    kernel = functools.partial(_kernel, bits=bits, block_k=bk, asymmetric=offsets is not None)
+    kernel = functools.partial(_kernel, bits=bits, asymmetric=offsets is not None)
     out = pl.pallas_call(
         kernel, grid=(rows // bm, n // bn, k // bk), in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kb: (i, j)),

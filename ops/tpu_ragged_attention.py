@@ -189,7 +189,8 @@ def _tpu_ragged_attention(q, k_pages, v_pages, block_tables, query_start_loc, kv
     qt = qt.reshape(num_kv_heads, (num_tokens + block_q) * group, head_dim)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     args = [block_tables, qt, k_pages, v_pages]
-    scratch = [pltpu.SMEM((table_width,), jnp.int32), pltpu.VMEM((rows, head_dim), q.dtype), pltpu.VMEM((rows, head_dim), q.dtype),
+    scratch = [pltpu.SMEM((table_width,), jnp.int32), pltpu.VMEM((rows, head_dim), q.dtype),
+               pltpu.VMEM((rows, head_dim), q.dtype),
                pltpu.VMEM((2, block_k, head_dim), k_pages.dtype),
                pltpu.VMEM((2, block_k, head_dim), v_pages.dtype)]
     if quantized:  # [KVH, P, S] -> [KVH, P, 1, S]: a page's scales are one row of lanes

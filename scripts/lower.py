@@ -216,8 +216,9 @@ def serving_setup(model_name: str, quant: str, chip: str, kv_dtype_name: str,
     if budget <= 0:
         raise ValueError(f"{model_name} ({quant}) leaves no room for a KV cache in the "
                          f"{CHIPS[chip].hbm_gib} GiB of a TPU {chip}")
-    plan = plan_kv_cache(kv_local_config(cfg, mesh), kv_dtype, engine_cfg.page_size, engine_cfg.max_model_len,
-                         engine_cfg.max_num_batched_tokens, engine_cfg.max_num_seqs, None,
+    plan = plan_kv_cache(kv_local_config(cfg, mesh), kv_dtype, engine_cfg.page_size,
+                         engine_cfg.max_model_len, engine_cfg.max_num_batched_tokens,
+                         engine_cfg.max_num_seqs, None,
                          fit_max_model_len=False, kv_cache_memory=budget)
     if requested.max_model_len is None:
         engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings, "tpu",

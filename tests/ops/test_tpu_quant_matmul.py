@@ -1,6 +1,7 @@
-"""ops.tpu_quant_matmul (W4A16 / W8A16 for TPU) in TPU interpret mode on the CPU, through the
-int4_matmul / int8_matmul entry points with the TPU kernel choice, against a float64 numpy
-product of the dequantized weight and against the XLA reference; and lowered for TPU.
+"""ops.tpu_quant_matmul (W4A16 / W8A16 for TPU) in TPU interpret mode on the CPU (compiled on a
+TPU), through the int4_matmul / int8_matmul entry points with the TPU kernel choice, against a
+float64 numpy product of the dequantized weight and against the XLA reference; and lowered for
+TPU.
 
 Codes, scales, offsets and activations are fresh random draws (never zeros), packed by
 quant/qtensor.py so kernel and references read the same arrays.
@@ -21,7 +22,9 @@ from ops.tpu_chips import tpu_lowering
 from ops.tpu_quant_matmul import tpu_matmul_blocks, tpu_quant_matmul
 from quant.qtensor import dequantize, make_quantized_weight
 
-TPU_INTERPRET = dataclasses.replace(REFERENCE, platform="tpu", quant_matmul="pallas_interpret")
+# The TPU kernel choice, interpreted off a TPU (on a TPU the same cases run compiled).
+TPU_INTERPRET = dataclasses.replace(REFERENCE, platform="tpu", quant_matmul=(
+    "pallas" if jax.default_backend() == "tpu" else "pallas_interpret"))
 # Relative L2 error: outputs rounded to the activation dtype (bf16: 2^-9 relative); the kernel
 # multiplies exact integer codes and applies the scales in float32 (interpreted: float32 ~1e-7,
 # bf16 ~2e-3 vs float64).

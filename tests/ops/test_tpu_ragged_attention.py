@@ -1,5 +1,6 @@
-"""ops.tpu_ragged_attention in TPU interpret mode on the CPU, against an independent float64
-numpy attention and jax's own reference (`ref_ragged_paged_attention`), and lowered for TPU.
+"""ops.tpu_ragged_attention in TPU interpret mode on the CPU (compiled on a TPU), against an
+independent float64 numpy attention and jax's own reference (`ref_ragged_paged_attention`), and
+lowered for TPU.
 
 Cases are engine steps with hypothesis-drawn ragged lengths (prefill chunks after cached tokens,
 decodes, padding sequences and padding tokens) over shuffled pages whose unused entries, and the
@@ -21,6 +22,7 @@ from ops.tpu_chips import tpu_lowering
 from ops.tpu_ragged_attention import tpu_ragged_paged_attention
 from tests.ops.paged_cases import GARBAGE, NP_DTYPES, attention_np, make_paged_case, rel_err
 
+INTERPRET = jax.default_backend() != "tpu"  # on a TPU the same cases run compiled
 NUM_SEQS, MAX_Q, MAX_KV, NUM_TOKENS = 4, 7, 40, 32
 PAGE, HEADS, KV_HEADS, HEAD_DIM = 8, 4, 2, 32
 NUM_PAGES, WIDTH = 28, 7  # fixed shapes: one trace per dtype
@@ -77,7 +79,7 @@ def make_step(rng, sequences, q_dtype, kv_dtype):
 @given(sequences=steps(), options=st.sampled_from(OPTIONS), seed=st.integers(0, 2**16))
 def test_matches_float64_reference(q_dtype, kv_dtype, sequences, options, seed):
     args, case, starts = make_step(np.random.default_rng(seed), sequences, q_dtype, kv_dtype)
-    out = tpu_ragged_paged_attention(**args, max_q_len=MAX_Q, blocks=BLOCKS, interpret=True,
+    out = tpu_ragged_paged_attention(**args, max_q_len=MAX_Q, blocks=BLOCKS, interpret=INTERPRET,
                                      **options)
     assert out.shape == args["q"].shape and out.dtype == args["q"].dtype
     out = np.asarray(out.astype(jnp.float32))
@@ -97,7 +99,7 @@ def test_matches_jax_ref_ragged_paged_attention():
     sequences = [(23, 7), (9, 1), (40, 5), (1, 1)]
     args, _, starts = make_step(np.random.default_rng(1), sequences, "float32", "float32")
     options = dict(soft_cap=6.0, sliding_window=11)
-    out = tpu_ragged_paged_attention(**args, max_q_len=MAX_Q, blocks=BLOCKS, interpret=True,
+    out = tpu_ragged_paged_attention(**args, max_q_len=MAX_Q, blocks=BLOCKS, interpret=INTERPRET,
                                      scale=0.3, **options)
     kv = jnp.stack([args["k_pages"], args["v_pages"]], axis=3)  # [KVH, P, S, 2, D]
     kv = kv.transpose(1, 2, 0, 3, 4).reshape(NUM_PAGES, PAGE, 2 * KV_HEADS, HEAD_DIM)
