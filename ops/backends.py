@@ -3,8 +3,9 @@
 Each table lists, per family, which implementation runs for which (platform, layout, dtype,
 rows or shape class), under the KernelBackends value that selects it (`KernelEntry.backend`):
 
-    "pallas"     the family's GPU kernel (Pallas Triton), chosen by kernels.<family> == "pallas"
-                 (or "pallas_interpret": the same kernel, interpreted); within it, the rows
+    "pallas"     the family's kernel on its platform, chosen by kernels.<family> == "pallas"
+                 (or "pallas_interpret": the same kernel, interpreted): Pallas Triton on a GPU,
+                 Pallas Mosaic TPU on a TPU (kernels.platform "tpu"); within it, the rows
                  name the shape classes the dispatch function routes to each implementation
     "wgmma"      the Hopper kernel (Pallas Mosaic GPU), with kernels.wgmma
     "reference"  plain jnp / XLA, every platform
@@ -27,12 +28,13 @@ import jax.numpy as jnp
 
 from configs.switches import Switches
 from ops import gemv, quant_gemv, quant_gemv8, quant_matmul, quant_mma, quant_wgmma, rms_norm
-from ops import ragged_attention, rope_kv
+from ops import ragged_attention, rope_kv, tpu_quant_matmul, tpu_ragged_attention
 from ops.kernel_choice import KernelBackends
 from ops.matmul import coded_product
 from ops.paged_attention import ragged_attention_by_groups, write_kv
 from ops.ragged_attention import ragged_paged_attention_reference
 from ops.sharded_attention import sharded_step_attention, sharded_write_kv
+from ops.tpu_chips import generation_of_device_kind
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 PAGES = "pages [KVH, P, S, D]"
@@ -64,6 +66,9 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
                     "head_dim a power of two >= 16", ragged_attention._ragged_attention_pallas),
         KernelEntry("pallas", "gpu", PAGES, "any", "other head_dim",
                     ragged_paged_attention_reference),
+        KernelEntry("pallas", "tpu", f"{PAGES}, a (head, page) per DMA",
+                    "bf16 / f32 q; int8 / fp8 pages", "any (head_dim a multiple of 128 on "
+                    "hardware)", tpu_ragged_attention._tpu_ragged_attention),
         KernelEntry("reference", "any", PAGES, "any", "decode and prefill groups",
                     ragged_attention_by_groups),
     ),
@@ -119,6 +124,11 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
                     quant_matmul._matmul_kernel),
         KernelEntry("pallas", "gpu", "codes [K, N] or [N, K]", "float x",
                     "> 128 rows (XLA dequantize + dot)", quant_matmul.int4_matmul_reference),
+        KernelEntry("pallas", "tpu", "codes [K, N]", "INT4 / INT8, N and the group a multiple "
+                    "of 128", "any (rows padded to 16, blocks of 256)",
+                    tpu_quant_matmul._tpu_quant_matmul),
+        KernelEntry("pallas", "tpu", "codes [K, N] or stored [N, K]", "other shapes", "any",
+                    quant_matmul.int4_matmul_reference),
         KernelEntry("reference", "any", "codes [K, N]", "any", "any",
                     quant_matmul.int4_matmul_reference),
         KernelEntry("reference", "any", "codes [K, N]", "INT8", "any",
@@ -144,19 +154,26 @@ def active_tags(kernels: KernelBackends, family: str) -> tuple[str, ...]:
 
 
 def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | None = None,
-                   mesh_axes: tuple[tuple[str, int], ...] = ()) -> KernelBackends:
+                   mesh_axes: tuple[tuple[str, int], ...] = (),
+                   device_kind: str = "") -> KernelBackends:
     """The kernel choice for a device (pure: same arguments, same choice).
 
     platform: jax's backend name, "cpu", "gpu" or "tpu". hopper: the GPU is a Hopper (compute
     capability 9.x, wgmma). switches: configs/switches.py (default: none set). mesh_axes:
     ((axis, size), ...) of a sharded step's (data, model) mesh, () for one device.
-    "auto" switches take the Pallas kernels on a GPU and the reference elsewhere (there are no
-    TPU kernels yet). Under a mesh the RoPE + KV write and RMSNorm take the jnp path (the
-    write then runs per shard) while attention runs its kernel per shard.
+    "auto" switches take the Pallas kernels on a GPU and a TPU and the reference elsewhere.
+    Under a mesh the RoPE + KV write and RMSNorm take the jnp path (the write then runs per
+    shard) while attention runs its kernel per shard. On a TPU only attention and the
+    quantized products have kernels (Mosaic TPU); the other families run XLA. device_kind
+    (jax's Device.device_kind) picks the TPU kernels' block sizes. The switch
+    PALLASITE_KERNELS=tpu_interpret makes any platform choose as a TPU does, with the TPU
+    kernels interpreted.
     """
     if platform not in PLATFORMS:
         raise ValueError(f"select_kernels: platform {platform!r} must be one of {PLATFORMS}")
     switches = Switches() if switches is None else switches
+    if platform == "tpu" or switches.kernels == "tpu_interpret":
+        return _select_tpu_kernels(switches, device_kind, mesh_axes)
     gpu = platform == "gpu"
 
     def pick(value: str) -> str:
@@ -172,13 +189,41 @@ def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | 
         mesh=tuple((str(a), int(n)) for a, n in mesh_axes))
 
 
+def _select_tpu_kernels(switches: Switches, device_kind: str,
+                        mesh_axes: tuple[tuple[str, int], ...]) -> KernelBackends:
+    """select_kernels on a TPU (or with the TPU kernels interpreted): the Mosaic TPU kernels of
+    attention and the quantized products where the switches say auto or pallas, XLA for the
+    RoPE + KV write, RMSNorm and the one-row products. Under a mesh the quantized products
+    take XLA's dequantize + dot, which XLA partitions (a Mosaic call is not partitioned
+    automatically; attention runs per shard under shard_map)."""
+    interpret = switches.kernels == "tpu_interpret"
+
+    def pick(value: str) -> str:
+        if value == "reference":
+            return value
+        return "pallas_interpret" if interpret or value == "pallas_interpret" else "pallas"
+
+    return KernelBackends(
+        platform="tpu", attention=pick(switches.attention), kv_write="reference",
+        norm="reference", gemv="reference",
+        quant_matmul="reference" if mesh_axes else pick(switches.matmul),
+        mesh=tuple((str(a), int(n)) for a, n in mesh_axes),
+        tpu_generation=generation_of_device_kind(device_kind))
+
+
 def device_kernels(switches: Switches | None = None,
                    mesh_axes: tuple[tuple[str, int], ...] = ()) -> KernelBackends:
     """`select_kernels` for this process's default device, with the switches of the
     environment unless given (what a runner calls once when it is built)."""
     return select_kernels(jax.default_backend(), hopper=quant_wgmma.on_hopper(),
                           switches=Switches.from_env() if switches is None else switches,
-                          mesh_axes=mesh_axes)
+                          mesh_axes=mesh_axes, device_kind=jax.devices()[0].device_kind)
+
+
+def _runs_on(entry_platform: str, kernels: KernelBackends) -> bool:
+    """A table entry's platform runs under `kernels`: TPU entries exactly with the TPU kernels,
+    GPU entries (interpreted or not) otherwise."""
+    return entry_platform == "any" or (entry_platform == "tpu") == kernels.tpu
 
 
 def describe_kernels(kernels: KernelBackends) -> str:
@@ -189,7 +234,8 @@ def describe_kernels(kernels: KernelBackends) -> str:
     for family, entries in TABLES.items():
         tags = active_tags(kernels, family)
         interpreted = getattr(kernels, family, "") == "pallas_interpret"
-        for entry in sorted((e for e in entries if e.backend in tags),
+        for entry in sorted((e for e in entries if e.backend in tags
+                             and _runs_on(e.platform, kernels)),
                             key=lambda e: tags.index(e.backend)):
             backend = entry.backend + (" (interpreted)" if interpreted and
                                        entry.backend == "pallas" else "")
@@ -197,7 +243,9 @@ def describe_kernels(kernels: KernelBackends) -> str:
                           entry.rows, entry.impl_name))
     widths = [max(len(row[i]) for row in [header] + lines) for i in range(len(header))]
     fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-    extra = [f"platform {kernels.platform}; Hopper kernel {'on' if kernels.wgmma else 'off'}; "
+    extra = [f"platform {kernels.platform}"
+             + (f" (blocks for {kernels.tpu_generation})" if kernels.tpu else "")
+             + f"; Hopper kernel {'on' if kernels.wgmma else 'off'}; "
              f"K order {kernels.k_order}"
              + (f"; mesh {dict(kernels.mesh)}" if kernels.mesh else "")]
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]

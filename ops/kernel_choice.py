@@ -28,6 +28,9 @@ class KernelBackends:
     kernel, else "natural"; ops.matmul.device_k_order).
     mesh: ((axis, size), ...) of the step's (data, model) mesh when the step is sharded:
     attention and the KV write then run per shard under shard_map; () for one device.
+    platform "tpu" makes "pallas" / "pallas_interpret" the TPU kernels (Pallas Mosaic TPU) of
+    attention and quant_matmul; tpu_generation picks their block sizes
+    (ops/tpu_attention_tiles.py; ops.tpu_chips names the generations).
     """
 
     platform: str = "cpu"
@@ -39,6 +42,12 @@ class KernelBackends:
     wgmma: bool = False
     k_order: str = "natural"
     mesh: tuple[tuple[str, int], ...] = ()
+    tpu_generation: str = "default"
+
+    @property
+    def tpu(self) -> bool:
+        """The Pallas choices run the TPU kernels."""
+        return self.platform == "tpu"
 
     def __post_init__(self):
         for family in ("attention", "kv_write", "norm", "gemv", "quant_matmul"):

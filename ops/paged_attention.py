@@ -22,6 +22,7 @@ from ops.kernel_choice import KernelBackends, or_reference
 from ops.kv_quant import QuantizedPages, dequantize_pages, quantize_kv
 from ops.ragged_attention import ragged_paged_attention
 from ops.sharded_attention import sharded_step_attention, sharded_write_kv
+from ops.tpu_ragged_attention import tpu_ragged_paged_attention
 
 
 def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
@@ -169,7 +170,8 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Arguments as in `ragged_attention_by_groups` (pages float or QuantizedPages); scale,
     soft_cap and sliding_window as in `paged_attention_reference` (every path applies them).
     "pallas" runs the ragged Pallas kernel
-    (ops/ragged_attention.py), which reads only each sequence's own pages; "reference" (and
+    (ops/ragged_attention.py; ops/tpu_ragged_attention.py with TPU kernels), which reads only
+    each sequence's own pages; "reference" (and
     kernels None) the grouped jnp reference. With a mesh in `kernels` each shard runs this on
     its own heads and sequences (ops/sharded_attention.py).
     """
@@ -186,6 +188,12 @@ def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         if isinstance(k_pages, QuantizedPages):  # the kernel dequantizes in registers
             scales = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
             k_pages, v_pages = k_pages.values, v_pages.values
+        if kernels.tpu:  # the Mosaic TPU kernel (ops/tpu_ragged_attention.py)
+            return tpu_ragged_paged_attention(
+                q, k_pages, v_pages, block_tables, query_start_loc, kv_lens,
+                max_q_len=max_q_len, scale=scale, soft_cap=soft_cap,
+                sliding_window=sliding_window, generation=kernels.tpu_generation,
+                interpret=kernels.attention == "pallas_interpret", **scales)
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, query_start_loc,
                                       kv_lens, max_q_len=max_q_len, scale=scale,
                                       soft_cap=soft_cap, sliding_window=sliding_window,

@@ -71,6 +71,7 @@ from ops.quant_mma import _mma_kernel
 from ops import quant_gemv8, quant_wgmma
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.quant_gemv import gemv_kernel, prescale
+from ops.tpu_quant_matmul import tpu_quant_matmul
 from ops.quant_matmul_config import (  # noqa: F401  (NUM_SMS: scripts/bench/matmul.py)
     NUM_SMS, PATHS, MatmulConfig, matmul_config)
 from ops.quant_tiles import (_dequant_tile, _load, _load_codes, _program_tiles,
@@ -242,6 +243,17 @@ def _quantized_matmul(name, bits, x, w, scales, offsets, group_size, perm, impl,
         return out.reshape(*lead, n)
     if stored is not None:  # the other paths read the codes as if in natural order
         x2 = jnp.take(x2, jnp.asarray(stored), axis=1)
+    if kernels.tpu and resolved != "reference" and impl is None and config is None:
+        # The Mosaic TPU kernel (ops/tpu_quant_matmul.py) for codes [K, N] of the shapes it
+        # takes; the rest, and codes stored [N, K], take XLA's dequantize + dot.
+        out = None
+        if not stored_nk and m > 0:
+            out = tpu_quant_matmul(x2 if perm is None else jnp.take(x2, perm, axis=1), w,
+                                   scales, offsets, bits=bits, group_size=group_size,
+                                   interpret=resolved == "pallas_interpret")
+        if out is not None:
+            return out.reshape(*lead, n)
+        resolved = "reference"
     if config is None and resolved == "pallas" and impl is None and m > 0:
         config = matmul_config(bits, m, k, n, group_size, stored_nk)
         if config is None:

@@ -12,6 +12,9 @@ Shapes: 32 query heads, 8 kv heads, head_dim 128, page size 16, bf16 (flags chan
   sequence) at batch x context, every sequence at full context, with `ragged_config`'s tiles
   and each of --decode_tiles; against jax.experimental.pallas.ops.gpu.paged_attention and an
   XLA jnp attention on identical arrays. TB/s = K + V bytes read over time (the floor).
+  On a TPU (or --impl=tpu_interpret) the kernel is ops/tpu_ragged_attention.py with its
+  generation's blocks, against the XLA peer, and decode rows' fraction is of the chip's
+  published HBM bandwidth (ops/tpu_chips.py), not of a measured copy.
 - prefill: one sequence's prompt of T tokens attending causally to itself (then a mixed ragged
   step: two prompt chunks, four verifications, 58 decodes), with `ragged_config`'s tiles and
   each of --prefill_tiles; TFLOP/s = 4 * H * D * (causal query-key pairs) over time, against
@@ -36,7 +39,10 @@ from absl import app, flags
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged_attention
 
 from ops.ragged_attention import ragged_config, ragged_paged_attention
-from scripts.bench.common import calibrate, error_text, run_info, time_per_call, write_json
+from ops.tpu_chips import generation_of_device_kind
+from ops.tpu_ragged_attention import tpu_ragged_paged_attention
+from scripts.bench.common import (calibrate, error_text, published_floor, run_info,
+                                  time_per_call, write_json)
 from scripts.bench.profile import device_time_per_call
 
 FLAGS = flags.FLAGS
@@ -62,7 +68,8 @@ flags.DEFINE_integer("mixed_context", 4096, "prefill: context of the mixed step'
                      "verifications")
 flags.DEFINE_bool("device_times", False, "Also trace each program with jax's profiler: device "
                   "busy time per call (see the module docstring).")
-flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "interpret: CPU smoke test")
+flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret", "tpu_interpret"],
+                  "interpret: CPU smoke test (tpu_interpret: the TPU kernel, as on a TPU)")
 flags.DEFINE_string("json_out", "", "write all rows as JSON here")
 
 L2_BYTES = 256 << 20  # distinct KV per program, several times the 60 MB L2
@@ -139,6 +146,20 @@ def make_cache(num_seqs: int, pages_per_seq: int, calls: int, quantized: bool):
     return k, v, ks, vs, tables
 
 
+def on_tpu() -> bool:
+    """The engine's attention is the TPU kernel (ops/tpu_ragged_attention.py): on a TPU, or
+    interpreted with --impl=tpu_interpret."""
+    return jax.default_backend() == "tpu" or FLAGS.impl == "tpu_interpret"
+
+
+def tpu_attention(qs, k, v, ks, vs, tables, starts, lengths, max_q_len: int, calls: int):
+    """The TPU kernel over `calls` input sets, with the device's block sizes."""
+    generation = generation_of_device_kind(jax.devices()[0].device_kind)
+    return tuple(tpu_ragged_paged_attention(
+        qs[c], k, v, tables[c], starts, lengths, max_q_len=max_q_len, k_scales=ks, v_scales=vs,
+        generation=generation, interpret=FLAGS.impl == "tpu_interpret") for c in range(calls))
+
+
 def xla_decode(q, k_pages, v_pages, tables, lengths):
     """XLA peer: gather the pages, bf16 einsums with float32 accumulation, masked softmax."""
     b, h, d = q.shape
@@ -182,7 +203,12 @@ def bench_decode(batch: int, context: int, calib: dict, tiles: list[dict]) -> li
     kv_bytes = decode_bytes(batch, context, k.dtype.itemsize, quantized)
     base = ragged_config(batch, kvh, h // kvh, 1, pages_per_seq * page, d)
     impls = []
-    for cfg in [base, *(dataclasses.replace(base, **tile) for tile in tiles)]:
+    if on_tpu():  # the TPU kernel with its generation's blocks; no GPU tiles or peer
+        impls.append(("pallasite_tpu", lambda qs, k, v, ks, vs, tables: tpu_attention(
+            qs, k, v, ks, vs, tables, starts, lengths, 1, calls), "tpu blocks", True))
+        tiles = None
+    for cfg in [] if tiles is None else [base, *(dataclasses.replace(base, **tile)
+                                                 for tile in tiles)]:
         def ours(qs, k, v, ks, vs, tables, cfg=cfg):
             return tuple(ragged_paged_attention(qs[c], k, v, tables[c], starts, lengths,
                                                 max_q_len=1, k_scales=ks, v_scales=vs,
@@ -190,8 +216,10 @@ def bench_decode(batch: int, context: int, calib: dict, tiles: list[dict]) -> li
                          for c in range(calls))
         impls.append(("pallasite", ours, str(cfg), cfg == base))
     if not quantized:
-        impls.append(("jax_builtin", lambda qs, k, v, ks, vs, tables: tuple(
-            builtin_decode(qs[c], k, v, tables[c], lengths) for c in range(calls)), "", False))
+        if not on_tpu():
+            impls.append(("jax_builtin", lambda qs, k, v, ks, vs, tables: tuple(
+                builtin_decode(qs[c], k, v, tables[c], lengths) for c in range(calls)), "",
+                False))
         if batch * context <= FLAGS.peer_max_tokens:
             impls.append(("xla", lambda qs, k, v, ks, vs, tables: tuple(
                 xla_decode(qs[c], k, v, tables[c], lengths) for c in range(calls)), "", False))
@@ -201,7 +229,7 @@ def bench_decode(batch: int, context: int, calib: dict, tiles: list[dict]) -> li
                "kv_dtype": str(k.dtype), "config": config, "dispatch": dispatch}
         try:
             measure(row, fn, (qs, k, v, ks, vs, tables), calls, kv_bytes, "TBps",
-                    "copy_TBps", calib)
+                    "published_TBps" if "published_TBps" in calib else "copy_TBps", calib)
         except Exception as e:  # a tile or peer that cannot run this shape is a result
             row["error"] = error_text(e)
         rows.append(row)
@@ -248,7 +276,13 @@ def bench_prefill(chunk: int, calib: dict, tiles: list[dict], mixed: bool = Fals
     base = ragged_config(len(seqs), kvh, h // kvh, max_q_len, pages_per_seq * page, d)
     args = (qs, k, v, tables)
     impls = []
-    for cfg in [base, *(dataclasses.replace(base, **tile) for tile in tiles)]:
+    if on_tpu():  # the TPU kernel with its generation's blocks; no GPU tiles or cuDNN
+        impls.append(("pallasite_tpu", lambda qs, k, v, tables: tpu_attention(
+            qs, k, v, None, None, tables, starts, kv_lens, max_q_len, calls), args,
+            "tpu blocks", True))
+        tiles = None
+    for cfg in [] if tiles is None else [base, *(dataclasses.replace(base, **tile)
+                                                 for tile in tiles)]:
         def ours(qs, k, v, tables, cfg=cfg):
             return tuple(ragged_paged_attention(qs[c], k, v, tables[c], starts, kv_lens,
                                                 max_q_len=max_q_len, impl=FLAGS.impl,
@@ -268,7 +302,8 @@ def bench_prefill(chunk: int, calib: dict, tiles: list[dict], mixed: bool = Fals
             return tuple(jax.nn.dot_product_attention(qs[c][None], kc[c], vc[c], is_causal=True,
                                                       implementation="cudnn")
                          for c in range(calls))
-        impls.append(("cudnn_contiguous", cudnn, (qs, kc, vc), "", False))
+        if not on_tpu():
+            impls.append(("cudnn_contiguous", cudnn, (qs, kc, vc), "", False))
     rows = []
     for name, fn, fn_args, config, dispatch in impls:
         row = {"kind": "prefill_mixed" if mixed else "prefill", "impl": name, "chunk": chunk,
@@ -320,6 +355,7 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--modes: unknown {', '.join(unknown)} (calib, decode, prefill)")
     calib = calibrate(device_times=FLAGS.device_times) if "calib" in FLAGS.modes else {}
+    calib |= published_floor()  # on a TPU: decode rows' fraction of the published bandwidth
     rows = []
     if "decode" in FLAGS.modes:
         for batch in map(int, FLAGS.batches):

@@ -9,11 +9,12 @@ import time
 import jax
 import jax.numpy as jnp
 
+from ops.tpu_chips import chip_of_device_kind
 from scripts.bench.profile import device_time_per_call
 from scripts.common import write_json
 
-__all__ = ["calibrate", "dispatch_hold", "error_text", "markdown_table", "queued_seconds",
-           "run_info", "time_per_call", "write_json"]
+__all__ = ["calibrate", "dispatch_hold", "error_text", "markdown_table", "published_floor",
+           "queued_seconds", "run_info", "time_per_call", "write_json"]
 
 
 def queued_seconds(run, calls: int, runs: int, warm: bool = True) -> list[float]:
@@ -78,6 +79,17 @@ def calibrate(copy_bytes: int = 4 << 30, matmul: int = 8192, runs: int = 3, queu
              f"{calib['dev_matmul_TFLOPs']:.0f} TFLOP/s" if "dev_copy_TBps" in calib else ""),
           flush=True)
     return calib
+
+
+def published_floor(device_kind: str | None = None) -> dict:
+    """On a TPU of ops.tpu_chips.CHIPS: {"published_TBps": its published HBM bandwidth,
+    "published_source": where}, the floor the benchmarks divide by there (a vendor figure, not
+    a measurement); {} on other devices. device_kind: default this process's first device."""
+    kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+    chip = chip_of_device_kind(kind)
+    if chip is None:
+        return {}
+    return {"published_TBps": chip.hbm_bytes_per_s / 1e12, "published_source": chip.source}
 
 
 def error_text(e: BaseException) -> str:

@@ -11,7 +11,8 @@ ModelRunner holds a paged KV cache of random values for the largest batch and co
 - decode (batch B, context C): the runner's jitted step as the engine issues it (host padding
   + dispatch) queued --steps times with one sync, median of --runs; tokens/s = B / step. The
   floor is the bytes a step must read (the weights it multiplies by + K/V of B x C tokens) over
-  the copy bandwidth measured in the same run; MBU = floor / step. `loop`: the engine's loop
+  the copy bandwidth measured in the same run (on a TPU: the chip's published HBM bandwidth,
+  ops/tpu_chips.py); MBU = floor / step. `loop`: the engine's loop
   without its scheduler (batch built on the host, step and argmax, tokens back every step).
   --multi_step: rounds of that many steps in one program (the engine's multi-step rounds).
 - prefill: one sequence's prompt of T tokens; tokens/s and FLOP utilization against the bf16
@@ -46,7 +47,8 @@ from engine.sampling import SamplingArrays
 from ops.backends import device_kernels
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
-from scripts.bench.common import calibrate, error_text, markdown_table, run_info, write_json
+from scripts.bench.common import (calibrate, error_text, markdown_table, published_floor,
+                                  run_info, write_json)
 from scripts.common import fail, kernels_line, set_xla_flags
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
@@ -178,7 +180,8 @@ def decode_row(row: dict, name: str, variant: str, cfg, model, runner, tables, r
     w = dm.weight_bytes_per_step(cfg, model, b)
     kv = dm.kv_bytes_per_step(cfg, runner.cache.k_pages[0].dtype, b, c)
     # a mesh reads its bytes with every device: the floor is the bytes over all of them
-    floor = (w + kv) / (calib["copy_TBps"] * 1e12) / devices
+    # on a TPU the chip's published bandwidth (scripts.bench.common.published_floor)
+    floor = (w + kv) / (calib.get("published_TBps", calib["copy_TBps"]) * 1e12) / devices
     row |= {"weight_bytes": w, "kv_bytes": kv, "floor_s": floor,
             "tokens_per_s": b / row["step_s"], "mbu": floor / row["step_s"],
             "roofline_tokens_per_s": b / floor}
@@ -356,6 +359,7 @@ def main(argv):
     results["calibration"] = (calibrate() if FLAGS.calibrate else
                               {"copy_TBps": FLAGS.copy_tbs, "read_TBps": FLAGS.copy_tbs,
                                "matmul_TFLOPs": FLAGS.matmul_tflops})
+    results["calibration"] |= published_floor()
     save(results)
     precision = None if FLAGS.matmul_precision == "default" else FLAGS.matmul_precision
     results["matmul_precision"] = FLAGS.matmul_precision

@@ -53,8 +53,18 @@ def test_every_choice_resolves_to_entries():
 def test_selection_per_platform():
     cpu = select_kernels("cpu")
     assert cpu == dataclasses.replace(REFERENCE, platform="cpu")
-    assert select_kernels("tpu") == dataclasses.replace(REFERENCE, platform="tpu")  # no TPU
-    # kernels yet: the references
+    # a TPU: the Mosaic TPU kernels of attention (block sizes by generation), XLA elsewhere
+    tpu = select_kernels("tpu", device_kind="TPU v6 lite")
+    assert tpu == dataclasses.replace(REFERENCE, platform="tpu", attention="pallas",
+                                      quant_matmul="pallas", tpu_generation="v6e")
+    assert select_kernels("cpu", switches=Switches(kernels="tpu_interpret")) == \
+        dataclasses.replace(tpu, attention="pallas_interpret", quant_matmul="pallas_interpret",
+                            tpu_generation="default")
+    assert "ops.tpu_ragged_attention" in describe_kernels(tpu)
+    assert "ops.tpu_quant_matmul" in describe_kernels(tpu)
+    sharded_tpu = select_kernels("tpu", mesh_axes=MESH)  # attention per shard; XLA products
+    assert (sharded_tpu.attention, sharded_tpu.quant_matmul) == ("pallas", "reference")
+    assert "ops.ragged_attention._ragged" not in describe_kernels(tpu)
     hopper = select_kernels("gpu", hopper=True)
     other = select_kernels("gpu", hopper=False)
     for kernels in (hopper, other):

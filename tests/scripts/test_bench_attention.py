@@ -50,3 +50,17 @@ def test_a_malformed_tile_is_one_clear_usage_error():
                           capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode != 0 and "--decode_tiles: '64/2/4'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_tpu_kernel_rows_interpreted(tmp_path):
+    """--impl=tpu_interpret: the decode rows run the TPU kernel (as on a TPU) and the XLA peer."""
+    out = tmp_path / "attention.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.attention", *TINY[:-1], "--impl=tpu_interpret",
+         "--modes=decode", "--batches=2", "--contexts=32", f"--json_out={out}"],
+        capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r["dispatch"]) for r in rows] == [("pallasite_tpu", True),
+                                                          ("xla", False)]
+    assert rows[0]["us"] > 0 and rows[0]["frac"] is None  # no TPU: no published floor here
