@@ -37,12 +37,13 @@ def make_mesh(tp: int = 1, dp: int = 1, devices=None, ep: int = 1) -> Mesh:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     count = tp * dp * ep
+    sizes = f"tp={tp} x dp={dp}" + (f" x ep={ep}" if ep > 1 else "")
     if len(devices) % count:
-        raise ValueError(f"tp={tp} x dp={dp} x ep={ep} = {count} devices does not divide the "
+        raise ValueError(f"{sizes} = {count} devices does not divide the "
                          f"{len(devices)} devices available ({_describe(devices)})")
     if jax.process_count() > 1 and count != len(devices):
         raise ValueError(f"with {jax.process_count()} processes tp x dp x ep must use all "
-                         f"{len(devices)} devices, got tp={tp} x dp={dp} x ep={ep} = {count}")
+                         f"{len(devices)} devices, got {sizes} = {count}")
     grid = np.array(devices[:count], dtype=object).reshape(dp, ep, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
