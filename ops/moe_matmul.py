@@ -2,18 +2,21 @@
 
 Rows are tokens sorted by expert: rows [0, g0) go to expert 0, the next g1 rows to expert 1 and
 so on (group_sizes [E], summing to at most M; rows past the sum belong to no expert and come out
-zero). Nothing is padded to a capacity and no row is dropped: `jax.lax.ragged_dot` multiplies
-each group by its own expert's weight.
+zero). Nothing is padded to a capacity and no row is dropped.
 
     grouped_matmul        x [M, K] @ w [E, K, N] per group -> [M, N] in x's dtype
     grouped_coded_matmul  the same over the experts' codes (quant/qtensor.py's layouts with a
                           leading expert axis: INT4 int32 [E, K/8, N], INT8 uint8 [E, K, N],
                           scales and offsets [E, G, N])
-    grouped_matmul_reference  the same per row with a gathered weight, in plain jnp
 
-On XLA the codes' product runs in two forms: up to CODED_PRODUCT_MAX_ROWS rows the codes enter
-the product as they are and each row's scales are applied after it, per group of K (no
-dequantized weight is written); above, the experts are dequantized once and multiplied.
+Two XLA forms, by rows (`gathers`):
+    gathered  up to GATHER_MAX_ROWS rows (default: as many as there are experts, decode steps):
+              each row's expert weight is gathered and multiplied with that row alone, so a
+              step reads the experts its rows chose, not all E. Codes are gathered as codes
+              and enter the product as they are, their scales applied after it per group of K.
+    ragged    more rows: `jax.lax.ragged_dot` over the groups (codes dequantized once first).
+              XLA's GPU compiler expands it to a dense product over every expert unless its
+              grouped-GEMM backend is on (--xla_gpu_experimental_use_ragged_dot_fusion).
 """
 from __future__ import annotations
 
@@ -22,7 +25,15 @@ import jax.numpy as jnp
 
 INT4_PER_WORD = 8
 CODE_ZEROS = {8: 128, 4: 8}  # bits -> the zero point of symmetric codes
-CODED_PRODUCT_MAX_ROWS = 64  # more rows: dequantize the experts once, then one grouped product
+# Rows up to which products gather each row's expert (None: the number of experts). Reads
+# per step: the gathered form M experts' weights, the ragged one (expanded by XLA) all E.
+GATHER_MAX_ROWS: int | None = None
+
+
+def gathers(rows: int, num_experts: int) -> bool:
+    """Whether a product of `rows` sorted rows over `num_experts` experts takes the gathered
+    form (see the module docstring)."""
+    return rows <= (num_experts if GATHER_MAX_ROWS is None else GATHER_MAX_ROWS)
 
 
 def _check(x: jax.Array, shape: tuple[int, ...], group_sizes: jax.Array, what: str) -> None:
@@ -38,6 +49,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     """x [M, K] (rows sorted by expert) @ w [E, K, N] per group -> [M, N] in x's dtype,
     accumulated in float32; rows past sum(group_sizes) are zero."""
     _check(x, w.shape, group_sizes, "grouped_matmul")
+    if gathers(x.shape[0], w.shape[0]):
+        return gathered_matmul(x, w, group_sizes)
     y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
                            preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
@@ -100,34 +113,36 @@ def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
         raise ValueError(f"grouped_coded_matmul: {g} groups of {size} do not cover K={k}")
     group_sizes = group_sizes.astype(jnp.int32)
     m = x.shape[0]
-    if m > CODED_PRODUCT_MAX_ROWS:
+    if not gathers(m, e):
         dense = dequantize_experts(packed, scales, offsets, bits, size, x.dtype)
-        return grouped_matmul(x, dense, group_sizes)
+        y = jax.lax.ragged_dot(x, dense, group_sizes, preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    expert, real = _row_experts_clamped(group_sizes, m, e)
+    codes = unpack_codes(packed[expert], bits).astype(x.dtype)  # [M, K, N], exact: < 256
     pad = g * size - k  # the last group may be shorter
-    codes = unpack_codes(packed, bits).astype(x.dtype)  # exact: codes < 256
-    xg = jnp.pad(x, ((0, 0), (0, pad))).reshape(m, g, size).transpose(1, 0, 2)  # [G, M, size]
-    cg = jnp.pad(codes, ((0, 0), (0, pad), (0, 0))).reshape(e, g, size, n)  # [E, G, size, N]
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([2], [2]), ([0], [1])), lhs_ragged_dimensions=[1],
-        rhs_group_dimensions=[0])
-    yg = jax.lax.ragged_dot_general(xg, cg, group_sizes, dims,
-                                    preferred_element_type=jnp.float32)  # [G, M, N]
-    expert = row_experts(group_sizes, m)
-    real = expert < e  # rows past the groups stay zero
-    expert = jnp.minimum(expert, e - 1)
+    xg = jnp.pad(x, ((0, 0), (0, pad))).reshape(m, g, size)  # [M, G, size]
+    cg = jnp.pad(codes, ((0, 0), (0, pad), (0, 0))).reshape(m, g, size, n)  # [M, G, size, N]
+    yg = jnp.einsum("mgs,mgsn->mgn", xg, cg, preferred_element_type=jnp.float32)  # [M, G, N]
     s = scales.astype(jnp.float32)[expert]  # [M, G, N]
     z = (-CODE_ZEROS[bits] * s if offsets is None
          else offsets.astype(jnp.float32)[expert])  # [M, G, N]
-    x_sums = jnp.sum(xg.astype(jnp.float32), axis=-1).T  # [M, G]
-    y = jnp.sum(yg.transpose(1, 0, 2) * s + x_sums[:, :, None] * z, axis=1)  # [M, N]
+    x_sums = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [M, G]
+    # elementwise float32: the zero point's term cancels most of the codes' product
+    y = jnp.sum(yg * s + x_sums[:, :, None] * z, axis=1)  # [M, N]
     return jnp.where(real[:, None], y, 0.0).astype(x.dtype)
 
 
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """grouped_matmul by gathering each row's expert weight (plain jnp; M x K x N memory)."""
-    _check(x, w.shape, group_sizes, "grouped_matmul_reference")
-    expert = row_experts(group_sizes, x.shape[0])
-    real = expert < w.shape[0]
-    wr = w[jnp.minimum(expert, w.shape[0] - 1)].astype(jnp.float32)  # [M, K, N]
-    y = jnp.einsum("mk,mkn->mn", x.astype(jnp.float32), wr)
+def _row_experts_clamped(group_sizes: jax.Array, rows: int, num_experts: int):
+    """(each row's expert clamped to a valid index int32 [rows], whether the row is in a group
+    [rows])."""
+    expert = row_experts(group_sizes, rows)
+    return jnp.minimum(expert, num_experts - 1), expert < num_experts
+
+
+def gathered_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """grouped_matmul's gathered form: each row times its own expert's weight, gathered
+    ([M, K, N]); reads the M rows' experts only."""
+    expert, real = _row_experts_clamped(group_sizes, x.shape[0], w.shape[0])
+    y = jnp.einsum("mk,mkn->mn", x, w[expert].astype(x.dtype),
+                   preferred_element_type=jnp.float32)
     return jnp.where(real[:, None], y, 0.0).astype(x.dtype)
