@@ -9,14 +9,18 @@ zero). Nothing is padded to a capacity and no row is dropped.
                           leading expert axis: INT4 int32 [E, K/8, N], INT8 uint8 [E, K, N],
                           scales and offsets [E, G, N])
 
-Two XLA forms, by rows (`gathers`):
-    gathered  up to GATHER_MAX_ROWS rows (default: as many as there are experts, decode steps):
-              each row's expert weight is gathered and multiplied with that row alone, so a
-              step reads the experts its rows chose, not all E. Codes are gathered as codes
-              and enter the product as they are, their scales applied after it per group of K.
-    ragged    more rows: `jax.lax.ragged_dot` over the groups (codes dequantized once first).
-              XLA's GPU compiler expands it to a dense product over every expert unless its
-              grouped-GEMM backend is on (--xla_gpu_experimental_use_ragged_dot_fusion).
+XLA forms, by rows (`product_form`):
+    gathered  up to as many rows as experts (decode steps): each row's expert weight is
+              gathered and multiplied with that row alone, so a step reads only the experts
+              its rows chose. Codes are gathered as codes and enter the product as they are,
+              their scales applied after it per group of K.
+    tiles     more rows (LARGE_FORM "tiles"): each expert's rows padded to whole tiles of
+              TILE_ROWS, each tile multiplied by its expert's gathered weight in one batched
+              product; at most ceil(M / TILE_ROWS) + E tiles, so the work grows with M, not
+              with M x E.
+    ragged    (LARGE_FORM "ragged") `jax.lax.ragged_dot`: a grouped GEMM where XLA has one (on
+              a GPU behind --xla_gpu_experimental_use_ragged_dot_fusion); XLA's default GPU
+              and CPU lowering expands it into a dense product over every expert.
 """
 from __future__ import annotations
 
@@ -25,15 +29,17 @@ import jax.numpy as jnp
 
 INT4_PER_WORD = 8
 CODE_ZEROS = {8: 128, 4: 8}  # bits -> the zero point of symmetric codes
-# Rows up to which products gather each row's expert (None: the number of experts). Reads
-# per step: the gathered form M experts' weights, the ragged one (expanded by XLA) all E.
-GATHER_MAX_ROWS: int | None = None
+TILE_ROWS = 64  # rows per tile of the "tiles" form
+LARGE_FORM = "tiles"  # the form of products of more rows than experts: "tiles" or "ragged"
+FORMS = ("gathered", "tiles", "ragged")
 
 
-def gathers(rows: int, num_experts: int) -> bool:
-    """Whether a product of `rows` sorted rows over `num_experts` experts takes the gathered
-    form (see the module docstring)."""
-    return rows <= (num_experts if GATHER_MAX_ROWS is None else GATHER_MAX_ROWS)
+def product_form(rows: int, num_experts: int) -> str:
+    """The XLA form of a product of `rows` sorted rows over `num_experts` experts (see the
+    module docstring)."""
+    if LARGE_FORM not in FORMS[1:]:
+        raise ValueError(f"moe_matmul.LARGE_FORM {LARGE_FORM!r} must be one of {FORMS[1:]}")
+    return "gathered" if rows <= num_experts else LARGE_FORM
 
 
 def _check(x: jax.Array, shape: tuple[int, ...], group_sizes: jax.Array, what: str) -> None:
@@ -49,11 +55,18 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     """x [M, K] (rows sorted by expert) @ w [E, K, N] per group -> [M, N] in x's dtype,
     accumulated in float32; rows past sum(group_sizes) are zero."""
     _check(x, w.shape, group_sizes, "grouped_matmul")
-    if gathers(x.shape[0], w.shape[0]):
-        return gathered_matmul(x, w, group_sizes)
-    y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
-                           preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    group_sizes = group_sizes.astype(jnp.int32)
+    form = product_form(x.shape[0], w.shape[0])
+    if form == "gathered":
+        expert, real = _row_experts_clamped(group_sizes, x.shape[0], w.shape[0])
+        y = jnp.einsum("mk,mkn->mn", x, w[expert].astype(x.dtype),
+                       preferred_element_type=jnp.float32)
+        return jnp.where(real[:, None], y, 0.0).astype(x.dtype)
+    if form == "ragged":
+        y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
+                               preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    return _tiled(x, group_sizes, w.shape[0], lambda tile_expert: w[tile_expert])
 
 
 def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -61,6 +74,44 @@ def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # [E]
     return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(
         jnp.int32)
+
+
+def _row_experts_clamped(group_sizes: jax.Array, rows: int, num_experts: int):
+    """(each row's expert clamped to a valid index int32 [rows], whether the row is in a group
+    [rows])."""
+    expert = row_experts(group_sizes, rows)
+    return jnp.minimum(expert, num_experts - 1), expert < num_experts
+
+
+def tile_layout(group_sizes: jax.Array, rows: int, tile: int):
+    """Where the "tiles" form puts each sorted row: (padded position int32 [rows], num_tiles *
+    tile for rows in no group; expert of each tile int32 [num_tiles]), with each expert's rows
+    starting a new tile. num_tiles = ceil(rows / tile) + min(E, rows) bounds the tiles any
+    group sizes need (each non-empty group adds less than one tile of padding)."""
+    e = group_sizes.shape[0]
+    num_tiles = -(-rows // tile) + min(e, rows)
+    tiles = (group_sizes + tile - 1) // tile  # [E]
+    tile_end = jnp.cumsum(tiles)
+    row_start = jnp.cumsum(group_sizes) - group_sizes
+    expert, real = _row_experts_clamped(group_sizes, rows, e)
+    offset = jnp.arange(rows, dtype=jnp.int32) - row_start[expert]
+    position = jnp.where(real, (tile_end - tiles)[expert] * tile + offset, num_tiles * tile)
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(num_tiles, dtype=jnp.int32),
+                                   side="right")
+    return position.astype(jnp.int32), jnp.minimum(tile_expert, e - 1).astype(jnp.int32)
+
+
+def _tiled(x: jax.Array, group_sizes: jax.Array, num_experts: int, tile_weights) -> jax.Array:
+    """The "tiles" form: tile_weights(tile_expert int32 [T]) -> the tiles' weights [T, K, N]."""
+    m, k = x.shape
+    position, tile_expert = tile_layout(group_sizes, m, TILE_ROWS)
+    t = tile_expert.shape[0]
+    xp = jnp.zeros((t * TILE_ROWS, k), x.dtype).at[position].set(x, mode="drop")
+    y = jnp.einsum("tik,tkn->tin", xp.reshape(t, TILE_ROWS, k),
+                   tile_weights(tile_expert).astype(x.dtype),
+                   preferred_element_type=jnp.float32)  # [T, TILE_ROWS, N]
+    y = y.reshape(t * TILE_ROWS, -1)
+    return jnp.take(y, position, axis=0, mode="fill", fill_value=0).astype(x.dtype)
 
 
 def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
@@ -113,9 +164,16 @@ def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
         raise ValueError(f"grouped_coded_matmul: {g} groups of {size} do not cover K={k}")
     group_sizes = group_sizes.astype(jnp.int32)
     m = x.shape[0]
-    if not gathers(m, e):
-        dense = dequantize_experts(packed, scales, offsets, bits, size, x.dtype)
-        y = jax.lax.ragged_dot(x, dense, group_sizes, preferred_element_type=jnp.float32)
+    form = product_form(m, e)
+
+    def dequantized(idx):  # the experts idx [T] dequantized: [T, K, N]
+        return dequantize_experts(packed[idx], scales[idx],
+                                  None if offsets is None else offsets[idx], bits, size, x.dtype)
+    if form == "tiles":
+        return _tiled(x, group_sizes, e, dequantized)
+    if form == "ragged":
+        y = jax.lax.ragged_dot(x, dequantized(jnp.arange(e)), group_sizes,
+                               preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
     expert, real = _row_experts_clamped(group_sizes, m, e)
     codes = unpack_codes(packed[expert], bits).astype(x.dtype)  # [M, K, N], exact: < 256
@@ -129,20 +187,4 @@ def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
     x_sums = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [M, G]
     # elementwise float32: the zero point's term cancels most of the codes' product
     y = jnp.sum(yg * s + x_sums[:, :, None] * z, axis=1)  # [M, N]
-    return jnp.where(real[:, None], y, 0.0).astype(x.dtype)
-
-
-def _row_experts_clamped(group_sizes: jax.Array, rows: int, num_experts: int):
-    """(each row's expert clamped to a valid index int32 [rows], whether the row is in a group
-    [rows])."""
-    expert = row_experts(group_sizes, rows)
-    return jnp.minimum(expert, num_experts - 1), expert < num_experts
-
-
-def gathered_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """grouped_matmul's gathered form: each row times its own expert's weight, gathered
-    ([M, K, N]); reads the M rows' experts only."""
-    expert, real = _row_experts_clamped(group_sizes, x.shape[0], w.shape[0])
-    y = jnp.einsum("mk,mkn->mn", x, w[expert].astype(x.dtype),
-                   preferred_element_type=jnp.float32)
     return jnp.where(real[:, None], y, 0.0).astype(x.dtype)

@@ -45,6 +45,7 @@ from absl import app, flags
 from configs.model import get_preset
 from engine.mesh import make_mesh
 from engine.sampling import SamplingArrays
+from ops import moe_matmul
 from ops.backends import device_kernels
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
@@ -69,6 +70,10 @@ flags.DEFINE_list("variants", ["base"], "base, fused, gemv, mesh (see the module
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("ep", None, "Expert-parallel devices of the `mesh` variant (implies it): "
                      "a mixture of experts' experts split over them.")
+flags.DEFINE_enum("moe_large_form", "tiles", ["tiles", "ragged"],
+                  "Mixtures of experts: the XLA form of expert products of more rows than experts "
+                  "(ops/moe_matmul.py; 'ragged' with XLA_FLAGS=--xla_gpu_experimental_use_ragged"
+                  "_dot_fusion=true tries XLA's grouped GEMM).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
 flags.DEFINE_integer("loop_steps", 8, "Steps of the synced engine-style loop per row (0: off).")
@@ -341,6 +346,7 @@ def decode_table(results: dict) -> str:
 def main(argv):
     del argv
     set_xla_flags()  # before jax's backend starts
+    moe_matmul.LARGE_FORM = FLAGS.moe_large_form
     variants = list(FLAGS.variants)
     if (FLAGS.tp or FLAGS.ep) and variants == ["base"]:
         variants = ["mesh"]
@@ -350,6 +356,7 @@ def main(argv):
     if FLAGS.greedy_reference and not os.path.exists(FLAGS.greedy_reference):
         fail(f"--greedy_reference: no file {FLAGS.greedy_reference}")
     results = {"models": FLAGS.model, "variants": variants, "label": FLAGS.label,
+               "moe_large_form": FLAGS.moe_large_form,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "setup": [], "decode": [],
                "prefill": [], "greedy": []}
     run_hf_peer(results)  # before jax takes the GPU's memory

@@ -113,9 +113,10 @@ def test_moe_layer_matches_float64(normalize, dtype, tol):
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < tol
 
 
-@pytest.mark.parametrize("gather_rows", [0, 64], ids=["ragged", "gathered"])
-def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, gather_rows):
-    monkeypatch.setattr(moe_matmul, "GATHER_MAX_ROWS", gather_rows)
+@pytest.mark.parametrize("form", moe_matmul.FORMS)
+def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
+    monkeypatch.setattr(moe_matmul, "product_form", lambda rows, experts: form)
+    monkeypatch.setattr(moe_matmul, "TILE_ROWS", 2)  # groups of 3 and 4 rows: 2 tiles each
     rng = np.random.default_rng(3)
     x = rng.standard_normal((10, 16)).astype(np.float32)
     w = rng.standard_normal((5, 16, 8)).astype(np.float32)

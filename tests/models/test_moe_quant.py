@@ -11,6 +11,7 @@ from configs.model import get_preset
 from engine.runner import full_sequence_logits
 from models.moe import moe_mlp
 from models.weights import random_model
+from ops import moe_matmul
 from ops.moe_matmul import grouped_coded_matmul
 from quant.model import QuantConfig, quantize_model
 from quant.qtensor import dequantize
@@ -27,11 +28,14 @@ def pack_int4(codes: np.ndarray) -> np.ndarray:
     return words.view(np.int32)
 
 
-@pytest.mark.parametrize("rows", [5, 40], ids=["gathered", "ragged"])  # <= E = 5 gathers
+@pytest.mark.parametrize("form", moe_matmul.FORMS)
 @pytest.mark.parametrize("bits,group,symmetric", [(8, 0, True), (8, 0, False), (4, 16, False),
                                                   (4, 24, True), (4, 0, True)])
-def test_grouped_coded_matmul_matches_float64(rows, bits, group, symmetric):
-    rng = np.random.default_rng(bits * 100 + group + rows + symmetric)
+def test_grouped_coded_matmul_matches_float64(monkeypatch, form, bits, group, symmetric):
+    monkeypatch.setattr(moe_matmul, "product_form", lambda rows, experts: form)
+    monkeypatch.setattr(moe_matmul, "TILE_ROWS", 4)
+    rows = 13
+    rng = np.random.default_rng(bits * 100 + group + symmetric)
     e, k, n = 5, 40, 24
     size = group or k
     g = -(-k // size)
