@@ -20,6 +20,8 @@ import pytest
 from configs.model import get_preset
 from engine.runner import full_sequence_logits
 from models.moe import moe_mlp, route
+from models.prepare import prepare_for_device
+from models.weights import random_model
 from ops import moe_matmul
 from ops.moe_matmul import grouped_matmul
 from quant.loader import load_model
@@ -130,3 +132,14 @@ def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes[:3]))
+
+
+def test_prepare_for_a_gpu_fuses_attention_and_keeps_the_experts():
+    cfg = get_preset("tiny-qwen3-moe")
+    prepared = prepare_for_device(cfg, random_model(cfg, seed=1), platform="gpu", hopper=True)
+    layer = prepared.model.layers[0]
+    assert prepared.cfg.fused_projections and hasattr(layer.self_attn, "qkv_proj")
+    assert layer.mlp.gate_proj.kernel.get_value().shape == (8, 64, 32)  # stacked, unfused
+    with pytest.raises(ValueError, match="mixture of experts"):
+        prepare_for_device(cfg, random_model(cfg, seed=1), platform="gpu", hopper=True,
+                           gemv_layers=True)
