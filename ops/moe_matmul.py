@@ -42,6 +42,14 @@ def product_form(rows: int, num_experts: int) -> str:
     return "gathered" if rows <= num_experts else LARGE_FORM
 
 
+def _form(form: str | None, rows: int, num_experts: int) -> str:
+    if form is None:
+        return product_form(rows, num_experts)
+    if form not in FORMS:
+        raise ValueError(f"moe_matmul: form {form!r} must be one of {FORMS}")
+    return form
+
+
 def _check(x: jax.Array, shape: tuple[int, ...], group_sizes: jax.Array, what: str) -> None:
     if x.ndim != 2 or len(shape) != 3 or x.shape[1] != shape[1]:
         raise ValueError(f"{what}: x {x.shape} must be [M, K] against experts [E, K, N] "
@@ -51,12 +59,14 @@ def _check(x: jax.Array, shape: tuple[int, ...], group_sizes: jax.Array, what: s
                          "count per expert)")
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   form: str | None = None) -> jax.Array:
     """x [M, K] (rows sorted by expert) @ w [E, K, N] per group -> [M, N] in x's dtype,
-    accumulated in float32; rows past sum(group_sizes) are zero."""
+    accumulated in float32; rows past sum(group_sizes) are zero. form: one of FORMS, None:
+    `product_form`'s choice."""
     _check(x, w.shape, group_sizes, "grouped_matmul")
     group_sizes = group_sizes.astype(jnp.int32)
-    form = product_form(x.shape[0], w.shape[0])
+    form = _form(form, x.shape[0], w.shape[0])
     if form == "gathered":
         expert, real = _row_experts_clamped(group_sizes, x.shape[0], w.shape[0])
         y = jnp.einsum("mk,mkn->mn", x, w[expert].astype(x.dtype),
@@ -146,11 +156,12 @@ def dequantize_experts(packed: jax.Array, scales: jax.Array, offsets: jax.Array 
 
 def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
                          offsets: jax.Array | None, group_sizes: jax.Array, *, bits: int,
-                         group_size: int) -> jax.Array:
+                         group_size: int, form: str | None = None) -> jax.Array:
     """x [M, K] (rows sorted by expert) @ the experts' codes per group -> [M, N] in x's dtype.
 
     packed: INT4 int32 [E, K/8, N] or INT8 uint8 [E, K, N]; scales (offsets) [E, G, N], G =
-    ceil(K / group_size) (G = 1: per output channel); group_sizes int32 [E].
+    ceil(K / group_size) (G = 1: per output channel); group_sizes int32 [E]; form: as in
+    grouped_matmul.
     """
     e, g, n = scales.shape
     k = x.shape[1]
@@ -164,7 +175,7 @@ def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
         raise ValueError(f"grouped_coded_matmul: {g} groups of {size} do not cover K={k}")
     group_sizes = group_sizes.astype(jnp.int32)
     m = x.shape[0]
-    form = product_form(m, e)
+    form = _form(form, m, e)
 
     def dequantized(idx):  # the experts idx [T] dequantized: [T, K, N]
         return dequantize_experts(packed[idx], scales[idx],

@@ -117,7 +117,6 @@ def test_moe_layer_matches_float64(normalize, dtype, tol):
 
 @pytest.mark.parametrize("form", moe_matmul.FORMS)
 def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
-    monkeypatch.setattr(moe_matmul, "product_form", lambda rows, experts: form)
     monkeypatch.setattr(moe_matmul, "TILE_ROWS", 2)  # groups of 3 and 4 rows: 2 tiles each
     rng = np.random.default_rng(3)
     x = rng.standard_normal((10, 16)).astype(np.float32)
@@ -128,10 +127,10 @@ def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
     for g in range(5):
         rows = slice(starts[g], starts[g + 1])
         want[rows] = x[rows].astype(np.float64) @ w[g]
-    got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes)))
+    got = np.asarray(grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), form))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="group_sizes"):
-        grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes[:3]))
+        grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes[:3]), form)
 
 
 def test_prepare_for_a_gpu_fuses_attention_and_keeps_the_experts():
