@@ -29,7 +29,8 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of a decoder of the Llama family and its relatives (Llama 2/3,
-    SmolLM2, Qwen2/3, Mistral, Gemma 2 and 3, Phi-3), switched by the fields below."""
+    SmolLM2, Qwen2/3, Mistral, Gemma 2 and 3, Phi-3, and the mixtures of experts Mixtral and
+    Qwen3-MoE), switched by the fields below."""
 
     name: str
     vocab_size: int
@@ -73,6 +74,15 @@ class ModelConfig:
     gemv_layers: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (models/moe.py): every layer's MLP is num_experts experts of width
+    # moe_intermediate_size, each token weighted over the num_experts_per_tok experts of the
+    # highest router probability; 0 experts: the dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # The chosen experts' probabilities divided by their sum (Mixtral always; Qwen3-MoE by its
+    # config), else the softmax over all experts as they are.
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -93,6 +103,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.layer_types: unknown layer types {sorted(unknown)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size >= 1):
+            raise ValueError(f"ModelConfig: {self.num_experts} experts need 1 <= "
+                             f"num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                             f"and moe_intermediate_size >= 1 ({self.moe_intermediate_size})")
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of decoder layer `layer`, or None where it attends to every key."""
@@ -106,6 +121,11 @@ class ModelConfig:
     def attention_scale(self) -> Optional[float]:
         """The softmax scale when it is not head_dim ** -0.5 (query_pre_attn_scalar), else None."""
         return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts (models/moe.py)."""
+        return self.num_experts > 0
 
     @property
     def q_per_kv(self) -> int:
@@ -123,9 +143,19 @@ class ModelConfig:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * h * i + (4 if self.sandwich_norms else 2) * h
+        mlp = (3 * h * self.moe_intermediate_size * self.num_experts + h * self.num_experts
+               if self.is_moe else 3 * h * i)
+        layer = attn + mlp + (4 if self.sandwich_norms else 2) * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
+
+    def num_active_params(self) -> int:
+        """Weights one token reads: num_params with only its num_experts_per_tok experts."""
+        if not self.is_moe:
+            return self.num_params()
+        idle = self.num_experts - self.num_experts_per_tok
+        return (self.num_params()
+                - self.num_layers * idle * 3 * self.hidden_size * self.moe_intermediate_size)
 
 
 SMOLLM2_135M = ModelConfig(
@@ -198,6 +228,20 @@ GEMMA3_12B = ModelConfig(
     query_pre_attn_scalar=256.0, hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=True,
     bos_token_id=2, eos_token_ids=(1, 106))
 
+MIXTRAL_8X7B = ModelConfig(
+    name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+    rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, num_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True, bos_token_id=1,
+    eos_token_ids=(2,))
+
+QWEN3_30B_A3B = ModelConfig(
+    name="qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    bos_token_id=None, eos_token_ids=(151645, 151643))
+
 PHI3_MINI = ModelConfig(  # Phi-3-mini-4k: the checkpoint's fused qkv and gate/up are split
     name="phi-3-mini", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
     num_layers=32, num_heads=32, num_kv_heads=32, head_dim=96, max_position_embeddings=4096,
@@ -239,11 +283,26 @@ TINY_PHI3 = ModelConfig(
     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
     tie_word_embeddings=False, sliding_window=5, bos_token_id=1, eos_token_ids=(2,))
 
+# Mixtures of experts: Mixtral (renormalised top-2 of 4) and Qwen3-MoE (top-3 of 8, the
+# probabilities as they are, as the Qwen3-MoE config's default norm_topk_prob=False gives).
+TINY_MIXTRAL = ModelConfig(
+    name="tiny-mixtral", vocab_size=256, hidden_size=64, intermediate_size=32, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+    rope_theta=1000000.0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, norm_topk_prob=True, bos_token_id=1, eos_token_ids=(2,))
+
+TINY_QWEN3_MOE = ModelConfig(
+    name="tiny-qwen3-moe", vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+    num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+    bos_token_id=1, eos_token_ids=(2,))
+
 PRESETS: dict[str, ModelConfig] = {
     c.name: c for c in (SMOLLM2_135M, LLAMA32_1B, LLAMA31_8B, QWEN25_05B, QWEN3_8B, MISTRAL_7B,
-                        GEMMA2_9B, GEMMA3_12B, PHI3_MINI, TINY_LLAMA, TINY_LLAMA31,
-                        TINY_QWEN2, TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3,
-                        TINY_PHI3)
+                        GEMMA2_9B, GEMMA3_12B, PHI3_MINI, MIXTRAL_8X7B, QWEN3_30B_A3B,
+                        TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2, TINY_QWEN3, TINY_MISTRAL,
+                        TINY_GEMMA2, TINY_GEMMA3, TINY_PHI3, TINY_MIXTRAL, TINY_QWEN3_MOE)
 }
 PRESETS["tiny"] = TINY_LLAMA
 

@@ -1,13 +1,16 @@
 """The device mesh of sharded inference, and multi-process start-up.
 
-Two mesh axes:
+Three mesh axes:
     data    data parallelism: the step's sequences (and the KV-cache pages) split into `dp`
             groups, each served by its own copy of the weights
+    expert  expert parallelism: a mixture of experts' experts split over `ep` devices
+            (models/moe.py); attention and the KV cache are replicated over it
     model   tensor parallelism: weights and KV heads split over `tp` devices (models/sharding.py)
 
-The mesh is `dp x tp` devices in `jax.devices()` order, so a `model` group is `tp` consecutive
-devices: with several processes (hosts) that keeps tensor parallelism inside a host as long as
-tp <= the devices per host, and spreads data parallelism across hosts.
+The mesh is `dp x ep x tp` devices in `jax.devices()` order, so a `model` group is `tp`
+consecutive devices and an `expert` group the next level: with several processes (hosts) that
+keeps tensor and expert parallelism inside a host as long as ep * tp <= the devices per host,
+and spreads data parallelism across hosts.
 
 Several processes: every process runs the same program (JAX's multi-controller model) after
 `initialize_distributed`; they all step the same engine on the same inputs, and only process 0
@@ -16,30 +19,33 @@ prints, serves or writes (`is_main_process`).
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from configs.mesh import AXES
 
 
-def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
-    """A (data=dp, model=tp) mesh over the first dp * tp of `devices` (default: all devices).
+def make_mesh(tp: int = 1, dp: int = 1, devices=None, ep: int = 1) -> Mesh:
+    """A (data=dp, expert=ep, model=tp) mesh over the first dp * ep * tp of `devices`
+    (default: all devices).
 
-    tp * dp must divide the number of devices (and equal it when there are several processes,
-    since every process must own a part of the mesh); otherwise ValueError says why.
+    dp * ep * tp must divide the number of devices (and equal it when there are several
+    processes, since every process must own a part of the mesh); otherwise ValueError says why.
     """
     devices = list(jax.devices() if devices is None else devices)
-    for name, value in (("tp", tp), ("dp", dp)):
+    for name, value in (("tp", tp), ("dp", dp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    count = tp * dp
+    count = tp * dp * ep
+    sizes = f"tp={tp} x dp={dp}" + (f" x ep={ep}" if ep > 1 else "")
     if len(devices) % count:
-        raise ValueError(f"tp={tp} x dp={dp} = {count} devices does not divide the "
+        raise ValueError(f"{sizes} = {count} devices does not divide the "
                          f"{len(devices)} devices available ({_describe(devices)})")
     if jax.process_count() > 1 and count != len(devices):
-        raise ValueError(f"with {jax.process_count()} processes tp x dp must use all "
-                         f"{len(devices)} devices, got tp={tp} x dp={dp} = {count}")
-    grid = [devices[i * tp:(i + 1) * tp] for i in range(dp)]
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+        raise ValueError(f"with {jax.process_count()} processes tp x dp x ep must use all "
+                         f"{len(devices)} devices, got {sizes} = {count}")
+    grid = np.array(devices[:count], dtype=object).reshape(dp, ep, tp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def _describe(devices) -> str:

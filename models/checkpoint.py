@@ -16,12 +16,18 @@ dict of numpy arrays named and shaped as in HF transformers checkpoints:
     model.layers.{i}.mlp.gate_proj.weight          [intermediate, hidden]
     model.layers.{i}.mlp.up_proj.weight            [intermediate, hidden]
     model.layers.{i}.mlp.down_proj.weight          [hidden, intermediate]
+    model.layers.{i}.mlp.gate.weight               [experts, hidden]  (MoE: router, instead
+    model.layers.{i}.mlp.experts.gate_proj.weight  [experts, moe_intermediate, hidden]  of the
+    model.layers.{i}.mlp.experts.up_proj.weight    [experts, moe_intermediate, hidden]  dense
+    model.layers.{i}.mlp.experts.down_proj.weight  [experts, hidden, moe_intermediate]  MLP's)
     model.norm.weight                              [hidden]
     lm_head.weight                                 [vocab, hidden]  (untied models only)
 
 Q and K rows are in HF order (rotate-half RoPE), never GGUF's interleaved order. Norm weights
 are the factors the normed values are multiplied by: Gemma checkpoints store w of (1 + w), and
-the HF loader adds the one (as llama.cpp's GGUF conversion does).
+the HF loader adds the one (as llama.cpp's GGUF conversion does). The experts of a mixture
+are stacked per projection, each expert [out, in] as in HF checkpoints (the loaders stack
+Mixtral's block_sparse_moe.experts.{j}.w1/w3/w2 and Qwen3-MoE's mlp.experts.{j}.*_proj).
 """
 from __future__ import annotations
 
@@ -69,6 +75,13 @@ def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if cfg.is_moe:
+            e, i = cfg.num_experts, cfg.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_proj.weight"] = (e, i, h)
+            shapes[p + "mlp.experts.up_proj.weight"] = (e, i, h)
+            shapes[p + "mlp.experts.down_proj.weight"] = (e, h, i)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)

@@ -1,8 +1,11 @@
 """Loading GGUF files (llama.cpp's format) into HF-named float32 tensors.
 
 Supported:
-  architectures   general.architecture "llama" (Llama 2/3, SmolLM2), "qwen2" (q/k/v biases) and
-                  "qwen3" (q/k norms); gemma2, gemma3 and phi3 raise ValueError (not yet)
+  architectures   general.architecture "llama" (Llama 2/3, SmolLM2; Mixtral when it has
+                  llama.expert_count), "qwen2" (q/k/v biases), "qwen3" (q/k norms) and
+                  "qwen3moe"; gemma2, gemma3 and phi3 raise ValueError (not yet). Experts come
+                  stacked (blk.N.ffn_{gate,up,down}_exps, router blk.N.ffn_gate_inp); the
+                  per-expert tensors of early Mixtral files (blk.N.ffn_gate.J) are refused
   tensor types    F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, dequantized to float32 with
                   `gguf.quants.dequantize`; any other type raises ValueError naming the tensor
   rope scaling    none, or Llama 3 style, which llama.cpp stores as a `rope_freqs.weight` tensor of
@@ -33,7 +36,7 @@ from models.checkpoint import LoadedCheckpoint, validate_tensors
 from models.gguf_file import open_gguf
 from models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 SUPPORTED_TENSOR_TYPES = (
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
@@ -59,6 +62,10 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the router of a mixture of experts
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",  # [E, I, hidden]
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",  # [E, hidden, I]
 }
 _ROPE_FREQS = "rope_freqs.weight"
 _IGNORED_LAYER_TENSORS = ("attn_rot_embd",)  # old converters stored rotary inv_freq per layer
@@ -168,9 +175,27 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
                          f"no {arch}.vocab_size, no token_embd.weight)")
 
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    moe = {}
+    if get("expert_count") is not None:  # Mixtral ("llama") and Qwen3-MoE
+        unsupported = {"expert_shared_count": get("expert_shared_count", 0),  # shared experts
+                       "expert_gating_func": get("expert_gating_func", 1),  # 1: softmax
+                       "expert_weights_scale": get("expert_weights_scale", 1.0)}
+        for key, value in unsupported.items():
+            if value != (0 if key == "expert_shared_count" else 1):
+                raise ValueError(f"{source}: {arch}.{key} = {value} is not supported")
+        expert_width = get("expert_feed_forward_length") or get("feed_forward_length",
+                                                                required=True)
+        # both families renormalise the chosen experts' probabilities (llama.cpp's default)
+        moe = dict(num_experts=int(get("expert_count")),
+                   num_experts_per_tok=int(get("expert_used_count", required=True)),
+                   moe_intermediate_size=int(expert_width),
+                   norm_topk_prob=bool(get("expert_weights_norm", True)))
+    elif arch == "qwen3moe":
+        raise ValueError(f"{source}: metadata key qwen3moe.expert_count is missing")
     return ModelConfig(
         name=name, vocab_size=vocab_size, hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length", required=True)),
+        intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size"),
+                                  required=not moe)),
         num_layers=int(get("block_count", required=True)),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         max_position_embeddings=int(get("context_length", 8192)),
@@ -180,7 +205,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)))
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), **moe)
 
 
 def dequantize_tensor(t) -> np.ndarray:

@@ -5,7 +5,9 @@ Supported: model_type "llama" (LlamaForCausalLM: Llama 2/3, SmolLM2), "qwen2" (q
 window, GeGLU, four norms per layer stored as w of (1 + w)) and "gemma3_text" (Gemma 2's layout,
 q/k norms, 5:1 local:global layers with their own RoPE base; "gemma3" directories load their text
 decoder from text_config) and "phi3" (sliding window; its fused qkv_proj and gate_up_proj are
-split into the q/k/v and gate/up tensors); rope_scaling none/"default", rope_type "llama3" or
+split into the q/k/v and gate/up tensors), "mixtral" and "qwen3_moe" (mixtures of experts: each
+expert's tensors stacked per projection, from the per-expert names of the hub's checkpoints or
+the stacked gate_up_proj / down_proj of transformers 5; every layer sparse); rope_scaling none/"default", rope_type "llama3" or
 "linear" (not Phi-3's "longrope"); EOS ids
 from config.json and generation_config.json; weights in
 `model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
@@ -31,7 +33,8 @@ from models.tokenizer import Tokenizer
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                          "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                          "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                         "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM"}
+                         "gemma3": "Gemma3ForConditionalGeneration", "phi3": "Phi3ForCausalLM",
+                         "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Families whose RMSNorm multiplies by (1 + w): the loader stores 1 + w (models/checkpoint.py).
 UNIT_OFFSET_NORMS = ("gemma2", "gemma3_text", "gemma3")
 # Gemma 3's multimodal checkpoints: the text decoder's tensor prefixes (transformers 5, then 4.x)
@@ -76,6 +79,8 @@ def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Load
         tensors = _text_decoder_tensors(tensors)
     if raw.get("model_type") == "phi3":
         tensors = _split_fused(cfg, tensors)
+    if cfg.is_moe:
+        tensors = stack_experts(cfg, tensors)
     if raw.get("model_type") in UNIT_OFFSET_NORMS:
         tensors = {k: v + np.float32(1.0) if k.endswith("norm.weight") else v
                    for k, v in tensors.items()}
@@ -124,7 +129,7 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
     if raw.get("use_sliding_window"):  # Qwen2/3: a window on the layers past max_window_layers
         raise ValueError(f"{source}: use_sliding_window is not supported")
     gemma = model_type in ("gemma2", "gemma3_text")
-    windowed = gemma or model_type in ("mistral", "phi3")
+    windowed = gemma or model_type in ("mistral", "phi3", "mixtral")
     rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                     raw.get("partial_rotary_factor", 1.0))
     if float(rotary) != 1.0:
@@ -161,6 +166,7 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
     eos = raw.get("eos_token_id")
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     attention_bias = True if model_type == "qwen2" else bool(raw.get("attention_bias", False))
+    moe = _moe_fields(raw, model_type, source)
     try:
         return ModelConfig(
             name=name, vocab_size=int(req("vocab_size")), hidden_size=hidden,
@@ -172,7 +178,8 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             rope_local_theta=_optional_float(rope_local_theta),
-            attention_bias=attention_bias, qk_norm=model_type in ("qwen3", "gemma3_text"),
+            attention_bias=attention_bias,
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"), **moe,
             sliding_window=None if sliding_window is None else int(sliding_window),
             layer_types=layer_types,
             attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping")),
@@ -183,6 +190,66 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in [*eos_ids, *extra_eos_token_ids])))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _moe_fields(raw: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The ModelConfig MoE fields of a mixtral / qwen3_moe config ({} for other families)."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    experts = raw.get("num_local_experts", raw.get("num_experts"))
+    if experts is None or raw.get("num_experts_per_tok") is None:
+        raise ValueError(f"{source}: a {model_type} config needs num_local_experts (or "
+                         "num_experts) and num_experts_per_tok")
+    if model_type == "mixtral":
+        return dict(num_experts=int(experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                    moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    if int(raw.get("decoder_sparse_step", 1)) != 1 or raw.get("mlp_only_layers"):
+        raise ValueError(f"{source}: dense layers among the experts (decoder_sparse_step "
+                         f"{raw.get('decoder_sparse_step')}, mlp_only_layers "
+                         f"{raw.get('mlp_only_layers')}) are not supported: every layer must be "
+                         "sparse")
+    if raw.get("moe_intermediate_size") is None:
+        raise ValueError(f"{source}: required key 'moe_intermediate_size' is missing")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
+
+
+# Per-expert tensor names of the hub's checkpoints -> the stacked projection they belong to.
+_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "gate_proj": "gate_proj",
+                 "up_proj": "up_proj", "down_proj": "down_proj"}
+
+
+def stack_experts(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A mixture's expert tensors as models/checkpoint.py names them: Mixtral's
+    block_sparse_moe.* renamed mlp.*, per-expert experts.{j}.{w1,w3,w2 | *_proj}.weight and
+    transformers 5's experts.gate_up_proj [E, 2I, H] (gate rows first) / experts.down_proj
+    stacked into mlp.experts.{gate,up,down}_proj.weight [E, out, in]."""
+    out, per_expert = {}, {}
+    for name, arr in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        head, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = arr
+            continue
+        parts = rest.split(".")
+        if parts[0].isdigit() and len(parts) == 3 and parts[1] in _EXPERT_NAMES:
+            per_expert.setdefault((head, _EXPERT_NAMES[parts[1]]), {})[int(parts[0])] = arr
+        elif rest == "gate_up_proj":
+            i = arr.shape[1] // 2
+            out[f"{head}.mlp.experts.gate_proj.weight"] = arr[:, :i]
+            out[f"{head}.mlp.experts.up_proj.weight"] = arr[:, i:]
+        elif rest == "down_proj":
+            out[f"{head}.mlp.experts.down_proj.weight"] = arr
+        else:
+            out[name] = arr  # reported as unknown by the caller
+    for (head, proj), by_index in per_expert.items():
+        if sorted(by_index) != list(range(cfg.num_experts)):
+            raise ValueError(f"{head}.mlp.experts: {proj} holds experts {sorted(by_index)[:8]}, "
+                             f"expected 0..{cfg.num_experts - 1}")
+        out[f"{head}.mlp.experts.{proj}.weight"] = np.stack(
+            [by_index[j] for j in range(cfg.num_experts)])
+    return out
 
 
 def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -18,6 +18,7 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache
+from models.moe import SparseMoE
 from ops import gemv as gemv_ops
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
@@ -227,7 +228,7 @@ class DecoderLayer(nnx.Module):
         if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, rngs, dtype)
+        self.mlp = SparseMoE(cfg, rngs, dtype) if cfg.is_moe else MLP(cfg, rngs, dtype)
 
     def __call__(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                  inv_freq: np.ndarray, kernels: KernelBackends | None = None,
@@ -245,7 +246,7 @@ class DecoderLayer(nnx.Module):
         else:
             mlp_in = self.post_attention_layernorm(x + attn_out, kernels)
         x = x + attn_out
-        mlp_out = self.mlp.down(self.mlp.project_gate_up(mlp_in, kernels), kernels)
+        mlp_out = self.mlp(mlp_in, kernels)
         if cfg.sandwich_norms:
             mlp_out = self.post_feedforward_layernorm(mlp_out, kernels)
         return x + mlp_out, k_pages, v_pages
@@ -397,12 +398,14 @@ def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
     """
     if cfg.fused_projections:
         raise ValueError("fuse_projections: the model is already fused")
+    dense = not cfg.is_moe  # a mixture of experts' MLP keeps its stacked experts as they are
     for layer in model.layers:  # every layer checked first: an error leaves the model as it was
-        for parent, names in ((layer.self_attn, _QKV), (layer.mlp, _GATE_UP)):
+        for parent, names in ((layer.self_attn, _QKV),) + (((layer.mlp, _GATE_UP),) * dense):
             _check_fusable([getattr(parent, n).kernel.get_value() for n in names])
     for layer in model.layers:
         layer.self_attn.qkv_proj = _fused_linear(layer.self_attn, _QKV)
-        layer.mlp.gate_up_proj = _fused_linear(layer.mlp, _GATE_UP)
+        if dense:
+            layer.mlp.gate_up_proj = _fused_linear(layer.mlp, _GATE_UP)
     return cfg.replace(fused_projections=True), model
 
 
@@ -429,7 +432,8 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str |
         raise ValueError("transpose_for_gemv: the model is already transposed")
     if not cfg.fused_projections:
         raise ValueError("transpose_for_gemv: fuse the projections first (fuse_projections)")
-    plain = {"sandwich_norms": cfg.sandwich_norms, "hidden_act": cfg.hidden_act != "silu"}
+    plain = {"sandwich_norms": cfg.sandwich_norms, "hidden_act": cfg.hidden_act != "silu",
+             "mixture of experts": cfg.is_moe}
     if any(plain.values()):
         raise ValueError(f"transpose_for_gemv: the fused decode layer has no "
                          f"{next(k for k, v in plain.items() if v)} (ModelConfig)")

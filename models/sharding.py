@@ -33,6 +33,12 @@ Replication rule (a dimension that does not split is replicated, never padded):
 
 Data parallelism (mesh axis `data`): weights are replicated over it; the KV cache's pages are
 split over it (each data shard owns a range of pages; engine/sharding.py).
+
+Expert parallelism (mesh axis `expert`, size ep): a mixture of experts' stacked expert arrays
+[E, in, out] (float kernels, or codes / scales / offsets) split their experts over it, and
+gate/up columns and down rows over `model` where they divide (models.moe.expert_partition_spec,
+the one rule the layer's shard_map also reads); the router and every other weight are
+replicated over it.
 """
 from __future__ import annotations
 
@@ -46,9 +52,10 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from configs.mesh import AXES, MODEL, mesh_shape
+from configs.mesh import AXES, EXPERT, MODEL, expert_size, mesh_shape
 from configs.model import ModelConfig
 from models.llama import LlamaForCausalLM
+from models.moe import check_expert_mesh, expert_partition_spec
 
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
@@ -114,12 +121,16 @@ def path_names(path) -> tuple[str, ...]:
 
 
 def partition_spec(names: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig,
-                   tp: int) -> P:
+                   tp: int, ep: int = 1) -> P:
     """The PartitionSpec of the weight array at `names` (path_names) with `shape`.
 
     cfg is the config the array belongs to: the stored one (k/v with their original KV heads,
     replicated when tp does not divide them) or runtime_config's (k/v repeated, split by head).
+    ep: the `expert` axis's size (mixtures of experts).
     """
+    if cfg.is_moe and "mlp" in names and len(shape) == 3:
+        module = next((n for n in reversed(names) if n in MLP), None)
+        return expert_partition_spec(module, shape, {EXPERT: ep, MODEL: tp})
     if tp == 1:
         return P()
 
@@ -151,9 +162,12 @@ def partition_spec(names: tuple[str, ...], shape: tuple[int, ...], cfg: ModelCon
 def tree_shardings(tree, cfg: ModelConfig, mesh):
     """NamedShardings for every array leaf of a weight tree (State, pure dict or abstract)."""
     tp, _ = mesh_shape(mesh)
+    ep = expert_size(mesh)
+    if cfg.is_moe:
+        check_expert_mesh(cfg.num_experts, {EXPERT: ep})
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: NamedSharding(
-            mesh, partition_spec(path_names(path), tuple(leaf.shape), cfg, tp)), tree)
+            mesh, partition_spec(path_names(path), tuple(leaf.shape), cfg, tp, ep)), tree)
 
 
 def repeat_kv_heads(tree, cfg: ModelConfig, repeat: int):
@@ -213,9 +227,10 @@ def leaf_placer(cfg: ModelConfig, mesh):
     device ever holds the whole model (and each process fills only its own devices).
     """
     tp, _ = mesh_shape(mesh)
+    ep = expert_size(mesh)
 
     def place(path, host):
-        spec = partition_spec(path_names(path), tuple(np.shape(host)), cfg, tp)
+        spec = partition_spec(path_names(path), tuple(np.shape(host)), cfg, tp, ep)
         return put(np.asarray(host), NamedSharding(mesh, spec))
 
     return place
@@ -248,6 +263,7 @@ def storage_layout(model, cfg: ModelConfig, tp: int):
     if len(cpus) < tp:
         raise ValueError(f"storage layout over tp={tp} needs {tp} host CPU devices, found "
                          f"{len(cpus)} (set XLA_FLAGS=--xla_force_host_platform_device_count={tp})")
-    mesh = Mesh(np.array(cpus[:tp]).reshape(1, tp), AXES, axis_types=(AxisType.Auto,) * 2)
+    mesh = Mesh(np.array(cpus[:tp]).reshape(1, 1, tp), AXES,
+                axis_types=(AxisType.Auto,) * len(AXES))
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.device_put(state, tree_shardings(state, cfg, mesh)))

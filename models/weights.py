@@ -41,11 +41,17 @@ def hf_tensors_to_pure_dict(cfg: ModelConfig, tensors: dict[str, np.ndarray]) ->
         norms = ["input_layernorm", "post_attention_layernorm"]
         if cfg.sandwich_norms:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        if cfg.is_moe:  # experts [E, out, in] -> [E, in, out]; router [E, hidden] -> [hidden, E]
+            mlp = {name: {"kernel": np.swapaxes(t[p + f"mlp.experts.{name}.weight"], 1, 2)}
+                   for name in ("gate_proj", "up_proj", "down_proj")}
+            mlp["router"] = {"kernel": t[p + "mlp.gate.weight"].T}
+        else:
+            mlp = {name: {"kernel": t[p + f"mlp.{name}.weight"].T}
+                   for name in ("gate_proj", "up_proj", "down_proj")}
         layers[i] = {
             **{name: {"weight": t[p + f"{name}.weight"]} for name in norms},
             "self_attn": attn,
-            "mlp": {name: {"kernel": t[p + f"mlp.{name}.weight"].T}
-                    for name in ("gate_proj", "up_proj", "down_proj")},
+            "mlp": mlp,
         }
     pure = {"embed_tokens": {"embedding": t["model.embed_tokens.weight"]},
             "layers": layers, "norm": {"weight": t["model.norm.weight"]}}

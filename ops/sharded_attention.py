@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from configs.mesh import DATA, MODEL
+from configs.mesh import DATA, EXPERT, MODEL
 from ops.kv_quant import QuantizedPages
 
 
@@ -31,10 +31,11 @@ def head_axis(mesh_shape: dict[str, int], num_heads: int, num_kv_heads: int):
 
 
 def check_mesh(mesh_shape: dict[str, int]) -> None:
-    """Raises ValueError unless the mesh has exactly the axes DATA and MODEL."""
-    if set(mesh_shape) != {DATA, MODEL}:
+    """Raises ValueError unless the mesh has the axes DATA and MODEL (and at most EXPERT
+    besides, over which attention is replicated)."""
+    if not {DATA, MODEL} <= set(mesh_shape) <= {DATA, EXPERT, MODEL}:
         raise ValueError(f"sharded attention: mesh axes {tuple(mesh_shape)} must be "
-                         f"({DATA!r}, {MODEL!r})")
+                         f"({DATA!r}, {MODEL!r}) and optionally {EXPERT!r}")
 
 
 def page_spec(pages, heads):

@@ -1,6 +1,8 @@
 """Quantizing a whole model: the settings, the methods per decoder layer, and checkpoint shapes.
 
-What is quantized: the seven linear layers of every decoder layer (q, k, v, o, gate, up, down),
+What is quantized: the seven linear layers of every decoder layer (q, k, v, o, gate, up, down;
+in a mixture of experts every expert's gate, up and down, each expert on its own grid: the
+stacked codes carry a leading expert axis, models/moe.py; RTN only, the router stays float),
 and with `QuantConfig.lm_head` an untied output head too (RTN with the method's bits and group
 size, whatever the method: its input is the final norm's output, which no layer-wise method
 calibrates). The token embedding (also the output head when tied) and the RMSNorm weights stay
@@ -90,10 +92,25 @@ class QuantConfig:
                 f"{' act-order' if self.act_order else ''}{head}")
 
 
+def quantize_experts(w, bits: int, group_size: int, symmetric: bool, dtype) -> QuantizedWeight:
+    """RTN of stacked expert kernels [E, K, N], each expert on its own grid: a QuantizedWeight
+    whose arrays have a leading expert axis (packed [E, K/8 or K, N], scales [E, G, N])."""
+    return jax.vmap(lambda e: quantize_rtn(e, bits, group_size, symmetric, dtype))(w)
+
+
 def _rtn_layer(layer, qcfg: QuantConfig, dtype) -> None:
     for module in linear_modules(layer).values():
         w = module.kernel.get_value()
-        module.kernel.set_value(quantize_rtn(w, qcfg.bits, qcfg.group_size, qcfg.symmetric, dtype))
+        quantize = quantize_experts if w.ndim == 3 else quantize_rtn
+        module.kernel.set_value(quantize(w, qcfg.bits, qcfg.group_size, qcfg.symmetric, dtype))
+
+
+def check_method(cfg: ModelConfig, qcfg: QuantConfig) -> None:
+    """ValueError for a calibrated method on a mixture of experts (GPTQ and AWQ calibrate the
+    dense MLP's inputs; experts are RTN-quantized)."""
+    if cfg.is_moe and qcfg.needs_calibration:
+        raise ValueError(f"{qcfg.method}: mixtures of experts are quantized by RTN only "
+                         "(int8, int8_asym, int4_rtn)")
 
 
 def _gptq_layer(runner: LayerwiseRunner, index: int, x, qcfg: QuantConfig, dtype) -> None:
@@ -117,6 +134,7 @@ def quantize_model(cfg: ModelConfig, model, qcfg: QuantConfig,
     output head is RTN-quantized last (ValueError for a tied head, before any work).
     """
     check_lm_head(cfg, qcfg)
+    check_method(cfg, qcfg)
     dtype = model.embed_tokens.embedding.get_value().dtype
     if not qcfg.needs_calibration:
         for layer in model.layers:
@@ -157,16 +175,21 @@ def _quantize_head(model, qcfg: QuantConfig, dtype):
 def quantized_abstract_model(cfg: ModelConfig, qcfg: QuantConfig, dtype=jnp.float32):
     """The shape-only model whose decoder linears are QuantizedWeights of `qcfg` (restore target)."""
     check_lm_head(cfg, qcfg)
+    check_method(cfg, qcfg)
     model = abstract_model(cfg, dtype)
     modules = [(m, qcfg.act_order) for layer in model.layers
                for m in linear_modules(layer).values()]
     if qcfg.lm_head:
         modules.append((model.lm_head, False))  # RTN: never act-order
     for module, act_order in modules:
-        k, n = module.kernel.get_value().shape
-        module.kernel.set_value(abstract_quantized_weight(
+        *experts, k, n = module.kernel.get_value().shape
+        weight = abstract_quantized_weight(
             k, n, qcfg.bits, resolve_group_size(qcfg.group_size, k), qcfg.symmetric, act_order,
-            dtype))
+            dtype)
+        if experts:  # stacked experts: a leading expert axis on every array
+            weight = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((*experts, *a.shape), a.dtype), weight)
+        module.kernel.set_value(weight)
     return model
 
 

@@ -1,7 +1,8 @@
 """Flags and start-up of sharded and multi-process runs, shared by the scripts.
 
-    --tp / --dp            tensor- and data-parallel sizes: the (data, model) mesh of
-                           engine/mesh.py. Neither given (one process): no mesh, one device.
+    --tp / --dp / --ep     tensor-, data- and expert-parallel sizes: the (data, expert, model)
+                           mesh of engine/mesh.py (ep splits a mixture's experts). None given
+                           (one process): no mesh, one device.
     --coordinator_address  host:port of process 0, --num_processes, --process_id: join a
                            multi-process run (jax.distributed.initialize) before any jax work.
 
@@ -16,13 +17,15 @@ import sys
 import jax
 from absl import flags
 
-from configs.mesh import mesh_shape
+from configs.mesh import expert_size, mesh_shape
 from engine.mesh import initialize_distributed, is_main_process, make_mesh
 from scripts.common import add_xla_flag
 
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices (mesh axis 'model'). Default 1.")
 flags.DEFINE_integer("dp", None, "Data-parallel groups (mesh axis 'data'). Default 1, or with "
                      "several processes all devices / tp.")
+flags.DEFINE_integer("ep", None, "Expert-parallel devices (mesh axis 'expert'): a mixture of "
+                     "experts' experts split over them. Default 1.")
 flags.DEFINE_string("coordinator_address", None,
                     "host:port of process 0 in a multi-process run (jax.distributed).")
 flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
@@ -30,7 +33,7 @@ flags.DEFINE_integer("process_id", None, "This process's index in a multi-proces
 
 
 def setup_parallel():
-    """Joins a multi-process run when asked; returns the mesh of --tp / --dp, or None.
+    """Joins a multi-process run when asked; returns the mesh of --tp / --dp / --ep, or None.
 
     Call it first in main (before any other jax work). On processes other than 0 the standard
     output and error are silenced, so only process 0 prints.
@@ -40,11 +43,11 @@ def setup_parallel():
     if not is_main_process():
         devnull = open(os.devnull, "w")
         sys.stdout = sys.stderr = devnull
-    if f.tp is None and f.dp is None and jax.process_count() == 1:
+    if f.tp is None and f.dp is None and f.ep is None and jax.process_count() == 1:
         return None
-    tp = f.tp or 1
-    dp = f.dp or (max(len(jax.devices()) // tp, 1) if jax.process_count() > 1 else 1)
-    return make_mesh(tp, dp)
+    tp, ep = f.tp or 1, f.ep or 1
+    dp = f.dp or (max(len(jax.devices()) // (tp * ep), 1) if jax.process_count() > 1 else 1)
+    return make_mesh(tp, dp, ep=ep)
 
 
 def host_devices(count: int) -> None:
@@ -56,5 +59,6 @@ def host_devices(count: int) -> None:
 def describe(mesh) -> str:
     """One line on the mesh, the device kind and the attention layout (for the scripts' logs)."""
     tp, dp = mesh_shape(mesh)
-    return (f"mesh: tp={tp} x dp={dp} over {mesh.devices.size} {jax.devices()[0].device_kind} "
+    ep = f" x ep={expert_size(mesh)}" if expert_size(mesh) > 1 else ""
+    return (f"mesh: tp={tp} x dp={dp}{ep} over {mesh.devices.size} {jax.devices()[0].device_kind} "
             f"device(s), {jax.process_count()} process(es)")

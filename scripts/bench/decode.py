@@ -6,13 +6,15 @@
 For each model (random weights of the preset's real shapes, made on the device; --quant
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused,
 models.llama.fuse_projections; `gemv`: fused, and the layers transposed for ops/gemv.py's
-kernel, models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp mesh), one
+kernel, models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp / --ep mesh), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C): the runner's jitted step as the engine issues it (host padding
   + dispatch) queued --steps times with one sync, median of --runs; tokens/s = B / step. The
   floor is the bytes a step must read (the weights it multiplies by + K/V of B x C tokens) over
   the copy bandwidth measured in the same run (on a TPU: the chip's published HBM bandwidth,
-  ops/tpu_chips.py); MBU = floor / step. `loop`: the engine's loop
+  ops/tpu_chips.py); MBU = floor / step. A mixture of experts counts only the experts the
+  step's B tokens are expected to touch (uniform routing, as random weights give): its
+  touched-bytes floor. `loop`: the engine's loop
   without its scheduler (batch built on the host, step and argmax, tokens back every step).
   --multi_step: rounds of that many steps in one program (the engine's multi-step rounds).
 - prefill: one sequence's prompt of T tokens; tokens/s and FLOP utilization against the bf16
@@ -44,6 +46,7 @@ from absl import app, flags
 from configs.model import get_preset
 from engine.mesh import make_mesh
 from engine.sampling import SamplingArrays
+from ops import moe_matmul
 from ops.backends import device_kernels
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
@@ -67,6 +70,12 @@ flags.DEFINE_bool("quant_lm_head", False, "With --quant: the untied output head 
 VARIANTS = ("base", "fused", "gemv", "mesh")
 flags.DEFINE_list("variants", ["base"], "base, fused, gemv, mesh (see the module docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
+flags.DEFINE_integer("ep", None, "Expert-parallel devices of the `mesh` variant (implies it): "
+                     "a mixture of experts' experts split over them.")
+flags.DEFINE_enum("moe_large_form", "tiles", ["tiles", "ragged"],
+                  "Mixtures of experts: the XLA form of expert products of more rows than experts "
+                  "(ops/moe_matmul.py; 'ragged' with XLA_FLAGS=--xla_gpu_experimental_use_ragged"
+                  "_dot_fusion=true tries XLA's grouped GEMM).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
 flags.DEFINE_integer("loop_steps", 8, "Steps of the synced engine-style loop per row (0: off).")
@@ -340,8 +349,9 @@ def decode_table(results: dict) -> str:
 def main(argv):
     del argv
     set_xla_flags()  # before jax's backend starts
+    moe_matmul.LARGE_FORM = FLAGS.moe_large_form
     variants = list(FLAGS.variants)
-    if FLAGS.tp and variants == ["base"]:
+    if (FLAGS.tp or FLAGS.ep) and variants == ["base"]:
         variants = ["mesh"]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -349,11 +359,12 @@ def main(argv):
     if FLAGS.greedy_reference and not os.path.exists(FLAGS.greedy_reference):
         fail(f"--greedy_reference: no file {FLAGS.greedy_reference}")
     results = {"models": FLAGS.model, "variants": variants, "label": FLAGS.label,
+               "moe_large_form": FLAGS.moe_large_form,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "setup": [], "decode": [],
                "prefill": [], "greedy": []}
     run_hf_peer(results)  # before jax takes the GPU's memory
     results |= run_info()
-    mesh = make_mesh(FLAGS.tp or 1, 1) if "mesh" in variants else None
+    mesh = make_mesh(FLAGS.tp or 1, 1, ep=FLAGS.ep or 1) if "mesh" in variants else None
     results["kernels"] = kernels_line(device_kernels())  # what a one-device runner chooses
     print(results["kernels"], flush=True)
     results["calibration"] = (calibrate() if FLAGS.calibrate else

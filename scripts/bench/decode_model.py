@@ -8,8 +8,9 @@ make_step_batch. Nothing here asserts a speed.
 Words used below:
     context   the tokens a decode step attends to: the KV length after the step's own write
     bytes     what one decode step must read: every weight it multiplies by (the token embedding
-              only for the rows it gathers, unless it doubles as the output head) plus the K and V
-              of every sequence's context
+              only for the rows it gathers, unless it doubles as the output head; of a mixture
+              of experts only the experts the step's tokens touch, `touched_experts`) plus the
+              K and V of every sequence's context
 """
 from __future__ import annotations
 
@@ -166,6 +167,13 @@ def array_nbytes(tree) -> int:
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
+def touched_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Experts per layer that `tokens` tokens touch, expected when each token picks its
+    num_experts_per_tok experts uniformly (as random weights route): E (1 - (1 - k / E)^B)."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
 def weight_bytes_per_step(cfg: ModelConfig, model, batch: int) -> int:
     """Weight bytes a decode step of `batch` sequences reads (see the module docstring)."""
     total = array_nbytes(nnx.state(model))
@@ -173,6 +181,11 @@ def weight_bytes_per_step(cfg: ModelConfig, model, batch: int) -> int:
         table = model.embed_tokens.embedding.get_value()
         row = table.shape[1] * jnp.dtype(table.dtype).itemsize
         total -= table.shape[0] * row - batch * row
+    if cfg.is_moe:  # the experts no token of the step chose are not read
+        idle = 1.0 - touched_experts(cfg, batch) / cfg.num_experts
+        experts = sum(array_nbytes(getattr(layer.mlp, name).kernel.get_value())
+                      for layer in model.layers for name in ("gate_proj", "up_proj", "down_proj"))
+        total -= int(idle * experts)
     return total
 
 
@@ -185,7 +198,11 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int) -> float:
     """FLOPs of one sequence's causal prefill of num_tokens (projections, attention, one row of
     the output head)."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    proj = 2 * cfg.num_layers * (h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * i)
+    if cfg.is_moe:  # each token's k experts and the router
+        mlp = 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok + h * cfg.num_experts
+    else:
+        mlp = 3 * h * i
+    proj = 2 * cfg.num_layers * (h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + mlp)
     pairs = num_tokens * (num_tokens + 1) / 2
     attention = 4 * cfg.num_layers * cfg.num_heads * d * pairs
     return proj * num_tokens + attention + 2 * h * cfg.vocab_size

@@ -24,12 +24,13 @@ What it writes:
    positions and a 32-token greedy continuation (EOS ignored), all from the GGUF loaded by HF.
 3. Perplexity of SmolLM2 over the first 2048 tokens of Python 3.12's pydoc topics text.
 4. One directory per other family (tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3,
-   tiny-phi3 from configs/model.py),
+   tiny-phi3, and the mixtures of experts tiny-mixtral, tiny-qwen3-moe from configs/model.py),
    written entirely by transformers' save_pretrained (config.json with the family's own field
    names, model.safetensors, generation_config.json whose EOS ids add <|endoftext|> to the
    config's, and the tokenizer with its chat template in chat_template.jinja), with the same
    golden.npz as part 1. Their configs switch the families' features on: untied heads, a sliding
-   window shorter than the sequence, soft caps that bind. Written with torch 2.14.1,
+   window shorter than the sequence, soft caps that bind. topk_ties.json: torch.topk's choice
+   among tied router probabilities (what the MoE routers of transformers pick). Written with torch 2.14.1,
    transformers 5.25.0, tokenizers 0.23.3, safetensors 0.8.0 and gguf 0.19.0 (Python 3.11.7).
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # run as a file from the separate environment
 
 from configs.model import (TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_LLAMA31,  # noqa: E402
-                           TINY_MISTRAL, TINY_PHI3, TINY_QWEN2, TINY_QWEN3)
+                           TINY_MISTRAL, TINY_MIXTRAL, TINY_PHI3, TINY_QWEN2, TINY_QWEN3,
+                           TINY_QWEN3_MOE)
 from models.checkpoint import expected_tensor_shapes  # noqa: E402
 from scripts.tools.golden_tokenizer import (CHATML_TEMPLATE, SPECIAL_TOKENS,  # noqa: E402
                                              build_tiny_tokenizer, tokenizer_training_text,
@@ -325,7 +327,8 @@ def write_golden(model, cfg, idx: int, d: Path) -> None:
 # Other families, written by save_pretrained
 # ----------------------------------------------------------------------------------------------
 
-FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3, TINY_PHI3)
+FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3, TINY_PHI3, TINY_MIXTRAL,
+            TINY_QWEN3_MOE)
 
 
 def hf_family_config(cfg):
@@ -350,6 +353,17 @@ def hf_family_config(cfg):
             final_logit_softcapping=cfg.final_logit_softcap,
             query_pre_attn_scalar=int(cfg.query_pre_attn_scalar),
             hidden_activation="gelu_pytorch_tanh")
+    if cfg.name == "tiny-mixtral":
+        return transformers.MixtralConfig(
+            **{**common, "intermediate_size": cfg.moe_intermediate_size},
+            num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            sliding_window=None)
+    if cfg.name == "tiny-qwen3-moe":
+        return transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+            attention_bias=False, use_sliding_window=False)
     if cfg.name == "tiny-phi3":
         del common["head_dim"]  # Phi-3's is hidden_size / num_attention_heads
         return transformers.Phi3Config(**common, sliding_window=cfg.sliding_window,
@@ -380,7 +394,36 @@ def fused_phi3_tensors(cfg, tensors: dict) -> dict:
     return out
 
 
-def make_families(out_root: Path) -> None:
+def hf_moe_tensors(cfg, tensors: dict) -> dict:
+    """transformers 5's in-memory MoE layout: experts.gate_up_proj [E, 2I, H] (gate rows first)
+    and experts.down_proj [E, H, I] (no .weight suffix); the router stays mlp.gate.weight."""
+    import numpy as np
+    out = dict(tensors)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        out[p + "gate_up_proj"] = np.concatenate(
+            [out.pop(p + "gate_proj.weight"), out.pop(p + "up_proj.weight")], axis=1)
+        out[p + "down_proj"] = out.pop(p + "down_proj.weight")
+    return out
+
+
+def write_topk_ties(out_root: Path) -> None:
+    """topk_ties.json: rows of router probabilities with ties at and around the k-th place, and
+    the expert indices torch.topk picks (float32, CPU), as the MoE routers call it."""
+    import torch
+    rows = [[0.1, 0.3, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25], [0.4, 0.2, 0.2, 0.2],
+            [0.2, 0.2, 0.4, 0.2], [0.05, 0.2, 0.2, 0.05, 0.2, 0.2, 0.05, 0.05],
+            [0.125] * 8]
+    cases = []
+    for probs in rows:
+        for k in (1, 2, 3):
+            values, indices = torch.topk(torch.tensor(probs, dtype=torch.float32), k, dim=-1)
+            cases.append({"probs": probs, "k": k, "indices": indices.tolist()})
+    (out_root / "topk_ties.json").write_text(
+        json.dumps({"versions": _versions(), "cases": cases}, indent=1) + "\n")
+
+
+def make_families(out_root: Path, only: list[str] | None = None) -> None:
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -388,6 +431,8 @@ def make_families(out_root: Path) -> None:
 
     tok = Tokenizer.from_file(str(out_root / TINY_LLAMA.name / "tokenizer.json"))
     for idx, cfg in enumerate(FAMILIES, start=10):
+        if only is not None and cfg.name not in only:
+            continue
         d = out_root / cfg.name
         if d.exists():
             shutil.rmtree(d)
@@ -403,6 +448,8 @@ def make_families(out_root: Path) -> None:
             tensors = random_tensors(cfg, TINY_SEED + idx)
         if cfg.name == "tiny-phi3":
             tensors = fused_phi3_tensors(cfg, tensors)
+        if cfg.is_moe:
+            tensors = hf_moe_tensors(cfg, tensors)
         torch.manual_seed(TINY_SEED + idx)
         model = AutoModelForCausalLM.from_config(hf_family_config(cfg), dtype=torch.float32)
         missing, unexpected = model.load_state_dict(
@@ -428,6 +475,7 @@ def make_families(out_root: Path) -> None:
         print(f"{cfg.name}: {type(model).__name__}, files {sorted(p.name for p in d.iterdir())}",
               flush=True)
         write_golden(model, cfg, idx, d)
+    write_topk_ties(out_root)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -557,6 +605,8 @@ def main(argv=None) -> None:
     p.add_argument("--topics", default=DEFAULT_TOPICS)
     p.add_argument("--skip-smollm2", action="store_true")
     p.add_argument("--families-only", action="store_true")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="with --families-only: write only these family directories")
     args = p.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -567,7 +617,7 @@ def main(argv=None) -> None:
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
     if args.families_only:
-        make_families(out_root)
+        make_families(out_root, args.only)
         return
     topics_text = load_topics_text(args.topics)
     make_tiny(out_root, topics_text)

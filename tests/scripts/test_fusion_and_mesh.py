@@ -127,7 +127,7 @@ def test_bench_speculative_runs_on_a_mesh(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh: tp=2 x dp=2 over 4 cpu device(s)" in result.stdout
     report = json.loads(out.read_text())
-    assert report["mesh"] == {"data": 2, "model": 2} and not report["fused_projections"]
+    assert report["mesh"] == {"data": 2, "expert": 1, "model": 2} and not report["fused_projections"]
     assert report["methods"]["ngram"]["same_tokens_as_first_method"]
     assert report["methods"]["ngram"]["drafts"] > 0
 
@@ -140,7 +140,7 @@ def test_bench_verify_step_costs_on_a_mesh(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh: tp=2 x dp=2 over 4 cpu device(s)" in result.stdout
     report = json.loads(out.read_text())
-    assert report["mesh"] == {"data": 2, "model": 2}
+    assert report["mesh"] == {"data": 2, "expert": 1, "model": 2}
     row = report["step_costs"][0]
     assert row["batch"] == 3 and row["decode_step_s"] > 0
     assert [v["k"] for v in row["verify"]] == [1, 2] and all(v["step_s"] > 0 for v in row["verify"])

@@ -141,7 +141,7 @@ def test_make_mesh_errors():
         make_mesh(2, n)
     with pytest.raises(ValueError, match="tp must be an integer >= 1"):
         make_mesh(0, 1)
-    assert dict(make_mesh(1, 1).shape) == {"data": 1, "model": 1}
+    assert dict(make_mesh(1, 1).shape) == {"data": 1, "expert": 1, "model": 1}
 
 
 def test_generate_rejects_a_mesh_that_does_not_divide():

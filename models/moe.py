@@ -1,0 +1,242 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): router, top-k, grouped expert products,
+weighted combine; on a mesh with its experts split over the `expert` axis.
+
+One token's MLP output is sum_j w_j * down_e(act(gate_e(x)) * up_e(x)) over the k experts e_j
+of highest router probability (softmax of x @ router over all experts, in float32), w_j those
+probabilities, divided by their sum when ModelConfig.norm_topk_prob (Mixtral always,
+Qwen3-MoE by its config): the same as HF transformers' routers.
+
+Top-k ties: `jax.lax.top_k` keeps the lower expert index first among equal probabilities, as
+torch.topk does on the CPU (tests/models/test_moe.py checks both on tied rows that
+scripts/tools/make_golden.py records from torch).
+
+Dropless: the N * k (token, expert) pairs are sorted by expert and every one is computed; the
+grouped products (ops/moe_matmul.py, jax.lax.ragged_dot) take each expert's run of rows, so
+no capacity is set and no token is dropped. Weights per expert are [in, out] like Linear's:
+gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the expert-stacked
+QuantizedWeight of quant/ (arrays with a leading expert axis, read here by field).
+
+On a mesh (kernels.mesh has the `expert` axis) the layer runs per shard under shard_map:
+    expert  each shard holds E / ep experts; every shard sees all of its data shard's tokens
+    model   each expert's I columns (gate/up) and rows (down) split over tp when tp divides I
+    data    each data shard its own tokens
+and tokens reach their experts in one of two ways (`dispatch_mode`, by the step's tokens):
+    all_gather  every expert shard computes its own experts' pairs of all tokens, and one
+                psum over (expert, model) combines them: no token moves before the products
+    all_to_all  each expert shard takes 1/ep of the tokens, sends each pair to the shard of its
+                expert (all_to_all, dropless: room for every pair), and receives the products
+                back; the tokens are then all-gathered over `expert`
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from configs.mesh import DATA, EXPERT, MODEL
+from configs.model import ModelConfig
+from ops.kernel_choice import KernelBackends, or_reference
+from ops.moe_matmul import grouped_coded_matmul, grouped_matmul
+
+# Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
+# batches) by all-gather. One place: `dispatch_mode`.
+ALL_TO_ALL_MIN_TOKENS = 1024
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class ExpertLinear(nnx.Module):
+    """The stacked [E, in, out] kernels of one projection of every expert (float, or codes)."""
+
+    def __init__(self, num_experts: int, din: int, dout: int, rngs: nnx.Rngs, dtype):
+        init = nnx.initializers.normal(stddev=0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (num_experts, din, dout), dtype))
+
+
+class Router(nnx.Module):
+    """The router's kernel [hidden, E]: x @ kernel are the experts' logits."""
+
+    def __init__(self, din: int, num_experts: int, rngs: nnx.Rngs, dtype):
+        init = nnx.initializers.normal(stddev=0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (din, num_experts), dtype))
+
+
+class SparseMoE(nnx.Module):
+    """A layer's MLP as a mixture of experts; call it as MLP is called: x [N, hidden] ->
+    [N, hidden]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.hidden_act = cfg.hidden_act
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = Router(h, e, rngs, dtype)
+        self.gate_proj = ExpertLinear(e, h, i, rngs, dtype)
+        self.up_proj = ExpertLinear(e, h, i, rngs, dtype)
+        self.down_proj = ExpertLinear(e, i, h, rngs, dtype)
+
+    def __call__(self, x: jax.Array, kernels: KernelBackends | None = None) -> jax.Array:
+        weights = {n: getattr(self, n).kernel.get_value() for n in PROJECTIONS}
+        router = self.router.kernel.get_value()
+        settings = dict(top_k=self.top_k, normalize=self.norm_topk_prob,
+                        hidden_act=self.hidden_act)
+        mesh = or_reference(kernels).mesh_shape
+        if mesh:
+            return sharded_moe_mlp(mesh, x, router, weights, settings)
+        return moe_mlp(x, router, weights, **settings).astype(x.dtype)
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights float32 [N, k], experts int32 [N, k]) of router logits [N, E]: the k highest
+    softmax probabilities (ties: the lower expert first), divided by their sum if `normalize`."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def expert_product(x: jax.Array, weight, group_sizes: jax.Array) -> jax.Array:
+    """x [M, in] (rows sorted by expert) times each row's expert of `weight`: a float array
+    [E, in, out] or stacked codes (QuantizedWeight with a leading expert axis)."""
+    if isinstance(weight, jax.Array):
+        return grouped_matmul(x, weight, group_sizes)
+    if getattr(weight, "perm", None) is not None:
+        raise ValueError("MoE experts: act-order codes are not supported")
+    return grouped_coded_matmul(x, weight.packed, weight.scales, weight.offsets, group_sizes,
+                                bits=weight.bits, group_size=weight.group_size)
+
+
+def experts_mlp(xs: jax.Array, weights: dict, group_sizes: jax.Array,
+                hidden_act: str) -> jax.Array:
+    """down(act(gate(xs)) * up(xs)) of rows sorted by expert [M, hidden] -> [M, hidden]."""
+    gate = expert_product(xs, weights["gate_proj"], group_sizes)
+    up = expert_product(xs, weights["up_proj"], group_sizes)
+    act = (jax.nn.gelu(gate, approximate=True) if hidden_act == "gelu_tanh"
+           else jax.nn.silu(gate))
+    return expert_product(act * up, weights["down_proj"], group_sizes)
+
+
+def sorted_pairs(experts: jax.Array, num_groups: int, first: int | jax.Array = 0):
+    """The (token, expert) pairs of experts [N, k] sorted by expert, keeping only experts
+    [first, first + num_groups): (order [N*k]: flat pair index of each sorted row, kept
+    [N*k]: whether that row's expert is kept (the others sort last), group_sizes [groups])."""
+    local = experts.reshape(-1) - first  # [N*k]
+    kept = (local >= 0) & (local < num_groups)
+    key = jnp.where(kept, local, num_groups)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    group_sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
+    return order, kept[order], group_sizes
+
+
+def combine(y: jax.Array, order: jax.Array, kept: jax.Array, weights: jax.Array,
+            num_tokens: int, top_k: int) -> jax.Array:
+    """sum over each token's pairs of weight * row: y [N*k, hidden] sorted rows -> float32
+    [N, hidden] (rows not kept count zero)."""
+    w = jnp.where(kept, weights.reshape(-1)[order], 0.0)  # [N*k]
+    rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]
+    return jnp.zeros((num_tokens, y.shape[1]), jnp.float32).at[order // top_k].add(rows)
+
+
+def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, normalize: bool,
+            hidden_act: str, first_expert: int | jax.Array = 0) -> jax.Array:
+    """The MoE MLP of x [N, hidden] over the experts `weights` holds (all of them, or on an
+    expert shard those from first_expert on): float32 [N, hidden], the shard's part."""
+    n = x.shape[0]
+    probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
+    num_groups = jax.tree.leaves(weights["down_proj"])[0].shape[0]
+    order, kept, group_sizes = sorted_pairs(experts, num_groups, first_expert)
+    y = experts_mlp(x[order // top_k], weights, group_sizes, hidden_act)  # [N*k, hidden]
+    return combine(y, order, kept, probs, n, top_k)
+
+
+def dispatch_mode(tokens_per_shard: int) -> str:
+    """How tokens reach their experts over the `expert` axis: "all_gather" for decode-sized
+    steps, "all_to_all" above ALL_TO_ALL_MIN_TOKENS tokens per data shard."""
+    return "all_to_all" if tokens_per_shard > ALL_TO_ALL_MIN_TOKENS else "all_gather"
+
+
+def expert_partition_spec(name: str, shape: tuple[int, ...], mesh: dict[str, int]) -> P:
+    """The partition spec of an array [E, ., .] of expert projection `name` (a float kernel, or
+    the codes, scales or offsets of a quantized one): experts over `expert`, gate/up columns
+    and down rows over `model`; an axis whose dimension does not divide stays whole."""
+    if len(shape) != 3:
+        return P()
+    axes = (EXPERT, None, MODEL) if name in ("gate_proj", "up_proj") else (EXPERT, MODEL, None)
+    return P(*(a if a is not None and mesh.get(a, 1) > 1 and shape[i] % mesh[a] == 0 else None
+               for i, a in enumerate(axes)))
+
+
+def check_expert_mesh(num_experts: int, mesh: dict[str, int]) -> None:
+    """ValueError unless the experts split over `expert` (ep divides them)."""
+    ep = mesh.get(EXPERT, 1)
+    if num_experts % ep:
+        raise ValueError(f"MoE: {num_experts} experts do not split over ep={ep} (ep must "
+                         "divide the number of experts)")
+
+
+def sharded_moe_mlp(mesh: dict[str, int], x: jax.Array, router: jax.Array, weights: dict,
+                    settings: dict) -> jax.Array:
+    """moe_mlp per shard of the (data, expert, model) mesh (see the module docstring)."""
+    ep, dp = mesh.get(EXPERT, 1), mesh.get(DATA, 1)
+    num_experts = router.shape[1]
+    check_expert_mesh(num_experts, mesh)
+    specs = {name: jax.tree.map(lambda a, n=name: expert_partition_spec(n, a.shape, mesh), w)
+             for name, w in weights.items()}
+    down_spec = jax.tree.leaves(specs["down_proj"], is_leaf=lambda s: isinstance(s, P))[0]
+    split_model = down_spec[1] == MODEL  # each model shard holds part of every expert's I
+    local = num_experts // ep
+    model_axes = (MODEL,) if split_model else ()
+    mode = dispatch_mode(x.shape[0] // dp) if ep > 1 else "all_gather"
+
+    def gathered(x, router, weights):  # x [N_d, hidden]: the data shard's tokens
+        first = jax.lax.axis_index(EXPERT) * local
+        y = moe_mlp(x, router, weights, **settings, first_expert=first)
+        return jax.lax.psum(y, (EXPERT,) + model_axes).astype(x.dtype)
+
+    def to_all(x, router, weights):
+        return all_to_all_moe(x, router, weights, settings, ep, local, model_axes)
+
+    return jax.shard_map(gathered if mode == "all_gather" else to_all, check_vma=False,
+                         in_specs=(P(DATA, None), P(), specs),
+                         out_specs=P(DATA, None))(x, router, weights)
+
+
+def all_to_all_moe(x: jax.Array, router: jax.Array, weights: dict, settings: dict, ep: int,
+                   local: int, model_axes: tuple[str, ...]) -> jax.Array:
+    """The MoE MLP of one data shard's tokens x [N, hidden] on an expert shard, the pairs sent
+    to their experts' shards by all_to_all (see the module docstring); [N, hidden] in x's
+    dtype, the same on every expert shard."""
+    top_k = settings["top_k"]
+    n, hidden = x.shape
+    per = -(-n // ep)  # this shard's tokens: [rank * per, (rank + 1) * per), padded
+    rank = jax.lax.axis_index(EXPERT)
+    xp = jnp.pad(x, ((0, per * ep - n), (0, 0)))
+    mine = jax.lax.dynamic_slice_in_dim(xp, rank * per, per)  # [per, hidden]
+    probs, experts = route(jnp.dot(mine, router.astype(x.dtype)), top_k, settings["normalize"])
+    pairs = per * top_k
+    order = jnp.argsort(experts.reshape(-1), stable=True).astype(jnp.int32)  # by expert
+    sorted_experts = experts.reshape(-1)[order]
+    dest = sorted_experts // local  # [pairs] the shard of each sorted pair's expert
+    start = jnp.searchsorted(dest, jnp.arange(ep, dtype=jnp.int32), side="left")  # [ep]
+    slot = jnp.arange(pairs, dtype=jnp.int32) - start[dest]  # place in its shard's block
+    # room for every pair in every block: dropless whatever the routing
+    send_x = jnp.zeros((ep, pairs, hidden), x.dtype).at[dest, slot].set(mine[order // top_k])
+    send_e = jnp.full((ep, pairs), local, jnp.int32).at[dest, slot].set(
+        sorted_experts - dest * local)
+    recv_x = jax.lax.all_to_all(send_x, EXPERT, 0, 0, tiled=False)  # [ep (source), pairs, h]
+    recv_e = jax.lax.all_to_all(send_e, EXPERT, 0, 0, tiled=False)
+    rows_e = recv_e.reshape(-1)  # [ep * pairs] local expert, or `local` for an empty slot
+    r_order, r_kept, group_sizes = sorted_pairs(rows_e[:, None], local)
+    y = experts_mlp(recv_x.reshape(-1, hidden)[r_order], weights, group_sizes,
+                    settings["hidden_act"])
+    y = jnp.where(r_kept[:, None], y, 0)
+    back = jnp.zeros_like(y).at[r_order].set(y).reshape(ep, pairs, hidden)
+    back = jax.lax.all_to_all(back, EXPERT, 0, 0, tiled=False)  # [ep (expert shard), pairs, h]
+    y_pairs = back[dest, slot]  # [pairs, hidden] in sorted order
+    out = combine(y_pairs, order, jnp.ones((pairs,), bool), probs, per, top_k)
+    if model_axes:
+        out = jax.lax.psum(out, model_axes)
+    out = jax.lax.all_gather(out.astype(x.dtype), EXPERT, tiled=True)  # [ep * per, hidden]
+    return out[:n]

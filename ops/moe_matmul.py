@@ -1,0 +1,201 @@
+"""The grouped expert matmul of a mixture-of-experts layer, float and INT8 / INT4 codes.
+
+Rows are tokens sorted by expert: rows [0, g0) go to expert 0, the next g1 rows to expert 1 and
+so on (group_sizes [E], summing to at most M; rows past the sum belong to no expert and come out
+zero). Nothing is padded to a capacity and no row is dropped.
+
+    grouped_matmul        x [M, K] @ w [E, K, N] per group -> [M, N] in x's dtype
+    grouped_coded_matmul  the same over the experts' codes (quant/qtensor.py's layouts with a
+                          leading expert axis: INT4 int32 [E, K/8, N], INT8 uint8 [E, K, N],
+                          scales and offsets [E, G, N])
+
+XLA forms, by rows (`product_form`):
+    gathered  up to as many rows as experts (decode steps): each row's expert weight is
+              gathered and multiplied with that row alone, so a step reads only the experts
+              its rows chose. Codes are gathered as codes and enter the product as they are,
+              their scales applied after it per group of K.
+    tiles     more rows (LARGE_FORM "tiles"): each expert's rows padded to whole tiles of
+              TILE_ROWS, each tile multiplied by its expert's gathered weight in one batched
+              product; at most ceil(M / TILE_ROWS) + E tiles, so the work grows with M, not
+              with M x E.
+    ragged    (LARGE_FORM "ragged") `jax.lax.ragged_dot`: a grouped GEMM where XLA has one (on
+              a GPU behind --xla_gpu_experimental_use_ragged_dot_fusion); XLA's default GPU
+              and CPU lowering expands it into a dense product over every expert.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+INT4_PER_WORD = 8
+CODE_ZEROS = {8: 128, 4: 8}  # bits -> the zero point of symmetric codes
+TILE_ROWS = 64  # rows per tile of the "tiles" form
+LARGE_FORM = "tiles"  # the form of products of more rows than experts: "tiles" or "ragged"
+FORMS = ("gathered", "tiles", "ragged")
+
+
+def product_form(rows: int, num_experts: int) -> str:
+    """The XLA form of a product of `rows` sorted rows over `num_experts` experts (see the
+    module docstring)."""
+    if LARGE_FORM not in FORMS[1:]:
+        raise ValueError(f"moe_matmul.LARGE_FORM {LARGE_FORM!r} must be one of {FORMS[1:]}")
+    return "gathered" if rows <= num_experts else LARGE_FORM
+
+
+def _form(form: str | None, rows: int, num_experts: int) -> str:
+    if form is None:
+        return product_form(rows, num_experts)
+    if form not in FORMS:
+        raise ValueError(f"moe_matmul: form {form!r} must be one of {FORMS}")
+    return form
+
+
+def _check(x: jax.Array, shape: tuple[int, ...], group_sizes: jax.Array, what: str) -> None:
+    if x.ndim != 2 or len(shape) != 3 or x.shape[1] != shape[1]:
+        raise ValueError(f"{what}: x {x.shape} must be [M, K] against experts [E, K, N] "
+                         f"{tuple(shape)}")
+    if group_sizes.shape != (shape[0],):
+        raise ValueError(f"{what}: group_sizes {group_sizes.shape} must be [{shape[0]}] (one "
+                         "count per expert)")
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   form: str | None = None) -> jax.Array:
+    """x [M, K] (rows sorted by expert) @ w [E, K, N] per group -> [M, N] in x's dtype,
+    accumulated in float32; rows past sum(group_sizes) are zero. form: one of FORMS, None:
+    `product_form`'s choice."""
+    _check(x, w.shape, group_sizes, "grouped_matmul")
+    group_sizes = group_sizes.astype(jnp.int32)
+    form = _form(form, x.shape[0], w.shape[0])
+    if form == "gathered":
+        expert, real = _row_experts_clamped(group_sizes, x.shape[0], w.shape[0])
+        y = jnp.einsum("mk,mkn->mn", x, w[expert].astype(x.dtype),
+                       preferred_element_type=jnp.float32)
+        return jnp.where(real[:, None], y, 0.0).astype(x.dtype)
+    if form == "ragged":
+        y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
+                               preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    return _tiled(x, group_sizes, w.shape[0], lambda tile_expert: w[tile_expert])
+
+
+def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The expert of each of `rows` sorted rows (int32 [rows]); rows past the groups get E."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # [E]
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(
+        jnp.int32)
+
+
+def _row_experts_clamped(group_sizes: jax.Array, rows: int, num_experts: int):
+    """(each row's expert clamped to a valid index int32 [rows], whether the row is in a group
+    [rows])."""
+    expert = row_experts(group_sizes, rows)
+    return jnp.minimum(expert, num_experts - 1), expert < num_experts
+
+
+def tile_layout(group_sizes: jax.Array, rows: int, tile: int):
+    """Where the "tiles" form puts each sorted row: (padded position int32 [rows], num_tiles *
+    tile for rows in no group; expert of each tile int32 [num_tiles]), with each expert's rows
+    starting a new tile. num_tiles = ceil(rows / tile) + min(E, rows) bounds the tiles any
+    group sizes need (each non-empty group adds less than one tile of padding)."""
+    e = group_sizes.shape[0]
+    num_tiles = -(-rows // tile) + min(e, rows)
+    tiles = (group_sizes + tile - 1) // tile  # [E]
+    tile_end = jnp.cumsum(tiles)
+    row_start = jnp.cumsum(group_sizes) - group_sizes
+    expert, real = _row_experts_clamped(group_sizes, rows, e)
+    offset = jnp.arange(rows, dtype=jnp.int32) - row_start[expert]
+    position = jnp.where(real, (tile_end - tiles)[expert] * tile + offset, num_tiles * tile)
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(num_tiles, dtype=jnp.int32),
+                                   side="right")
+    return position.astype(jnp.int32), jnp.minimum(tile_expert, e - 1).astype(jnp.int32)
+
+
+def _tiled(x: jax.Array, group_sizes: jax.Array, num_experts: int, tile_weights) -> jax.Array:
+    """The "tiles" form: tile_weights(tile_expert int32 [T]) -> the tiles' weights [T, K, N]."""
+    m, k = x.shape
+    position, tile_expert = tile_layout(group_sizes, m, TILE_ROWS)
+    t = tile_expert.shape[0]
+    xp = jnp.zeros((t * TILE_ROWS, k), x.dtype).at[position].set(x, mode="drop")
+    y = jnp.einsum("tik,tkn->tin", xp.reshape(t, TILE_ROWS, k),
+                   tile_weights(tile_expert).astype(x.dtype),
+                   preferred_element_type=jnp.float32)  # [T, TILE_ROWS, N]
+    y = y.reshape(t * TILE_ROWS, -1)
+    return jnp.take(y, position, axis=0, mode="fill", fill_value=0).astype(x.dtype)
+
+
+def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
+    """Expert codes as int32 [E, K, N]: INT8 bytes as they are, INT4 words [E, K/8, N] with
+    row 8i + j of column n in bits 4j..4j+3 of word [i, n] (low nibble first)."""
+    if bits == 8:
+        return packed.astype(jnp.int32)
+    if bits != 4:
+        raise ValueError(f"unpack_codes: bits must be 4 or 8, got {bits}")
+    e, rows, n = packed.shape
+    words = jax.lax.bitcast_convert_type(packed, jnp.uint32)[:, :, None, :]  # [E, K/8, 1, N]
+    shifts = (4 * jnp.arange(INT4_PER_WORD, dtype=jnp.uint32))[None, None, :, None]
+    return ((words >> shifts) & 0xF).astype(jnp.int32).reshape(e, rows * INT4_PER_WORD, n)
+
+
+def dequantize_experts(packed: jax.Array, scales: jax.Array, offsets: jax.Array | None,
+                       bits: int, group_size: int, dtype=jnp.float32) -> jax.Array:
+    """The float experts [E, K, N] that the codes stand for (quant/qtensor.py's formula:
+    scale * (c - zero) when symmetric, scale * c + offset otherwise, per group of K rows)."""
+    codes = unpack_codes(packed, bits).astype(jnp.float32)
+    k = codes.shape[1]
+
+    def per_row(a):  # [E, G, N] -> [E, K, N]
+        a = a.astype(jnp.float32)
+        return jnp.repeat(a, group_size, axis=1)[:, :k] if a.shape[1] > 1 else a
+    if offsets is None:
+        values = per_row(scales) * (codes - CODE_ZEROS[bits])
+    else:
+        values = per_row(scales) * codes + per_row(offsets)
+    return values.astype(dtype)
+
+
+def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
+                         offsets: jax.Array | None, group_sizes: jax.Array, *, bits: int,
+                         group_size: int, form: str | None = None) -> jax.Array:
+    """x [M, K] (rows sorted by expert) @ the experts' codes per group -> [M, N] in x's dtype.
+
+    packed: INT4 int32 [E, K/8, N] or INT8 uint8 [E, K, N]; scales (offsets) [E, G, N], G =
+    ceil(K / group_size) (G = 1: per output channel); group_sizes int32 [E]; form: as in
+    grouped_matmul.
+    """
+    e, g, n = scales.shape
+    k = x.shape[1]
+    rows_k = packed.shape[1] * (INT4_PER_WORD if bits == 4 else 1)
+    _check(x, (e, rows_k, n), group_sizes, "grouped_coded_matmul")
+    if packed.shape[0] != e or (offsets is not None and offsets.shape != scales.shape):
+        raise ValueError(f"grouped_coded_matmul: codes {packed.shape}, scales {scales.shape} "
+                         f"and offsets {None if offsets is None else offsets.shape} disagree")
+    size = k if g == 1 else group_size
+    if -(-k // size) != g:
+        raise ValueError(f"grouped_coded_matmul: {g} groups of {size} do not cover K={k}")
+    group_sizes = group_sizes.astype(jnp.int32)
+    m = x.shape[0]
+    form = _form(form, m, e)
+
+    def dequantized(idx):  # the experts idx [T] dequantized: [T, K, N]
+        return dequantize_experts(packed[idx], scales[idx],
+                                  None if offsets is None else offsets[idx], bits, size, x.dtype)
+    if form == "tiles":
+        return _tiled(x, group_sizes, e, dequantized)
+    if form == "ragged":
+        y = jax.lax.ragged_dot(x, dequantized(jnp.arange(e)), group_sizes,
+                               preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    expert, real = _row_experts_clamped(group_sizes, m, e)
+    codes = unpack_codes(packed[expert], bits).astype(x.dtype)  # [M, K, N], exact: < 256
+    pad = g * size - k  # the last group may be shorter
+    xg = jnp.pad(x, ((0, 0), (0, pad))).reshape(m, g, size)  # [M, G, size]
+    cg = jnp.pad(codes, ((0, 0), (0, pad), (0, 0))).reshape(m, g, size, n)  # [M, G, size, N]
+    yg = jnp.einsum("mgs,mgsn->mgn", xg, cg, preferred_element_type=jnp.float32)  # [M, G, N]
+    s = scales.astype(jnp.float32)[expert]  # [M, G, N]
+    z = (-CODE_ZEROS[bits] * s if offsets is None
+         else offsets.astype(jnp.float32)[expert])  # [M, G, N]
+    x_sums = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [M, G]
+    # elementwise float32: the zero point's term cancels most of the codes' product
+    y = jnp.sum(yg * s + x_sums[:, :, None] * z, axis=1)  # [M, N]
+    return jnp.where(real[:, None], y, 0.0).astype(x.dtype)

@@ -1,0 +1,116 @@
+"""The grouped expert product of a mixture of experts, per form, against its touched-bytes floor.
+
+    python -m scripts.bench.moe_matmul --model=qwen3-30b-a3b --rows=8,128,512,16384 \
+        --forms=gathered,tiles,ragged,mgpu --json_out=moe_matmul.json
+
+One projection (gate: [E, hidden, moe_intermediate]) of `--copies` layers, each its own
+weights (so no step finds its experts in the L2 cache), multiplied by M = tokens x k rows
+routed uniformly (each token k distinct experts) and sorted by expert, as models/moe.py sorts
+them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows), and `mgpu`:
+jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu; Hopper,
+bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA forms
+only). The floor is the bytes of the experts the rows touch (plus x and y) over the copy
+bandwidth measured in the same run. A failing row records its error.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+from configs.model import get_preset
+from ops import moe_matmul
+from quant.model import quantize_experts
+from scripts.bench.common import (calibrate, error_text, markdown_table, run_info,
+                                  time_per_call, write_json)
+from scripts.common import set_xla_flags
+
+flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
+flags.DEFINE_list("rows", ["8", "128", "512", "16384"], "Rows (tokens x experts per token).")
+flags.DEFINE_list("forms", ["gathered", "tiles", "ragged", "mgpu"], "Forms to time.")
+flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
+flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
+flags.DEFINE_integer("runs", 5, "Timings per row (median).")
+flags.DEFINE_string("mgpu_tiles", "64,128,64,4,1", "block_m,block_n,block_k,"
+                    "max_concurrent_steps,grid_block_n of the mgpu form.")
+flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+FLAGS = flags.FLAGS
+
+
+def routed_group_sizes(rng, rows: int, experts: int, k: int) -> np.ndarray:
+    """Rows per expert of rows // k tokens, each choosing k distinct experts uniformly."""
+    tokens = max(rows // k, 1)
+    chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].reshape(-1)[:rows]
+    return np.bincount(chosen, minlength=experts).astype(np.int32)
+
+
+def product(form: str, weight, bits: int):
+    """fn(x [M, K], group_sizes [E]) -> [M, N] of one form over one layer's weight."""
+    if form == "mgpu":
+        bm, bn, bk, steps, gbn = (int(v) for v in FLAGS.mgpu_tiles.split(","))
+        return lambda x, gs: ragged_dot_mgpu.ragged_dot(
+            x, weight, group_sizes=gs, block_m=bm, block_n=bn, block_k=bk,
+            max_concurrent_steps=steps, grid_block_n=gbn)
+    if form not in moe_matmul.FORMS:
+        raise ValueError(f"unknown form {form!r}")
+
+    def run(x, gs):
+        if bits:
+            return moe_matmul.grouped_coded_matmul(x, weight.packed, weight.scales,
+                                                   weight.offsets, gs, bits=bits,
+                                                   group_size=weight.group_size, form=form)
+        return moe_matmul.grouped_matmul(x, weight, gs, form=form)
+    return run
+
+
+def main(argv):
+    del argv
+    set_xla_flags()
+    cfg = get_preset(FLAGS.model)
+    if not cfg.is_moe:
+        raise app.UsageError(f"--model={FLAGS.model} is not a mixture of experts")
+    e, h, i, k = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                  cfg.num_experts_per_tok)
+    bits = {"none": 0, "int8": 8, "int4": 4}[FLAGS.quant]
+    keys = jax.random.split(jax.random.key(0), FLAGS.copies)
+    weights = [(0.02 * jax.random.normal(key, (e, h, i), jnp.float32)).astype(jnp.bfloat16)
+               for key in keys]
+    if bits:
+        weights = [quantize_experts(w, bits, 128 if bits == 4 else -1, False, jnp.bfloat16)
+                   for w in weights]
+    expert_bytes = sum(a.nbytes for a in jax.tree.leaves(weights[0])) / e
+    results = {**run_info(), "model": FLAGS.model, "quant": FLAGS.quant, "rows": []}
+    results["calibration"] = calib = calibrate()
+    rng = np.random.default_rng(0)
+    for rows in map(int, FLAGS.rows):
+        gs = jnp.asarray(routed_group_sizes(rng, rows, e, k))
+        touched = int((np.asarray(gs) > 0).sum())
+        x = jax.random.normal(jax.random.key(rows), (rows, h), jnp.bfloat16)
+        floor = (touched * expert_bytes + rows * (h + i) * 2) / (calib["copy_TBps"] * 1e12)
+        for form in FLAGS.forms:
+            row = {"rows": rows, "form": form, "touched_experts": touched, "floor_s": floor}
+            try:
+                if form == "gathered" and rows > e:
+                    raise ValueError(f"the gathered form takes at most E={e} rows")
+                fns = [product(form, w, bits) for w in weights]
+                seconds = time_per_call(lambda x, gs: [f(x, gs) for f in fns], (x, gs),
+                                        len(fns), FLAGS.runs, 4)
+                row |= {"step_s": seconds, "fraction_of_floor": floor / seconds}
+            except Exception as exc:  # noqa: BLE001 - a failing row is a result
+                row["error"] = error_text(exc)
+            results["rows"].append(row)
+            print(row, flush=True)
+            if FLAGS.json_out:
+                write_json(FLAGS.json_out, results)
+    table = [[r["rows"], r["form"], r["touched_experts"], f"{r['floor_s'] * 1e6:.1f}",
+              f"{r['step_s'] * 1e6:.1f}" if "step_s" in r else r.get("error", "")[:50],
+              f"{r['fraction_of_floor']:.1%}" if "step_s" in r else ""]
+             for r in results["rows"]]
+    print(markdown_table(["rows", "form", "experts touched", "floor us", "us", "of floor"],
+                         table))
+
+
+if __name__ == "__main__":
+    app.run(main)
