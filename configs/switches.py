@@ -11,13 +11,16 @@ while a step is traced. Unset or empty means the default.
 | PALLASITE_GEMV      | auto, pallas, pallas_interpret, reference | auto    | one-row products     |
 | PALLASITE_WGMMA     | on, off                                   | on      | Hopper codes kernel  |
 | PALLASITE_K_ORDER   | device, natural                           | device  | K order of codes     |
+| PALLASITE_LAYER_LOOP| auto, scan, unrolled                      | auto    | decoder layer loop   |
 | PALLASITE_API_KEY   | any string                                | unset   | scripts.serve's key  |
 
 auto: the Pallas kernels on a GPU, the jnp / XLA reference elsewhere; pallas forces the kernel,
 pallas_interpret runs it interpreted (debugging on the CPU), reference the jnp / XLA path.
 PALLASITE_WGMMA=off keeps codes stored [N, K] on the Triton paths instead of ops/quant_wgmma.py.
 PALLASITE_K_ORDER=natural stores codes in natural K order even where the Hopper kernel reads a
-reordered K faster. PALLASITE_API_KEY is the bearer key scripts.serve requires when --api_key
+reordered K faster. PALLASITE_LAYER_LOOP=scan compiles one decoder layer and loops over stacked
+weights; unrolled traces every layer; auto takes ops.backends.choose_layer_loop's platform default.
+PALLASITE_API_KEY is the bearer key scripts.serve requires when --api_key
 is not given (kept as it is, not lower-cased).
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "PALLASITE_GEMV": ("gemv", IMPL_VALUES),
     "PALLASITE_WGMMA": ("wgmma", ("on", "off")),
     "PALLASITE_K_ORDER": ("k_order", ("device", "natural")),
+    "PALLASITE_LAYER_LOOP": ("layer_loop", ("auto", "scan", "unrolled")),
 }
 
 
@@ -47,6 +51,7 @@ class Switches:
     gemv: str = "auto"
     wgmma: str = "on"
     k_order: str = "device"
+    layer_loop: str = "auto"
     api_key: str | None = None
 
     def __post_init__(self):
