@@ -12,6 +12,7 @@ while a step is traced. Unset or empty means the default.
 | PALLASITE_WGMMA     | on, off                                   | on      | Hopper codes kernel  |
 | PALLASITE_K_ORDER   | device, natural                           | device  | K order of codes     |
 | PALLASITE_KERNELS   | device, tpu_interpret                     | device  | platform's kernels   |
+| PALLASITE_LAYER_LOOP| auto, scan, unrolled                      | auto    | decoder layer loop   |
 | PALLASITE_API_KEY   | any string                                | unset   | scripts.serve's key  |
 
 auto: the Pallas kernels on a GPU, the jnp / XLA reference elsewhere; pallas forces the kernel,
@@ -20,7 +21,9 @@ PALLASITE_WGMMA=off keeps codes stored [N, K] on the Triton paths instead of ops
 PALLASITE_K_ORDER=natural stores codes in natural K order even where the Hopper kernel reads a
 reordered K faster. PALLASITE_KERNELS=tpu_interpret runs the TPU kernels (Pallas Mosaic TPU) in
 TPU interpret mode on any backend, with the TPU's choice of every other op family (verification
-on the CPU). PALLASITE_API_KEY is the bearer key scripts.serve requires when --api_key
+on the CPU). PALLASITE_LAYER_LOOP=scan compiles one decoder layer and loops over stacked
+weights; unrolled traces every layer; auto takes ops.backends.choose_layer_loop's platform default.
+PALLASITE_API_KEY is the bearer key scripts.serve requires when --api_key
 is not given (kept as it is, not lower-cased).
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "PALLASITE_WGMMA": ("wgmma", ("on", "off")),
     "PALLASITE_K_ORDER": ("k_order", ("device", "natural")),
     "PALLASITE_KERNELS": ("kernels", ("device", "tpu_interpret")),
+    "PALLASITE_LAYER_LOOP": ("layer_loop", ("auto", "scan", "unrolled")),
 }
 
 
@@ -52,6 +56,7 @@ class Switches:
     wgmma: str = "on"
     k_order: str = "device"
     kernels: str = "device"
+    layer_loop: str = "auto"
     api_key: str | None = None
 
     def __post_init__(self):

@@ -14,6 +14,7 @@ from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, 
 from engine.step_batch import StepBatch, bucket, bucket_key, pad_to, padding_batch, table_widths
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
+from models.stacked import is_stacked
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
 from ops.kv_quant import kv_cache_dtype
@@ -37,6 +38,8 @@ class ModelRunner:
 
     supports_async_scheduling = True  # steps can read input tokens from the last step's samples
     supports_multi_step = True  # execute_multi_step
+    # warm-up compiles its programs ahead of time, without running them (`warmup`)
+    compiles_ahead = True
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
@@ -51,7 +54,9 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
-        self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, self.kv_dtype)
+        # A scanned model (stacked layers) keeps every layer's pages in one array.
+        self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, self.kv_dtype,
+                                            stacked=is_stacked(model))
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
         # Sampled tokens come back padded to this many rows, so that a step can read its input
@@ -217,6 +222,15 @@ class ModelRunner:
         """Pads and packs a round's batch (with `complete` appended, for a mixed round), runs
         the jitted `program` without waiting and starts its tokens' copy to the host; returns
         (tokens [num_steps, bucket(S)], last step's tokens [sample_rows])."""
+        tokens, last, self.cache = program(*self._round_args(kind, batch, arrays, num_steps,
+                                                             prev_samples, sample_index,
+                                                             complete))
+        tokens.copy_to_host_async()
+        return tokens, last
+
+    def _round_args(self, kind: str, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
+                    prev_samples, sample_index, complete: np.ndarray | None = None) -> tuple:
+        """Every argument of a round's jitted program (`_run_round`), the static ones last."""
         if arrays.penalties is not None or arrays.num_logprobs:
             raise ValueError(f"a {kind.replace('_', '-')} round takes no penalties or logprobs")
         layout, packed = self._padded(batch, sample_index)
@@ -226,11 +240,9 @@ class ModelRunner:
             packed = np.concatenate([packed, pad_to(np.asarray(complete, np.int32),
                                                   (layout.num_seqs,), 0)])
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
-        tokens, last, self.cache = program(
-            self._weights, self.cache, packed, floats, ints,
-            self._no_samples if prev_samples is None else prev_samples, layout, num_steps, mode)
-        tokens.copy_to_host_async()
-        return tokens, last
+        return (self._weights, self.cache, packed, floats, ints,
+                self._no_samples if prev_samples is None else prev_samples, layout, num_steps,
+                mode)
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket."""
@@ -301,30 +313,46 @@ class ModelRunner:
 
     def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
                verification: bool = False) -> None:
-        """Compiles the program of a step whose sequences compute q_lens tokens each, by running
-        it on padding (nothing is written)."""
+        """Compiles the program of a step whose sequences compute q_lens tokens each: ahead of
+        time (lowered and compiled for a padding step's arguments, not run: a large prefill
+        program would take seconds to run), or where `compiles_ahead` is off by running it on
+        padding (nothing is written)."""
         dummy = padding_batch(q_lens, num_pages, verification)
         num_seqs = dummy.num_seqs
-        if all_logits:
+        if self.compiles_ahead:
+            args = self._step_args(dummy)
+            if all_logits:
+                self._step.lower(*args, all_logits=True).compile()
+            else:
+                self._step_and_argmax.lower(*args, self.sample_rows).compile()
+        elif all_logits:
             self.execute_all_logits(dummy).block_until_ready()
         else:  # the program the engine runs: the step and its argmax
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
 
     def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int) -> None:
-        """Compiles the greedy multi-step program of a decode batch (running it on padding:
-        nothing is written). Sampled multi-step programs compile when first used."""
+        """Compiles the greedy multi-step program of a decode batch (as `warmup`). Sampled
+        multi-step programs compile when first used."""
         dummy = padding_batch([1] * num_seqs, num_pages)
-        np.asarray(self.execute_multi_step(dummy, SamplingArrays.defaults(num_seqs),
-                                           num_steps)[0])
+        arrays = SamplingArrays.defaults(num_seqs)
+        if self.compiles_ahead:
+            self._multi_step.lower(*self._round_args("multi_step", dummy, arrays, num_steps,
+                                                     None, None)).compile()
+            return
+        np.asarray(self.execute_multi_step(dummy, arrays, num_steps)[0])
 
     def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int) -> None:
         """Compiles the greedy mixed-round program of a step whose sequences compute q_lens
-        tokens each (on padding: nothing is written)."""
+        tokens each (as `warmup`)."""
         dummy = padding_batch(q_lens, num_pages)
-        np.asarray(self.execute_mixed_round(dummy, np.zeros(dummy.num_seqs, np.bool_),
-                                            SamplingArrays.defaults(dummy.num_seqs),
-                                            num_steps)[0])
+        complete = np.zeros(dummy.num_seqs, np.bool_)
+        arrays = SamplingArrays.defaults(dummy.num_seqs)
+        if self.compiles_ahead:
+            self._mixed_round.lower(*self._round_args("mixed_round", dummy, arrays, num_steps,
+                                                      None, None, complete)).compile()
+            return
+        np.asarray(self.execute_mixed_round(dummy, complete, arrays, num_steps)[0])
 
     def warmup_samplers(self) -> None:
         """Compiles the sampler programs of batches with sampled rows (without and with top-k /

@@ -88,6 +88,7 @@ class ShardedModelRunner(ModelRunner):
 
     supports_async_scheduling = True
     supports_multi_step = False
+    compiles_ahead = False  # its steps place their inputs per shard: warm-up runs them
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
                  max_seqs: int = 1, max_width: int = 1, *, mesh, kernels=None):

@@ -19,6 +19,7 @@ from flax import nnx
 from configs.model import ModelConfig
 from models.kv_cache import KVCache
 from models.moe import SparseMoE
+from models.stacked import StackedLayers, scan_layers
 from ops import gemv as gemv_ops
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
@@ -328,12 +329,17 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     by the runner (ops.backends.select_kernels); None runs the jnp / XLA references.
     """
     x = embed(model, tokens, cfg)  # [N, hidden]
-    # per layer: float pages, or QuantizedPages of an int8 / fp8 cache (models/kv_cache.py)
-    k_all, v_all = map(list, zip(*(cache.layer(i) for i in range(len(model.layers)))))
-    for i, layer in enumerate(model.layers):
-        inv_freq, window = layer_attention(cfg, i)
-        x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels,
-                                      window)
+    if isinstance(model.layers, StackedLayers):  # one traced layer body (models/stacked.py)
+        x, cache = scan_layers(model.layers, x, cache, meta, cfg, kernels,
+                               functools.partial(layer_attention, cfg))
+    else:
+        # per layer: float pages, or QuantizedPages of an int8 / fp8 cache (models/kv_cache.py)
+        k_all, v_all = map(list, zip(*(cache.layer(i) for i in range(len(model.layers)))))
+        for i, layer in enumerate(model.layers):
+            inv_freq, window = layer_attention(cfg, i)
+            x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels,
+                                          window)
+        cache = KVCache.from_layers(k_all, v_all)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
     x = model.norm(x, kernels)
@@ -342,7 +348,7 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
         logits = cap * jnp.tanh(logits / cap)
-    return logits, KVCache.from_layers(k_all, v_all)
+    return logits, cache
 
 
 def _check_fusable(kernels: list) -> None:

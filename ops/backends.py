@@ -211,6 +211,33 @@ def _select_tpu_kernels(switches: Switches, device_kind: str,
         tpu_generation=generation_of_device_kind(device_kind))
 
 
+# The decoder's layer loop by platform (PALLASITE_LAYER_LOOP=auto): "scan" traces and compiles one
+# layer body and loops it over stacked weights (models/stacked.py), so a program compiles about
+# num_layers times faster; "unrolled" traces every layer. The CPU's start-up is compile-bound
+# and its decode runs as fast scanned (docs/PERFORMANCE.md); the GPU keeps the unrolled loop
+# until an H200 A/B of decode speed says scan costs nothing there.
+LAYER_LOOPS = {"cpu": "scan", "gpu": "unrolled", "tpu": "unrolled"}
+
+
+def choose_layer_loop(platform: str, *, switches: Switches | None = None, mesh: bool = False,
+                      varying_windows: bool = False) -> str:
+    """"scan" or "unrolled": how models.llama.forward runs the decoder layers on `platform`.
+
+    switches.layer_loop forces it; auto takes LAYER_LOOPS. Always "unrolled" on a mesh (the
+    cache's pages split over the data axis per layer) and for a model whose layers differ in
+    sliding window (Gemma 2/3: varying_windows) when its attention runs the Pallas kernel,
+    whose window is static; the jnp reference takes the window as data.
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"choose_layer_loop: platform {platform!r} must be one of {PLATFORMS}")
+    switches = Switches() if switches is None else switches
+    loop = LAYER_LOOPS[platform] if switches.layer_loop == "auto" else switches.layer_loop
+    attention = select_kernels(platform, switches=switches).attention
+    if mesh or (varying_windows and attention != "reference"):
+        return "unrolled"
+    return loop
+
+
 def device_kernels(switches: Switches | None = None,
                    mesh_axes: tuple[tuple[str, int], ...] = ()) -> KernelBackends:
     """`select_kernels` for this process's default device, with the switches of the

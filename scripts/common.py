@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from engine.api import default_dtype, load_prepared
+from engine.compile_stats import CompileStats, compile_stats, count_compiles
 from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
 from models.prepare import check_preparation, prepare_for_device
@@ -218,14 +219,26 @@ def set_xla_flags() -> None:
 
 
 def setup_jax() -> None:
-    """Sets the XLA flags of the scripts' flags, quiets jax's backend probing and turns on
-    the persistent compilation cache; call before jax's backend starts."""
+    """Sets the XLA flags of the scripts' flags, quiets jax's backend probing, turns on the
+    persistent compilation cache and counts compiles (engine.compile_stats); call before jax's
+    backend starts. Every program is cached, however fast it compiled, so that a second start
+    of the same configuration loads them all."""
     set_xla_flags()
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    count_compiles()
     if flags.FLAGS.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", flags.FLAGS.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def startup_summary(seconds: float, since: CompileStats | None = None) -> str:
+    """'ready in S s; N programs: C compiled, L loaded from the compilation cache (T s)':
+    the programs counted since the snapshot `since` (default: since start-up)."""
+    stats = compile_stats() - (since or CompileStats())
+    cache = "" if flags.FLAGS.compilation_cache_dir else " (--compilation_cache_dir='': off)"
+    return f"ready in {seconds:.1f}s; {stats.describe()}{cache}"
 
 
 def freeze_startup_objects() -> None:
@@ -238,13 +251,16 @@ def freeze_startup_objects() -> None:
 
 
 def print_progress(label: str):
-    """A progress callback (done, total) that rewrites one line on stderr."""
+    """A progress callback (done, total) that rewrites one line on stderr: done/total, the
+    time so far and, until the end, the time left if the rest go at the average pace."""
     start = time.perf_counter()
 
     def report(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - start
+        left = f", about {elapsed / done * (total - done):.0f}s left" if 0 < done < total else ""
         end = "\n" if done == total else ""
-        print(f"\r{label} {done}/{total} ({time.perf_counter() - start:.1f}s)", end=end,
-              file=sys.stderr, flush=True)
+        line = f"{label} {done}/{total} ({elapsed:.1f}s{left})"
+        print(f"\r{line:<60}", end=end, file=sys.stderr, flush=True)
 
     return report
 

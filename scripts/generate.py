@@ -75,6 +75,7 @@ def main(argv):
     if not FLAGS.prompt:
         common.fail("give at least one --prompt")
     try:
+        started = time.perf_counter()
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                                 top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.sample_seed)
@@ -95,6 +96,7 @@ def main(argv):
             engine.warmup(len(prompt_ids), longest + FLAGS.max_tokens,
                           [len(p) for p in prompt_ids], progress=common.print_progress("compiling"))
         common.freeze_startup_objects()
+        print(common.startup_summary(time.perf_counter() - started), file=sys.stderr)
         start = time.perf_counter()
         if FLAGS.json:
             outputs = engine.generate(prompt_ids, params)

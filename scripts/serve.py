@@ -77,7 +77,7 @@ def main(argv):
         if FLAGS.warmup:
             engine.warmup(progress=common.print_progress("compiling"))
         common.freeze_startup_objects()
-        print(f"ready in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+        print(common.startup_summary(time.perf_counter() - start), file=sys.stderr, flush=True)
         server = Server(engine, FLAGS.served_model_name or FLAGS.model,
                         api_key=FLAGS.api_key or Switches.from_env().api_key,
                         max_waiting=FLAGS.max_waiting, max_body_bytes=FLAGS.max_body_bytes,

@@ -6,6 +6,8 @@
     python -m scripts.bench.serving --url=http://127.0.0.1:8000 --num_requests=100   # a server
     python -m scripts.bench.serving --model=tiny-llama --random_weights --stub_device \
         --max_num_seqs=256 --host_phases                                  # host work only
+    python -m scripts.bench.serving --model=llama3.1-8b --random_weights --startup_only \
+        --compilation_cache_dir=/tmp/cc --json_out=cold.json   # again: warm (start-up only)
 
 A seeded workload of random-token prompts: input and output lengths log-normal (long-tailed,
 like ShareGPT conversations; --len_sigma=0: fixed), arrivals Poisson at --request_rate requests/s
@@ -17,6 +19,8 @@ same useful work. Modes:
 - --url: the same workload against a running server over HTTP (scripts/bench/serving_http.py).
 - --stub_device: the engine's runner returns tokens at once, so the run times only the host's
   work per step (scheduling, batches, appending tokens): what the engine's Python costs.
+- --startup_only: process start to the first token, as scripts.serve starts
+  (scripts/bench/startup.py); twice on one --compilation_cache_dir for cold and warm.
 Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -41,6 +45,7 @@ from engine.step_batch import bucket
 from quant.loader import EMBEDDED_PRESETS, load_model
 from scripts import common, parallel
 from scripts.bench import host_phases, serving_http
+from scripts.bench.startup import measure_startup, startup_table
 from scripts.bench.common import markdown_table, run_info, write_json
 from scripts.bench.workload import WorkloadSpec, describe, make_workload, serving_table, summarize
 
@@ -58,6 +63,10 @@ flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
+flags.DEFINE_bool("startup_only", False, "Measure only the start-up, as scripts.serve starts: "
+                  "process start to the first token of one request, with the weights' time "
+                  "apart and the programs compiled and loaded from --compilation_cache_dir "
+                  "(run twice on one directory: cold, then warm).")
 flags.DEFINE_string("compare", "", "Engine configurations also run on the same workload, "
                     "';'-separated, each comma-separated EngineConfig fields, e.g. "
                     "'max_num_batched_tokens=4096;num_decode_steps=4,async_scheduling=true'; "
@@ -336,6 +345,13 @@ def main(argv):
     try:
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         common.check_fusion(mesh)
+        if FLAGS.startup_only:
+            results = run_info() | {"mode": "startup", "model": FLAGS.model} | measure_startup(
+                FLAGS, mesh)
+            print(startup_table(results))
+            if FLAGS.json_out and is_main_process():
+                write_json(FLAGS.json_out, results)
+            return
         if jax.process_count() > 1 and not math.isinf(FLAGS.request_rate):
             raise ValueError("with several processes --request_rate must be inf: arrivals timed "
                              "by each process's clock would give the processes different steps")

@@ -1,0 +1,87 @@
+"""Start-up time of the serving engine (`scripts.bench.serving --startup_only`): from process
+start to the first token of a request, as scripts.serve starts (weights loaded and prepared, the
+KV cache sized, every reachable program compiled or loaded from the compilation cache).
+
+Run it twice on one --compilation_cache_dir: the first start, on an empty directory, is the
+cold figure, the second the warm one. Weight loading (or random weights' creation) is reported
+apart, since a benchmark may make random weights.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from engine.api import load_prepared
+from engine.compile_stats import compile_stats
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from models.stacked import is_stacked
+from scripts import common
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: from /proc, 10 ms resolution); elsewhere
+    since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
+
+
+def measure_startup(FLAGS, mesh=None) -> dict:
+    """One start as scripts.serve makes it (the model, engine and fusion flags in FLAGS), then
+    one request of 8 prompt tokens and 1 output token. Returns the phases in seconds since
+    process start ("main" when the benchmark's main began, "weights" loaded and prepared,
+    "engine" built with its KV cache, "compiled", "first_token"), their durations, the
+    programs compiled and loaded from the compilation cache, and ready_s (process start to
+    first token) with ready_without_weights_s (less the weights' loading)."""
+    out = {"main_at_s": process_age()}
+    start = time.perf_counter()
+    loaded, _ = load_prepared(FLAGS.model, dtype=FLAGS.dtype, random_weights=FLAGS.random_weights,
+                              seed=FLAGS.seed, mesh=mesh, fuse_projections=FLAGS.fuse_projections,
+                              gemv_layers=FLAGS.gemv_layers, log=common.log_line)
+    out["weights_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer,
+                       common.engine_config_from_flags(FLAGS, loaded.cfg), mesh=mesh)
+    out["engine_s"] = time.perf_counter() - start
+    print(engine.kv_summary, file=sys.stderr, flush=True)
+    common.print_kernels(engine.runner.kernels)
+    start = time.perf_counter()
+    engine.warmup(progress=common.print_progress("compiling"))
+    out["compile_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.add_request(list(range(3, 11)), SamplingParams(max_tokens=1, ignore_eos=True))
+    while not any(delta.token_ids for delta in engine.step()):
+        pass
+    out["first_token_s"] = time.perf_counter() - start
+    out["ready_s"] = process_age()
+    out["ready_without_weights_s"] = out["ready_s"] - out["weights_s"]
+    stats = compile_stats()
+    out |= {"programs": stats.programs, "programs_compiled": stats.compiled,
+            "programs_loaded": stats.loaded, "program_seconds": stats.seconds,
+            "compilation_cache_dir": FLAGS.compilation_cache_dir,
+            "num_layers": loaded.cfg.num_layers,
+            "layer_loop": "scan" if is_stacked(loaded.model) else "unrolled",
+            "engine": {k: getattr(engine.engine_cfg, k) for k in (
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps",
+                "async_scheduling")}}
+    return out
+
+
+def startup_table(r: dict) -> str:
+    """A few lines of the figures of `measure_startup`."""
+    return (f"ready in {r['ready_s']:.1f}s from process start ({r['ready_without_weights_s']:.1f}s "
+            f"without the weights' {r['weights_s']:.1f}s): main at {r['main_at_s']:.1f}s, engine "
+            f"{r['engine_s']:.1f}s, compile {r['compile_s']:.1f}s, first token "
+            f"{r['first_token_s']:.2f}s\n{r['programs']} programs: {r['programs_compiled']} "
+            f"compiled, {r['programs_loaded']} loaded from the compilation cache; layer loop "
+            f"{r['layer_loop']}")
