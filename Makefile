@@ -4,8 +4,10 @@ PROMPT ?= What is the capital of France?
 ARGS ?=
 # pytest-xdist workers of `make test` (two fit the 2-core CI machine)
 TEST_WORKERS ?= 2
-# `make test-gpu`: its workers share the one GPU (no preallocation), and its log
-GPU_TEST_WORKERS ?= 4
+# `make test-gpu`: its workers share the one GPU, each allowed GPU_MEM_FRACTION of it (an
+# engine sizes its KV cache from its own process's limit, blind to the other workers'), and its log
+GPU_TEST_WORKERS ?= 2
+GPU_MEM_FRACTION ?= 0.45
 GPU_TEST_LOG ?= test-gpu.log
 PYTHON_BIN := $(VENV)/bin/python
 
@@ -31,7 +33,7 @@ test: setup
 # The tests marked `gpu` on this machine's GPU: the kernels compiled for real against their
 # references (a handful of shapes each), the engine with the GPU kernels against the reference.
 test-gpu: setup
-	XLA_PYTHON_CLIENT_PREALLOCATE=false bash -o pipefail -c \
+	XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_CLIENT_MEM_FRACTION=$(GPU_MEM_FRACTION) bash -o pipefail -c \
 	    '$(PYTHON_BIN) -m pytest tests -m gpu -n $(GPU_TEST_WORKERS) -rs --durations=20 $(ARGS) 2>&1 | tee $(GPU_TEST_LOG)'
 
 clean:

@@ -8,6 +8,7 @@ pages  = budget // bytes of one page across all layers (K and V, and the scales 
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,11 @@ def device_memory(device=None) -> tuple[int, int]:
     """(total bytes the device may allocate, bytes in use now).
 
     GPUs report both through memory_stats(); for the CPU the total is the host's available memory
-    (MemAvailable) plus what jax already holds.
+    (MemAvailable) plus what jax already holds. Garbage is collected first: a dropped engine
+    held in a reference cycle would otherwise count its KV cache as in use, and a second engine
+    built in the same process would find no room.
     """
+    gc.collect()
     device = device or jax.local_devices()[0]  # jax.devices()[0] may be another process's
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:

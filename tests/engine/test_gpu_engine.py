@@ -24,8 +24,11 @@ def decisive_model(cfg, dtype):
     weight shape: one jitted initializer of all 8B weights compiles for minutes)."""
     from scripts.bench.decode_model import random_weights
     graphdef, state = nnx.split(random_weights(cfg, 0, dtype))
-    state = jax.tree.map(lambda a: (a * 3).astype(a.dtype), state)
-    return nnx.merge(graphdef, state)
+    leaves, treedef = jax.tree.flatten(state)
+    del state  # each weight replaced in turn: one copy of the 8B model at a time, not two
+    for i, leaf in enumerate(leaves):
+        leaves[i] = (leaf * 3).astype(leaf.dtype)
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
 # (preset, dtype, tokens that must agree, the reference's lead under which a later difference is

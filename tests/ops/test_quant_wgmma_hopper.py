@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ops import quant_wgmma as qw
+from ops.backends import select_kernels
 from ops.matmul import TransposedWeight, linear
 from ops.quant_matmul import int4_matmul_reference, int8_matmul_reference
 from quant.qtensor import make_quantized_weight
@@ -163,7 +164,7 @@ def check_kernel(bits, m, k, n, group, asymmetric, config):
 def test_linear_dispatches_transposed_codes_to_the_kernel():
     w, x = random_case(4, 16, 4096, 4096, 128, False, seed=5)
     weight = TransposedWeight(w.packed.T, w.scales, None, group_size=128)
-    fn = jax.jit(lambda x: linear(x, weight))
+    fn = jax.jit(lambda x: linear(x, weight, kernels=select_kernels("gpu", hopper=True)))
     assert "mosaic_gpu" in fn.lower(x).as_text()
     out = np.asarray(fn(x).astype(jnp.float32))
     ref = reference(4, x, w)
