@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ops.tpu_ragged_attention import interpret_params
+
 LANES = 128
 MAX_BLOCK_M = 256
 
@@ -118,7 +120,7 @@ def _tpu_quant_matmul(x, codes, scales, offsets, *, bits: int, group_size: int,
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret_params(interpret),
         name="tpu_quant_matmul",
     )(*args)
     return out[:m]

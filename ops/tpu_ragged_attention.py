@@ -147,6 +147,15 @@ def _kernel(meta_ref, tables_hbm, q_hbm, k_hbm, v_hbm, *refs, group: int, block_
         out_copy.wait()  # the next q block may overwrite this tile's trailing rows
 
 
+def interpret_params(interpret) -> pltpu.InterpretParams | bool:
+    """pallas_call's `interpret` for a kernel's interpret argument: True -> TPU interpret mode
+    with default parameters, False -> compiled, or the given pltpu.InterpretParams (e.g. the
+    race detector)."""
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    return pltpu.InterpretParams() if interpret else False
+
+
 def q_blocks(query_start_loc: jax.Array, kv_lens: jax.Array, block_q: int,
              num_blocks: int) -> jax.Array:
     """[num_blocks * 5] int32: the q blocks of every sequence in increasing token order (see
@@ -209,7 +218,7 @@ def _tpu_ragged_attention(q, k_pages, v_pages, block_tables, query_start_loc, kv
             in_specs=[any_spec] * len(args), out_specs=any_spec, scratch_shapes=scratch),
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=interpret_params(interpret),
         name="tpu_ragged_paged_attention",
     )(meta, *args)
     out = out[:, :num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim)
@@ -226,7 +235,7 @@ def tpu_ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                soft_cap: float | None = None,
                                sliding_window: int | None = None, generation: str = "default",
                                blocks: TpuAttentionBlocks | None = None,
-                               interpret: bool = False) -> jax.Array:
+                               interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
     """Causal attention of a flat, ragged batch of query tokens over their sequences' pages, as
     a Pallas TPU kernel (interpret=True: TPU interpret mode, on any backend).
 
@@ -234,7 +243,8 @@ def tpu_ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     [KVH, P, S, D], with k_scales / v_scales [KVH, P, S] float32 for int8 / fp8 pages;
     block_tables int32 [S, W]; query_start_loc int32 [S + 1]; kv_lens int32 [S]; rows of no
     sequence are 0). generation: a key of ops.tpu_attention_tiles.KEYS_PER_BLOCK ("v5e",
-    "v6e", "default"); blocks overrides its table.
+    "v6e", "default"); blocks overrides its table. interpret: True, or pltpu.InterpretParams
+    for the interpreter's options (race detection, several cores).
     """
     name = "tpu_ragged_paged_attention"
     if q.ndim != 3:
