@@ -139,8 +139,10 @@ class LoweringProgram:
 
 
 def lowering_programs(runner, chip: str, limit, mesh=None, on_program=None) -> None:
-    """Replaces the runner's jitted step functions by LoweringPrograms (runner.programs)."""
+    """Replaces the runner's jitted step functions by LoweringPrograms (runner.programs); the
+    warm-up then calls them instead of compiling them ahead of time."""
     runner.programs = []
+    runner.compiles_ahead = False
     for kind in ("_step", "_step_and_argmax", "_multi_step", "_mixed_round"):
         if hasattr(runner, kind):
             setattr(runner, kind, LoweringProgram(getattr(runner, kind), kind.lstrip("_"),
