@@ -19,6 +19,7 @@ import pytest
 
 from configs.model import get_preset
 from engine.runner import full_sequence_logits
+from models.llama import transpose_for_gemv
 from models.moe import moe_mlp, route
 from models.prepare import prepare_for_device
 from models.weights import random_model
@@ -140,5 +141,4 @@ def test_prepare_for_a_gpu_fuses_attention_and_keeps_the_experts():
     assert prepared.cfg.fused_projections and hasattr(layer.self_attn, "qkv_proj")
     assert layer.mlp.gate_proj.kernel.get_value().shape == (8, 64, 32)  # stacked, unfused
     with pytest.raises(ValueError, match="mixture of experts"):
-        prepare_for_device(cfg, random_model(cfg, seed=1), platform="gpu", hopper=True,
-                           gemv_layers=True)
+        transpose_for_gemv(prepared.cfg, prepared.model, k_order="natural")
