@@ -19,6 +19,7 @@ import pytest
 
 from configs.model import get_preset
 from engine.runner import full_sequence_logits
+from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
 from models.llama import transpose_for_gemv
 from models.moe import moe_mlp, route
 from models.prepare import prepare_for_device
@@ -142,3 +143,25 @@ def test_prepare_for_a_gpu_fuses_attention_and_keeps_the_experts():
     assert layer.mlp.gate_proj.kernel.get_value().shape == (8, 64, 32)  # stacked, unfused
     with pytest.raises(ValueError, match="mixture of experts"):
         transpose_for_gemv(prepared.cfg, prepared.model, k_order="natural")
+
+
+def test_hf_loader_reads_every_expert_layout():
+    """Per-expert tensors (Mixtral's w1/w3/w2, Qwen3-MoE's *_proj) and transformers 5's stacked
+    gate_up_proj / down_proj all stack to the same experts; dense layers among the experts are
+    refused."""
+    hf = load_hf_dir(os.path.join(GOLDEN_DIR, "tiny-qwen3-moe"), load_tokenizer=False)
+    cfg, p = hf.config, "model.layers.1.mlp.experts."
+    gate, up, down = (hf.tensors[p + f"{n}_proj.weight"] for n in ("gate", "up", "down"))
+    v5 = stack_experts(cfg, {p + "gate_up_proj": np.concatenate([gate, up], axis=1),
+                             p + "down_proj": down})
+    names = {"gate": "w1", "up": "w3", "down": "w2"}
+    mixtral = stack_experts(cfg, {f"model.layers.1.block_sparse_moe.experts.{j}.{names[n]}"
+                                  f".weight": w[j] for n, w in
+                                  (("gate", gate), ("up", up), ("down", down))
+                                  for j in range(cfg.num_experts)})
+    for stacked in (v5, mixtral):
+        for n, w in (("gate", gate), ("up", up), ("down", down)):
+            np.testing.assert_array_equal(stacked[p + f"{n}_proj.weight"], w)
+    raw = json.load(open(os.path.join(GOLDEN_DIR, "tiny-qwen3-moe", "config.json")))
+    with pytest.raises(ValueError, match="every layer must be sparse"):
+        config_from_hf({**raw, "mlp_only_layers": [0]}, "x")
