@@ -16,19 +16,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs.model import get_preset
 from engine.runner import full_sequence_logits
 from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
-from models.llama import transpose_for_gemv
+from models.kv_cache import init_kv_cache
+from models.llama import AttentionMetadata, forward, transpose_for_gemv
 from models.moe import moe_mlp, route
 from models.prepare import prepare_for_device
-from models.weights import random_model
+from models.weights import abstract_model, random_model
+from ops.backends import select_kernels
 from ops import moe_matmul
 from ops.moe_matmul import grouped_matmul
 from quant.loader import load_model
 from tests.conftest import GOLDEN_DIR
 from tests.models.test_golden import greedy, relative_error
+from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
 FAMILIES = ("tiny-mixtral", "tiny-qwen3-moe")
 
@@ -165,3 +169,27 @@ def test_hf_loader_reads_every_expert_layout():
     raw = json.load(open(os.path.join(GOLDEN_DIR, "tiny-qwen3-moe", "config.json")))
     with pytest.raises(ValueError, match="every layer must be sparse"):
         config_from_hf({**raw, "mlp_only_layers": [0]}, "x")
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("tokens,seqs", [(4, 4), (256, 2)], ids=["decode", "prefill"])
+def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: F811
+    """Two layers of the real shapes, bf16, lowered for an H200 with the GPU kernels: decode
+    (gathered experts) and prefill (tiles) products."""
+    cfg = get_preset(name).replace(num_layers=2)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jnp.bfloat16))
+    spec = jax.ShapeDtypeStruct
+    meta = AttentionMetadata(
+        positions=spec((tokens,), jnp.int32), slot_mapping=spec((tokens,), jnp.int32),
+        block_tables=spec((seqs, 16), jnp.int32), query_start_loc=spec((seqs + 1,), jnp.int32),
+        kv_lens=spec((seqs,), jnp.int32), max_q_len=tokens // seqs,
+        max_prefill_seqs=0 if tokens == seqs else seqs)
+    kernels = select_kernels("gpu", hopper=True)
+
+    def step(state, cache, ids, meta):
+        return forward(nnx.merge(graphdef, state), cache, ids, meta, cfg, kernels=kernels)
+    text = jax.jit(step).trace(state, cache, spec((tokens,), jnp.int32), meta).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert h200_lowering  # the attention kernel lowered too
+    assert "ragged_dot" not in text and "gather" in text  # experts gathered, no ragged_dot
