@@ -6,9 +6,12 @@
 One projection (gate: [E, hidden, moe_intermediate]) of `--copies` layers, each its own
 weights (so no step finds its experts in the L2 cache), multiplied by M = tokens x k rows
 routed uniformly (each token k distinct experts) and sorted by expert, as models/moe.py sorts
-them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows), and `mgpu`:
-jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu; Hopper,
-bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA forms
+them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows; `ragged`
+without XLA's grouped-GEMM flag is the padded dense alternative: every expert times every row),
+`gathered_reduce` (the gathered form written as multiply and sum, which XLA may fuse with the
+gather into one reduction instead of writing the gathered weights first; float only), and
+`mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
+Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA forms
 only). The floor is the bytes of the experts the rows touch (plus x and y) over the copy
 bandwidth measured in the same run. A failing row records its error.
 """
@@ -29,7 +32,8 @@ from scripts.common import set_xla_flags
 
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
 flags.DEFINE_list("rows", ["8", "128", "512", "16384"], "Rows (tokens x experts per token).")
-flags.DEFINE_list("forms", ["gathered", "tiles", "ragged", "mgpu"], "Forms to time.")
+flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "tiles", "ragged", "mgpu"],
+                  "Forms to time.")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
 flags.DEFINE_integer("runs", 5, "Timings per row (median).")
@@ -53,6 +57,12 @@ def product(form: str, weight, bits: int):
         return lambda x, gs: ragged_dot_mgpu.ragged_dot(
             x, weight, group_sizes=gs, block_m=bm, block_n=bn, block_k=bk,
             max_concurrent_steps=steps, grid_block_n=gbn)
+    if form == "gathered_reduce":
+        def reduce(x, gs):
+            expert = jnp.minimum(moe_matmul.row_experts(gs, x.shape[0]), weight.shape[0] - 1)
+            prod = x[:, :, None].astype(jnp.float32) * weight[expert].astype(jnp.float32)
+            return jnp.sum(prod, axis=1).astype(x.dtype)
+        return reduce
     if form not in moe_matmul.FORMS:
         raise ValueError(f"unknown form {form!r}")
 
@@ -92,7 +102,7 @@ def main(argv):
         for form in FLAGS.forms:
             row = {"rows": rows, "form": form, "touched_experts": touched, "floor_s": floor}
             try:
-                if form == "gathered" and rows > e:
+                if form.startswith("gathered") and rows > e:
                     raise ValueError(f"the gathered form takes at most E={e} rows")
                 fns = [product(form, w, bits) for w in weights]
                 seconds = time_per_call(lambda x, gs: [f(x, gs) for f in fns], (x, gs),
