@@ -133,10 +133,14 @@ def sorted_pairs(experts: jax.Array, num_groups: int, first: int | jax.Array = 0
 def combine(y: jax.Array, order: jax.Array, kept: jax.Array, weights: jax.Array,
             num_tokens: int, top_k: int) -> jax.Array:
     """sum over each token's pairs of weight * row: y [N*k, hidden] sorted rows -> float32
-    [N, hidden] (rows not kept count zero)."""
-    w = jnp.where(kept, weights.reshape(-1)[order], 0.0)  # [N*k]
-    rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]
-    return jnp.zeros((num_tokens, y.shape[1]), jnp.float32).at[order // top_k].add(rows)
+    [N, hidden] (rows not kept count zero). The rows go back to pair order by a gather, and
+    each token's k rows are summed in a fixed order (no scatter-add: the same sums on every
+    run)."""
+    pairs = order.shape[0]
+    where = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype))
+    w = jnp.where(kept[where], weights.reshape(-1), 0.0)  # [N*k] in pair order
+    rows = jnp.where(kept[where][:, None], y[where].astype(jnp.float32), 0.0) * w[:, None]
+    return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, normalize: bool,
