@@ -102,11 +102,12 @@ def reference_moe(x, router, gate, up, down, k, normalize):
     return out
 
 
+@pytest.mark.parametrize("n", [3, 11], ids=["decode", "sorted"])  # 6 pairs <= 6 experts: no sort
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_moe_layer_matches_float64(normalize, dtype, tol):
-    rng = np.random.default_rng(7 + normalize)
-    n, h, i, e, k = 11, 32, 24, 6, 2
+def test_moe_layer_matches_float64(n, normalize, dtype, tol):
+    rng = np.random.default_rng(7 + normalize + n)
+    h, i, e, k = 32, 24, 6, 2
     x = rng.standard_normal((n, h)).astype(np.float32)
     router = rng.standard_normal((h, e)).astype(np.float32)
     gate, up = (0.2 * rng.standard_normal((e, h, i)).astype(np.float32) for _ in range(2))
