@@ -10,9 +10,10 @@ Top-k ties: `jax.lax.top_k` keeps the lower expert index first among equal proba
 torch.topk does on the CPU (tests/models/test_moe.py checks both on tied rows that
 scripts/tools/make_golden.py records from torch).
 
-Dropless: the N * k (token, expert) pairs are sorted by expert and every one is computed; the
-grouped products (ops/moe_matmul.py, jax.lax.ragged_dot) take each expert's run of rows, so
-no capacity is set and no token is dropped. Weights per expert are [in, out] like Linear's:
+Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
+at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
+steps sort the pairs by expert and the grouped products (ops/moe_matmul.py: tiles, or
+jax.lax.ragged_dot) take each expert's run of rows. Weights per expert are [in, out] like Linear's:
 gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the expert-stacked
 QuantizedWeight of quant/ (arrays with a leading expert axis, read here by field).
 
