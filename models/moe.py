@@ -6,16 +6,17 @@ of highest router probability (softmax of x @ router over all experts, in float3
 probabilities, divided by their sum when ModelConfig.norm_topk_prob (Mixtral always,
 Qwen3-MoE by its config): the same as HF transformers' routers.
 
-Top-k ties: `jax.lax.top_k` keeps the lower expert index first among equal probabilities, as
-torch.topk does on the CPU (tests/models/test_moe.py checks both on tied rows that
-scripts/tools/make_golden.py records from torch).
+Top-k ties: `jax.lax.top_k` keeps the lower expert index first among equal probabilities.
+torch.topk (what transformers' routers call) picks among exact ties by its partial sort, which
+no index rule reproduces; the chosen experts agree wherever a tie does not straddle the k-th
+place (tests/models/test_moe.py, against torch's choices recorded by make_golden.py).
 
 Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
 at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
 steps sort the pairs by expert and the grouped products (ops/moe_matmul.py: tiles, or
-jax.lax.ragged_dot) take each expert's run of rows. Weights per expert are [in, out] like Linear's:
-gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the expert-stacked
-QuantizedWeight of quant/ (arrays with a leading expert axis, read here by field).
+jax.lax.ragged_dot) take each expert's run of rows. Weights per expert are [in, out] like
+Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the
+expert-stacked QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
 
 On a mesh (kernels.mesh has the `expert` axis) the layer runs per shard under shard_map:
     expert  each shard holds E / ep experts; every shard sees all of its data shard's tokens
@@ -29,8 +30,6 @@ and tokens reach their experts in one of two ways (`dispatch_mode`, by the step'
                 back; the tokens are then all-gathered over `expert`
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -216,15 +215,16 @@ def sharded_moe_mlp(mesh: dict[str, int], x: jax.Array, router: jax.Array, weigh
     model_axes = (MODEL,) if split_model else ()
     mode = dispatch_mode(x.shape[0] // dp) if ep > 1 else "all_gather"
 
-    def gathered(x, router, weights):  # x [N_d, hidden]: the data shard's tokens
+    def all_gather_form(x, router, weights):  # x [N_d, hidden]: the data shard's tokens
         first = jax.lax.axis_index(EXPERT) * local
         y = moe_mlp(x, router, weights, **settings, first_expert=first)
         return jax.lax.psum(y, (EXPERT,) + model_axes).astype(x.dtype)
 
-    def to_all(x, router, weights):
+    def all_to_all_form(x, router, weights):
         return all_to_all_moe(x, router, weights, settings, ep, local, model_axes)
 
-    return jax.shard_map(gathered if mode == "all_gather" else to_all, check_vma=False,
+    body = all_gather_form if mode == "all_gather" else all_to_all_form
+    return jax.shard_map(body, check_vma=False,
                          in_specs=(P(DATA, None), P(), specs),
                          out_specs=P(DATA, None))(x, router, weights)
 
