@@ -7,9 +7,9 @@ q/k norms, 5:1 local:global layers with their own RoPE base; "gemma3" directorie
 decoder from text_config) and "phi3" (sliding window; its fused qkv_proj and gate_up_proj are
 split into the q/k/v and gate/up tensors), "mixtral" and "qwen3_moe" (mixtures of experts: each
 expert's tensors stacked per projection, from the per-expert names of the hub's checkpoints or
-the stacked gate_up_proj / down_proj of transformers 5; every layer sparse); rope_scaling none/"default", rope_type "llama3" or
-"linear" (not Phi-3's "longrope"); EOS ids
-from config.json and generation_config.json; weights in
+the stacked gate_up_proj / down_proj of transformers 5; every layer sparse); rope_scaling
+none/"default", rope_type "llama3" or "linear" (not Phi-3's "longrope"); EOS ids from
+config.json and generation_config.json; weights in
 `model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
 (BF16 is widened from its raw bytes, so no bfloat16 numpy dtype is needed). The tokenizer is read
 from tokenizer.json (+ tokenizer_config.json) when present.

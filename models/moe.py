@@ -6,15 +6,17 @@ of highest router probability (softmax of x @ router over all experts, in float3
 probabilities, divided by their sum when ModelConfig.norm_topk_prob (Mixtral always,
 Qwen3-MoE by its config): the same as HF transformers' routers.
 
-Top-k ties: `jax.lax.top_k` keeps the lower expert index first among equal probabilities, as
-torch.topk does on the CPU (tests/models/test_moe.py checks both on tied rows that
-scripts/tools/make_golden.py records from torch).
+Top-k ties: `jax.lax.top_k` keeps the lower expert index first among equal probabilities.
+torch.topk (what transformers' routers call) picks among exact ties by its partial sort, which
+no index rule reproduces; the chosen experts agree wherever a tie does not straddle the k-th
+place (tests/models/test_moe.py, against torch's choices recorded by make_golden.py).
 
-Dropless: the N * k (token, expert) pairs are sorted by expert and every one is computed; the
-grouped products (ops/moe_matmul.py, jax.lax.ragged_dot) take each expert's run of rows, so
-no capacity is set and no token is dropped. Weights per expert are [in, out] like Linear's:
-gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the expert-stacked
-QuantizedWeight of quant/ (arrays with a leading expert axis, read here by field).
+Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
+at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
+steps sort the pairs by expert and the grouped products (ops/moe_matmul.py: tiles, or
+jax.lax.ragged_dot) take each expert's run of rows. Weights per expert are [in, out] like
+Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the
+expert-stacked QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
 
 On a mesh (kernels.mesh has the `expert` axis) the layer runs per shard under shard_map:
     expert  each shard holds E / ep experts; every shard sees all of its data shard's tokens
@@ -29,8 +31,6 @@ and tokens reach their experts in one of two ways (`dispatch_mode`, by the step'
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -39,7 +39,8 @@ from jax.sharding import PartitionSpec as P
 from configs.mesh import DATA, EXPERT, MODEL
 from configs.model import ModelConfig
 from ops.kernel_choice import KernelBackends, or_reference
-from ops.moe_matmul import grouped_coded_matmul, grouped_matmul
+from ops.moe_matmul import (grouped_coded_matmul, grouped_matmul, product_form,
+                            rows_coded_matmul, rows_matmul)
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -97,25 +98,33 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     return weights, experts.astype(jnp.int32)
 
 
-def expert_product(x: jax.Array, weight, group_sizes: jax.Array) -> jax.Array:
-    """x [M, in] (rows sorted by expert) times each row's expert of `weight`: a float array
-    [E, in, out] or stacked codes (QuantizedWeight with a leading expert axis)."""
-    if isinstance(weight, jax.Array):
-        return grouped_matmul(x, weight, group_sizes)
+def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
+                   expert: jax.Array | None = None) -> jax.Array:
+    """x [M, in] times each row's expert of `weight` (a float array [E, in, out] or stacked
+    codes: QuantizedWeight with a leading expert axis): rows sorted by expert with
+    `group_sizes` [E], or in any order with each row's `expert` [M] given."""
     if getattr(weight, "perm", None) is not None:
         raise ValueError("MoE experts: act-order codes are not supported")
-    return grouped_coded_matmul(x, weight.packed, weight.scales, weight.offsets, group_sizes,
-                                bits=weight.bits, group_size=weight.group_size)
+    if isinstance(weight, jax.Array):
+        if expert is not None:
+            return rows_matmul(x, weight, expert)
+        return grouped_matmul(x, weight, group_sizes)
+    codes = (weight.packed, weight.scales, weight.offsets)
+    if expert is not None:
+        return rows_coded_matmul(x, *codes, expert, bits=weight.bits,
+                                 group_size=weight.group_size)
+    return grouped_coded_matmul(x, *codes, group_sizes, bits=weight.bits,
+                                group_size=weight.group_size)
 
 
-def experts_mlp(xs: jax.Array, weights: dict, group_sizes: jax.Array,
-                hidden_act: str) -> jax.Array:
-    """down(act(gate(xs)) * up(xs)) of rows sorted by expert [M, hidden] -> [M, hidden]."""
-    gate = expert_product(xs, weights["gate_proj"], group_sizes)
-    up = expert_product(xs, weights["up_proj"], group_sizes)
+def experts_mlp(xs: jax.Array, weights: dict, hidden_act: str, **rows) -> jax.Array:
+    """down(act(gate(xs)) * up(xs)) of rows [M, hidden] -> [M, hidden]; rows: group_sizes=
+    (sorted rows) or expert= (each row's expert), as expert_product takes them."""
+    gate = expert_product(xs, weights["gate_proj"], **rows)
+    up = expert_product(xs, weights["up_proj"], **rows)
     act = (jax.nn.gelu(gate, approximate=True) if hidden_act == "gelu_tanh"
            else jax.nn.silu(gate))
-    return expert_product(act * up, weights["down_proj"], group_sizes)
+    return expert_product(act * up, weights["down_proj"], **rows)
 
 
 def sorted_pairs(experts: jax.Array, num_groups: int, first: int | jax.Array = 0):
@@ -133,21 +142,37 @@ def sorted_pairs(experts: jax.Array, num_groups: int, first: int | jax.Array = 0
 def combine(y: jax.Array, order: jax.Array, kept: jax.Array, weights: jax.Array,
             num_tokens: int, top_k: int) -> jax.Array:
     """sum over each token's pairs of weight * row: y [N*k, hidden] sorted rows -> float32
-    [N, hidden] (rows not kept count zero)."""
-    w = jnp.where(kept, weights.reshape(-1)[order], 0.0)  # [N*k]
-    rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]
-    return jnp.zeros((num_tokens, y.shape[1]), jnp.float32).at[order // top_k].add(rows)
+    [N, hidden] (rows not kept count zero). The rows go back to pair order by a gather, and
+    each token's k rows are summed in a fixed order (no scatter-add: the same sums on every
+    run)."""
+    pairs = order.shape[0]
+    where = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype))
+    w = jnp.where(kept[where], weights.reshape(-1), 0.0)  # [N*k] in pair order
+    rows = jnp.where(kept[where][:, None], y[where].astype(jnp.float32), 0.0) * w[:, None]
+    return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, normalize: bool,
             hidden_act: str, first_expert: int | jax.Array = 0) -> jax.Array:
     """The MoE MLP of x [N, hidden] over the experts `weights` holds (all of them, or on an
-    expert shard those from first_expert on): float32 [N, hidden], the shard's part."""
+    expert shard those from first_expert on): float32 [N, hidden], the shard's part.
+
+    Steps whose N * k pairs take the gathered product (ops.moe_matmul.product_form: decode)
+    keep the pairs in token order, each with its expert: no sort, and the combine is a sum over
+    each token's k rows. Larger steps sort the pairs by expert first."""
     n = x.shape[0]
     probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
     num_groups = jax.tree.leaves(weights["down_proj"])[0].shape[0]
+    if product_form(n * top_k, num_groups) == "gathered":
+        local = experts.reshape(-1) - first_expert  # [N*k] in pair order
+        kept = (local >= 0) & (local < num_groups)
+        y = experts_mlp(jnp.repeat(x, top_k, axis=0), weights, hidden_act,
+                        expert=jnp.clip(local, 0, num_groups - 1))
+        w = jnp.where(kept, probs.reshape(-1), 0.0)
+        rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]
+        return jnp.sum(rows.reshape(n, top_k, -1), axis=1)
     order, kept, group_sizes = sorted_pairs(experts, num_groups, first_expert)
-    y = experts_mlp(x[order // top_k], weights, group_sizes, hidden_act)  # [N*k, hidden]
+    y = experts_mlp(x[order // top_k], weights, hidden_act, group_sizes=group_sizes)
     return combine(y, order, kept, probs, n, top_k)
 
 
@@ -190,15 +215,16 @@ def sharded_moe_mlp(mesh: dict[str, int], x: jax.Array, router: jax.Array, weigh
     model_axes = (MODEL,) if split_model else ()
     mode = dispatch_mode(x.shape[0] // dp) if ep > 1 else "all_gather"
 
-    def gathered(x, router, weights):  # x [N_d, hidden]: the data shard's tokens
+    def all_gather_form(x, router, weights):  # x [N_d, hidden]: the data shard's tokens
         first = jax.lax.axis_index(EXPERT) * local
         y = moe_mlp(x, router, weights, **settings, first_expert=first)
         return jax.lax.psum(y, (EXPERT,) + model_axes).astype(x.dtype)
 
-    def to_all(x, router, weights):
+    def all_to_all_form(x, router, weights):
         return all_to_all_moe(x, router, weights, settings, ep, local, model_axes)
 
-    return jax.shard_map(gathered if mode == "all_gather" else to_all, check_vma=False,
+    body = all_gather_form if mode == "all_gather" else all_to_all_form
+    return jax.shard_map(body, check_vma=False,
                          in_specs=(P(DATA, None), P(), specs),
                          out_specs=P(DATA, None))(x, router, weights)
 
@@ -229,8 +255,8 @@ def all_to_all_moe(x: jax.Array, router: jax.Array, weights: dict, settings: dic
     recv_e = jax.lax.all_to_all(send_e, EXPERT, 0, 0, tiled=False)
     rows_e = recv_e.reshape(-1)  # [ep * pairs] local expert, or `local` for an empty slot
     r_order, r_kept, group_sizes = sorted_pairs(rows_e[:, None], local)
-    y = experts_mlp(recv_x.reshape(-1, hidden)[r_order], weights, group_sizes,
-                    settings["hidden_act"])
+    y = experts_mlp(recv_x.reshape(-1, hidden)[r_order], weights, settings["hidden_act"],
+                    group_sizes=group_sizes)
     y = jnp.where(r_kept[:, None], y, 0)
     back = jnp.zeros_like(y).at[r_order].set(y).reshape(ep, pairs, hidden)
     back = jax.lax.all_to_all(back, EXPERT, 0, 0, tiled=False)  # [ep (expert shard), pairs, h]

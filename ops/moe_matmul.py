@@ -8,6 +8,8 @@ zero). Nothing is padded to a capacity and no row is dropped.
     grouped_coded_matmul  the same over the experts' codes (quant/qtensor.py's layouts with a
                           leading expert axis: INT4 int32 [E, K/8, N], INT8 uint8 [E, K, N],
                           scales and offsets [E, G, N])
+    rows_matmul, rows_coded_matmul  the gathered form for rows in any order, each with its
+                          expert given (decode steps need no sort)
 
 XLA forms, by rows (`product_form`):
     gathered  up to as many rows as experts (decode steps): each row's expert weight is
@@ -69,14 +71,23 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     form = _form(form, x.shape[0], w.shape[0])
     if form == "gathered":
         expert, real = _row_experts_clamped(group_sizes, x.shape[0], w.shape[0])
-        y = jnp.einsum("mk,mkn->mn", x, w[expert].astype(x.dtype),
-                       preferred_element_type=jnp.float32)
-        return jnp.where(real[:, None], y, 0.0).astype(x.dtype)
+        return jnp.where(real[:, None], rows_matmul(x, w, expert), 0).astype(x.dtype)
     if form == "ragged":
         y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
                                preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
     return _tiled(x, group_sizes, w.shape[0], lambda tile_expert: w[tile_expert])
+
+
+def rows_matmul(x: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
+    """x [M, K] @ w[expert[m]] per row -> [M, N] in x's dtype (expert int32 [M], valid
+    indices): each row's expert gathered, so only the rows' experts are read."""
+    if expert.shape != (x.shape[0],) or x.shape[1] != w.shape[1]:
+        raise ValueError(f"rows_matmul: x {x.shape}, experts {w.shape}, expert ids "
+                         f"{expert.shape} do not fit")
+    y = jnp.einsum("mk,mkn->mn", x, w[expert].astype(x.dtype),
+                   preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
@@ -187,6 +198,19 @@ def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
                                preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
     expert, real = _row_experts_clamped(group_sizes, m, e)
+    y = rows_coded_matmul(x, packed, scales, offsets, expert, bits=bits, group_size=size)
+    return jnp.where(real[:, None], y, 0).astype(x.dtype)
+
+
+def rows_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
+                      offsets: jax.Array | None, expert: jax.Array, *, bits: int,
+                      group_size: int) -> jax.Array:
+    """x [M, K] @ the codes of expert[m] per row -> [M, N] in x's dtype: the codes gathered as
+    codes enter the product as they are, each row's scales (and offsets) applied after it per
+    group of K (group_size: K when per channel)."""
+    m, k = x.shape
+    e, g, n = scales.shape
+    size = k if g == 1 else group_size
     codes = unpack_codes(packed[expert], bits).astype(x.dtype)  # [M, K, N], exact: < 256
     pad = g * size - k  # the last group may be shorter
     xg = jnp.pad(x, ((0, 0), (0, pad))).reshape(m, g, size)  # [M, G, size]
@@ -198,4 +222,4 @@ def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
     x_sums = jnp.sum(xg.astype(jnp.float32), axis=-1)  # [M, G]
     # elementwise float32: the zero point's term cancels most of the codes' product
     y = jnp.sum(yg * s + x_sums[:, :, None] * z, axis=1)  # [M, N]
-    return jnp.where(real[:, None], y, 0.0).astype(x.dtype)
+    return y.astype(x.dtype)

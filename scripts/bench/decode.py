@@ -46,6 +46,7 @@ from absl import app, flags
 from configs.model import get_preset
 from engine.mesh import make_mesh
 from engine.sampling import SamplingArrays
+from models import moe
 from ops import moe_matmul
 from ops.backends import device_kernels
 from scripts.bench import decode_model as dm
@@ -76,6 +77,9 @@ flags.DEFINE_enum("moe_large_form", "tiles", ["tiles", "ragged"],
                   "Mixtures of experts: the XLA form of expert products of more rows than experts "
                   "(ops/moe_matmul.py; 'ragged' with XLA_FLAGS=--xla_gpu_experimental_use_ragged"
                   "_dot_fusion=true tries XLA's grouped GEMM).")
+flags.DEFINE_integer("moe_all_to_all_min_tokens", None, "Mixtures of experts on an --ep mesh: "
+                     "steps of more tokens per data shard dispatch by all-to-all (default: "
+                     "models.moe.ALL_TO_ALL_MIN_TOKENS; 0: always, to compare the forms).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
 flags.DEFINE_integer("loop_steps", 8, "Steps of the synced engine-style loop per row (0: off).")
@@ -350,6 +354,8 @@ def main(argv):
     del argv
     set_xla_flags()  # before jax's backend starts
     moe_matmul.LARGE_FORM = FLAGS.moe_large_form
+    if FLAGS.moe_all_to_all_min_tokens is not None:
+        moe.ALL_TO_ALL_MIN_TOKENS = FLAGS.moe_all_to_all_min_tokens
     variants = list(FLAGS.variants)
     if (FLAGS.tp or FLAGS.ep) and variants == ["base"]:
         variants = ["mesh"]
@@ -360,6 +366,7 @@ def main(argv):
         fail(f"--greedy_reference: no file {FLAGS.greedy_reference}")
     results = {"models": FLAGS.model, "variants": variants, "label": FLAGS.label,
                "moe_large_form": FLAGS.moe_large_form,
+               "moe_all_to_all_min_tokens": moe.ALL_TO_ALL_MIN_TOKENS,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "setup": [], "decode": [],
                "prefill": [], "greedy": []}
     run_hf_peer(results)  # before jax takes the GPU's memory

@@ -6,13 +6,20 @@
 One projection (gate: [E, hidden, moe_intermediate]) of `--copies` layers, each its own
 weights (so no step finds its experts in the L2 cache), multiplied by M = tokens x k rows
 routed uniformly (each token k distinct experts) and sorted by expert, as models/moe.py sorts
-them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows), and `mgpu`:
-jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu; Hopper,
-bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA forms
+them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows; `ragged`
+without XLA's grouped-GEMM flag is the padded dense alternative: every expert times every row),
+`gathered_reduce` (the gathered form written as multiply and sum, which XLA may fuse with the
+gather and the codes' unpacking into one reduction instead of writing the gathered weights
+first), and
+`mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
+Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA forms
 only). The floor is the bytes of the experts the rows touch (plus x and y) over the copy
-bandwidth measured in the same run. A failing row records its error.
+bandwidth measured in the same run; each row also records its largest difference from the
+tiles form's product (relative to its largest value). A failing row records its error.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +36,8 @@ from scripts.common import set_xla_flags
 
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
 flags.DEFINE_list("rows", ["8", "128", "512", "16384"], "Rows (tokens x experts per token).")
-flags.DEFINE_list("forms", ["gathered", "tiles", "ragged", "mgpu"], "Forms to time.")
+flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "tiles", "ragged", "mgpu"],
+                  "Forms to time.")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
 flags.DEFINE_integer("runs", 5, "Timings per row (median).")
@@ -40,8 +48,9 @@ FLAGS = flags.FLAGS
 
 
 def routed_group_sizes(rng, rows: int, experts: int, k: int) -> np.ndarray:
-    """Rows per expert of rows // k tokens, each choosing k distinct experts uniformly."""
-    tokens = max(rows // k, 1)
+    """Rows per expert (summing to `rows`) of ceil(rows / k) tokens, each choosing k distinct
+    experts uniformly."""
+    tokens = -(-rows // k)
     chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].reshape(-1)[:rows]
     return np.bincount(chosen, minlength=experts).astype(np.int32)
 
@@ -53,6 +62,8 @@ def product(form: str, weight, bits: int):
         return lambda x, gs: ragged_dot_mgpu.ragged_dot(
             x, weight, group_sizes=gs, block_m=bm, block_n=bn, block_k=bk,
             max_concurrent_steps=steps, grid_block_n=gbn)
+    if form == "gathered_reduce":
+        return functools.partial(gathered_reduce, weight=weight, bits=bits)
     if form not in moe_matmul.FORMS:
         raise ValueError(f"unknown form {form!r}")
 
@@ -63,6 +74,27 @@ def product(form: str, weight, bits: int):
                                                    group_size=weight.group_size, form=form)
         return moe_matmul.grouped_matmul(x, weight, gs, form=form)
     return run
+
+
+def gathered_reduce(x, gs, weight, bits: int):
+    """The gathered form as an elementwise product and a sum over K (float) or over each group
+    of K with the scales after it (codes), which XLA may fuse with the gather and the codes'
+    unpacking into one reduction that reads the gathered weights once."""
+    e = jax.tree.leaves(weight)[0].shape[0]
+    expert = jnp.minimum(moe_matmul.row_experts(gs, x.shape[0]), e - 1)
+    if not bits:
+        prod = x[:, :, None].astype(jnp.float32) * weight[expert].astype(jnp.float32)
+        return jnp.sum(prod, axis=1).astype(x.dtype)
+    m, k = x.shape
+    g, n = weight.scales.shape[1:]
+    size = k // g
+    codes = moe_matmul.unpack_codes(weight.packed[expert], bits).reshape(m, g, size, n)
+    xg = x.reshape(m, g, size).astype(jnp.float32)
+    yg = jnp.sum(xg[..., None] * codes.astype(jnp.float32), axis=2)  # [M, G, N]
+    s = weight.scales.astype(jnp.float32)[expert]
+    z = (-moe_matmul.CODE_ZEROS[bits] * s if weight.offsets is None
+         else weight.offsets.astype(jnp.float32)[expert])
+    return jnp.sum(yg * s + jnp.sum(xg, axis=-1)[..., None] * z, axis=1).astype(x.dtype)
 
 
 def main(argv):
@@ -89,12 +121,16 @@ def main(argv):
         touched = int((np.asarray(gs) > 0).sum())
         x = jax.random.normal(jax.random.key(rows), (rows, h), jnp.bfloat16)
         floor = (touched * expert_bytes + rows * (h + i) * 2) / (calib["copy_TBps"] * 1e12)
+        reference = np.asarray(jax.jit(product("tiles", weights[0], bits))(x, gs), np.float32)
         for form in FLAGS.forms:
             row = {"rows": rows, "form": form, "touched_experts": touched, "floor_s": floor}
             try:
-                if form == "gathered" and rows > e:
+                if form.startswith("gathered") and rows > e:
                     raise ValueError(f"the gathered form takes at most E={e} rows")
                 fns = [product(form, w, bits) for w in weights]
+                got = np.asarray(jax.jit(fns[0])(x, gs), np.float32)  # every form: one answer
+                row["max_rel_err"] = float(np.abs(got - reference).max()
+                                           / np.abs(reference).max())
                 seconds = time_per_call(lambda x, gs: [f(x, gs) for f in fns], (x, gs),
                                         len(fns), FLAGS.runs, 4)
                 row |= {"step_s": seconds, "fraction_of_floor": floor / seconds}

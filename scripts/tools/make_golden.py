@@ -30,8 +30,8 @@ What it writes:
    config's, and the tokenizer with its chat template in chat_template.jinja), with the same
    golden.npz as part 1. Their configs switch the families' features on: untied heads, a sliding
    window shorter than the sequence, soft caps that bind. topk_ties.json: torch.topk's choice
-   among tied router probabilities (what the MoE routers of transformers pick). Written with torch 2.14.1,
-   transformers 5.25.0, tokenizers 0.23.3, safetensors 0.8.0 and gguf 0.19.0 (Python 3.11.7).
+   among tied router probabilities (what the MoE routers of transformers pick). Written with
+   torch 2.14.1, transformers 5.25.0, tokenizers 0.23.3, safetensors 0.8.0 and gguf 0.19.0 (Python 3.11.7).
 """
 from __future__ import annotations
 

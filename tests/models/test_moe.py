@@ -16,17 +16,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs.model import get_preset
 from engine.runner import full_sequence_logits
+from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
+from models.kv_cache import init_kv_cache
+from models.llama import AttentionMetadata, forward, transpose_for_gemv
 from models.moe import moe_mlp, route
 from models.prepare import prepare_for_device
-from models.weights import random_model
+from models.weights import abstract_model, random_model
+from ops.backends import select_kernels
 from ops import moe_matmul
 from ops.moe_matmul import grouped_matmul
 from quant.loader import load_model
 from tests.conftest import GOLDEN_DIR
 from tests.models.test_golden import greedy, relative_error
+from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
 FAMILIES = ("tiny-mixtral", "tiny-qwen3-moe")
 
@@ -96,11 +102,12 @@ def reference_moe(x, router, gate, up, down, k, normalize):
     return out
 
 
+@pytest.mark.parametrize("n", [3, 11], ids=["decode", "sorted"])  # 6 pairs <= 6 experts: no sort
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-def test_moe_layer_matches_float64(normalize, dtype, tol):
-    rng = np.random.default_rng(7 + normalize)
-    n, h, i, e, k = 11, 32, 24, 6, 2
+def test_moe_layer_matches_float64(n, normalize, dtype, tol):
+    rng = np.random.default_rng(7 + normalize + n)
+    h, i, e, k = 32, 24, 6, 2
     x = rng.standard_normal((n, h)).astype(np.float32)
     router = rng.standard_normal((h, e)).astype(np.float32)
     gate, up = (0.2 * rng.standard_normal((e, h, i)).astype(np.float32) for _ in range(2))
@@ -140,5 +147,50 @@ def test_prepare_for_a_gpu_fuses_attention_and_keeps_the_experts():
     assert prepared.cfg.fused_projections and hasattr(layer.self_attn, "qkv_proj")
     assert layer.mlp.gate_proj.kernel.get_value().shape == (8, 64, 32)  # stacked, unfused
     with pytest.raises(ValueError, match="mixture of experts"):
-        prepare_for_device(cfg, random_model(cfg, seed=1), platform="gpu", hopper=True,
-                           gemv_layers=True)
+        transpose_for_gemv(prepared.cfg, prepared.model, k_order="natural")
+
+
+def test_hf_loader_reads_every_expert_layout():
+    """Per-expert tensors (Mixtral's w1/w3/w2, Qwen3-MoE's *_proj) and transformers 5's stacked
+    gate_up_proj / down_proj all stack to the same experts; dense layers among the experts are
+    refused."""
+    hf = load_hf_dir(os.path.join(GOLDEN_DIR, "tiny-qwen3-moe"), load_tokenizer=False)
+    cfg, p = hf.config, "model.layers.1.mlp.experts."
+    gate, up, down = (hf.tensors[p + f"{n}_proj.weight"] for n in ("gate", "up", "down"))
+    v5 = stack_experts(cfg, {p + "gate_up_proj": np.concatenate([gate, up], axis=1),
+                             p + "down_proj": down})
+    names = {"gate": "w1", "up": "w3", "down": "w2"}
+    mixtral = stack_experts(cfg, {f"model.layers.1.block_sparse_moe.experts.{j}.{names[n]}"
+                                  f".weight": w[j] for n, w in
+                                  (("gate", gate), ("up", up), ("down", down))
+                                  for j in range(cfg.num_experts)})
+    for stacked in (v5, mixtral):
+        for n, w in (("gate", gate), ("up", up), ("down", down)):
+            np.testing.assert_array_equal(stacked[p + f"{n}_proj.weight"], w)
+    raw = json.load(open(os.path.join(GOLDEN_DIR, "tiny-qwen3-moe", "config.json")))
+    with pytest.raises(ValueError, match="every layer must be sparse"):
+        config_from_hf({**raw, "mlp_only_layers": [0]}, "x")
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("tokens,seqs", [(4, 4), (256, 2)], ids=["decode", "prefill"])
+def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: F811
+    """Two layers of the real shapes, bf16, lowered for an H200 with the GPU kernels: decode
+    (gathered experts) and prefill (tiles) products."""
+    cfg = get_preset(name).replace(num_layers=2)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jnp.bfloat16))
+    spec = jax.ShapeDtypeStruct
+    meta = AttentionMetadata(
+        positions=spec((tokens,), jnp.int32), slot_mapping=spec((tokens,), jnp.int32),
+        block_tables=spec((seqs, 16), jnp.int32), query_start_loc=spec((seqs + 1,), jnp.int32),
+        kv_lens=spec((seqs,), jnp.int32), max_q_len=tokens // seqs,
+        max_prefill_seqs=0 if tokens == seqs else seqs)
+    kernels = select_kernels("gpu", hopper=True)
+
+    def step(state, cache, ids, meta):
+        return forward(nnx.merge(graphdef, state), cache, ids, meta, cfg, kernels=kernels)
+    text = jax.jit(step).trace(state, cache, spec((tokens,), jnp.int32), meta).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert h200_lowering  # the attention kernel lowered too
+    assert "ragged_dot" not in text and "gather" in text  # experts gathered, no ragged_dot
