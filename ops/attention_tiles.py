@@ -61,6 +61,29 @@ def resolve_options(name: str, impl: str | None, default: str, q_shape: tuple,
     return resolved, sm_scale
 
 
+def check_ragged_inputs(name: str, q, k_pages, v_pages, k_scales, v_scales, block_tables,
+                        query_start_loc, kv_lens, max_q_len) -> None:
+    """Raises ValueError unless a ragged step's arguments fit: q [N, H, D], the pages (and
+    scales), block_tables [S, W>=1], query_start_loc [S + 1] and kv_lens [S] int32, and a static
+    max_q_len >= 1."""
+    if q.ndim != 3:
+        raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got {q.shape}")
+    check_pages(name, q.dtype, q.shape[1], q.shape[2], k_pages, v_pages, k_scales, v_scales)
+    if block_tables.ndim != 2 or block_tables.shape[1] < 1:
+        raise ValueError(f"{name}: block_tables {block_tables.shape} must be [num_seqs, W>=1]")
+    num_seqs = block_tables.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or kv_lens.shape != (num_seqs,):
+        raise ValueError(f"{name}: query_start_loc {query_start_loc.shape} must be "
+                         f"({num_seqs + 1},) and kv_lens {kv_lens.shape} ({num_seqs},) for "
+                         f"block_tables {block_tables.shape}")
+    for arr, what in ((block_tables, "block_tables"), (query_start_loc, "query_start_loc"),
+                      (kv_lens, "kv_lens")):
+        if arr.dtype != jnp.int32:
+            raise ValueError(f"{name}: {what} must be int32, got {arr.dtype}")
+    if not isinstance(max_q_len, int) or max_q_len < 1:
+        raise ValueError(f"{name}: max_q_len must be a static int >= 1, got {max_q_len!r}")
+
+
 def check_pages(name: str, q_dtype, num_heads: int, head_dim: int, k_pages, v_pages,
                 k_scales, v_scales) -> None:
     """Raises ValueError unless the pages (and scales, for int8 / fp8 pages) fit the queries."""

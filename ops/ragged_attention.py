@@ -267,23 +267,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns [N, H, D] in q's dtype; rows of no sequence are 0.
     """
     name = "ragged_paged_attention"
-    if q.ndim != 3:
-        raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got {q.shape}")
+    tiles.check_ragged_inputs(name, q, k_pages, v_pages, k_scales, v_scales, block_tables,
+                              query_start_loc, kv_lens, max_q_len)
     num_tokens, num_heads, head_dim = q.shape
-    tiles.check_pages(name, q.dtype, num_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
-    if block_tables.ndim != 2 or block_tables.shape[1] < 1:
-        raise ValueError(f"{name}: block_tables {block_tables.shape} must be [num_seqs, W>=1]")
-    num_seqs = block_tables.shape[0]
-    if query_start_loc.shape != (num_seqs + 1,) or kv_lens.shape != (num_seqs,):
-        raise ValueError(f"{name}: query_start_loc {query_start_loc.shape} must be "
-                         f"({num_seqs + 1},) and kv_lens {kv_lens.shape} ({num_seqs},) for "
-                         f"block_tables {block_tables.shape}")
-    for arr, what in ((block_tables, "block_tables"), (query_start_loc, "query_start_loc"),
-                      (kv_lens, "kv_lens")):
-        if arr.dtype != jnp.int32:
-            raise ValueError(f"{name}: {what} must be int32, got {arr.dtype}")
-    if not isinstance(max_q_len, int) or max_q_len < 1:
-        raise ValueError(f"{name}: max_q_len must be a static int >= 1, got {max_q_len!r}")
     resolved, sm_scale = tiles.resolve_options(name, impl, or_reference(kernels).attention,
                                                q.shape, scale, soft_cap,
                                                sliding_window)
@@ -293,9 +279,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             k_scales=k_scales, v_scales=v_scales, scale=sm_scale, soft_cap=soft_cap,
             sliding_window=sliding_window)
     if config is None:
-        config = ragged_config(num_seqs, k_pages.shape[0], num_heads // k_pages.shape[0],
-                               min(max_q_len, num_tokens), block_tables.shape[1] * k_pages.shape[2],
-                               head_dim)
+        num_kv_heads = k_pages.shape[0]
+        config = ragged_config(block_tables.shape[0], num_kv_heads, num_heads // num_kv_heads,
+                               min(max_q_len, num_tokens),
+                               block_tables.shape[1] * k_pages.shape[2], head_dim)
     return _ragged_attention_pallas(
         q, k_pages, v_pages, block_tables, query_start_loc, kv_lens, k_scales, v_scales,
         max_q_len=max_q_len, config=config, sm_scale=sm_scale, soft_cap=soft_cap,

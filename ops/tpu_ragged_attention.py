@@ -247,23 +247,9 @@ def tpu_ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     for the interpreter's options (race detection, several cores).
     """
     name = "tpu_ragged_paged_attention"
-    if q.ndim != 3:
-        raise ValueError(f"{name}: q must be [tokens, heads, head_dim], got {q.shape}")
+    tiles.check_ragged_inputs(name, q, k_pages, v_pages, k_scales, v_scales, block_tables,
+                              query_start_loc, kv_lens, max_q_len)
     num_tokens, num_heads, head_dim = q.shape
-    tiles.check_pages(name, q.dtype, num_heads, head_dim, k_pages, v_pages, k_scales, v_scales)
-    if block_tables.ndim != 2 or block_tables.shape[1] < 1:
-        raise ValueError(f"{name}: block_tables {block_tables.shape} must be [num_seqs, W>=1]")
-    num_seqs = block_tables.shape[0]
-    if query_start_loc.shape != (num_seqs + 1,) or kv_lens.shape != (num_seqs,):
-        raise ValueError(f"{name}: query_start_loc {query_start_loc.shape} must be "
-                         f"({num_seqs + 1},) and kv_lens {kv_lens.shape} ({num_seqs},) for "
-                         f"block_tables {block_tables.shape}")
-    for arr, what in ((block_tables, "block_tables"), (query_start_loc, "query_start_loc"),
-                      (kv_lens, "kv_lens")):
-        if arr.dtype != jnp.int32:
-            raise ValueError(f"{name}: {what} must be int32, got {arr.dtype}")
-    if not isinstance(max_q_len, int) or max_q_len < 1:
-        raise ValueError(f"{name}: max_q_len must be a static int >= 1, got {max_q_len!r}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"{name}: sliding_window must be None or >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
