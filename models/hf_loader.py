@@ -78,7 +78,7 @@ def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Load
     if raw.get("model_type") == "gemma3":
         tensors = _text_decoder_tensors(tensors)
     if raw.get("model_type") == "phi3":
-        tensors = _split_fused(cfg, tensors)
+        tensors = split_fused_projections(cfg, tensors)
     if cfg.is_moe:
         tensors = stack_experts(cfg, tensors)
     if raw.get("model_type") in UNIT_OFFSET_NORMS:
@@ -252,7 +252,8 @@ def stack_experts(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str,
     return out
 
 
-def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def split_fused_projections(cfg: ModelConfig,
+                            tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Phi-3's fused self_attn.qkv_proj (rows q, k, v) and mlp.gate_up_proj (rows gate, up)
     split into the separate HF tensors (models.llama.fuse_projections fuses them again where a
     device wants it)."""
