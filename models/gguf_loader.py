@@ -16,13 +16,14 @@ Supported:
                   Gemma 3's local layers use rope.freq_base_swa (default 10000) and no scaling;
                   rope.scaling.type linear applies to its global layers.
   Phi-3           fused blk.N.attn_qkv (rows q, k, v) and blk.N.ffn_up (rows gate, up: phi3 has
-                  no ffn_gate) are split; attention.sliding_window where present.
+                  no ffn_gate) are split; attention.sliding_window where present; LongRoPE from
+                  rope_factors_short / rope_factors_long (see _longrope_from_gguf).
   tensor types    F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, dequantized to float32 with
                   `gguf.quants.dequantize`; any other type raises ValueError naming the tensor
   rope scaling    none, or Llama 3 style, which llama.cpp stores as a `rope_freqs.weight` tensor of
                   per-frequency divisors (not as metadata): the RopeScaling that reproduces it is
-                  recovered. rope.scaling.type linear (except on gemma3), yarn and longrope raise
-                  ValueError.
+                  recovered. rope.scaling.type linear (except on gemma3), yarn and longrope (except
+                  on phi3) raise ValueError.
   tokenizer       byte-level BPE (see models/tokenizer.py, `Tokenizer.from_gguf`)
 
 llama.cpp's converter permutes the rows of the llama Q and K projections so that rotary pairs are
@@ -100,6 +101,9 @@ _ARCH_LAYER_NAMES = {
              "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE: per-frequency divisors of the short and long contexts (gguf's
+# ROPE_FACTORS_SHORT / ROPE_FACTORS_LONG), each [head_dim / 2].
+_LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _IGNORED_LAYER_TENSORS = ("attn_rot_embd",)  # old converters stored rotary inv_freq per layer
 
 
@@ -134,7 +138,8 @@ def load_gguf(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Loaded
     for t in reader.tensors:
         hf_name = _hf_name(t.name, arch)
         if hf_name is None:
-            if t.name != _ROPE_FREQS and not any(k in t.name for k in _IGNORED_LAYER_TENSORS):
+            if (t.name not in (_ROPE_FREQS, *_LONGROPE_FACTORS)
+                    and not any(k in t.name for k in _IGNORED_LAYER_TENSORS)):
                 unknown.append(t.name)
             continue
         w = dequantize_tensor(t)
@@ -186,7 +191,8 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         raise ValueError(f"{source}: partial rotary embeddings (rope.dimension_count {rope_dim} "
                          f"< head_dim {head_dim}) are not supported")
     scaling_type = get("rope.scaling.type", "none")
-    if scaling_type != "none" and not (arch == "gemma3" and scaling_type == "linear"):
+    if scaling_type != "none" and (arch, scaling_type) not in (("gemma3", "linear"),
+                                                                ("phi3", "longrope")):
         raise ValueError(f"{source}: rope scaling type {scaling_type!r} is not supported")
     rope_theta = float(get("rope.freq_base", 10000.0))
     num_layers = int(get("block_count", required=True))
@@ -202,6 +208,11 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         factors = dequantize_tensor(tensor_names[_ROPE_FREQS])
         rope_scaling = rope_scaling_from_factors(
             factors, head_dim, rope_theta, get("rope.scaling.original_context_length"), source)
+    if any(n in tensor_names for n in _LONGROPE_FACTORS):
+        if arch != "phi3":
+            raise ValueError(f"{source}: {arch} GGUF with LongRoPE factor tensors is not "
+                             f"supported")
+        rope_scaling = _longrope_from_gguf(tensor_names, get, source)
 
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is not None:
@@ -247,6 +258,26 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), **moe,
         **family)
+
+
+def _longrope_from_gguf(tensor_names: dict, get, source: str) -> RopeScaling:
+    """Phi-3's LongRoPE from its factor tensors, rope.scaling.original_context_length and
+    rope.scaling.attn_factor (absent: transformers' sqrt(1 + ln(f) / ln(original)), f the context
+    over the original length). llama.cpp picks the long factors by the context it is run with;
+    this engine follows transformers' per-sequence choice (models/longrope.py)."""
+    missing = [n for n in _LONGROPE_FACTORS if n not in tensor_names]
+    if missing:
+        raise ValueError(f"{source}: LongRoPE needs both factor tensors; {missing[0]} is missing")
+    short, long = (dequantize_tensor(tensor_names[n]).reshape(-1) for n in _LONGROPE_FACTORS)
+    original = int(get("rope.scaling.original_context_length", required=True))
+    attention_factor = get("rope.scaling.attn_factor")
+    if attention_factor is None:
+        factor = int(get("context_length", original)) / original
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return RopeScaling(factor=1.0, original_max_position_embeddings=original,
+                       rope_type="longrope", short_factor=tuple(short.tolist()),
+                       long_factor=tuple(long.tolist()), attention_factor=float(attention_factor))
 
 
 # llama.cpp's block counts of the 27B models, whose softmax scale it takes as

@@ -1,7 +1,8 @@
 """GGUF files of the qwen3, gemma2, gemma3 and phi3 architectures, written here with
 gguf.GGUFWriter from the tiny transformers directories in llama.cpp's tensor names, layouts and
-metadata keys (Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused), load to the
-directory's config and tensors, and their logits and greedy tokens are transformers'."""
+metadata keys (Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused, its LongRoPE
+factors as rope_factors_short / rope_factors_long), load to the directory's config and tensors,
+and their logits and greedy tokens are transformers'."""
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ GEMMA_LAYER = {**LAYER, "post_attention_layernorm.weight": "post_attention_norm"
                "pre_feedforward_layernorm.weight": "ffn_norm",
                "post_feedforward_layernorm.weight": "post_ffw_norm"}
 ARCH = {"tiny-qwen3": "qwen3", "tiny-gemma2": "gemma2", "tiny-gemma3": "gemma3",
-        "tiny-phi3": "phi3"}
+        "tiny-phi3": "phi3", "tiny-phi3-longrope": "phi3"}
 
 
 def llamacpp_tensors(cfg: ModelConfig, tensors: dict, arch: str) -> dict[str, np.ndarray]:
@@ -81,6 +82,13 @@ def write_family_gguf(path, cfg: ModelConfig, tensors: dict, arch: str, extra=No
         w.add_rope_freq_base_swa(cfg.rope_local_theta)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        w.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+        w.add_rope_scaling_attn_factors(scaling.attention_factor)
+        for kind in ("short", "long"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.asarray(getattr(scaling, f"{kind}_factor"), np.float32))
     if extra is not None:
         extra(w)
     for name, arr in llamacpp_tensors(cfg, tensors, arch).items():
@@ -97,7 +105,13 @@ def test_family_gguf_matches_transformers(tmp_path, family):
     path = tmp_path / f"{family}.gguf"
     write_family_gguf(path, hf.config, hf.tensors, ARCH[family])
     ck = load_gguf(path, load_tokenizer=False)
-    assert ck.config == hf.config.replace(name=family, eos_token_ids=(), bos_token_id=None)
+    want = hf.config.replace(name=family, eos_token_ids=(), bos_token_id=None)
+    if want.rope_scaling is not None and want.rope_scaling.rope_type == "longrope":
+        got, want_s = ck.config.rope_scaling, want.rope_scaling  # stored as float32
+        for field in ("short_factor", "long_factor", "attention_factor"):
+            np.testing.assert_allclose(getattr(got, field), getattr(want_s, field), rtol=1e-6)
+        want = want.replace(rope_scaling=got)
+    assert ck.config == want
     assert sorted(ck.tensors) == sorted(hf.tensors)
     for name, want in hf.tensors.items():
         np.testing.assert_array_equal(ck.tensors[name], want, name)
@@ -114,10 +128,11 @@ def test_family_gguf_matches_transformers(tmp_path, family):
     np.testing.assert_array_equal(greedy, golden["greedy_ids"])
 
 
-def test_gemma_gguf_defaults_and_refusals(tmp_path):
+def test_family_gguf_defaults_and_refusals(tmp_path):
     """Without attention.scale the scale is llama.cpp's 1 / sqrt(head_dim) (the 27B block counts
     aside), without a window pattern gemma2 alternates from a sliding first layer; a rope scaling
-    other than gemma3's linear one is refused by name."""
+    other than gemma3's linear one is refused by name, as LongRoPE factors without their
+    original context length."""
     hf = load_hf_dir(os.path.join(GOLDEN_DIR, "tiny-gemma2"), load_tokenizer=False)
     cfg, tensors = hf.config, hf.tensors
 
@@ -132,3 +147,8 @@ def test_gemma_gguf_defaults_and_refusals(tmp_path):
                       extra=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN))
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
         load_gguf(tmp_path / "y.gguf", load_tokenizer=False)
+    phi3 = load_hf_dir(os.path.join(GOLDEN_DIR, "tiny-phi3-longrope"), load_tokenizer=False)
+    write_family_gguf(tmp_path / "p.gguf", phi3.config, phi3.tensors, "phi3", extra=lambda w: (
+        w.kv_data[0].pop("phi3.rope.scaling.original_context_length")))
+    with pytest.raises(ValueError, match="phi3.rope.scaling.original_context_length"):
+        load_gguf(tmp_path / "p.gguf", load_tokenizer=False)
