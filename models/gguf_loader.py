@@ -28,7 +28,8 @@ Supported:
 
 llama.cpp's converter permutes the rows of the llama Q and K projections so that rotary pairs are
 interleaved (w.reshape(n_head, 2, head_dim // 2, hidden).swapaxes(1, 2)); we undo that here, so the
-tensors are in HF (rotate-half) order. Qwen2/3, Gemma and Phi-3 are converted without the permutation (their RoPE is rotate-half).
+tensors are in HF (rotate-half) order. Qwen2/3, Gemma and Phi-3 are converted without the
+permutation (their RoPE is rotate-half).
 
 Gemma's RMSNorm multiplies by (1 + w), w being what HF checkpoints store. llama.cpp's converter
 writes every Gemma 2/3 `*norm.weight` tensor (the q/k norms included) as 1 + w, so that its

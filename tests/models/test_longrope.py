@@ -11,17 +11,26 @@ import json
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs.model import config_from_dict, config_to_dict
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.runner import full_sequence_logits
 from engine.speculative import SpecConfig
+from models.kv_cache import init_kv_cache
+from models.llama import AttentionMetadata, forward
+from models.weights import abstract_model
+from ops import rope_kv
+from ops.backends import select_kernels
 from quant.loader import load_model
 from tests.conftest import GOLDEN_DIR
 from tests.models.test_golden import relative_error
+from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
 DIRECTORY = os.path.join(GOLDEN_DIR, "tiny-phi3-longrope")
 
@@ -41,13 +50,13 @@ def test_longrope_config(phi3):
     assert config_from_dict(stored) == phi3[0].cfg
 
 
-@pytest.mark.parametrize("prefix", ["", "crossing_"])
-def test_longrope_logits_match_transformers(phi3, prefix):
-    """The 12-token prompts: long factors; the 6-token ones: short factors."""
+def test_longrope_short_logits_match_transformers(phi3):
+    """The 6-token prompts: short factors (tests/models/test_golden.py checks the 12-token ones,
+    long factors)."""
     loaded, golden = phi3
-    logits = full_sequence_logits(loaded.cfg, loaded.model, golden[prefix + "input_ids"],
+    logits = full_sequence_logits(loaded.cfg, loaded.model, golden["crossing_input_ids"],
                                   page_size=4)
-    assert relative_error(logits, golden[prefix + "logits"]) < 1e-4
+    assert relative_error(logits, golden["crossing_logits"]) < 1e-4
 
 
 def test_longrope_greedy_matches_transformers(phi3):
@@ -69,3 +78,32 @@ def test_longrope_greedy_matches_transformers(phi3):
     with pytest.raises(ValueError, match="speculative decoding"):
         LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, EngineConfig(max_model_len=64),
                   spec_config=SpecConfig())
+
+
+def test_longrope_lowers_with_gpu_kernels(h200_lowering, monkeypatch, phi3):  # noqa: F811
+    """Both passes of RoPE + KV write run the Pallas kernel, the attention its ragged kernel."""
+    cfg = phi3[0].cfg
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(True)
+        return kernel(*args, **kwargs)
+    kernel = rope_kv._rope_kv_pallas
+    monkeypatch.setattr(rope_kv, "_rope_kv_pallas", spy)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 32, 4, jnp.bfloat16))
+    spec = jax.ShapeDtypeStruct
+    tokens, seqs = 32, 4
+    meta = AttentionMetadata(
+        positions=spec((tokens,), jnp.int32), slot_mapping=spec((tokens,), jnp.int32),
+        block_tables=spec((seqs, 8), jnp.int32), query_start_loc=spec((seqs + 1,), jnp.int32),
+        kv_lens=spec((seqs,), jnp.int32), max_q_len=16, max_prefill_seqs=2)
+    kernels = select_kernels("gpu", hopper=True)
+
+    def step(state, cache, tokens, meta):
+        return forward(nnx.merge(graphdef, state), cache, tokens, meta, cfg, kernels=kernels)
+
+    text = jax.jit(step).trace(state, cache, spec((tokens,), jnp.int32), meta).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and h200_lowering
+    assert len(calls) == 2 * cfg.num_layers
