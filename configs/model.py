@@ -11,19 +11,31 @@ from typing import Optional
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rope frequency scaling: Llama-3.1's ("rope_type": "llama3" in HF configs, the default) or
-    linear ("linear": every frequency divided by `factor`; Gemma 3's global layers)."""
+    """Rope frequency scaling: Llama-3.1's ("rope_type": "llama3" in HF configs, the default),
+    linear ("linear": every frequency divided by `factor`; Gemma 3's global layers) or Phi-3's
+    LongRoPE ("longrope": frequency i divided by short_factor[i] or long_factor[i], the long
+    ones where a sequence is longer than original_max_position_embeddings, and attention logits
+    times attention_factor ** 2; models.llama.rope_inv_freq)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    short_factor: tuple[float, ...] = ()  # longrope: one divisor per frequency [head_dim / 2]
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # longrope: cos and sin (so q and k) times this
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
+        if self.rope_type not in ("llama3", "linear", "longrope"):
             raise ValueError(f"RopeScaling.rope_type {self.rope_type!r} is not supported "
-                             "(only 'llama3' and 'linear')")
+                             "(only 'llama3', 'linear' and 'longrope')")
+        for name in ("short_factor", "long_factor"):  # hashable, also when built from JSON
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.rope_type == "longrope" and not (
+                self.short_factor and len(self.short_factor) == len(self.long_factor)):
+            raise ValueError(f"RopeScaling: longrope needs short_factor and long_factor of one "
+                             f"length, got {len(self.short_factor)} and {len(self.long_factor)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +131,14 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> Optional[float]:
-        """The softmax scale when it is not head_dim ** -0.5 (query_pre_attn_scalar), else None."""
-        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+        """The softmax scale when it is not head_dim ** -0.5, else None: 1 / sqrt of
+        query_pre_attn_scalar, times LongRoPE's attention_factor squared (transformers multiplies
+        cos and sin by it, so both q and k)."""
+        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope" and s.attention_factor != 1.0:
+            scale = (self.head_dim ** -0.5 if scale is None else scale) * s.attention_factor ** 2
+        return scale
 
     @property
     def is_moe(self) -> bool:

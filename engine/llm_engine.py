@@ -38,6 +38,7 @@ from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
 from engine.warmup import reachable_steps
+from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
 __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "StreamDelta"]
@@ -54,6 +55,10 @@ class LLMEngine:
         backend), engine/engine_config.py; `self.engine_cfg` is the resolved config."""
         self.platform = platform or jax.default_backend()
         requested = engine_cfg or EngineConfig()
+        if uses_longrope(cfg.rope_scaling):  # cached keys are rotated again: models/longrope.py
+            if spec_config is not None:
+                raise ValueError("speculative decoding is not supported for a LongRoPE model")
+            requested = dataclasses.replace(requested, enable_prefix_caching=False)
         engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings, self.platform)
         make_runner = ModelRunner
         fit = requested.max_model_len is not None  # else the context follows the cache

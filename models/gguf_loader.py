@@ -2,20 +2,40 @@
 
 Supported:
   architectures   general.architecture "llama" (Llama 2/3, SmolLM2; Mixtral when it has
-                  llama.expert_count), "qwen2" (q/k/v biases), "qwen3" (q/k norms) and
-                  "qwen3moe"; gemma2, gemma3 and phi3 raise ValueError (not yet). Experts come
+                  llama.expert_count), "qwen2" (q/k/v biases), "qwen3" (q/k norms),
+                  "qwen3moe", "gemma2", "gemma3" (text decoder) and "phi3". Experts come
                   stacked (blk.N.ffn_{gate,up,down}_exps, router blk.N.ffn_gate_inp); the
                   per-expert tensors of early Mixtral files (blk.N.ffn_gate.J) are refused
+  Gemma           four norms per layer (attn_norm, post_attention_norm, ffn_norm before the MLP,
+                  post_ffw_norm), GeGLU, embeddings times sqrt(hidden), soft caps from
+                  {arch}.attn_logit_softcapping / final_logit_softcapping, the window from
+                  attention.sliding_window on the layers that attention.sliding_window_pattern
+                  marks (an int n: every n-th layer global; or one bool per layer, true =
+                  sliding; absent: llama.cpp's 2 for gemma2, 6 for gemma3). The softmax scale is
+                  attention.scale where present, else llama.cpp's rule (see _gemma_fields).
+                  Gemma 3's local layers use rope.freq_base_swa (default 10000) and no scaling;
+                  rope.scaling.type linear applies to its global layers.
+  Phi-3           fused blk.N.attn_qkv (rows q, k, v) and blk.N.ffn_up (rows gate, up: phi3 has
+                  no ffn_gate) are split; attention.sliding_window where present; LongRoPE from
+                  rope_factors_short / rope_factors_long (see _longrope_from_gguf).
   tensor types    F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, dequantized to float32 with
                   `gguf.quants.dequantize`; any other type raises ValueError naming the tensor
   rope scaling    none, or Llama 3 style, which llama.cpp stores as a `rope_freqs.weight` tensor of
                   per-frequency divisors (not as metadata): the RopeScaling that reproduces it is
-                  recovered. rope.scaling.type linear / yarn / longrope raise ValueError.
+                  recovered. rope.scaling.type linear (except on gemma3), yarn and longrope (except
+                  on phi3) raise ValueError.
   tokenizer       byte-level BPE (see models/tokenizer.py, `Tokenizer.from_gguf`)
 
 llama.cpp's converter permutes the rows of the llama Q and K projections so that rotary pairs are
 interleaved (w.reshape(n_head, 2, head_dim // 2, hidden).swapaxes(1, 2)); we undo that here, so the
-tensors are in HF (rotate-half) order. Qwen2 is converted without the permutation.
+tensors are in HF (rotate-half) order. Qwen2/3, Gemma and Phi-3 are converted without the
+permutation (their RoPE is rotate-half).
+
+Gemma's RMSNorm multiplies by (1 + w), w being what HF checkpoints store. llama.cpp's converter
+writes every Gemma 2/3 `*norm.weight` tensor (the q/k norms included) as 1 + w, so that its
+plain RMSNorm computes the same; transformers' own GGUF reader subtracts the one again for these
+two architectures. models/llama.py's RMSNorm multiplies by its weight as it is and the HF loader
+adds the one, so GGUF norm weights are taken as stored.
 
 Pure numpy: no jax import.
 """
@@ -34,9 +54,11 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from configs.model import ModelConfig, RopeScaling
 from models.checkpoint import LoadedCheckpoint, validate_tensors
 from models.gguf_file import open_gguf
+from models.hf_loader import split_fused_projections
 from models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 SUPPORTED_TENSOR_TYPES = (
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
@@ -67,7 +89,22 @@ _LAYER_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",  # [E, hidden, I]
 }
+# Where an architecture's tensor of the same llama.cpp name is another HF tensor: Gemma's
+# ffn_norm is the norm before the MLP (gguf's FFN_PRE_NORM); Phi-3's fused projections.
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 _ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE: per-frequency divisors of the short and long contexts (gguf's
+# ROPE_FACTORS_SHORT / ROPE_FACTORS_LONG), each [head_dim / 2].
+_LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _IGNORED_LAYER_TENSORS = ("attn_rot_embd",)  # old converters stored rotary inv_freq per layer
 
 
@@ -100,9 +137,10 @@ def load_gguf(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Loaded
     tensors: dict[str, np.ndarray] = {}
     unknown = []
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = _hf_name(t.name, arch)
         if hf_name is None:
-            if t.name != _ROPE_FREQS and not any(k in t.name for k in _IGNORED_LAYER_TENSORS):
+            if (t.name not in (_ROPE_FREQS, *_LONGROPE_FACTORS)
+                    and not any(k in t.name for k in _IGNORED_LAYER_TENSORS)):
                 unknown.append(t.name)
             continue
         w = dequantize_tensor(t)
@@ -121,6 +159,8 @@ def load_gguf(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Loaded
     if arch == "qwen2" and "blk.0.attn_q.bias" not in by_name:
         raise ValueError(f"{p}: qwen2 GGUF without q/k/v biases (blk.0.attn_q.bias missing)")
     del reader  # releases the memory map: every tensor above is a copy
+    if arch == "phi3":
+        tensors = split_fused_projections(cfg, tensors)
     validate_tensors(cfg, tensors, str(p))
     return LoadedCheckpoint(config=cfg, tensors=tensors, tokenizer=tokenizer)
 
@@ -152,16 +192,28 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         raise ValueError(f"{source}: partial rotary embeddings (rope.dimension_count {rope_dim} "
                          f"< head_dim {head_dim}) are not supported")
     scaling_type = get("rope.scaling.type", "none")
-    if scaling_type != "none":
+    if scaling_type != "none" and (arch, scaling_type) not in (("gemma3", "linear"),
+                                                                ("phi3", "longrope")):
         raise ValueError(f"{source}: rope scaling type {scaling_type!r} is not supported")
     rope_theta = float(get("rope.freq_base", 10000.0))
+    num_layers = int(get("block_count", required=True))
+    family = {}
+    if arch in GEMMA_ARCHITECTURES:
+        family = _gemma_fields(reader, arch, get, num_layers, hidden, num_heads, head_dim, source)
+    elif arch == "phi3" and get("attention.sliding_window") is not None:
+        family = dict(sliding_window=int(get("attention.sliding_window")))
 
     tensor_names = {t.name: t for t in reader.tensors}
-    rope_scaling = None
+    rope_scaling = family.pop("rope_scaling", None)
     if _ROPE_FREQS in tensor_names:
         factors = dequantize_tensor(tensor_names[_ROPE_FREQS])
         rope_scaling = rope_scaling_from_factors(
             factors, head_dim, rope_theta, get("rope.scaling.original_context_length"), source)
+    if any(n in tensor_names for n in _LONGROPE_FACTORS):
+        if arch != "phi3":
+            raise ValueError(f"{source}: {arch} GGUF with LongRoPE factor tensors is not "
+                             f"supported")
+        rope_scaling = _longrope_from_gguf(tensor_names, get, source)
 
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if tokens is not None:
@@ -196,7 +248,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         name=name, vocab_size=vocab_size, hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length", moe.get("moe_intermediate_size"),
                                   required=not moe)),
-        num_layers=int(get("block_count", required=True)),
+        num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         max_position_embeddings=int(get("context_length", 8192)),
         rope_theta=rope_theta, rope_scaling=rope_scaling,
@@ -205,7 +257,73 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str, source: str = "GGUF") -
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), **moe)
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)), **moe,
+        **family)
+
+
+def _longrope_from_gguf(tensor_names: dict, get, source: str) -> RopeScaling:
+    """Phi-3's LongRoPE from its factor tensors, rope.scaling.original_context_length and
+    rope.scaling.attn_factor (absent: transformers' sqrt(1 + ln(f) / ln(original)), f the context
+    over the original length). llama.cpp picks the long factors by the context it is run with;
+    this engine follows transformers' per-sequence choice (models/longrope.py)."""
+    missing = [n for n in _LONGROPE_FACTORS if n not in tensor_names]
+    if missing:
+        raise ValueError(f"{source}: LongRoPE needs both factor tensors; {missing[0]} is missing")
+    short, long = (dequantize_tensor(tensor_names[n]).reshape(-1) for n in _LONGROPE_FACTORS)
+    original = int(get("rope.scaling.original_context_length", required=True))
+    attention_factor = get("rope.scaling.attn_factor")
+    if attention_factor is None:
+        factor = int(get("context_length", original)) / original
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return RopeScaling(factor=1.0, original_max_position_embeddings=original,
+                       rope_type="longrope", short_factor=tuple(short.tolist()),
+                       long_factor=tuple(long.tolist()), attention_factor=float(attention_factor))
+
+
+# llama.cpp's block counts of the 27B models, whose softmax scale it takes as
+# 1 / sqrt(hidden / heads) (gemma_pytorch's query_pre_attn_scalar for them); other sizes use
+# 1 / sqrt(head_dim).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_fields(reader: gguf.GGUFReader, arch: str, get, num_layers: int, hidden: int,
+                  num_heads: int, head_dim: int, source: str) -> dict:
+    """The ModelConfig fields of a gemma2 / gemma3 GGUF beyond the Llama ones."""
+    window = get("attention.sliding_window")
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        pattern = 2 if arch == "gemma2" else 6
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"{source}: {arch}.attention.sliding_window_pattern has "
+                             f"{len(pattern)} entries for {num_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [int(pattern) == 0 or (i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    layer_types = tuple("sliding_attention" if s else "full_attention" for s in sliding)
+    if window is None or not any(sliding):
+        window, layer_types = None, ()
+    scale = get("attention.scale")
+    if scale is not None:
+        scalar = _round6(1.0 / float(scale) ** 2)
+    elif num_layers == _GEMMA_27B_LAYERS[arch]:
+        scalar = float(hidden // num_heads)
+    else:
+        scalar = float(head_dim)
+    soft_caps = {k: get(f"{k}_logit_softcapping") for k in ("attn", "final")}
+    fields = dict(
+        sliding_window=None if window is None else int(window), layer_types=layer_types,
+        attn_logit_softcap=None if soft_caps["attn"] is None else float(soft_caps["attn"]),
+        final_logit_softcap=None if soft_caps["final"] is None else float(soft_caps["final"]),
+        query_pre_attn_scalar=scalar, hidden_act="gelu_tanh", sandwich_norms=True,
+        embed_scale=True)
+    if arch == "gemma3":
+        fields["rope_local_theta"] = float(get("rope.freq_base_swa", 10000.0))
+        if get("rope.scaling.type", "none") == "linear":
+            fields["rope_scaling"] = RopeScaling(
+                factor=float(get("rope.scaling.factor", required=True)), rope_type="linear")
+    return fields
 
 
 def dequantize_tensor(t) -> np.ndarray:
@@ -288,12 +406,13 @@ def rope_scaling_from_factors(factors: np.ndarray, head_dim: int, rope_theta: fl
                      f"rope scaling")
 
 
-def _hf_name(gguf_name: str) -> Optional[str]:
+def _hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{int(parts[1])}.{names[parts[2]]}"
     return None
 
 

@@ -8,8 +8,8 @@ decoder from text_config) and "phi3" (sliding window; its fused qkv_proj and gat
 split into the q/k/v and gate/up tensors), "mixtral" and "qwen3_moe" (mixtures of experts: each
 expert's tensors stacked per projection, from the per-expert names of the hub's checkpoints or
 the stacked gate_up_proj / down_proj of transformers 5; every layer sparse); rope_scaling
-none/"default", rope_type "llama3" or "linear" (not Phi-3's "longrope"); EOS ids from
-config.json and generation_config.json; weights in
+none/"default", rope_type "llama3", "linear" or Phi-3's "longrope"; EOS ids from config.json
+and generation_config.json; weights in
 `model.safetensors` or sharded through `model.safetensors.index.json`, stored as F32, F16 or BF16
 (BF16 is widened from its raw bytes, so no bfloat16 numpy dtype is needed). The tokenizer is read
 from tokenizer.json (+ tokenizer_config.json) when present.
@@ -19,6 +19,7 @@ Pure numpy: no jax import.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -78,7 +79,7 @@ def load_hf_dir(path: str | os.PathLike, *, load_tokenizer: bool = True) -> Load
     if raw.get("model_type") == "gemma3":
         tensors = _text_decoder_tensors(tensors)
     if raw.get("model_type") == "phi3":
-        tensors = _split_fused(cfg, tensors)
+        tensors = split_fused_projections(cfg, tensors)
     if cfg.is_moe:
         tensors = stack_experts(cfg, tensors)
     if raw.get("model_type") in UNIT_OFFSET_NORMS:
@@ -161,7 +162,7 @@ def config_from_hf(raw: dict[str, Any], name: str, source: str = "config.json",
     scaling = raw.get("rope_scaling")
     if scaling is None and rope_params.get("rope_type", "default") != "default":
         scaling = rope_params
-    rope_scaling = _rope_scaling(scaling, source)
+    rope_scaling = _rope_scaling(scaling, source, raw)
 
     eos = raw.get("eos_token_id")
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -252,7 +253,8 @@ def stack_experts(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str,
     return out
 
 
-def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def split_fused_projections(cfg: ModelConfig,
+                            tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Phi-3's fused self_attn.qkv_proj (rows q, k, v) and mlp.gate_up_proj (rows gate, up)
     split into the separate HF tensors (models.llama.fuse_projections fuses them again where a
     device wants it)."""
@@ -293,7 +295,8 @@ def _optional_float(value) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]:
+def _rope_scaling(scaling: Optional[dict], source: str,
+                  raw: Optional[dict] = None) -> Optional[RopeScaling]:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -301,9 +304,11 @@ def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]
         return None
     if kind == "linear":
         return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    if kind in ("longrope", "su"):  # "su": early Phi-3 configs' name of it
+        return _longrope_scaling(scaling, source, raw or {})
     if kind != "llama3":
         raise ValueError(f"{source}: rope scaling type {kind!r} is not supported "
-                         f"(only 'llama3' and 'linear')")
+                         f"(only 'llama3', 'linear' and 'longrope')")
     defaults = RopeScaling()
     return RopeScaling(
         factor=float(scaling.get("factor", defaults.factor)),
@@ -311,6 +316,28 @@ def _rope_scaling(scaling: Optional[dict], source: str) -> Optional[RopeScaling]
         high_freq_factor=float(scaling.get("high_freq_factor", defaults.high_freq_factor)),
         original_max_position_embeddings=int(scaling.get(
             "original_max_position_embeddings", defaults.original_max_position_embeddings)))
+
+
+def _longrope_scaling(scaling: dict, source: str, raw: dict) -> RopeScaling:
+    """Phi-3's LongRoPE as transformers reads it: original_max_position_embeddings from the
+    config's top level first (Phi-3 keeps it there), then from the scaling dict, else
+    max_position_embeddings; without an attention_factor, sqrt(1 + ln(f) / ln(original)) with f
+    the scaling's factor, else max_position_embeddings / original (1 where f <= 1)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ValueError(f"{source}: longrope rope scaling needs a {key} list")
+    max_pos = int(raw.get("max_position_embeddings", 8192))
+    original = int(raw.get("original_max_position_embeddings")
+                   or scaling.get("original_max_position_embeddings") or max_pos)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = float(scaling.get("factor") or max_pos / original)
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return RopeScaling(factor=1.0, original_max_position_embeddings=original,
+                       rope_type="longrope", short_factor=tuple(scaling["short_factor"]),
+                       long_factor=tuple(scaling["long_factor"]),
+                       attention_factor=float(attention_factor))
 
 
 def _generation_config_eos(d: Path) -> tuple[int, ...]:

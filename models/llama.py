@@ -18,6 +18,7 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache
+from models.longrope import longrope_and_write_kv
 from models.moe import SparseMoE
 from models.stacked import StackedLayers, scan_layers
 from ops import gemv as gemv_ops
@@ -54,8 +55,9 @@ class AttentionMetadata:
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     """Inverse rotary frequencies [head_dim // 2], float32, with the configured scaling
-    (Llama 3.1's, or linear). local: those of the sliding-window layers, which have their own
-    base and no scaling where cfg.rope_local_theta is set (Gemma 3)."""
+    (Llama 3.1's, or linear); LongRoPE's are [2, head_dim // 2], the short and the long
+    factors' (see longrope_and_write_kv). local: those of the sliding-window layers, which have
+    their own base and no scaling where cfg.rope_local_theta is set (Gemma 3)."""
     local = local and cfg.rope_local_theta is not None
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     exponents = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / cfg.head_dim
@@ -65,6 +67,13 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
         return inv_freq
     if s.rope_type == "linear":
         return (inv_freq / np.float32(s.factor)).astype(np.float32)
+    if s.rope_type == "longrope":
+        factors = np.asarray([s.short_factor, s.long_factor], np.float32)  # [2, D / 2]
+        if factors.shape[1] != cfg.head_dim // 2:
+            raise ValueError(f"longrope factors have {factors.shape[1]} entries, expected "
+                             f"head_dim / 2 = {cfg.head_dim // 2}")
+        powers = np.float32(theta) ** exponents
+        return (1.0 / (factors * powers)).astype(np.float32)
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -172,9 +181,13 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             qkv = self.norm_qk(qkv, cfg, kernels)
         # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
-        q, k_pages, v_pages = rope_and_write_kv(
-            qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
-            num_heads=cfg.num_heads, kernels=kernels)  # q [N, H, D]
+        if np.ndim(inv_freq) == 2:  # LongRoPE: the short and the long factors' frequencies
+            q, k_pages, v_pages = longrope_and_write_kv(
+                qkv, meta, inv_freq, k_pages, v_pages, cfg.rope_scaling, cfg.num_heads, kernels)
+        else:
+            q, k_pages, v_pages = rope_and_write_kv(
+                qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
+                num_heads=cfg.num_heads, kernels=kernels)  # q [N, H, D]
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs,

@@ -24,14 +24,18 @@ What it writes:
    positions and a 32-token greedy continuation (EOS ignored), all from the GGUF loaded by HF.
 3. Perplexity of SmolLM2 over the first 2048 tokens of Python 3.12's pydoc topics text.
 4. One directory per other family (tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3,
-   tiny-phi3, and the mixtures of experts tiny-mixtral, tiny-qwen3-moe from configs/model.py),
+   tiny-phi3, tiny-phi3-longrope (defined here), and the mixtures of experts tiny-mixtral,
+   tiny-qwen3-moe from configs/model.py),
    written entirely by transformers' save_pretrained (config.json with the family's own field
    names, model.safetensors, generation_config.json whose EOS ids add <|endoftext|> to the
    config's, and the tokenizer with its chat template in chat_template.jinja), with the same
    golden.npz as part 1. Their configs switch the families' features on: untied heads, a sliding
-   window shorter than the sequence, soft caps that bind. topk_ties.json: torch.topk's choice
-   among tied router probabilities (what the MoE routers of transformers pick). Written with
-   torch 2.14.1, transformers 5.25.0, tokenizers 0.23.3, safetensors 0.8.0 and gguf 0.19.0 (Python 3.11.7).
+   window shorter than the sequence, soft caps that bind, LongRoPE's long factors (the golden
+   prompt is longer than its original length; its golden.npz adds a shorter prompt whose greedy
+   continuation crosses it: write_crossing_golden). topk_ties.json: torch.topk's choice among
+   tied router probabilities (what the MoE routers of transformers pick). Written with torch
+   2.14.1, transformers 5.25.0, tokenizers 0.23.3, safetensors 0.8.0 and gguf 0.19.0 (Python
+   3.11.7).
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a file from the separate environmen
 
 from configs.model import (TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_LLAMA31,  # noqa: E402
                            TINY_MISTRAL, TINY_MIXTRAL, TINY_PHI3, TINY_QWEN2, TINY_QWEN3,
-                           TINY_QWEN3_MOE)
+                           TINY_QWEN3_MOE, RopeScaling)
 from models.checkpoint import expected_tensor_shapes  # noqa: E402
 from scripts.tools.golden_tokenizer import (CHATML_TEMPLATE, SPECIAL_TOKENS,  # noqa: E402
                                              build_tiny_tokenizer, tokenizer_training_text,
@@ -327,8 +331,21 @@ def write_golden(model, cfg, idx: int, d: Path) -> None:
 # Other families, written by save_pretrained
 # ----------------------------------------------------------------------------------------------
 
+# Phi-3 with LongRoPE (no window, as Phi-3-mini-128k's): an original length (8) below the
+# 12-token golden prompts, so that the long factors bind from the first token, and a context of
+# 64 (attention factor sqrt(2)).
+# golden.npz adds a 6-token prompt whose greedy continuation crosses the original length: short
+# factors up to there, then long ones for the whole sequence (write_crossing_golden).
+TINY_PHI3_LONGROPE = TINY_PHI3.replace(
+    name="tiny-phi3-longrope", max_position_embeddings=64, sliding_window=None,
+    rope_scaling=RopeScaling(
+        rope_type="longrope", original_max_position_embeddings=8,
+        short_factor=(1.0, 1.05, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8),
+        long_factor=(1.0, 1.4, 2.2, 3.5, 5.0, 7.5, 11.0, 16.0)))
+CROSSING_PROMPT_LEN = 6
+
 FAMILIES = (TINY_QWEN3, TINY_MISTRAL, TINY_GEMMA2, TINY_GEMMA3, TINY_PHI3, TINY_MIXTRAL,
-            TINY_QWEN3_MOE)
+            TINY_QWEN3_MOE, TINY_PHI3_LONGROPE)
 
 
 def hf_family_config(cfg):
@@ -368,6 +385,14 @@ def hf_family_config(cfg):
         del common["head_dim"]  # Phi-3's is hidden_size / num_attention_heads
         return transformers.Phi3Config(**common, sliding_window=cfg.sliding_window,
                                        original_max_position_embeddings=cfg.max_position_embeddings)
+    if cfg.name == "tiny-phi3-longrope":
+        del common["head_dim"]
+        s = cfg.rope_scaling  # attention_factor left out: transformers derives it (64 / 8)
+        rope = {"rope_type": "longrope", "rope_theta": cfg.rope_theta,
+                "short_factor": list(s.short_factor), "long_factor": list(s.long_factor)}
+        return transformers.Phi3Config(
+            **{**common, "rope_parameters": rope}, sliding_window=cfg.sliding_window,
+            original_max_position_embeddings=s.original_max_position_embeddings)
     if cfg.name == "tiny-gemma3":
         scaling = cfg.rope_scaling
         rope = {"full_attention": {"rope_type": scaling.rope_type, "factor": scaling.factor,
@@ -446,7 +471,7 @@ def make_families(out_root: Path, only: list[str] | None = None) -> None:
             tensors["model.norm.weight"] += np.float32(2.0)
         else:
             tensors = random_tensors(cfg, TINY_SEED + idx)
-        if cfg.name == "tiny-phi3":
+        if cfg.name.startswith("tiny-phi3"):
             tensors = fused_phi3_tensors(cfg, tensors)
         if cfg.is_moe:
             tensors = hf_moe_tensors(cfg, tensors)
@@ -475,7 +500,54 @@ def make_families(out_root: Path, only: list[str] | None = None) -> None:
         print(f"{cfg.name}: {type(model).__name__}, files {sorted(p.name for p in d.iterdir())}",
               flush=True)
         write_golden(model, cfg, idx, d)
+        if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "longrope":
+            write_crossing_golden(model, cfg, idx, d)
     write_topk_ties(out_root)
+
+
+def write_crossing_golden(model, cfg, idx: int, d: Path) -> None:
+    """Adds to golden.npz a CROSSING_PROMPT_LEN-token prompt (within the LongRoPE original
+    length) whose greedy continuation crosses that length: crossing_input_ids, its logits
+    (short factors), crossing_greedy_ids from generate() (Phi-3's drops its cache where the
+    sequence first exceeds the length and recomputes it with the long factors: the same tokens
+    as a recomputation of every step, checked) and crossing_greedy_margins, the top-1 minus
+    top-2 logit of each generate() step."""
+    import numpy as np
+    import torch
+    from transformers import GenerationConfig
+    gc = GenerationConfig(do_sample=False, max_new_tokens=TINY_NEW_TOKENS, eos_token_id=None,
+                          pad_token_id=0, bos_token_id=None, num_beams=1, temperature=None,
+                          top_p=None, top_k=None, output_logits=True,
+                          return_dict_in_generate=True)
+    saved_eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    for attempt in range(100):
+        rng = np.random.RandomState(TINY_SEED + 200 + idx + 1000 * attempt)
+        ids = torch.from_numpy(rng.randint(0, cfg.vocab_size, size=(BATCH, CROSSING_PROMPT_LEN)))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 generation_config=gc)
+        steps = torch.stack(out.logits, dim=1).double()  # [B, new, V]
+        top2 = steps.topk(2, dim=-1).values
+        margins = (top2[..., 0] - top2[..., 1]).float()
+        if margins.min().item() >= MIN_GREEDY_MARGIN:
+            break
+    else:
+        raise RuntimeError(f"{cfg.name}: no crossing prompt with a clear greedy margin")
+    model.generation_config.eos_token_id = saved_eos
+    gen = out.sequences[:, CROSSING_PROMPT_LEN:]
+    manual, _ = manual_greedy(model, ids, TINY_NEW_TOKENS)
+    if not torch.equal(gen, manual):  # Phi-3's generate recomputes its cache at the crossing
+        raise RuntimeError(f"{cfg.name}: generate() {gen} != recomputed {manual}")
+    print(f"  crossing prompt attempt {attempt}; min margin {margins.min():.3f}; greedy "
+          f"{gen.tolist()}", flush=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    arrays = dict(np.load(d / "golden.npz"))
+    np.savez(d / "golden.npz", **arrays, crossing_input_ids=ids.numpy().astype(np.int32),
+             crossing_logits=logits.float().numpy(),
+             crossing_greedy_ids=gen.numpy().astype(np.int32),
+             crossing_greedy_margins=margins.numpy())
 
 
 # ----------------------------------------------------------------------------------------------

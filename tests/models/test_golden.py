@@ -18,10 +18,11 @@ from quant.loader import load_model
 from engine.perplexity import perplexity_of_ids
 from tests.conftest import GOLDEN_DIR
 
-# tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3 and tiny-phi3 are written by transformers'
-# save_pretrained (untied heads, a sliding window shorter than the sequence, soft caps that bind).
+# tiny-qwen3, tiny-mistral, tiny-gemma2, tiny-gemma3, tiny-phi3 and tiny-phi3-longrope are
+# written by transformers' save_pretrained (untied heads, a sliding window shorter than the
+# sequence, soft caps that bind, LongRoPE's long factors).
 TINY = ("tiny-llama", "tiny-llama31", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
-        "tiny-gemma3", "tiny-phi3")
+        "tiny-gemma3", "tiny-phi3", "tiny-phi3-longrope")
 PROMPTS = ("france", "fibonacci", "chat_france")
 
 

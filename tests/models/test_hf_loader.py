@@ -146,7 +146,8 @@ def test_unsupported_family_fields_name_the_field(tmp_path):
     d = write_hf(tmp_path / "bad", cfg, random_hf(cfg, 0))
     for extra, field in (({"hidden_act": "relu"}, "hidden_act 'relu'"),
                          ({"use_sliding_window": True}, "use_sliding_window"),
-                         ({"rope_scaling": {"rope_type": "longrope"}}, "'longrope'"),
+                         ({"rope_scaling": {"rope_type": "yarn"}}, "'yarn'"),
+                         ({"rope_scaling": {"rope_type": "longrope"}}, "short_factor list"),
                          ({"partial_rotary_factor": 0.75}, "partial_rotary_factor")):
         (d / "config.json").write_text(json.dumps(hf_config(cfg, **extra)))
         with pytest.raises(ValueError, match=field):
