@@ -33,7 +33,8 @@ def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
 
 def greedy(loaded, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     engine = LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer,
-                       EngineConfig(max_model_len=256, max_num_seqs=4, page_size=8))
+                       EngineConfig(max_model_len=min(256, loaded.cfg.max_position_embeddings),
+                                    max_num_seqs=4, page_size=8))
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     return [o.output_ids for o in engine.generate(prompts, params)]
 
