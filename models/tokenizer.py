@@ -1,7 +1,8 @@
-"""Text <-> token ids, and chat templates, for byte-level BPE models (GPT-2, SmolLM2, Llama 3, Qwen2).
+"""Text <-> token ids, and chat templates, for byte-level BPE models (GPT-2, SmolLM2, Llama 3, Qwen2)
+and SentencePiece BPE ones read from GGUF files (Llama 2, Gemma, Phi-3).
 
 `Tokenizer` wraps a `tokenizers.Tokenizer` and carries what the engine needs besides the vocabulary:
-BOS/EOS ids, whether BOS is prepended, and the checkpoint's own jinja2 chat template. It is built
+BOS/EOS ids, whether BOS (and EOS) are added, and the checkpoint's own jinja2 chat template. It is built
 from an HF directory (tokenizer.json + tokenizer_config.json) or from a GGUF file's metadata, and
 `save()` writes the HF pair back so that a converted checkpoint directory is self-contained.
 
@@ -19,6 +20,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from models.gguf_file import open_gguf
+from models.spm_tokenizer import sentencepiece_bpe
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -36,6 +38,7 @@ _DIGITS_GPT2_PRE = ("smollm", "starcoder")      # single digits split off, then 
 _LLAMA3_PRE = ("llama-bpe", "llama3")            # Llama 3 regex (digits in runs of <= 3)
 _QWEN2_PRE = ("qwen2",)                          # Qwen2 regex (single digits), NFC normalized
 SUPPORTED_GGUF_PRE_TOKENIZERS = _GPT2_PRE + _DIGITS_GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE
+SUPPORTED_GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
 
 
 def _token_content(value: Any) -> Optional[str]:
@@ -54,17 +57,20 @@ def _unique(ids: Iterable[Optional[int]]) -> tuple[int, ...]:
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer with BOS/EOS ids and a chat template."""
+    """A byte-level or SentencePiece BPE tokenizer with BOS/EOS ids and a chat template."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token_id: Optional[int],
                  eos_token_ids: Sequence[int], add_bos: bool, chat_template: Optional[str],
-                 vocab_size: Optional[int] = None):
+                 vocab_size: Optional[int] = None, add_eos: bool = False):
         self._tok = tokenizer
         self._bos_token_id = None if bos_token_id is None else int(bos_token_id)
         self._eos_token_ids = _unique(eos_token_ids)
         self._add_bos = bool(add_bos)
         if self._add_bos and self._bos_token_id is None:
             raise ValueError("add_bos is set but the tokenizer has no BOS token")
+        self._add_eos = bool(add_eos)
+        if self._add_eos and not self._eos_token_ids:
+            raise ValueError("add_eos is set but the tokenizer has no EOS token")
         self._chat_template = chat_template
         self._compiled_template = None
         self._vocab_size = max(int(vocab_size or 0), tokenizer.get_vocab_size(with_added_tokens=True))
@@ -84,6 +90,11 @@ class Tokenizer:
     def add_bos(self) -> bool:
         """Whether `encode(..., add_special_tokens=True)` prepends BOS."""
         return self._add_bos
+
+    @property
+    def add_eos(self) -> bool:
+        """Whether `encode(..., add_special_tokens=True)` appends EOS."""
+        return self._add_eos
 
     @property
     def vocab_size(self) -> int:
@@ -107,7 +118,7 @@ class Tokenizer:
         return self._tok
 
     def id_to_token(self, token_id: int) -> Optional[str]:
-        """The vocabulary string of `token_id` (byte-level form, e.g. 'Ġthe'), or None."""
+        """The vocabulary string of `token_id` (as stored, e.g. 'Ġthe' or '▁the'), or None."""
         return self._tok.id_to_token(int(token_id))
 
     def token_to_id(self, token: str) -> Optional[int]:
@@ -117,10 +128,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. '<|im_start|>') are
-        recognized. With add_special_tokens, BOS is prepended if the model's config says so."""
+        recognized. With add_special_tokens, BOS is prepended and EOS appended where the model's
+        config says so."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self._add_bos:
             ids = [self._bos_token_id] + ids
+        if add_special_tokens and self._add_eos:
+            ids = ids + [self._eos_token_ids[0]]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -153,7 +167,7 @@ class Tokenizer:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "add_bos_token": self._add_bos,
-            "add_eos_token": False,
+            "add_eos_token": self._add_eos,
             "chat_template": self._chat_template,
             # Not an HF key: every stop id, so that a reload keeps end-of-turn tokens too.
             "eos_token_ids": list(self._eos_token_ids),
@@ -210,9 +224,10 @@ class Tokenizer:
         else:  # infer from the post-processor, as HF fast tokenizers do
             with_special = tok.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and bool(with_special) and with_special[0] == bos
+        add_eos = bool(config.get("add_eos_token", False)) and bool(eos)
         return cls(tok, bos_token_id=bos, eos_token_ids=eos, add_bos=add_bos,
                    chat_template=_chat_template(tj.parent, config),
-                   vocab_size=config.get("vocab_size"))
+                   vocab_size=config.get("vocab_size"), add_eos=add_eos)
 
     # ------------------------------------------------------------------ GGUF
 
@@ -220,8 +235,9 @@ class Tokenizer:
     def from_gguf(cls, reader) -> "Tokenizer":
         """Builds the tokenizer from a GGUF file's metadata (`reader`: a gguf.GGUFReader or a path).
 
-        Supports tokenizer.ggml.model == "gpt2" (byte-level BPE) with the pre-tokenizers listed in
-        SUPPORTED_GGUF_PRE_TOKENIZERS; anything else raises ValueError naming it.
+        Supports tokenizer.ggml.model "gpt2" (byte-level BPE, with the pre-tokenizers listed in
+        SUPPORTED_GGUF_PRE_TOKENIZERS) and "llama" (SentencePiece BPE: models/spm_tokenizer.py);
+        anything else raises ValueError naming it.
         """
         if isinstance(reader, (str, os.PathLike)):
             reader = open_gguf(reader)
@@ -230,55 +246,85 @@ class Tokenizer:
         model = field("tokenizer.ggml.model")
         if model is None:
             raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model is missing)")
-        if model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {model!r}: only 'gpt2' "
-                             f"(byte-level BPE) is supported")
-        pre = field("tokenizer.ggml.pre", "default")
-        if pre not in SUPPORTED_GGUF_PRE_TOKENIZERS:
-            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
-                             f"{', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}")
+        if model not in SUPPORTED_GGUF_TOKENIZER_MODELS:
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r}; supported: 'gpt2' "
+                             f"(byte-level BPE), 'llama' (SentencePiece BPE)")
         tokens: list[str] = field("tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError("GGUF tokenizer has no token list (tokenizer.ggml.tokens)")
-        merges = field("tokenizer.ggml.merges", [])
         token_types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         if len(token_types) != len(tokens):
             raise ValueError(f"GGUF tokenizer has {len(tokens)} tokens but "
                              f"{len(token_types)} token types")
-
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)  # duplicates (padding tokens) keep their first id
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
-                         ignore_merges=pre in _LLAMA3_PRE)
-        tok = tokenizers.Tokenizer(bpe)
-        if pre in _QWEN2_PRE:
-            tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        tok.decoder = decoders.ByteLevel()
-
-        # Control tokens become special added tokens (matched in text, skipped by decode);
-        # user-defined ones plain added tokens (matched, kept). Their ids come from the vocab.
-        control = [AddedToken(t, special=True, normalized=False)
-                   for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_CONTROL]
-        user = [AddedToken(t, special=False, normalized=False)
-                for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED]
-        if control:
-            tok.add_special_tokens(control)
-        if user:
-            tok.add_tokens(user)
-
         bos = field("tokenizer.ggml.bos_token_id")
         eos = _unique([field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.eot_token_id"),
                        field("tokenizer.ggml.eom_token_id")])
-        for name, i in (("bos", bos), *(("eos", e) for e in eos)):
+        unk = field("tokenizer.ggml.unknown_token_id")
+        for name, i in (("bos", bos), ("unknown", unk), *(("eos", e) for e in eos)):
             if i is not None and not 0 <= i < len(tokens):
                 raise ValueError(f"GGUF {name} token id {i} is outside the vocabulary "
                                  f"(size {len(tokens)})")
+
+        if model == "gpt2":
+            tok = _byte_level_from_gguf(field, tokens, token_types)
+        else:
+            tok = _sentencepiece_from_gguf(field, tokens, token_types, unk)
         add_bos = bool(field("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(field("tokenizer.ggml.add_eos_token", False)) and bool(eos)
         return cls(tok, bos_token_id=bos, eos_token_ids=eos, add_bos=add_bos,
-                   chat_template=field("tokenizer.chat_template"), vocab_size=len(tokens))
+                   chat_template=field("tokenizer.chat_template"), vocab_size=len(tokens),
+                   add_eos=add_eos)
+
+
+def _byte_level_from_gguf(field, tokens: list[str], token_types: list[int]) -> tokenizers.Tokenizer:
+    """tokenizer.ggml.model == "gpt2": byte-level BPE from the token list and merges."""
+    pre = field("tokenizer.ggml.pre", "default")
+    if pre not in SUPPORTED_GGUF_PRE_TOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
+                         f"{', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}")
+    merges = field("tokenizer.ggml.merges", [])
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # duplicates (padding tokens) keep their first id
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
+                     ignore_merges=pre in _LLAMA3_PRE)
+    tok = tokenizers.Tokenizer(bpe)
+    if pre in _QWEN2_PRE:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+
+    # Control tokens become special added tokens (matched in text, skipped by decode);
+    # user-defined ones plain added tokens (matched, kept). Their ids come from the vocab.
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_CONTROL]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def _sentencepiece_from_gguf(field, tokens: list[str], token_types: list[int],
+                             unk: Optional[int]) -> tokenizers.Tokenizer:
+    """tokenizer.ggml.model == "llama": SentencePiece BPE from the pieces and their scores."""
+    scores = field("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError(f"GGUF SentencePiece tokenizer needs one score per token "
+                         f"(tokenizer.ggml.scores): {len(tokens)} tokens, "
+                         f"{'no' if scores is None else len(scores)} scores")
+    if field("tokenizer.ggml.remove_extra_whitespaces", False):
+        raise ValueError("unsupported GGUF tokenizer setting "
+                         "tokenizer.ggml.remove_extra_whitespaces = true")
+    if field("tokenizer.ggml.precompiled_charsmap"):
+        raise ValueError("unsupported GGUF tokenizer setting tokenizer.ggml.precompiled_charsmap "
+                         "(a SentencePiece normalization table)")
+    # SentencePiece's own default: the dummy prefix is on unless the file says otherwise.
+    add_prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
+    return sentencepiece_bpe(tokens, scores, token_types, unk_id=unk, add_space_prefix=add_prefix)
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

@@ -552,10 +552,13 @@ def test_gguf_unsupported_tensor_type(tmp_path, qtype):
 
 
 def test_gguf_unsupported_tokenizer(tmp_path):
-    p = write_gguf(tmp_path / "spm.gguf", TINY, tiny_stored(), tokenizer_model="llama")
-    with pytest.raises(ValueError, match="tokenizer model 'llama'"):
+    p = write_gguf(tmp_path / "bert.gguf", TINY, tiny_stored(), tokenizer_model="bert")
+    with pytest.raises(ValueError, match="tokenizer model 'bert'"):
         load_gguf(p)
     assert load_gguf(p, load_tokenizer=False).tokenizer is None
+    p = write_gguf(tmp_path / "spm.gguf", TINY, tiny_stored(), tokenizer_model="llama")
+    with pytest.raises(ValueError, match=r"one score per token \(tokenizer.ggml.scores\)"):
+        load_gguf(p)
     p = write_gguf(tmp_path / "ds.gguf", TINY, tiny_stored(), pre="deepseek-coder")
     with pytest.raises(ValueError, match="pre-tokenizer 'deepseek-coder'"):
         load_gguf(p)
