@@ -24,7 +24,7 @@ Supported:
                   per-frequency divisors (not as metadata): the RopeScaling that reproduces it is
                   recovered. rope.scaling.type linear (except on gemma3), yarn and longrope (except
                   on phi3) raise ValueError.
-  tokenizer       byte-level BPE (see models/tokenizer.py, `Tokenizer.from_gguf`)
+  tokenizer       byte-level BPE or SentencePiece BPE (see models/tokenizer.py, `Tokenizer.from_gguf`)
 
 llama.cpp's converter permutes the rows of the llama Q and K projections so that rotary pairs are
 interleaved (w.reshape(n_head, 2, head_dim // 2, hidden).swapaxes(1, 2)); we undo that here, so the

@@ -53,7 +53,7 @@ def random_strings(rng: random.Random, count: int) -> list[str]:
     out = []
     for _ in range(count):
         parts = []
-        for _ in range(rng.randint(0, 6)):
+        for _ in range(rng.randint(0, 5)):
             if rng.random() < 0.6:
                 parts.append(rng.choice(words))
             else:
@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "golden" / "spm_tokenizer.json")
     parser.add_argument("--vocab_size", type=int, default=400)
-    parser.add_argument("--random_cases", type=int, default=40)
+    parser.add_argument("--random_cases", type=int, default=30)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
