@@ -91,11 +91,13 @@ def _normalizer(add_space_prefix: bool, user_pieces: Sequence[str]) -> normalize
     """Spaces to "▁", then the dummy prefix: one "▁" at the start of a non-empty stretch of text.
 
     Added tokens matched in normalized text are normalized themselves, so the prefix is not put
-    before text that starts with a user-defined piece: the piece keeps its own form (and such a
+    before text that is exactly one user-defined piece: the piece keeps its own form (and such a
     stretch of text gets no prefix, where SentencePiece would give "▁" before the piece).
     """
     escape = normalizers.Replace(" ", SPACE)
     if not add_space_prefix:
         return escape
-    not_a_piece = "".join(f"(?!{re.escape(p)})" for p in user_pieces)
-    return normalizers.Sequence([escape, normalizers.Replace(Regex(rf"\A{not_a_piece}"), SPACE)])
+    start = r"\A"
+    if user_pieces:
+        start += "(?!(?:" + "|".join(re.escape(p) for p in user_pieces) + r")\z)"
+    return normalizers.Sequence([escape, normalizers.Replace(Regex(start), SPACE)])

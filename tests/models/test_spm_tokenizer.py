@@ -108,17 +108,12 @@ def test_reference_matches_sentencepiece(add_space_prefix):
 def test_gguf_tokenizer_matches_sentencepiece(spm, add_space_prefix):
     tok = spm[add_space_prefix]
     key, decoded = PREFIX_MODES[add_space_prefix]
-    checked = 0
     for case in GOLDEN["cases"]:
-        text = case["text"]
-        assert tok.decode(case[key]) == case.get(decoded, text), text
-        if add_space_prefix and any(text.startswith(p) for p in USER_PIECES):
-            # Known difference: text that starts with a user-defined piece gets no "▁" before it.
-            assert tok.encode(text) == case[key][1:], text
-            continue
-        assert tok.encode(text) == case[key], text
-        checked += 1
-    assert checked >= 50
+        assert tok.encode(case["text"]) == case[key], case["text"]
+        assert tok.decode(case[key]) == case.get(decoded, case["text"]), case["text"]
+    # The one known difference: text that is exactly a user-defined piece gets no "▁" before it.
+    piece = USER_PIECES[0]
+    assert tok.encode(piece) == [tok.token_to_id(piece)]
 
 
 FRAGMENTS = st.one_of(
@@ -132,7 +127,7 @@ FRAGMENTS = st.one_of(
 @given(parts=st.lists(FRAGMENTS, max_size=8), add_space_prefix=st.booleans())
 def test_gguf_tokenizer_matches_reference_bpe(spm, parts, add_space_prefix):
     text = "".join(parts)
-    assume(not (add_space_prefix and any(text.startswith(p) for p in USER_PIECES)))
+    assume(not (add_space_prefix and text in USER_PIECES))
     tok = spm[add_space_prefix]
     ids = tok.encode(text)
     assert ids == reference_encode(text, add_space_prefix)
