@@ -39,7 +39,8 @@ def build_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
     if chat:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                  add_generation_prompt=True) for p in prompts]
-    return [tokenizer.encode(p) for p in prompts]
+    # Plain text gets BOS where the model adds it (Llama 2, Gemma); a chat template writes its own.
+    return [tokenizer.encode(p, add_special_tokens=not chat) for p in prompts]
 
 
 def stream_in_order(engine, prompt_ids, params) -> list[int]:
