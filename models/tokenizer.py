@@ -2,8 +2,8 @@
 and SentencePiece BPE ones read from GGUF files (Llama 2, Gemma, Phi-3).
 
 `Tokenizer` wraps a `tokenizers.Tokenizer` and carries what the engine needs besides the vocabulary:
-BOS/EOS ids, whether BOS (and EOS) are added, and the checkpoint's own jinja2 chat template. It is built
-from an HF directory (tokenizer.json + tokenizer_config.json) or from a GGUF file's metadata, and
+BOS/EOS ids, whether BOS (and EOS) are added, and the checkpoint's own jinja2 chat template. It is
+built from an HF directory (tokenizer.json + tokenizer_config.json) or from a GGUF file's metadata, and
 `save()` writes the HF pair back so that a converted checkpoint directory is self-contained.
 
 Pure Python: no jax import.

@@ -10,7 +10,8 @@ The model is trained the way Llama-2-style vocabularies are (BPE, byte fallback,
 normalization, spaces kept, digits split, one user-defined symbol) on the paragraphs below. The
 JSON holds the GGUF tokenizer fields of that model (pieces, scores, token types, special ids) and,
 for fixed edge cases plus seeded random strings, sentencepiece's ids both with the dummy space
-prefix (Llama, Phi-3) and without it (Gemma), and its decoded text where that differs from the input.
+prefix (Llama, Phi-3) and without it (Gemma), and its decoded text where that differs from the
+input.
 """
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def without_dummy_prefix(model_path: Path) -> spm.SentencePieceProcessor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "golden" / "spm_tokenizer.json")
+    parser.add_argument("--out", type=Path,
+                        default=REPO_ROOT / "tests" / "golden" / "spm_tokenizer.json")
     parser.add_argument("--vocab_size", type=int, default=400)
     parser.add_argument("--random_cases", type=int, default=30)
     args = parser.parse_args()
@@ -106,7 +108,8 @@ def main() -> None:
         ids, ids_plain = sp.encode(text), sp_plain.encode(text)
         case = {"text": text, "ids": ids, "ids_no_prefix": ids_plain}
         # Decoded text is stored only where it differs from the input.
-        for key, processor, case_ids in (("decoded", sp, ids), ("decoded_no_prefix", sp_plain, ids_plain)):
+        for key, processor, case_ids in (("decoded", sp, ids),
+                                         ("decoded_no_prefix", sp_plain, ids_plain)):
             if processor.decode(case_ids) != text:
                 case[key] = processor.decode(case_ids)
         cases.append(case)

@@ -22,7 +22,8 @@ from models.tokenizer import Tokenizer
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "spm_tokenizer.json")
                     .read_text(encoding="utf-8"))
-USER_PIECES = [t for t, k in zip(GOLDEN["tokens"], GOLDEN["token_types"]) if k == TOKEN_USER_DEFINED]
+USER_PIECES = [t for t, k in zip(GOLDEN["tokens"], GOLDEN["token_types"])
+               if k == TOKEN_USER_DEFINED]
 PREFIX_MODES = {True: ("ids", "decoded"), False: ("ids_no_prefix", "decoded_no_prefix")}
 
 
@@ -123,7 +124,8 @@ FRAGMENTS = st.one_of(
                     + ["  ", "<sep>", " the"]))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(parts=st.lists(FRAGMENTS, max_size=8), add_space_prefix=st.booleans())
 def test_gguf_tokenizer_matches_reference_bpe(spm, parts, add_space_prefix):
     text = "".join(parts)
@@ -142,14 +144,16 @@ def test_streamed_text_is_the_decoded_text(spm, add_space_prefix):
     for case in GOLDEN["cases"]:
         ids = case[PREFIX_MODES[add_space_prefix][0]]
         detok = IncrementalDetokenizer(tok)
-        streamed = "".join(detok.add(ids[:n], finished=n == len(ids)) for n in range(1, len(ids) + 1))
+        streamed = "".join(detok.add(ids[:n], finished=n == len(ids))
+                           for n in range(1, len(ids) + 1))
         assert streamed == tok.decode(ids), case["text"]
 
 
 def test_special_tokens_and_save(spm, tmp_path):
     tok = spm[True]
     bos, eos = GOLDEN["bos_token_id"], GOLDEN["eos_token_id"]
-    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos, tok.add_eos) == (bos, (eos,), True, False)
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos, tok.add_eos) == (
+        bos, (eos,), True, False)
     assert (tok.bos_token, tok.eos_token, tok.vocab_size) == ("<s>", "</s>", len(GOLDEN["tokens"]))
     fox = tok.encode("The fox.")
     assert tok.encode("The fox.", add_special_tokens=True) == [bos] + fox
