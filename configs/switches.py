@@ -18,8 +18,8 @@ auto: the Pallas kernels on a GPU, the jnp / XLA reference elsewhere; pallas for
 pallas_interpret runs it interpreted (debugging on the CPU), reference the jnp / XLA path.
 PALLASITE_WGMMA=off keeps codes stored [N, K] on the Triton paths instead of ops/quant_wgmma.py.
 PALLASITE_K_ORDER=natural stores codes in natural K order even where the Hopper kernel reads a
-reordered K faster. PALLASITE_LAYER_LOOP=scan compiles one decoder layer and loops over stacked
-weights; unrolled traces every layer; auto takes ops.backends.choose_layer_loop's platform default.
+reordered K faster. PALLASITE_LAYER_LOOP=scan compiles one decoder layer body for all layers
+(models/layer_scan.py), unrolled traces every layer; auto: ops.backends.DEFAULT_LAYER_LOOPS.
 PALLASITE_API_KEY is the bearer key scripts.serve requires when --api_key
 is not given (kept as it is, not lower-cased).
 """

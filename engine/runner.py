@@ -14,7 +14,7 @@ from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, 
 from engine.step_batch import StepBatch, bucket, bucket_key, pad_to, padding_batch, table_widths
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
-from models.stacked import is_stacked
+from models.layer_scan import scannable
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
 from ops.kv_quant import kv_cache_dtype
@@ -40,6 +40,7 @@ class ModelRunner:
     supports_multi_step = True  # execute_multi_step
     # warm-up compiles its programs ahead of time, without running them (`warmup`)
     compiles_ahead = True
+    layer_loop = "unrolled"  # set per runner: "scan" where kernels.layer_loop and the model allow
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
@@ -54,9 +55,13 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
-        # A scanned model (stacked layers) keeps every layer's pages in one array.
+        # The layer loop (kernels.layer_loop): a scanned step keeps every layer's pages in one
+        # array (models/layer_scan.py); layers that cannot share one body run unrolled.
+        self.layer_loop = ("scan" if self.kernels.layer_loop == "scan"
+                           and scannable(cfg, model.layers, self.kernels) is None
+                           else "unrolled")
         self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, self.kv_dtype,
-                                            stacked=is_stacked(model))
+                                            stacked=self.layer_loop == "scan")
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
         # Sampled tokens come back padded to this many rows, so that a step can read its input

@@ -12,6 +12,7 @@ import dataclasses
 
 IMPLS = ("pallas", "pallas_interpret", "reference")  # the choices of one op family
 K_ORDERS = ("natural", "wgmma")
+LAYER_LOOPS = ("scan", "unrolled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,8 @@ class KernelBackends:
     kernel, else "natural"; ops.matmul.device_k_order).
     mesh: ((axis, size), ...) of the step's (data, model) mesh when the step is sharded:
     attention and the KV write then run per shard under shard_map; () for one device.
+    layer_loop: "scan" (one compiled layer body, models/layer_scan.py) or "unrolled" (every
+    layer traced apart), ops.backends.choose_layer_loop.
     """
 
     platform: str = "cpu"
@@ -39,6 +42,7 @@ class KernelBackends:
     wgmma: bool = False
     k_order: str = "natural"
     mesh: tuple[tuple[str, int], ...] = ()
+    layer_loop: str = "unrolled"
 
     def __post_init__(self):
         for family in ("attention", "kv_write", "norm", "gemv", "quant_matmul"):
@@ -47,6 +51,9 @@ class KernelBackends:
                                  f"one of {IMPLS}")
         if self.k_order not in K_ORDERS:
             raise ValueError(f"KernelBackends: k_order={self.k_order!r} must be one of {K_ORDERS}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"KernelBackends: layer_loop={self.layer_loop!r} must be one of "
+                             f"{LAYER_LOOPS}")
 
     @property
     def mesh_shape(self) -> dict[str, int]:

@@ -302,15 +302,16 @@ def check_fusion(mesh) -> None:
 
 
 def kernels_line(kernels: KernelBackends) -> str:
-    """One line of the start-up summary: the platform and what each op family runs (the
-    KernelEntry.backend tags of ops/backends.py; "xla" for the float products)."""
+    """One line of the start-up summary: the platform, what each op family runs (the
+    KernelEntry.backend tags of ops/backends.py; "xla" for the float products) and the layer
+    loop (scan or unrolled)."""
     parts = []
     for family in TABLES:
         interpreted = getattr(kernels, family, "") == "pallas_interpret"
         tags = ["xla" if tag == "any" else "pallas_interpret" if tag == "pallas" and interpreted
                 else tag for tag in active_tags(kernels, family)]
         parts.append(f"{family} {'+'.join(tags)}")
-    return f"kernels on {kernels.platform}: {', '.join(parts)}"
+    return f"kernels on {kernels.platform}: {', '.join(parts)}; layers {kernels.layer_loop}"
 
 
 def print_kernels(kernels: KernelBackends, file=None) -> None:

@@ -30,7 +30,6 @@ from engine.sampling import SamplingArrays
 from engine.sharded_runner import ShardedModelRunner
 from models.sharding import tree_shardings
 from models.llama import LlamaForCausalLM, fuse_projections, transpose_for_gemv
-from models.prepare import stack_as_wanted
 from quant.model import QuantConfig, quantize_model
 from scripts.bench.common import dispatch_hold, queued_seconds
 
@@ -44,8 +43,7 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
     """(cfg, model): random weights of cfg's shapes made on the device (on the mesh's shards with
     a mesh), RTN-quantized on the device with `quant` ('int8', 'int4': group 128; the untied
     output head too with `quant_lm_head`), then fused (models.llama.fuse_projections) when
-    `fused`, transposed for ops/gemv.py (models.llama.transpose_for_gemv) when `gemv`, and its
-    layers stacked when the layer loop is a scan (models.prepare.stack_as_wanted)."""
+    `fused`, and transposed for ops/gemv.py (models.llama.transpose_for_gemv) when `gemv`."""
     model = random_weights(cfg, seed, dtype, mesh)
     if QUANT_METHODS[quant] is not None:
         quantize_model(cfg, model, QuantConfig(QUANT_METHODS[quant], group_size=128,
@@ -56,10 +54,6 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
         cfg, model = fuse_projections(cfg, model)
     if gemv:
         cfg, model = transpose_for_gemv(cfg, model)
-    # last, as prepare_for_device: the layers stacked where the layer loop is a scan (the
-    # platform's default, or PALLASITE_LAYER_LOOP for an A/B)
-    for note in stack_as_wanted(cfg, model, None, jax.default_backend(), mesh):
-        print(note, flush=True)
     return cfg, model
 
 

@@ -16,7 +16,6 @@ from engine.api import load_prepared
 from engine.compile_stats import compile_stats
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from models.stacked import is_stacked
 from scripts import common
 
 
@@ -70,7 +69,7 @@ def measure_startup(FLAGS, mesh=None) -> dict:
             "programs_loaded": stats.loaded, "program_seconds": stats.seconds,
             "compilation_cache_dir": FLAGS.compilation_cache_dir,
             "num_layers": loaded.cfg.num_layers,
-            "layer_loop": "scan" if is_stacked(loaded.model) else "unrolled",
+            "layer_loop": engine.runner.layer_loop,
             "engine": {k: getattr(engine.engine_cfg, k) for k in (
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps",
                 "async_scheduling")}}

@@ -52,7 +52,7 @@ def test_every_choice_resolves_to_entries():
 
 def test_selection_per_platform():
     cpu = select_kernels("cpu")
-    assert cpu == dataclasses.replace(REFERENCE, platform="cpu")
+    assert cpu == dataclasses.replace(REFERENCE, platform="cpu", layer_loop="scan")
     assert select_kernels("tpu") == dataclasses.replace(REFERENCE, platform="tpu")  # no TPU
     # kernels yet: the references
     hopper = select_kernels("gpu", hopper=True)
