@@ -319,13 +319,14 @@ class ModelRunner:
     def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
                verification: bool = False) -> None:
         """Compiles the program of a step whose sequences compute q_lens tokens each: ahead of
-        time (lowered and compiled for a padding step's arguments, not run: a large prefill
-        program would take seconds to run), or where `compiles_ahead` is off by running it on
-        padding (nothing is written)."""
+        time (lowered and compiled for a padding step's argument shapes, not run: a large
+        prefill program would take seconds to run; the weights and cache are not touched, so
+        this may run in a thread beside the engine's steps), or where `compiles_ahead` is off by
+        running it on padding (nothing is written)."""
         dummy = padding_batch(q_lens, num_pages, verification)
         num_seqs = dummy.num_seqs
         if self.compiles_ahead:
-            args = self._step_args(dummy)
+            args = abstract_arrays(self._step_args(dummy))
             if all_logits:
                 self._step.lower(*args, all_logits=True).compile()
             else:
@@ -342,8 +343,8 @@ class ModelRunner:
         dummy = padding_batch([1] * num_seqs, num_pages)
         arrays = SamplingArrays.defaults(num_seqs)
         if self.compiles_ahead:
-            self._multi_step.lower(*self._round_args("multi_step", dummy, arrays, num_steps,
-                                                     None, None)).compile()
+            self._multi_step.lower(*abstract_arrays(self._round_args(
+                "multi_step", dummy, arrays, num_steps, None, None))).compile()
             return
         np.asarray(self.execute_multi_step(dummy, arrays, num_steps)[0])
 
@@ -354,8 +355,8 @@ class ModelRunner:
         complete = np.zeros(dummy.num_seqs, np.bool_)
         arrays = SamplingArrays.defaults(dummy.num_seqs)
         if self.compiles_ahead:
-            self._mixed_round.lower(*self._round_args("mixed_round", dummy, arrays, num_steps,
-                                                      None, None, complete)).compile()
+            self._mixed_round.lower(*abstract_arrays(self._round_args(
+                "mixed_round", dummy, arrays, num_steps, None, None, complete))).compile()
             return
         np.asarray(self.execute_mixed_round(dummy, complete, arrays, num_steps)[0])
 
@@ -397,6 +398,18 @@ class ModelRunner:
         """`sample_device`, then waits: host numpy (token ids [S], chosen logprobs [S], top ids
         [S, K], top logprobs [S, K]), only the first len(arrays.temperature) rows."""
         return fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+
+
+def abstract_arrays(args: tuple) -> tuple:
+    """args with every device array replaced by its shape, dtype and sharding (host numpy and
+    static values kept): what lowering needs, without reading a buffer another thread may be
+    donating."""
+    def spec(a):
+        if isinstance(a, jax.Array):  # an uncommitted array lowers as one without a sharding
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                        sharding=a.sharding if a.committed else None)
+        return a
+    return tuple(jax.tree.map(spec, a) for a in args)
 
 
 def start_copies(results: tuple) -> tuple:

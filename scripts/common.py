@@ -18,6 +18,7 @@ from engine.api import default_dtype, load_prepared
 from engine.compile_stats import CompileStats, compile_stats, count_compiles
 from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
+from engine.warmup import split_first
 from models.prepare import check_preparation, prepare_for_device
 from ops.backends import TABLES, active_tags, describe_kernels
 from ops.kernel_choice import KernelBackends
@@ -238,6 +239,18 @@ def startup_summary(seconds: float, since: CompileStats | None = None) -> str:
     stats = compile_stats() - (since or CompileStats())
     cache = "" if flags.FLAGS.compilation_cache_dir else " (--compilation_cache_dir='': off)"
     return f"ready in {seconds:.1f}s; {stats.describe()}{cache}"
+
+
+def warmup_for_serving(engine, background: bool) -> list:
+    """Compiles, with progress, the programs a server needs before it listens: with
+    `background` (and a runner that compiles ahead of time) those of engine.warmup.split_first,
+    else every reachable one. Returns the shapes left to engine.compile_in_background."""
+    shapes = engine.warmup_shapes()
+    first, later = shapes, []
+    if background and engine.runner.compiles_ahead:
+        first, later = split_first(shapes, engine.engine_cfg.page_size)
+    engine.warmup(shapes=first, progress=print_progress("compiling"))
+    return later
 
 
 def freeze_startup_objects() -> None:

@@ -63,6 +63,7 @@ flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
+flags.DEFINE_bool("compile_in_background", True, "With --startup_only: as scripts.serve's flag.")
 flags.DEFINE_bool("startup_only", False, "Measure only the start-up, as scripts.serve starts: "
                   "process start to the first token of one request, with the weights' time "
                   "apart and the programs compiled and loaded from --compilation_cache_dir "
