@@ -43,8 +43,8 @@ flags.DEFINE_bool("special_tokens_in_content", False, "Let special-token text in
                   "plain text, so a user cannot forge a role marker.")
 flags.DEFINE_bool("warmup", True, "Compile the programs the engine can reach at start-up.")
 flags.DEFINE_bool("compile_in_background", True, "With --warmup: compile before listening only "
-                  "the programs the first requests reach (contexts up to 512 tokens, at most "
-                  "two prompts per prefill step; engine/warmup.py), the rest in the background "
+                  "the programs the first requests reach (contexts up to 256 tokens, one "
+                  "prompt per prefill step; engine/warmup.py), the rest in the background "
                   "once listening (--nocompile_in_background: all before listening).")
 FLAGS = flags.FLAGS
 

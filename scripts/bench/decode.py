@@ -47,7 +47,7 @@ from ops.backends import device_kernels
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
 from scripts.bench.common import calibrate, error_text, markdown_table, run_info, write_json
-from scripts.common import fail, kernels_line, set_xla_flags
+from scripts.common import fail, kernels_line, setup_jax
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -336,7 +336,7 @@ def decode_table(results: dict) -> str:
 
 def main(argv):
     del argv
-    set_xla_flags()  # before jax's backend starts
+    setup_jax()  # XLA flags and the compilation cache, before jax's backend starts
     variants = list(FLAGS.variants)
     if FLAGS.tp and variants == ["base"]:
         variants = ["mesh"]
