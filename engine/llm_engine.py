@@ -401,9 +401,10 @@ class LLMEngine:
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
                prompt_lens: list[int] | None = None, progress=None,
-               shapes: list | None = None) -> int:
+               shapes: list | None = None, samplers: bool = True) -> int:
         """Compiles the programs of `warmup_shapes` (or of `shapes`, some of them: a server's
-        engine.warmup.split_first) and the samplers'; returns how many were new."""
+        engine.warmup.split_first) and, with `samplers`, those of sampled rows (a greedy run
+        needs none); returns how many step programs were new."""
         if shapes is None:
             shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
@@ -411,7 +412,8 @@ class LLMEngine:
             self._compile_step(*shape)
             if progress is not None:
                 progress(i + 1, len(shapes))
-        self.runner.warmup_samplers()
+        if samplers:
+            self.runner.warmup_samplers()
         return len(self.runner.compiled_shapes) - before
 
     def _compile_step(self, q_lens, width: int, verification: bool) -> None:
