@@ -347,11 +347,15 @@ def main(argv):
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         common.check_fusion(mesh)
         if FLAGS.startup_only:
-            results = run_info() | {"mode": "startup", "model": FLAGS.model} | measure_startup(
-                FLAGS, mesh)
+            info = run_info() | {"mode": "startup", "model": FLAGS.model}
+
+            def save(figures):  # at the first token, and again after the background compiles
+                if FLAGS.json_out and is_main_process():
+                    write_json(FLAGS.json_out, info | figures)
+
+            results = info | measure_startup(FLAGS, mesh, on_ready=save)
+            save(results)
             print(startup_table(results))
-            if FLAGS.json_out and is_main_process():
-                write_json(FLAGS.json_out, results)
             return
         if jax.process_count() > 1 and not math.isinf(FLAGS.request_rate):
             raise ValueError("with several processes --request_rate must be inf: arrivals timed "

@@ -35,14 +35,15 @@ def process_age() -> float:
 _IMPORTED = time.perf_counter()
 
 
-def measure_startup(FLAGS, mesh=None) -> dict:
+def measure_startup(FLAGS, mesh=None, on_ready=None) -> dict:
     """One start as scripts.serve makes it (the model, engine and fusion flags in FLAGS), then
     one request of 8 prompt tokens and 1 output token, then the programs a server compiles in
     the background once listening (--compile_in_background). Returns main_at_s (when the
     benchmark's main began, since process start), the durations of the phases (weights loaded
     and prepared, engine built with its KV cache, compiling, first token, background), the
     programs compiled and loaded from the compilation cache by the first token, ready_s
-    (process start to first token) and ready_without_weights_s (less the weights')."""
+    (process start to first token) and ready_without_weights_s (less the weights').
+    on_ready(figures so far) is called at the first token, before the background compiles."""
     out = {"main_at_s": process_age()}
     start = time.perf_counter()
     loaded, _ = load_prepared(FLAGS.model, dtype=FLAGS.dtype, random_weights=FLAGS.random_weights,
@@ -66,10 +67,6 @@ def measure_startup(FLAGS, mesh=None) -> dict:
     out["ready_s"] = process_age()
     out["ready_without_weights_s"] = out["ready_s"] - out["weights_s"]
     stats = compile_stats()
-    start = time.perf_counter()
-    engine.compile_in_background(later, log=common.log_line).join()
-    out["background_s"] = time.perf_counter() - start
-    out["background_programs"] = (compile_stats() - stats).programs
     out |= {"programs": stats.programs, "programs_compiled": stats.compiled,
             "programs_loaded": stats.loaded, "program_seconds": stats.seconds,
             "compilation_cache_dir": FLAGS.compilation_cache_dir,
@@ -78,6 +75,12 @@ def measure_startup(FLAGS, mesh=None) -> dict:
             "engine": {k: getattr(engine.engine_cfg, k) for k in (
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps",
                 "async_scheduling")}}
+    if on_ready is not None:
+        on_ready(out)
+    start = time.perf_counter()
+    engine.compile_in_background(later, log=common.log_line).join()
+    out["background_s"] = time.perf_counter() - start
+    out["background_programs"] = (compile_stats() - stats).programs
     return out
 
 
