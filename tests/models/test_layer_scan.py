@@ -1,7 +1,7 @@
 """The scanned layer loop (models/layer_scan.py): one layer body over the per-layer weights and
-a stacked KV cache computes what the unrolled loop computes (HF transformers' goldens; the
-unrolled engine's tokens with an int8 cache), the cache's per-layer views, and where the loop is
-chosen."""
+a stacked KV cache computes what the unrolled loop computes (HF transformers' goldens, in
+tests/models/test_golden.py, which scans on the CPU; the unrolled engine's tokens with an int8
+cache), the cache's per-layer views, where the loop is chosen, and its GPU lowering."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,40 +12,32 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs.model import TINY_LLAMA31
+from configs.model import TINY_LLAMA31, get_preset
 from configs.switches import Switches
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from engine.runner import ModelRunner, full_sequence_logits
+from engine.runner import ModelRunner
 from models.kv_cache import KVCache, init_kv_cache
 from models.layer_scan import scannable
-from models.weights import random_model
+from models.llama import AttentionMetadata, forward
+from models.weights import abstract_model, random_model
 from ops.backends import DEFAULT_LAYER_LOOPS, choose_layer_loop, select_kernels
 from ops.kernel_choice import REFERENCE
 from ops.kv_quant import QuantizedPages
 from quant.loader import load_model
 from tests.conftest import GOLDEN_DIR
-from tests.models.test_golden import greedy, relative_error
+from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
 SCAN = dataclasses.replace(REFERENCE, layer_loop="scan")
-UNROLLED = REFERENCE
-# Gemma 3: sliding and full layers (the window as scanned data) with local RoPE frequencies;
-# Qwen3: q/k norms and an untied head; Qwen2: biases (scanned vectors).
-GOLDEN = ("tiny-llama", "tiny-gemma3", "tiny-qwen3", "tiny-qwen2")
-
-
-@pytest.mark.parametrize("name", GOLDEN)
-def test_scanned_tiny_models_match_transformers(name):
-    directory = os.path.join(GOLDEN_DIR, name)
-    loaded, golden = load_model(directory), dict(np.load(os.path.join(directory, "golden.npz")))
-    # full_sequence_logits' runner takes this device's choice: the scan on the CPU
-    assert ModelRunner(loaded.cfg, loaded.model, 4, 4, kernels=SCAN).cache.stacked_layers
-    logits = full_sequence_logits(loaded.cfg, loaded.model, golden["input_ids"], page_size=4)
-    assert relative_error(logits, golden["logits"]) < 1e-4  # float32, as the unrolled loop
-    if name == "tiny-gemma3":  # past the sliding window, through several steps
-        prompts = [row.tolist() for row in golden["input_ids"]]
-        assert greedy(loaded, prompts, golden["greedy_ids"].shape[1]) == \
-            golden["greedy_ids"].tolist()
+@pytest.mark.parametrize("name", ("tiny-llama", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3",
+                                  "tiny-phi3"))
+def test_the_golden_tests_run_the_scan_on_the_cpu(name):
+    """tests/models/test_golden.py checks logits and greedy tokens against HF transformers
+    through ModelRunner, which on the CPU scans every family's layers (Gemma's per-layer windows
+    and local RoPE as scanned data, Qwen2's biases as scanned vectors)."""
+    loaded = load_model(os.path.join(GOLDEN_DIR, name))
+    runner = ModelRunner(loaded.cfg, loaded.model, 4, 4)
+    assert runner.layer_loop == "scan" and runner.cache.stacked_layers == loaded.cfg.num_layers
 
 
 def test_scanned_engine_with_an_int8_cache_gives_the_unrolled_tokens(monkeypatch):
@@ -53,9 +45,9 @@ def test_scanned_engine_with_an_int8_cache_gives_the_unrolled_tokens(monkeypatch
     cfg = TINY_LLAMA31
     model = random_model(cfg, 11)
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 37, 18)]
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    engine_cfg = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 21)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine_cfg = EngineConfig(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
                               page_size=8, kv_cache_dtype="int8")
     tokens = []
     for loop in ("unrolled", "scan"):
@@ -117,3 +109,28 @@ def test_layers_that_cannot_share_a_body_run_unrolled():
     assert "layer 1 differs" in scannable(cfg, model.layers, SCAN)
     runner = ModelRunner(cfg, model, 4, 4, kernels=SCAN)
     assert runner.layer_loop == "unrolled" and not runner.cache.stacked_layers
+
+
+def test_a_scanned_step_lowers_with_the_gpu_kernels(h200_lowering):  # noqa: F811
+    """PALLASITE_LAYER_LOOP=scan on an H200 (the A/B): Llama's layers as one while loop whose
+    products switch over the layers' weights, around the Pallas RoPE + KV write and attention
+    kernels over the stacked pages."""
+    cfg = get_preset("llama3.2-1b").replace(num_layers=3)
+    kernels = select_kernels("gpu", hopper=True, switches=Switches(layer_loop="scan"))
+    graphdef, state = nnx.split(abstract_model(cfg, jax.numpy.bfloat16))
+    assert scannable(cfg, nnx.merge(graphdef, state).layers, kernels) is None
+    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jax.numpy.bfloat16, stacked=True))
+    spec = jax.ShapeDtypeStruct
+    tokens, seqs = 64, 4
+    meta = AttentionMetadata(
+        positions=spec((tokens,), np.int32), slot_mapping=spec((tokens,), np.int32),
+        block_tables=spec((seqs, 16), np.int32), query_start_loc=spec((seqs + 1,), np.int32),
+        kv_lens=spec((seqs,), np.int32), max_q_len=32, max_prefill_seqs=2)
+
+    def step(state, cache, tokens, meta):
+        return forward(nnx.merge(graphdef, state), cache, tokens, meta, cfg, kernels=kernels)
+
+    text = jax.jit(step).trace(state, cache, spec((tokens,), np.int32), meta).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and h200_lowering
+    assert "stablehlo.while" in text and "stablehlo.case" in text
