@@ -429,9 +429,9 @@ class LLMEngine:
         """Starts a daemon thread that compiles the programs of `shapes` ahead of time beside
         the engine's steps (the runner lowers them from shapes alone, never touching the weights'
         or cache's buffers) and returns it; log(line) hears when it starts and ends. A step
-        that reaches one of them before the thread does compiles it on the spot. ValueError for
-        a runner that warms up by running steps (the sharded runner)."""
-        if not self.runner.compiles_ahead:
+        that reaches one of them before the thread does compiles it on the spot. ValueError when
+        shapes are given to a runner that warms up by running steps (the sharded runner)."""
+        if shapes and not self.runner.compiles_ahead:
             raise ValueError("compile_in_background: this runner compiles by running steps, "
                              "which cannot run beside the engine's")
         log = log or (lambda line: None)
@@ -440,8 +440,9 @@ class LLMEngine:
             start = time.perf_counter()
             for shape in shapes:
                 self._compile_step(*shape)
-            log(f"compiled {len(shapes)} more programs in the background in "
-                f"{time.perf_counter() - start:.1f}s")
+            if shapes:
+                log(f"compiled {len(shapes)} more programs in the background in "
+                    f"{time.perf_counter() - start:.1f}s")
 
         if shapes:
             log(f"compiling {len(shapes)} more programs in the background (longer contexts, "
