@@ -6,7 +6,8 @@
 For each model (random weights of the preset's real shapes, made on the device; --quant
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused,
 models.llama.fuse_projections; `gemv`: fused, and the layers transposed for ops/gemv.py's
-kernel, models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp mesh), one
+kernel, models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp mesh; `scan`,
+`unrolled`: base with that layer loop, models/layer_scan.py, for a same-run A/B), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C): the runner's jitted step as the engine issues it (host padding
   + dispatch) queued --steps times with one sync, median of --runs; tokens/s = B / step. The
@@ -27,6 +28,7 @@ JSON is rewritten after every row; a failing row (out of memory, say) records it
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -62,8 +64,9 @@ flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "bf16", "int8", "fp8"],
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128).")
 flags.DEFINE_bool("quant_lm_head", False, "With --quant: the untied output head quantized too.")
-VARIANTS = ("base", "fused", "gemv", "mesh")
-flags.DEFINE_list("variants", ["base"], "base, fused, gemv, mesh (see the module docstring).")
+VARIANTS = ("base", "fused", "gemv", "mesh", "scan", "unrolled")
+flags.DEFINE_list("variants", ["base"], "base, fused, gemv, mesh, scan, unrolled (see the "
+                  "module docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("steps", 32, "Decode steps queued per timing.")
 flags.DEFINE_integer("runs", 3, "Timings per row (median).")
@@ -154,8 +157,11 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     if FLAGS.greedy_steps:
         batches.append(FLAGS.greedy_batch)
         contexts.append(FLAGS.greedy_context + FLAGS.multi_step)
+    kernels = None  # this device's choice; scan / unrolled: its layer loop forced
+    if variant in ("scan", "unrolled"):
+        kernels = dataclasses.replace(device_kernels(), layer_loop=variant)
     runner = dm.make_runner(cfg, model, max(batches), max(contexts), FLAGS.page_size,
-                            mesh if variant == "mesh" else None, FLAGS.kv_cache_dtype)
+                            mesh if variant == "mesh" else None, FLAGS.kv_cache_dtype, kernels)
     dm.fill_cache_random(runner, FLAGS.seed + 1)
     return cfg, model, runner
 
