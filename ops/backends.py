@@ -173,11 +173,11 @@ def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | 
         layer_loop=choose_layer_loop(platform, switches=switches, mesh=bool(mesh_axes)))
 
 
-# The decoder's layer loop by platform (PALLASITE_LAYER_LOOP=auto): "scan" traces and compiles one
-# layer body for every layer (models/layer_scan.py), so a step program compiles several times
-# faster; "unrolled" traces every layer. The CPU's start-up is compile-bound and its decode
-# steps run as fast scanned (docs/PERFORMANCE.md); the GPU keeps the unrolled loop until an
-# H200 A/B of decode speed (scripts.bench.decode with PALLASITE_LAYER_LOOP) says otherwise.
+# The decoder's layer loop by platform (PALLASITE_LAYER_LOOP=auto): "scan" traces one layer body
+# for every layer (models/layer_scan.py), so a step program traces, lowers and compiles faster
+# (1.5-2x on the CPU); "unrolled" traces every layer. The CPU's start-up is compile-bound and its
+# decode steps run as fast scanned (docs/PERFORMANCE.md); the GPU keeps the unrolled loop until
+# an H200 A/B of decode speed (scripts.bench.decode --variants=unrolled,scan) says otherwise.
 DEFAULT_LAYER_LOOPS = {"cpu": "scan", "gpu": "unrolled", "tpu": "unrolled"}
 
 
