@@ -21,8 +21,8 @@ PALLASITE_WGMMA=off keeps codes stored [N, K] on the Triton paths instead of ops
 PALLASITE_K_ORDER=natural stores codes in natural K order even where the Hopper kernel reads a
 reordered K faster. PALLASITE_KERNELS=tpu_interpret runs the TPU kernels (Pallas Mosaic TPU) in
 TPU interpret mode on any backend, with the TPU's choice of every other op family (verification
-on the CPU). PALLASITE_LAYER_LOOP=scan compiles one decoder layer and loops over stacked
-weights; unrolled traces every layer; auto takes ops.backends.choose_layer_loop's platform default.
+on the CPU). PALLASITE_LAYER_LOOP=scan compiles one decoder layer body for all layers
+(models/layer_scan.py), unrolled traces every layer; auto: ops.backends.DEFAULT_LAYER_LOOPS.
 PALLASITE_API_KEY is the bearer key scripts.serve requires when --api_key
 is not given (kept as it is, not lower-cased).
 """

@@ -43,7 +43,7 @@ def load_prepared(model: str, *, dtype=None, random_weights: bool = False, seed:
                   quantization: QuantConfig | None = None, calib_text: str | None = None,
                   calib_tokens: int = 16384, calib_seq_len: int = 512, mesh=None,
                   fuse_projections: bool | None = None, gemv_layers: bool | None = None,
-                  layer_loop: str | None = None, label: str = "model",
+                  label: str = "model",
                   log: Callable[[str], None] | None = None) -> tuple[LoadedModel, dict | None]:
     """(the loaded model prepared for the device, the quantization settings or None).
 
@@ -51,9 +51,7 @@ def load_prepared(model: str, *, dtype=None, random_weights: bool = False, seed:
     dtype None: default_dtype of the platform. quantization: quantize the float weights after
     loading (GPTQ and AWQ calibrate on calib_text, None: the built-in text). mesh: a (data,
     model) mesh (engine.mesh.make_mesh) or None for one device. fuse_projections / gemv_layers:
-    force the preparation on or off (None: by device; models/prepare.py); layer_loop: "scan"
-    (stacked layers, one compiled layer body) or "unrolled" (None: by device,
-    ops.backends.choose_layer_loop). log: receives one line
+    force the preparation on or off (None: by device; models/prepare.py). log: receives one line
     per preparation made or skipped (default: this module's logger at INFO).
     """
     platform = jax.default_backend()
@@ -66,7 +64,7 @@ def load_prepared(model: str, *, dtype=None, random_weights: bool = False, seed:
     prepared = prepare_for_device(loaded.cfg, loaded.model, platform=platform,
                                   hopper=on_hopper(), mesh=mesh,
                                   fuse_projections=fuse_projections, gemv_layers=gemv_layers,
-                                  layer_loop=layer_loop, label=label)
+                                  label=label)
     for note in prepared.notes:
         (log or _log.info)(note)
     return dataclasses.replace(loaded, cfg=prepared.cfg, model=prepared.model), settings
@@ -76,7 +74,7 @@ def load_engine(model: str, *, dtype=None, random_weights: bool = False, seed: i
                 quantization: QuantConfig | None = None, calib_text: str | None = None,
                 engine_config: EngineConfigArg = None, speculative: SpecConfig | None = None,
                 draft_model: str | None = None, mesh=None, fuse_projections: bool | None = None,
-                gemv_layers: bool | None = None, layer_loop: str | None = None,
+                gemv_layers: bool | None = None,
                 log: Callable[[str], None] | None = None) -> LLMEngine:
     """An LLMEngine over `model`, loaded, quantized and prepared as scripts.serve does.
 
@@ -93,15 +91,13 @@ def load_engine(model: str, *, dtype=None, random_weights: bool = False, seed: i
     dtype = default_dtype(platform) if dtype is None else jnp.dtype(dtype)
     loaded, _ = load_prepared(model, dtype=dtype, random_weights=random_weights, seed=seed,
                               quantization=quantization, calib_text=calib_text, mesh=mesh,
-                              fuse_projections=fuse_projections, gemv_layers=gemv_layers,
-                              layer_loop=layer_loop, log=log)
+                              fuse_projections=fuse_projections, gemv_layers=gemv_layers, log=log)
     if callable(engine_config):
         engine_config = engine_config(loaded.cfg)
     draft = None
     if speculative is not None and speculative.method == "draft":
         drafted, _ = load_prepared(draft_model, dtype=dtype, fuse_projections=fuse_projections,
-                                   gemv_layers=gemv_layers, layer_loop=layer_loop,
-                                   label="draft model", log=log)
+                                   gemv_layers=gemv_layers, label="draft model", log=log)
         draft = (drafted.cfg, drafted.model)
     return LLMEngine(loaded.cfg, loaded.model, loaded.tokenizer, engine_config, speculative,
                      draft, mesh=mesh)

@@ -16,6 +16,7 @@ internals. A None field of EngineConfig takes the device's default (engine/engin
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Iterator, Sequence
 
@@ -404,18 +405,53 @@ class LLMEngine:
                                self.spec_config, num_seqs, max_total_len, prompt_lens)
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
-               prompt_lens: list[int] | None = None, progress=None) -> int:
-        """Compiles the programs of `warmup_shapes`; returns how many were new."""
-        shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
+               prompt_lens: list[int] | None = None, progress=None,
+               shapes: list | None = None, samplers: bool = True) -> int:
+        """Compiles the programs of `warmup_shapes` (or of `shapes`, some of them: a server's
+        engine.warmup.split_first) and, with `samplers`, those of sampled rows (a greedy run
+        needs none); returns how many step programs were new."""
+        if shapes is None:
+            shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
-        rounds = self.rounds
-        for i, (q_lens, width, verification) in enumerate(shapes):
-            self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
-            if rounds is not None and max(q_lens) == 1 and not verification:
-                self.runner.warmup_multi_step(len(q_lens), width, rounds.num_steps)
-            if rounds is not None and max(q_lens) > 1 and rounds.mixed_rounds:
-                self.runner.warmup_mixed_round(q_lens, width, rounds.num_steps)
+        for i, shape in enumerate(shapes):
+            self._compile_step(*shape)
             if progress is not None:
                 progress(i + 1, len(shapes))
-        self.runner.warmup_samplers()
+        if samplers:
+            self.runner.warmup_samplers()
         return len(self.runner.compiled_shapes) - before
+
+    def _compile_step(self, q_lens, width: int, verification: bool) -> None:
+        """The programs of one reachable step (and its multi-step or mixed round)."""
+        rounds = self.rounds
+        self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
+        if rounds is not None and max(q_lens) == 1 and not verification:
+            self.runner.warmup_multi_step(len(q_lens), width, rounds.num_steps)
+        if rounds is not None and max(q_lens) > 1 and rounds.mixed_rounds:
+            self.runner.warmup_mixed_round(q_lens, width, rounds.num_steps)
+
+    def compile_in_background(self, shapes: list, log=None) -> threading.Thread:
+        """Starts a daemon thread that compiles the programs of `shapes` ahead of time beside
+        the engine's steps (the runner lowers them from shapes alone, never touching the weights'
+        or cache's buffers) and returns it; log(line) hears when it starts and ends. A step
+        that reaches one of them before the thread does compiles it on the spot. ValueError when
+        shapes are given to a runner that warms up by running steps (the sharded runner)."""
+        if shapes and not self.runner.compiles_ahead:
+            raise ValueError("compile_in_background: this runner compiles by running steps, "
+                             "which cannot run beside the engine's")
+        log = log or (lambda line: None)
+
+        def run():
+            start = time.perf_counter()
+            for shape in shapes:
+                self._compile_step(*shape)
+            if shapes:
+                log(f"compiled {len(shapes)} more programs in the background in "
+                    f"{time.perf_counter() - start:.1f}s")
+
+        if shapes:
+            log(f"compiling {len(shapes)} more programs in the background (longer contexts, "
+                "several prompts per step)")
+        thread = threading.Thread(target=run, name="compile-in-background", daemon=True)
+        thread.start()
+        return thread

@@ -14,7 +14,7 @@ from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, 
 from engine.step_batch import StepBatch, bucket, bucket_key, pad_to, padding_batch, table_widths
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
-from models.stacked import is_stacked
+from models.layer_scan import scannable
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
 from ops.kv_quant import kv_cache_dtype
@@ -40,6 +40,7 @@ class ModelRunner:
     supports_multi_step = True  # execute_multi_step
     # warm-up compiles its programs ahead of time, without running them (`warmup`)
     compiles_ahead = True
+    layer_loop = "unrolled"  # set per runner: "scan" where kernels.layer_loop and the model allow
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
@@ -54,9 +55,13 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
-        # A scanned model (stacked layers) keeps every layer's pages in one array.
+        # The layer loop (kernels.layer_loop): a scanned step keeps every layer's pages in one
+        # array (models/layer_scan.py); layers that cannot share one body run unrolled.
+        self.layer_loop = ("scan" if self.kernels.layer_loop == "scan"
+                           and scannable(cfg, model.layers, self.kernels) is None
+                           else "unrolled")
         self.cache: KVCache = init_kv_cache(cfg, num_pages, page_size, self.kv_dtype,
-                                            stacked=is_stacked(model))
+                                            stacked=self.layer_loop == "scan")
         self.page_size = page_size
         self.compiled_shapes: set[tuple] = set()
         # Sampled tokens come back padded to this many rows, so that a step can read its input
@@ -314,13 +319,14 @@ class ModelRunner:
     def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
                verification: bool = False) -> None:
         """Compiles the program of a step whose sequences compute q_lens tokens each: ahead of
-        time (lowered and compiled for a padding step's arguments, not run: a large prefill
-        program would take seconds to run), or where `compiles_ahead` is off by running it on
-        padding (nothing is written)."""
+        time (lowered and compiled for a padding step's argument shapes, not run: a large
+        prefill program would take seconds to run; the weights and cache are not touched, so
+        this may run in a thread beside the engine's steps), or where `compiles_ahead` is off by
+        running it on padding (nothing is written)."""
         dummy = padding_batch(q_lens, num_pages, verification)
         num_seqs = dummy.num_seqs
         if self.compiles_ahead:
-            args = self._step_args(dummy)
+            args = abstract_arrays(self._step_args(dummy))
             if all_logits:
                 self._step.lower(*args, all_logits=True).compile()
             else:
@@ -337,8 +343,8 @@ class ModelRunner:
         dummy = padding_batch([1] * num_seqs, num_pages)
         arrays = SamplingArrays.defaults(num_seqs)
         if self.compiles_ahead:
-            self._multi_step.lower(*self._round_args("multi_step", dummy, arrays, num_steps,
-                                                     None, None)).compile()
+            self._multi_step.lower(*abstract_arrays(self._round_args(
+                "multi_step", dummy, arrays, num_steps, None, None))).compile()
             return
         np.asarray(self.execute_multi_step(dummy, arrays, num_steps)[0])
 
@@ -349,8 +355,8 @@ class ModelRunner:
         complete = np.zeros(dummy.num_seqs, np.bool_)
         arrays = SamplingArrays.defaults(dummy.num_seqs)
         if self.compiles_ahead:
-            self._mixed_round.lower(*self._round_args("mixed_round", dummy, arrays, num_steps,
-                                                      None, None, complete)).compile()
+            self._mixed_round.lower(*abstract_arrays(self._round_args(
+                "mixed_round", dummy, arrays, num_steps, None, None, complete))).compile()
             return
         np.asarray(self.execute_mixed_round(dummy, complete, arrays, num_steps)[0])
 
@@ -392,6 +398,18 @@ class ModelRunner:
         """`sample_device`, then waits: host numpy (token ids [S], chosen logprobs [S], top ids
         [S, K], top logprobs [S, K]), only the first len(arrays.temperature) rows."""
         return fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+
+
+def abstract_arrays(args: tuple) -> tuple:
+    """args with every device array replaced by its shape, dtype and sharding (host numpy and
+    static values kept): what lowering needs, without reading a buffer another thread may be
+    donating."""
+    def spec(a):
+        if isinstance(a, jax.Array):  # an uncommitted array lowers as one without a sharding
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                        sharding=a.sharding if a.committed else None)
+        return a
+    return tuple(jax.tree.map(spec, a) for a in args)
 
 
 def start_copies(results: tuple) -> tuple:

@@ -1,7 +1,16 @@
-"""Which step programs a run can reach: the shapes `LLMEngine.warmup` compiles at start-up."""
+"""Which step programs a run can reach: the shapes `LLMEngine.warmup` compiles at start-up, and
+which of them a server needs before it listens (`split_first`); the others it compiles in the
+background once it listens (`LLMEngine.compile_in_background`).
+"""
 from __future__ import annotations
 
 from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
+
+# Before listening a server compiles the decode steps of contexts up to this many tokens (or its
+# least table width) and the prefill steps of one prompt: what the first requests reach. Longer
+# contexts and steps that prefill several prompts at once come later, nearest first.
+FIRST_CONTEXT_TOKENS = 256
+FIRST_PREFILL_SEQS = 1
 
 
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,
@@ -41,3 +50,30 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
                 q_lens[0] = n - 2 * (p - 1)
                 shapes.append((q_lens, 1, False))
     return shapes
+
+
+def split_first(shapes: list[tuple[list[int], int, bool]], page_size: int,
+                first_context: int = FIRST_CONTEXT_TOKENS,
+                first_prefill_seqs: int = FIRST_PREFILL_SEQS) -> tuple[list, list]:
+    """(first, later) of `reachable_steps`' shapes: first (in their order) the decode and
+    verification steps whose block tables are at most the widest of the least width and
+    first_context tokens' pages, and the prefill steps of at most first_prefill_seqs prompts;
+    later the rest (longer contexts, steps that prefill several prompts at once), those
+    nearest the first ones first (by how many times wider, or how many more prompts)."""
+    least = min((w for q_lens, w, verification in shapes if max(q_lens) == 1 or verification),
+                default=1)
+    widest_first = max(least, bucket(-(-first_context // page_size), MIN_PAGE_BUCKET))
+    first, later = [], []
+    for shape in shapes:
+        q_lens, width, verification = shape
+        prefill = max(q_lens) > 1 and not verification
+        needed = len(q_lens) <= first_prefill_seqs if prefill else width <= widest_first
+        (first if needed else later).append(shape)
+
+    def distance(shape):  # how far past the first ones: x wider, or x more prompts
+        q_lens, width, verification = shape
+        if max(q_lens) > 1 and not verification:
+            return len(q_lens) / first_prefill_seqs
+        return width / widest_first
+
+    return first, sorted(later, key=distance)

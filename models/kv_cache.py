@@ -25,7 +25,7 @@ class KVCache:
 
     stacked_layers (static): 0 for one array per layer; L > 0 when one array holds the pages of
     all L layers, [num_kv_heads, L * num_pages, page_size, head_dim], layer i's at
-    [i * num_pages, (i + 1) * num_pages) (the cache of a scanned model, models/stacked.py).
+    [i * num_pages, (i + 1) * num_pages) (the cache of a scanned step, models/layer_scan.py).
     """
 
     k_pages: tuple[jax.Array, ...]
@@ -125,7 +125,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.fl
                   sharding=None, stacked: bool = False) -> KVCache:
     """Allocates a cache of `num_pages` pages of `page_size` tokens for every layer (zeros);
     int8 / float8_e4m3fn pages come with their float32 scales. stacked: one page array for all
-    layers (KVCache.stacked_layers; the cache of a scanned model, models/stacked.py)."""
+    layers (KVCache.stacked_layers; the cache of a scanned step, models/layer_scan.py)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
     if stacked:

@@ -18,9 +18,9 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache
+from models.layer_scan import LayerChoice, scan_layers
 from models.longrope import longrope_and_write_kv
 from models.moe import SparseMoE
-from models.stacked import StackedLayers, scan_layers
 from ops import gemv as gemv_ops
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
@@ -114,7 +114,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, kernels: KernelBackends | None = None) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
-        return linear(x, self.kernel.get_value(), bias, kernels)
+        kernel = self.kernel.get_value()
+        if isinstance(kernel, LayerChoice):  # in a scanned layer body (models/layer_scan.py)
+            return kernel.apply(lambda w: linear(x, w, bias, kernels))
+        return linear(x, kernel, bias, kernels)
 
 
 def _linear(cfg: ModelConfig, din: int, dout: int, rngs: nnx.Rngs, dtype, bias=False):
@@ -339,10 +342,12 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
     tokens: int32 [N]. With `logits_indices` (int32 [S]) only the hidden states at those token
     indices go through the output head: logits [S, V]; otherwise logits [N, V]. Logits are
     float32. kernels (static, hashable): the implementation of every op family, chosen once
-    by the runner (ops.backends.select_kernels); None runs the jnp / XLA references.
+    by the runner (ops.backends.select_kernels); None runs the jnp / XLA references. A stacked
+    cache (KVCache.stacked_layers: the runner's choice, kernels.layer_loop "scan") runs the
+    layers as one scanned body (models/layer_scan.py), a per-layer cache unrolled.
     """
     x = embed(model, tokens, cfg)  # [N, hidden]
-    if isinstance(model.layers, StackedLayers):  # one traced layer body (models/stacked.py)
+    if cache.stacked_layers:  # one traced layer body (models/layer_scan.py)
         x, cache = scan_layers(model.layers, x, cache, meta, cfg, kernels,
                                functools.partial(layer_attention, cfg))
     else:

@@ -9,10 +9,6 @@ Two preparations change how a step runs, not what it computes:
     RMSNorm, SiLU x up and residual add inside (ops/gemv.py), and quantized products of more
     rows the Hopper kernel. Auto: an INT8 / INT4 model on one Hopper GPU.
 
-A third changes how a step is compiled: the decoder layers stacked (models.stacked), so that
-`forward` scans one traced layer body instead of unrolling every layer. It comes last, after
-every per-layer change. Auto: ops.backends.choose_layer_loop (the CPU; PALLASITE_LAYER_LOOP).
-
 `prepare_for_device` is what scripts.generate, scripts.serve and engine.api.load_engine run, so a
 Python user gets the model the command line gets. Its arguments are explicit: the platform, whether
 the device is a Hopper GPU, the mesh, and the two choices (None: auto). Nothing is printed; the
@@ -23,11 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from configs.model import ModelConfig
-from configs.switches import Switches
 from models.llama import (LlamaForCausalLM, fuse_projections as fuse_model_projections,
                           has_quantized_layers, transpose_for_gemv)
-from models.stacked import stack_layers, stackable
-from ops.backends import choose_layer_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,52 +107,18 @@ def transpose_as_wanted(cfg: ModelConfig, model: LlamaForCausalLM, requested: bo
     return cfg, model, [f"{label}: layers transposed for the batch-1 gemv kernel{auto}"]
 
 
-def check_layer_loop(layer_loop: str | None, mesh) -> None:
-    """ValueError unless layer_loop is None, "scan" or "unrolled", and "scan" on one device."""
-    if layer_loop not in (None, "scan", "unrolled"):
-        raise ValueError(f"layer_loop={layer_loop!r} must be None, 'scan' or 'unrolled'")
-    if layer_loop == "scan" and mesh is not None:
-        raise ValueError("layer_loop='scan' needs one device: on a --tp/--dp mesh each layer's "
-                         "pages split over the data axis")
-
-
-def stack_as_wanted(cfg: ModelConfig, model: LlamaForCausalLM, layer_loop: str | None,
-                    platform: str, mesh=None, label: str = "model") -> list[str]:
-    """Stacks model.layers in place (models.stacked.stack_layers) when the layer loop is
-    "scan": `layer_loop`, or when None ops.backends.choose_layer_loop for this platform, mesh
-    and the environment's switches. Returns the notes; layers that differ in structure stay
-    unrolled, with a note."""
-    check_layer_loop(layer_loop, mesh)
-    if layer_loop is None:
-        windows = {cfg.layer_window(i) for i in range(cfg.num_layers)}
-        layer_loop = choose_layer_loop(platform, switches=Switches.from_env(),
-                                       mesh=mesh is not None, varying_windows=len(windows) > 1)
-    if layer_loop != "scan":
-        return []
-    why = stackable(model.layers)
-    if why is not None:
-        return [f"note: {label} layers left unrolled ({why})"]
-    model.layers = stack_layers(model.layers)
-    return [f"{label}: {cfg.num_layers} layers stacked, one compiled layer body (scan)"]
-
-
 def prepare_for_device(cfg: ModelConfig, model: LlamaForCausalLM, *, platform: str,
                        hopper: bool, mesh=None, fuse_projections: bool | None = None,
-                       gemv_layers: bool | None = None, layer_loop: str | None = None,
-                       label: str = "model") -> Prepared:
-    """The model laid out for its device: fused, then transposed, then stacked, as wanted.
+                       gemv_layers: bool | None = None, label: str = "model") -> Prepared:
+    """The model laid out for its device: fused, then transposed, as wanted.
 
     platform: jax.default_backend() of the device ("cpu", "gpu", "tpu"); hopper: it is a Hopper
     GPU (ops.quant_wgmma.on_hopper); mesh: the (data, model) mesh the model is sharded over, or
     None for one device. fuse_projections / gemv_layers: True or False force the choice, None
-    picks by device (see the module docstring); layer_loop: "scan" or "unrolled" force the
-    layer loop, None picks it (ops.backends.choose_layer_loop). Call after loading and
-    quantizing; the model is changed in place. ValueError when a forced choice cannot apply
-    (checked before any change).
+    picks by device (see the module docstring). Call after loading and quantizing; the model is
+    changed in place. ValueError when a forced choice cannot apply (checked before any change).
     """
     check_preparation(platform, mesh, fuse_projections, gemv_layers)
-    check_layer_loop(layer_loop, mesh)
     cfg, model, fused = fuse_as_wanted(cfg, model, fuse_projections, platform, mesh, label)
     cfg, model, transposed = transpose_as_wanted(cfg, model, gemv_layers, hopper, mesh, label)
-    stacked = stack_as_wanted(cfg, model, layer_loop, platform, mesh, label)
-    return Prepared(cfg, model, tuple(fused + transposed + stacked))
+    return Prepared(cfg, model, tuple(fused + transposed))

@@ -186,7 +186,8 @@ def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | 
         platform=platform, attention=attention, kv_write=fused, norm=fused,
         gemv=pick(switches.gemv), quant_matmul=pick(switches.matmul), wgmma=wgmma,
         k_order="wgmma" if wgmma and switches.k_order == "device" else "natural",
-        mesh=tuple((str(a), int(n)) for a, n in mesh_axes))
+        mesh=tuple((str(a), int(n)) for a, n in mesh_axes),
+        layer_loop=choose_layer_loop(platform, switches=switches, mesh=bool(mesh_axes)))
 
 
 def _select_tpu_kernels(switches: Switches, device_kind: str,
@@ -208,34 +209,32 @@ def _select_tpu_kernels(switches: Switches, device_kind: str,
         norm="reference", gemv="reference",
         quant_matmul="reference" if mesh_axes else pick(switches.matmul),
         mesh=tuple((str(a), int(n)) for a, n in mesh_axes),
-        tpu_generation=generation_of_device_kind(device_kind))
+        tpu_generation=generation_of_device_kind(device_kind),
+        layer_loop=choose_layer_loop("tpu", switches=switches, mesh=bool(mesh_axes)))
 
 
-# The decoder's layer loop by platform (PALLASITE_LAYER_LOOP=auto): "scan" traces and compiles one
-# layer body and loops it over stacked weights (models/stacked.py), so a program compiles about
-# num_layers times faster; "unrolled" traces every layer. The CPU's start-up is compile-bound
-# and its decode runs as fast scanned (docs/PERFORMANCE.md); the GPU keeps the unrolled loop
-# until an H200 A/B of decode speed says scan costs nothing there.
-LAYER_LOOPS = {"cpu": "scan", "gpu": "unrolled", "tpu": "unrolled"}
+# The decoder's layer loop by platform (PALLASITE_LAYER_LOOP=auto): "scan" traces one layer body
+# for every layer (models/layer_scan.py), so a step program traces, lowers and compiles faster
+# (1.5-2x on the CPU); "unrolled" traces every layer. The CPU's start-up is compile-bound and its
+# decode steps run as fast scanned (docs/PERFORMANCE.md); the GPU keeps the unrolled loop until
+# an H200 A/B of decode speed (scripts.bench.decode --variants=unrolled,scan) says otherwise.
+DEFAULT_LAYER_LOOPS = {"cpu": "scan", "gpu": "unrolled", "tpu": "unrolled"}
 
 
-def choose_layer_loop(platform: str, *, switches: Switches | None = None, mesh: bool = False,
-                      varying_windows: bool = False) -> str:
+def choose_layer_loop(platform: str, *, switches: Switches | None = None,
+                      mesh: bool = False) -> str:
     """"scan" or "unrolled": how models.llama.forward runs the decoder layers on `platform`.
 
-    switches.layer_loop forces it; auto takes LAYER_LOOPS. Always "unrolled" on a mesh (the
-    cache's pages split over the data axis per layer) and for a model whose layers differ in
-    sliding window (Gemma 2/3: varying_windows) when its attention runs the Pallas kernel,
-    whose window is static; the jnp reference takes the window as data.
+    switches.layer_loop forces it; auto takes DEFAULT_LAYER_LOOPS. Always "unrolled" on a mesh
+    (each layer's pages split over the data axis). The runner still unrolls layers that cannot
+    share one body (models.layer_scan.scannable).
     """
     if platform not in PLATFORMS:
         raise ValueError(f"choose_layer_loop: platform {platform!r} must be one of {PLATFORMS}")
     switches = Switches() if switches is None else switches
-    loop = LAYER_LOOPS[platform] if switches.layer_loop == "auto" else switches.layer_loop
-    attention = select_kernels(platform, switches=switches).attention
-    if mesh or (varying_windows and attention != "reference"):
+    if mesh:
         return "unrolled"
-    return loop
+    return DEFAULT_LAYER_LOOPS[platform] if switches.layer_loop == "auto" else switches.layer_loop
 
 
 def device_kernels(switches: Switches | None = None,

@@ -12,6 +12,7 @@ import dataclasses
 
 IMPLS = ("pallas", "pallas_interpret", "reference")  # the choices of one op family
 K_ORDERS = ("natural", "wgmma")
+LAYER_LOOPS = ("scan", "unrolled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,8 @@ class KernelBackends:
     platform "tpu" makes "pallas" / "pallas_interpret" the TPU kernels (Pallas Mosaic TPU) of
     attention and quant_matmul; tpu_generation picks their block sizes
     (ops/tpu_attention_tiles.py; ops.tpu_chips names the generations).
+    layer_loop: "scan" (one compiled layer body, models/layer_scan.py) or "unrolled" (every
+    layer traced apart), ops.backends.choose_layer_loop.
     """
 
     platform: str = "cpu"
@@ -43,6 +46,7 @@ class KernelBackends:
     k_order: str = "natural"
     mesh: tuple[tuple[str, int], ...] = ()
     tpu_generation: str = "default"
+    layer_loop: str = "unrolled"
 
     @property
     def tpu(self) -> bool:
@@ -56,6 +60,9 @@ class KernelBackends:
                                  f"one of {IMPLS}")
         if self.k_order not in K_ORDERS:
             raise ValueError(f"KernelBackends: k_order={self.k_order!r} must be one of {K_ORDERS}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"KernelBackends: layer_loop={self.layer_loop!r} must be one of "
+                             f"{LAYER_LOOPS}")
 
     @property
     def mesh_shape(self) -> dict[str, int]:

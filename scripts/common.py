@@ -18,6 +18,7 @@ from engine.api import default_dtype, load_prepared
 from engine.compile_stats import CompileStats, compile_stats, count_compiles
 from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
+from engine.warmup import split_first
 from models.prepare import check_preparation, prepare_for_device
 from ops.attention_tiles import kernel_takes_head_dim
 from ops.backends import TABLES, active_tags, describe_kernels
@@ -241,6 +242,18 @@ def startup_summary(seconds: float, since: CompileStats | None = None) -> str:
     return f"ready in {seconds:.1f}s; {stats.describe()}{cache}"
 
 
+def warmup_for_serving(engine, background: bool) -> list:
+    """Compiles, with progress, the programs a server needs before it listens: with
+    `background` (and a runner that compiles ahead of time) those of engine.warmup.split_first,
+    else every reachable one. Returns the shapes left to engine.compile_in_background."""
+    shapes = engine.warmup_shapes()
+    first, later = shapes, []
+    if background and engine.runner.compiles_ahead:
+        first, later = split_first(shapes, engine.engine_cfg.page_size)
+    engine.warmup(shapes=first, progress=print_progress("compiling"))
+    return later
+
+
 def freeze_startup_objects() -> None:
     """Takes every object alive after start-up (the model's modules, the engine, jax's compiled
     programs) out of the cyclic garbage collector's scans (`gc.freeze`, as vLLM does after
@@ -303,9 +316,10 @@ def check_fusion(mesh) -> None:
 
 
 def kernels_line(kernels: KernelBackends, head_dim: int | None = None) -> str:
-    """One line of the start-up summary: the platform and what each op family runs (the
-    KernelEntry.backend tags of ops/backends.py; "xla" for the float products). With the
-    model's head_dim, attention and the KV write say so when their kernel cannot take it."""
+    """One line of the start-up summary: the platform, what each op family runs (the
+    KernelEntry.backend tags of ops/backends.py; "xla" for the float products) and the layer
+    loop (scan or unrolled). With the model's head_dim, attention and the KV write say so when
+    their kernel cannot take it."""
     parts = []
     for family in TABLES:
         interpreted = getattr(kernels, family, "") == "pallas_interpret"
@@ -318,7 +332,7 @@ def kernels_line(kernels: KernelBackends, head_dim: int | None = None) -> str:
             part = (f"{family} reference (head_dim {head_dim}: the kernel takes a power of two "
                     ">= 16)")
         parts.append(part)
-    return f"kernels on {kernels.platform}: {', '.join(parts)}"
+    return f"kernels on {kernels.platform}: {', '.join(parts)}; layers {kernels.layer_loop}"
 
 
 def print_kernels(kernels: KernelBackends, head_dim: int | None = None, file=None) -> None:

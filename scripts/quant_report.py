@@ -26,6 +26,7 @@ from engine.runner import ModelRunner
 from engine.step_batch import make_step_batch
 from quant.loader import load_model
 from quant.model import model_nbytes
+from scripts.common import setup_jax
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "How many legs does a spider have?")
@@ -104,6 +105,7 @@ def evaluate_row(label, ckpt, dtype, kv_dtype, eval_ids_text: str) -> dict | Non
 
 def main(argv):
     del argv
+    setup_jax()
     text = default_text()
     rows = [r for r in ROWS if not FLAGS.only or r[0] in FLAGS.only]
     results = [row for row in (evaluate_row(*r, text) for r in rows) if row is not None]

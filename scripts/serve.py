@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server: `python -m scripts.serve --model=smollm2-135m --port=8000`.
 
-Loads the model, sizes the KV cache (the summary is printed), compiles the engine's programs,
-then listens: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream=true gives
+Loads the model, sizes the KV cache (the summary is printed), compiles the programs the first
+requests reach (the others in the background once listening), then listens: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream=true gives
 server-sent events), GET /health, GET /metrics (Prometheus). SIGTERM or Ctrl-C stops admitting
 new requests (503), lets running ones finish for up to --shutdown_timeout seconds, and exits
 within --shutdown_timeout + 1 s.
@@ -41,7 +41,11 @@ flags.DEFINE_float("body_timeout", 20.0, "Seconds to receive a request's body; t
 flags.DEFINE_bool("special_tokens_in_content", False, "Let special-token text in chat messages' "
                   "content (e.g. '<|im_end|>') become the special token; off: it is encoded as "
                   "plain text, so a user cannot forge a role marker.")
-flags.DEFINE_bool("warmup", True, "Compile every program the engine can reach before listening.")
+flags.DEFINE_bool("warmup", True, "Compile the programs the engine can reach at start-up.")
+flags.DEFINE_bool("compile_in_background", True, "With --warmup: compile before listening only "
+                  "the programs the first requests reach (contexts up to 256 tokens, one "
+                  "prompt per prefill step; engine/warmup.py), the rest in the background "
+                  "once listening (--nocompile_in_background: all before listening).")
 FLAGS = flags.FLAGS
 
 
@@ -74,8 +78,8 @@ def main(argv):
             print(f"{parallel.describe(mesh)}; {engine.runner.plan.describe()}", file=sys.stderr)
         print(engine.kv_summary, file=sys.stderr, flush=True)
         common.print_kernels(engine.runner.kernels, engine.cfg.head_dim)
-        if FLAGS.warmup:
-            engine.warmup(progress=common.print_progress("compiling"))
+        later = (common.warmup_for_serving(engine, FLAGS.compile_in_background)
+                 if FLAGS.warmup else [])
         common.freeze_startup_objects()
         print(common.startup_summary(time.perf_counter() - start), file=sys.stderr, flush=True)
         server = Server(engine, FLAGS.served_model_name or FLAGS.model,
@@ -90,6 +94,7 @@ def main(argv):
     def listening(host, port):
         print(f"serving {server.model_name!r} on http://{host}:{port} (OpenAI API under /v1)",
               flush=True)
+        engine.compile_in_background(later, log=common.log_line)
 
     try:
         run_until_signal(server, FLAGS.host, FLAGS.port, listening)

@@ -6,7 +6,8 @@
 For each model (random weights of the preset's real shapes, made on the device; --quant
 RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused,
 models.llama.fuse_projections; `gemv`: fused, and the layers transposed for ops/gemv.py's
-kernel, models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp / --ep mesh), one
+kernel, models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp / --ep mesh;
+`scan`, `unrolled`: base with that layer loop, models/layer_scan.py, for a same-run A/B), one
 ModelRunner holds a paged KV cache of random values for the largest batch and context. Rows:
 - decode (batch B, context C): the runner's jitted step as the engine issues it (host padding
   + dispatch) queued --steps times with one sync, median of --runs; tokens/s = B / step. The
@@ -30,6 +31,7 @@ JSON is rewritten after every row; a failing row (out of memory, say) records it
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -53,7 +55,7 @@ from scripts.bench import decode_model as dm
 from scripts.bench import profile
 from scripts.bench.common import (calibrate, error_text, markdown_table, published_floor,
                                   run_info, write_json)
-from scripts.common import fail, kernels_line, set_xla_flags
+from scripts.common import fail, kernels_line, setup_jax
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -68,8 +70,9 @@ flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "bf16", "int8", "fp8"],
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
                   "RTN weight quantization (int4: group 128).")
 flags.DEFINE_bool("quant_lm_head", False, "With --quant: the untied output head quantized too.")
-VARIANTS = ("base", "fused", "gemv", "mesh")
-flags.DEFINE_list("variants", ["base"], "base, fused, gemv, mesh (see the module docstring).")
+VARIANTS = ("base", "fused", "gemv", "mesh", "scan", "unrolled")
+flags.DEFINE_list("variants", ["base"], "base, fused, gemv, mesh, scan, unrolled (see the "
+                  "module docstring).")
 flags.DEFINE_integer("tp", None, "Tensor-parallel devices of the `mesh` variant (implies it).")
 flags.DEFINE_integer("ep", None, "Expert-parallel devices of the `mesh` variant (implies it): "
                      "a mixture of experts' experts split over them.")
@@ -169,8 +172,11 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     if FLAGS.greedy_steps:
         batches.append(FLAGS.greedy_batch)
         contexts.append(FLAGS.greedy_context + FLAGS.multi_step)
+    kernels = None  # this device's choice; scan / unrolled: its layer loop forced
+    if variant in ("scan", "unrolled"):
+        kernels = dataclasses.replace(device_kernels(), layer_loop=variant)
     runner = dm.make_runner(cfg, model, max(batches), max(contexts), FLAGS.page_size,
-                            mesh if variant == "mesh" else None, FLAGS.kv_cache_dtype)
+                            mesh if variant == "mesh" else None, FLAGS.kv_cache_dtype, kernels)
     dm.fill_cache_random(runner, FLAGS.seed + 1)
     return cfg, model, runner
 
@@ -352,7 +358,7 @@ def decode_table(results: dict) -> str:
 
 def main(argv):
     del argv
-    set_xla_flags()  # before jax's backend starts
+    setup_jax()  # XLA flags and the compilation cache, before jax's backend starts
     moe_matmul.LARGE_FORM = FLAGS.moe_large_form
     if FLAGS.moe_all_to_all_min_tokens is not None:
         moe.ALL_TO_ALL_MIN_TOKENS = FLAGS.moe_all_to_all_min_tokens

@@ -31,7 +31,6 @@ from engine.sampling import SamplingArrays
 from engine.sharded_runner import ShardedModelRunner
 from models.sharding import tree_shardings
 from models.llama import LlamaForCausalLM, fuse_projections, transpose_for_gemv
-from models.prepare import stack_as_wanted
 from quant.model import QuantConfig, quantize_model
 from scripts.bench.common import dispatch_hold, queued_seconds
 
@@ -45,8 +44,7 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
     """(cfg, model): random weights of cfg's shapes made on the device (on the mesh's shards with
     a mesh), RTN-quantized on the device with `quant` ('int8', 'int4': group 128; the untied
     output head too with `quant_lm_head`), then fused (models.llama.fuse_projections) when
-    `fused`, transposed for ops/gemv.py (models.llama.transpose_for_gemv) when `gemv`, and its
-    layers stacked when the layer loop is a scan (models.prepare.stack_as_wanted)."""
+    `fused`, and transposed for ops/gemv.py (models.llama.transpose_for_gemv) when `gemv`."""
     model = random_weights(cfg, seed, dtype, mesh)
     if QUANT_METHODS[quant] is not None:
         quantize_model(cfg, model, QuantConfig(QUANT_METHODS[quant], group_size=128,
@@ -57,10 +55,6 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
         cfg, model = fuse_projections(cfg, model)
     if gemv:
         cfg, model = transpose_for_gemv(cfg, model)
-    # last, as prepare_for_device: the layers stacked where the layer loop is a scan (the
-    # platform's default, or PALLASITE_LAYER_LOOP for an A/B)
-    for note in stack_as_wanted(cfg, model, None, jax.default_backend(), mesh):
-        print(note, flush=True)
     return cfg, model
 
 
@@ -99,14 +93,15 @@ def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
 
 
 def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_size: int,
-                mesh=None, kv_dtype=None) -> ModelRunner:
+                mesh=None, kv_dtype=None, kernels=None) -> ModelRunner:
     """A runner whose cache holds max_batch sequences of max_context tokens (+ padding page);
-    kv_dtype: the cache's (ops.kv_quant.kv_cache_dtype: None / 'auto', 'bf16', 'int8', 'fp8')."""
+    kv_dtype: the cache's (ops.kv_quant.kv_cache_dtype: None / 'auto', 'bf16', 'int8', 'fp8');
+    kernels: the kernel choice (None: this device's, ops.backends.device_kernels)."""
     width = -(-max_context // page_size)
     num_pages = max_batch * width + 1
     if mesh is None:
         return ModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
-                           max_width=width)
+                           max_width=width, kernels=kernels)
     return ShardedModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
                               max_width=width, mesh=mesh)
 
@@ -133,17 +128,38 @@ def _random_pages(pages: jax.Array, key: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, -(-num_pages // chunk), fill_chunk, pages)
 
 
+def _random_layer(stacked: jax.Array, key: jax.Array, layer: jax.Array,
+                  num_layers: int) -> jax.Array:
+    """A stacked page array (models/kv_cache.py, every layer's pages along axis 1) with layer
+    `layer`'s pages drawn as `_random_pages` draws a per-layer array's (the same values)."""
+    per_layer = stacked.shape[1] // num_layers
+    values = _random_pages(jnp.zeros((stacked.shape[0], per_layer) + stacked.shape[2:],
+                                     stacked.dtype), key)
+    return jax.lax.dynamic_update_slice_in_dim(stacked, values, layer * per_layer, axis=1)
+
+
 def fill_cache_random(runner: ModelRunner, seed: int) -> None:
     """Overwrites every K and V page of the runner's cache with normal(0, 1) values, in place
     (one small jitted program, donated page array by page array, drawing a bounded chunk of
     pages at a time: no second copy of the cache, even at 70 GB). An int8 / fp8 cache gets
-    random codes (its scales stay as they are: the step reads the same bytes)."""
+    random codes (its scales stay as they are: the step reads the same bytes). Layer i gets
+    the same values whether the cache is stacked (a scanned runner) or not."""
     cache = runner.cache
     first = cache.k_pages[0]
-    fill = jax.jit(_random_pages, donate_argnums=0, out_shardings=first.sharding)
-    keys = jax.random.split(jax.random.key(seed), 2 * len(cache.k_pages))
-    k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k_pages))
-    v = tuple(fill(a, keys[len(k) + i]) for i, a in enumerate(cache.v_pages))
+    num_layers = cache.num_layers
+    keys = jax.random.split(jax.random.key(seed), 2 * num_layers)
+    if cache.stacked_layers:
+        fill = jax.jit(_random_layer, donate_argnums=0, static_argnames="num_layers",
+                       out_shardings=first.sharding)
+        k, v = cache.k_pages[0], cache.v_pages[0]
+        for i in range(num_layers):
+            k = fill(k, keys[i], i, num_layers=num_layers)
+            v = fill(v, keys[num_layers + i], i, num_layers=num_layers)
+        k, v = (k,), (v,)
+    else:
+        fill = jax.jit(_random_pages, donate_argnums=0, out_shardings=first.sharding)
+        k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k_pages))
+        v = tuple(fill(a, keys[num_layers + i]) for i, a in enumerate(cache.v_pages))
     runner.cache = dataclasses.replace(cache, k_pages=k, v_pages=v)
     jax.block_until_ready(runner.cache)
 

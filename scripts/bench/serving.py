@@ -63,6 +63,7 @@ flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
+flags.DEFINE_bool("compile_in_background", True, "With --startup_only: as scripts.serve's flag.")
 flags.DEFINE_bool("startup_only", False, "Measure only the start-up, as scripts.serve starts: "
                   "process start to the first token of one request, with the weights' time "
                   "apart and the programs compiled and loaded from --compilation_cache_dir "
@@ -346,11 +347,15 @@ def main(argv):
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         common.check_fusion(mesh)
         if FLAGS.startup_only:
-            results = run_info() | {"mode": "startup", "model": FLAGS.model} | measure_startup(
-                FLAGS, mesh)
+            info = run_info() | {"mode": "startup", "model": FLAGS.model}
+
+            def save(figures):  # at the first token, and again after the background compiles
+                if FLAGS.json_out and is_main_process():
+                    write_json(FLAGS.json_out, info | figures)
+
+            results = info | measure_startup(FLAGS, mesh, on_ready=save)
+            save(results)
             print(startup_table(results))
-            if FLAGS.json_out and is_main_process():
-                write_json(FLAGS.json_out, results)
             return
         if jax.process_count() > 1 and not math.isinf(FLAGS.request_rate):
             raise ValueError("with several processes --request_rate must be inf: arrivals timed "

@@ -16,7 +16,6 @@ from engine.api import load_prepared
 from engine.compile_stats import compile_stats
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from models.stacked import is_stacked
 from scripts import common
 
 
@@ -36,13 +35,15 @@ def process_age() -> float:
 _IMPORTED = time.perf_counter()
 
 
-def measure_startup(FLAGS, mesh=None) -> dict:
+def measure_startup(FLAGS, mesh=None, on_ready=None) -> dict:
     """One start as scripts.serve makes it (the model, engine and fusion flags in FLAGS), then
-    one request of 8 prompt tokens and 1 output token. Returns the phases in seconds since
-    process start ("main" when the benchmark's main began, "weights" loaded and prepared,
-    "engine" built with its KV cache, "compiled", "first_token"), their durations, the
-    programs compiled and loaded from the compilation cache, and ready_s (process start to
-    first token) with ready_without_weights_s (less the weights' loading)."""
+    one request of 8 prompt tokens and 1 output token, then the programs a server compiles in
+    the background once listening (--compile_in_background). Returns main_at_s (when the
+    benchmark's main began, since process start), the durations of the phases (weights loaded
+    and prepared, engine built with its KV cache, compiling, first token, background), the
+    programs compiled and loaded from the compilation cache by the first token, ready_s
+    (process start to first token) and ready_without_weights_s (less the weights').
+    on_ready(figures so far) is called at the first token, before the background compiles."""
     out = {"main_at_s": process_age()}
     start = time.perf_counter()
     loaded, _ = load_prepared(FLAGS.model, dtype=FLAGS.dtype, random_weights=FLAGS.random_weights,
@@ -54,9 +55,9 @@ def measure_startup(FLAGS, mesh=None) -> dict:
                        common.engine_config_from_flags(FLAGS, loaded.cfg), mesh=mesh)
     out["engine_s"] = time.perf_counter() - start
     print(engine.kv_summary, file=sys.stderr, flush=True)
-    common.print_kernels(engine.runner.kernels)
+    common.print_kernels(engine.runner.kernels, engine.cfg.head_dim)
     start = time.perf_counter()
-    engine.warmup(progress=common.print_progress("compiling"))
+    later = common.warmup_for_serving(engine, FLAGS.compile_in_background)
     out["compile_s"] = time.perf_counter() - start
     start = time.perf_counter()
     engine.add_request(list(range(3, 11)), SamplingParams(max_tokens=1, ignore_eos=True))
@@ -70,10 +71,16 @@ def measure_startup(FLAGS, mesh=None) -> dict:
             "programs_loaded": stats.loaded, "program_seconds": stats.seconds,
             "compilation_cache_dir": FLAGS.compilation_cache_dir,
             "num_layers": loaded.cfg.num_layers,
-            "layer_loop": "scan" if is_stacked(loaded.model) else "unrolled",
+            "layer_loop": engine.runner.layer_loop,
             "engine": {k: getattr(engine.engine_cfg, k) for k in (
                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps",
                 "async_scheduling")}}
+    if on_ready is not None:
+        on_ready(out)
+    start = time.perf_counter()
+    engine.compile_in_background(later, log=common.log_line).join()
+    out["background_s"] = time.perf_counter() - start
+    out["background_programs"] = (compile_stats() - stats).programs
     return out
 
 
@@ -83,5 +90,6 @@ def startup_table(r: dict) -> str:
             f"without the weights' {r['weights_s']:.1f}s): main at {r['main_at_s']:.1f}s, engine "
             f"{r['engine_s']:.1f}s, compile {r['compile_s']:.1f}s, first token "
             f"{r['first_token_s']:.2f}s\n{r['programs']} programs: {r['programs_compiled']} "
-            f"compiled, {r['programs_loaded']} loaded from the compilation cache; layer loop "
-            f"{r['layer_loop']}")
+            f"compiled, {r['programs_loaded']} loaded from the compilation cache; then "
+            f"{r['background_programs']} in the background in {r['background_s']:.1f}s; layer "
+            f"loop {r['layer_loop']}")

@@ -52,7 +52,7 @@ def test_every_choice_resolves_to_entries():
 
 def test_selection_per_platform():
     cpu = select_kernels("cpu")
-    assert cpu == dataclasses.replace(REFERENCE, platform="cpu")
+    assert cpu == dataclasses.replace(REFERENCE, platform="cpu", layer_loop="scan")
     # a TPU: the Mosaic TPU kernels of attention (block sizes by generation), XLA elsewhere
     tpu = select_kernels("tpu", device_kind="TPU v6 lite")
     assert tpu == dataclasses.replace(REFERENCE, platform="tpu", attention="pallas",

@@ -141,10 +141,9 @@ def test_int8_engine_tokens_match_a_float64_reference_over_the_stored_pages(tiny
 
     def stored(i):  # layer i's dequantized rows at the sequence's slots, [T, KVH, D]
         rows = []
-        for pages_, scales in ((cache.k_pages[i], cache.k_scales[i]),
-                               (cache.v_pages[i], cache.v_scales[i])):
-            values = np.asarray(pages_, np.float64)[:, slots // PAGE, slots % PAGE]  # [KVH, T, D]
-            scale = np.asarray(scales, np.float64)[:, slots // PAGE, slots % PAGE]
+        for quantized in cache.layer(i):  # keys, values: QuantizedPages (any cache layout)
+            values = np.asarray(quantized.values, np.float64)[:, slots // PAGE, slots % PAGE]
+            scale = np.asarray(quantized.scales, np.float64)[:, slots // PAGE, slots % PAGE]
             rows.append((values * scale[..., None]).swapaxes(0, 1))
         return rows
 
