@@ -72,6 +72,8 @@ def scannable(cfg: ModelConfig, layers, kernels) -> str | None:
         return "fewer than two layers"
     if cfg.gemv_layers:
         return "the layers are transposed for the fused GEMV kernel"
+    if cfg.is_moe:  # models/moe.py multiplies by its stacked experts, not through a Linear
+        return "a mixture of experts' layers read their expert weights directly"
     if len(layer_windows(cfg)) > 1 and kernels is not None and kernels.attention != "reference":
         return "the layers' sliding windows differ and the attention kernel's window is static"
     graphdef, state = nnx.split(layers[0])

@@ -256,6 +256,7 @@ def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
     engine = types.SimpleNamespace(engine_cfg=engine_cfg, pool=pool, runner=runner,
                                    spec_config=None, rounds=rounds)
     engine.warmup_shapes = functools.partial(LLMEngine.warmup_shapes, engine)
+    engine._compile_step = functools.partial(LLMEngine._compile_step, engine)
     try:
         LLMEngine.warmup(engine)
     except EnoughPrograms:

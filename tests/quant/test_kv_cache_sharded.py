@@ -14,6 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.engine_config import EngineConfig
 from engine.mesh import make_mesh
 from engine.request import SamplingParams
+from ops.kv_quant import QuantizedPages
 from tests.sharding.scenarios import tiny_model, tiny_prompts
 cfg, model = tiny_model("tiny-llama31", None)
 prompts = tiny_prompts(cfg)[:2]
@@ -25,7 +26,9 @@ for name, mesh in (("one", None), ("2x2", make_mesh(2, 2))):
     outs = engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     tokens[name] = [o.output_ids for o in outs]
     tokens[name + "_dtype"] = str(engine.runner.cache.dtype)
-    tokens[name + "_scales"] = len(engine.runner.cache.k_scales)
+    cache = engine.runner.cache  # one device: every layer in one stacked array (the scan)
+    tokens[name + "_scales"] = sum(isinstance(cache.layer(i)[0], QuantizedPages)
+                                   for i in range(cache.num_layers))
 print("RESULT " + json.dumps(tokens))
 """
 
@@ -39,5 +42,5 @@ def test_sharded_int8_cache_gives_one_devices_tokens():
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[-1][len(MARK):])
     assert result["one_dtype"] == result["2x2_dtype"] == "int8"
-    assert result["2x2_scales"] == result["one_scales"] == 2
+    assert result["2x2_scales"] == result["one_scales"] == 2  # both layers have scales
     assert result["2x2"] == result["one"]
