@@ -56,7 +56,10 @@ def test_pallas_kernels_match_reference_greedy(preset, dtype, agree, tie, monkey
     lengths = (5, 37, 130) if cfg.num_layers > 4 else (5, 37, 130, 700)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
-    engine_cfg = EngineConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=512)
+    # A fixed 2 GiB cache (4 x 1024 tokens of the 8B in float32 need 1.07 GB): a fraction of the
+    # device would count the other test workers' memory blindly (make test-gpu's workers share it).
+    engine_cfg = EngineConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=512,
+                              kv_cache_memory=2 << 30)
     outputs = {}
     with jax.default_matmul_precision("highest" if dtype == jnp.float32 else None):
         for impl in ("pallas", "reference"):
