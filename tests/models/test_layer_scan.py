@@ -109,6 +109,8 @@ def test_layers_that_cannot_share_a_body_run_unrolled():
     assert "layer 1 differs" in scannable(cfg, model.layers, SCAN)
     runner = ModelRunner(cfg, model, 4, 4, kernels=SCAN)
     assert runner.layer_loop == "unrolled" and not runner.cache.stacked_layers
+    moe = get_preset("tiny-mixtral")  # its experts are not Linear weights the body picks
+    assert "expert" in scannable(moe, random_model(moe, 1).layers, SCAN)
 
 
 def test_a_scanned_step_lowers_with_the_gpu_kernels(h200_lowering):  # noqa: F811
