@@ -38,7 +38,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
-from engine.warmup import reachable_steps
+from engine.warmup import compile_step, reachable_steps
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -424,11 +424,9 @@ class LLMEngine:
     def _compile_step(self, q_lens, width: int, verification: bool) -> None:
         """The programs of one reachable step (and its multi-step or mixed round)."""
         rounds = self.rounds
-        self.runner.warmup(q_lens, width, all_logits=verification, verification=verification)
-        if rounds is not None and max(q_lens) == 1 and not verification:
-            self.runner.warmup_multi_step(len(q_lens), width, rounds.num_steps)
-        if rounds is not None and max(q_lens) > 1 and rounds.mixed_rounds:
-            self.runner.warmup_mixed_round(q_lens, width, rounds.num_steps)
+        compile_step(self.runner, q_lens, width, verification,
+                     rounds.num_steps if rounds is not None else 1,
+                     rounds is not None and rounds.mixed_rounds)
 
     def compile_in_background(self, shapes: list, log=None) -> threading.Thread:
         """Starts a daemon thread that compiles the programs of `shapes` ahead of time beside

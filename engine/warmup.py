@@ -77,3 +77,14 @@ def split_first(shapes: list[tuple[list[int], int, bool]], page_size: int,
         return width / widest_first
 
     return first, sorted(later, key=distance)
+
+
+def compile_step(runner, q_lens: list[int], width: int, verification: bool,
+                 num_steps: int = 1, mixed_rounds: bool = False) -> None:
+    """Compiles the programs of one reachable step on `runner`: the step itself and, with
+    num_steps > 1 (multi-step rounds), its decode round or its mixed round."""
+    runner.warmup(q_lens, width, all_logits=verification, verification=verification)
+    if num_steps > 1 and max(q_lens) == 1 and not verification:
+        runner.warmup_multi_step(len(q_lens), width, num_steps)
+    if num_steps > 1 and max(q_lens) > 1 and mixed_rounds:
+        runner.warmup_mixed_round(q_lens, width, num_steps)

@@ -6,7 +6,7 @@ host (no TPU needed), and reports the Mosaic kernels each one contains.
 
 The model is shape-only (no weights are allocated); the engine configuration is the TPU's
 defaults (engine/engine_config.py) with a KV cache sized from the chip's HBM (--chip). The step
-programs are the ones `LLMEngine.warmup` compiles (engine/warmup.py: every decode, multi-step,
+programs are the ones the engine's warm-up compiles (engine/warmup.py: every decode, multi-step,
 prefill and mixed-round bucket), each traced with the TPU's kernel choice
 (ops.backends.select_kernels) and lowered with `lowering_platforms=("tpu",)` under an abstract
 TPU device (ops.tpu_chips.tpu_lowering). The samplers' programs hold no attention or quantized
@@ -25,7 +25,6 @@ import json
 import re
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +35,12 @@ from configs.mesh import mesh_shape
 from configs.model import get_preset
 from engine.block_pool import BlockPool
 from engine.engine_config import EngineConfig, resolve_engine_config
-from engine.llm_engine import LLMEngine
 from engine.memory import activation_reserve_bytes, plan_kv_cache
 from engine.mesh import make_mesh
 from engine.runner import ModelRunner
 from engine.sharded_runner import ShardedModelRunner
 from engine.sharding import kv_local_config
+from engine.warmup import compile_step, reachable_steps
 from models.kv_cache import init_kv_cache
 from models.prepare import prepare_for_device
 from models.sharding import runtime_config, tree_shardings
@@ -248,17 +247,13 @@ def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
     runner = make_runner(cfg, model, num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype,
                          engine_cfg.max_num_seqs, max_width, kernels=kernels, chip=chip,
                          limit=max_programs, on_program=on_program)
-    rounds = None
-    if engine_cfg.num_decode_steps > 1 and runner.supports_multi_step:
-        rounds = types.SimpleNamespace(num_steps=engine_cfg.num_decode_steps,
-                                       mixed_rounds=engine_cfg.mixed_rounds)
-    # LLMEngine.warmup's own walk over engine/warmup.py's shapes, on this runner.
-    engine = types.SimpleNamespace(engine_cfg=engine_cfg, pool=pool, runner=runner,
-                                   spec_config=None, rounds=rounds)
-    engine.warmup_shapes = functools.partial(LLMEngine.warmup_shapes, engine)
-    engine._compile_step = functools.partial(LLMEngine._compile_step, engine)
+    # The engine's warm-up walk (engine/warmup.py) over this runner.
+    num_steps = engine_cfg.num_decode_steps if runner.supports_multi_step else 1
+    shapes = reachable_steps(engine_cfg, pool, runner.min_width)
     try:
-        LLMEngine.warmup(engine)
+        for shape in shapes:
+            compile_step(runner, *shape, num_steps=num_steps,
+                         mixed_rounds=engine_cfg.mixed_rounds)
     except EnoughPrograms:
         pass
     # Under a mesh the quantized products are XLA's (ops.backends._select_tpu_kernels).
