@@ -2,18 +2,16 @@
 sliding window and soft caps included, and the features the fused decode layer refuses."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 from configs.model import get_preset
 from engine.runner import full_sequence_logits
-from models.kv_cache import init_kv_cache
-from models.llama import AttentionMetadata, forward, fuse_projections, transpose_for_gemv
-from models.weights import abstract_model, random_model
+from models.llama import fuse_projections, transpose_for_gemv
+from models.weights import random_model
 from ops import paged_attention
 from ops.backends import select_kernels
+from tests.models.lowering import lowered_step_text
 from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
 FAMILIES = ("qwen3-8b", "mistral-7b", "gemma-2-9b", "gemma-3-12b", "phi-3-mini")
@@ -36,21 +34,8 @@ def test_preset_lowers_with_gpu_kernels(h200_lowering, monkeypatch, name):  # no
         return kernel(*args, **kwargs)
     kernel = paged_attention.ragged_paged_attention
     monkeypatch.setattr(paged_attention, "ragged_paged_attention", spy)
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
-    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jnp.bfloat16))
-    spec = jax.ShapeDtypeStruct
-    tokens, seqs = 64, 4
-    meta = AttentionMetadata(
-        positions=spec((tokens,), jnp.int32), slot_mapping=spec((tokens,), jnp.int32),
-        block_tables=spec((seqs, 16), jnp.int32), query_start_loc=spec((seqs + 1,), jnp.int32),
-        kv_lens=spec((seqs,), jnp.int32), max_q_len=32, max_prefill_seqs=2)
-    kernels = select_kernels("gpu", hopper=True)
-
-    def step(state, cache, tokens, meta):
-        return forward(nnx.merge(graphdef, state), cache, tokens, meta, cfg, kernels=kernels)
-
-    text = jax.jit(step).trace(state, cache, spec((tokens,), jnp.int32), meta).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lowered_step_text(cfg, select_kernels("gpu", hopper=True), num_pages=64,
+                             page_size=16, tokens=64, seqs=4, width=16)
     assert "triton" in text and h200_lowering
     assert calls == [(cfg.layer_window(i), cfg.attn_logit_softcap, cfg.attention_scale)
                      for i in range(cfg.num_layers)]

@@ -19,13 +19,13 @@ from engine.request import SamplingParams
 from engine.runner import ModelRunner
 from models.kv_cache import KVCache, init_kv_cache
 from models.layer_scan import scannable
-from models.llama import AttentionMetadata, forward
 from models.weights import abstract_model, random_model
 from ops.backends import DEFAULT_LAYER_LOOPS, choose_layer_loop, select_kernels
 from ops.kernel_choice import REFERENCE
 from ops.kv_quant import QuantizedPages
 from quant.loader import load_model
 from tests.conftest import GOLDEN_DIR
+from tests.models.lowering import lowered_step_text
 from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
 SCAN = dataclasses.replace(REFERENCE, layer_loop="scan")
@@ -119,20 +119,8 @@ def test_a_scanned_step_lowers_with_the_gpu_kernels(h200_lowering):  # noqa: F81
     kernels over the stacked pages."""
     cfg = get_preset("llama3.2-1b").replace(num_layers=3)
     kernels = select_kernels("gpu", hopper=True, switches=Switches(layer_loop="scan"))
-    graphdef, state = nnx.split(abstract_model(cfg, jax.numpy.bfloat16))
-    assert scannable(cfg, nnx.merge(graphdef, state).layers, kernels) is None
-    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jax.numpy.bfloat16, stacked=True))
-    spec = jax.ShapeDtypeStruct
-    tokens, seqs = 64, 4
-    meta = AttentionMetadata(
-        positions=spec((tokens,), np.int32), slot_mapping=spec((tokens,), np.int32),
-        block_tables=spec((seqs, 16), np.int32), query_start_loc=spec((seqs + 1,), np.int32),
-        kv_lens=spec((seqs,), np.int32), max_q_len=32, max_prefill_seqs=2)
-
-    def step(state, cache, tokens, meta):
-        return forward(nnx.merge(graphdef, state), cache, tokens, meta, cfg, kernels=kernels)
-
-    text = jax.jit(step).trace(state, cache, spec((tokens,), np.int32), meta).lower(
-        lowering_platforms=("cuda",)).as_text()
+    assert scannable(cfg, abstract_model(cfg, jax.numpy.bfloat16).layers, kernels) is None
+    text = lowered_step_text(cfg, kernels, num_pages=64, page_size=16, tokens=64, seqs=4,
+                             width=16, stacked=True)
     assert "triton" in text and h200_lowering
     assert "stablehlo.while" in text and "stablehlo.case" in text

@@ -11,25 +11,20 @@ import json
 import math
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs.model import config_from_dict, config_to_dict
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.runner import full_sequence_logits
 from engine.speculative import SpecConfig
-from models.kv_cache import init_kv_cache
-from models.llama import AttentionMetadata, forward
-from models.weights import abstract_model
 from ops import rope_kv
 from ops.backends import select_kernels
 from quant.loader import load_model
 from tests.conftest import GOLDEN_DIR
 from tests.models.test_golden import relative_error
+from tests.models.lowering import lowered_step_text
 from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
 
 DIRECTORY = os.path.join(GOLDEN_DIR, "tiny-phi3-longrope")
@@ -90,20 +85,7 @@ def test_longrope_lowers_with_gpu_kernels(h200_lowering, monkeypatch, phi3):  # 
         return kernel(*args, **kwargs)
     kernel = rope_kv._rope_kv_pallas
     monkeypatch.setattr(rope_kv, "_rope_kv_pallas", spy)
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
-    cache = jax.eval_shape(lambda: init_kv_cache(cfg, 32, 4, jnp.bfloat16))
-    spec = jax.ShapeDtypeStruct
-    tokens, seqs = 32, 4
-    meta = AttentionMetadata(
-        positions=spec((tokens,), jnp.int32), slot_mapping=spec((tokens,), jnp.int32),
-        block_tables=spec((seqs, 8), jnp.int32), query_start_loc=spec((seqs + 1,), jnp.int32),
-        kv_lens=spec((seqs,), jnp.int32), max_q_len=16, max_prefill_seqs=2)
-    kernels = select_kernels("gpu", hopper=True)
-
-    def step(state, cache, tokens, meta):
-        return forward(nnx.merge(graphdef, state), cache, tokens, meta, cfg, kernels=kernels)
-
-    text = jax.jit(step).trace(state, cache, spec((tokens,), jnp.int32), meta).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lowered_step_text(cfg, select_kernels("gpu", hopper=True), num_pages=32,
+                             page_size=4, tokens=32, seqs=4, width=8)
     assert "triton" in text and h200_lowering
     assert len(calls) == 2 * cfg.num_layers
