@@ -18,6 +18,7 @@ from models.hf_loader import load_hf_dir
 from models.weights import model_from_tensors
 from tests.conftest import GOLDEN_DIR
 from tests.models.test_golden import relative_error
+from tests.models.test_loaders import add_decoder_keys
 
 GLOBAL = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
           "lm_head.weight": "output"}
@@ -58,16 +59,10 @@ def write_family_gguf(path, cfg: ModelConfig, tensors: dict, arch: str, extra=No
     """The metadata llama.cpp's converter writes for `arch` (the vocabulary: the embedding's
     rows); extra(writer) adds or overrides keys."""
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
+    add_decoder_keys(w, cfg)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.sliding_window is not None:
         w.add_sliding_window(cfg.sliding_window)
     if arch.startswith("gemma"):

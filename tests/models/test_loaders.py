@@ -179,21 +179,26 @@ def random_kquant(rng, rows: int, cols: int, qtype) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def add_decoder_keys(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """The decoder shape keys every architecture's GGUF carries (llama.cpp's converter)."""
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def write_gguf(path: Path, cfg: ModelConfig, stored: dict[str, tuple[np.ndarray, Q]], *,
                arch: str = "llama", pre: str = "gpt2", tokenizer_model: str = "gpt2",
                template: str | None = CHATML, add_bos: bool = False, extra=None) -> Path:
     """Writes a GGUF with cfg's metadata and `stored` (GGUF name -> (float32 array or raw uint8
     blocks, type))."""
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
+    add_decoder_keys(w, cfg)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
     w.add_rope_dimension_count(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)

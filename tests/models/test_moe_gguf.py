@@ -16,7 +16,7 @@ from models.hf_loader import load_hf_dir
 from models.weights import model_from_tensors
 from tests.conftest import GOLDEN_DIR
 from tests.models.test_golden import relative_error
-from tests.models.test_loaders import permute_llamacpp
+from tests.models.test_loaders import add_decoder_keys, permute_llamacpp
 
 LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
          "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
@@ -34,15 +34,9 @@ def write_moe_gguf(path, cfg, tensors: dict, arch: str, expert_type,
     """llama.cpp's layout of an HF-named MoE checkpoint (no tokenizer: the vocabulary is the
     embedding's rows); weights_norm: the expert_weights_norm key, None to leave it out."""
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
+    add_decoder_keys(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if weights_norm is not None:
