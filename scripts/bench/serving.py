@@ -118,6 +118,8 @@ def parse_compare(text: str, base) -> list[tuple[str, object]]:
                     changes[name] = value.lower() in ("true", "1")
                 elif isinstance(current, (int, float)):
                     changes[name] = type(current)(value)
+                elif isinstance(current, str):  # e.g. kv_cache_dtype: checked by the engine
+                    changes[name] = value
                 elif value.lower() == "none":
                     changes[name] = None
                 else:  # a field that is None in `base`: a number

@@ -25,7 +25,7 @@ def run_bench(tmp_path, *flags):
 
 def test_engine_against_static_batching_and_a_compared_configuration(tmp_path):
     stdout, result = run_bench(tmp_path, "--async_scheduling=true", "--host_phases",
-                               "--compare=num_decode_steps=4")
+                               "--compare=num_decode_steps=4;kv_cache_dtype=int8")
     run = result["continuous"]
     assert result["mode"] == "engine" and result["num_requests"] == 8
     assert run["output_tokens_per_s"] > 0 and run["programs_compiled_during_run"] == 0
@@ -41,6 +41,8 @@ def test_engine_against_static_batching_and_a_compared_configuration(tmp_path):
                                                 / static["output_tokens_per_s"])
     compared = result["compare"]["num_decode_steps=4"]
     assert compared["engine"]["num_decode_steps"] == 4 and compared["output_tokens_per_s"] > 0
+    int8 = result["compare"]["kv_cache_dtype=int8"]  # a text field, passed as text
+    assert int8["engine"]["kv_cache_dtype"] == "int8" and int8["output_tokens_per_s"] > 0
     assert "| output tokens/s |" in stdout and "continuous / static throughput" in stdout
     assert "| num_decode_steps=4 |" in stdout and "| engine flags |" in stdout
 
