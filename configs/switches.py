@@ -9,6 +9,7 @@ while a step is traced. Unset or empty means the default.
 | PALLASITE_ATTENTION | auto, pallas, pallas_interpret, reference | auto    | attention/KV/RMSNorm |
 | PALLASITE_MATMUL    | auto, pallas, pallas_interpret, reference | auto    | quantized matmuls    |
 | PALLASITE_GEMV      | auto, pallas, pallas_interpret, reference | auto    | one-row products     |
+| PALLASITE_MOE       | auto, pallas, pallas_interpret, reference | auto    | MoE decode products  |
 | PALLASITE_WGMMA     | on, off                                   | on      | Hopper codes kernel  |
 | PALLASITE_K_ORDER   | device, natural                           | device  | K order of codes     |
 | PALLASITE_KERNELS   | device, tpu_interpret                     | device  | platform's kernels   |
@@ -39,6 +40,7 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "PALLASITE_ATTENTION": ("attention", IMPL_VALUES),
     "PALLASITE_MATMUL": ("matmul", IMPL_VALUES),
     "PALLASITE_GEMV": ("gemv", IMPL_VALUES),
+    "PALLASITE_MOE": ("moe", IMPL_VALUES),
     "PALLASITE_WGMMA": ("wgmma", ("on", "off")),
     "PALLASITE_K_ORDER": ("k_order", ("device", "natural")),
     "PALLASITE_KERNELS": ("kernels", ("device", "tpu_interpret")),
@@ -53,6 +55,7 @@ class Switches:
     attention: str = "auto"
     matmul: str = "auto"
     gemv: str = "auto"
+    moe: str = "auto"
     wgmma: str = "on"
     k_order: str = "device"
     kernels: str = "device"

@@ -38,9 +38,10 @@ from jax.sharding import PartitionSpec as P
 
 from configs.mesh import DATA, EXPERT, MODEL
 from configs.model import ModelConfig
+from ops.expert_gemv import expert_rows_matmul
 from ops.kernel_choice import KernelBackends, or_reference
 from ops.moe_matmul import (grouped_coded_matmul, grouped_matmul, product_form,
-                            rows_coded_matmul, rows_matmul)
+                            rows_coded_matmul)
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -85,7 +86,7 @@ class SparseMoE(nnx.Module):
         mesh = or_reference(kernels).mesh_shape
         if mesh:
             return sharded_moe_mlp(mesh, x, router, weights, settings)
-        return moe_mlp(x, router, weights, **settings).astype(x.dtype)
+        return moe_mlp(x, router, weights, **settings, kernels=kernels).astype(x.dtype)
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -99,15 +100,17 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 
 
 def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
-                   expert: jax.Array | None = None) -> jax.Array:
+                   expert: jax.Array | None = None,
+                   kernels: KernelBackends | None = None) -> jax.Array:
     """x [M, in] times each row's expert of `weight` (a float array [E, in, out] or stacked
     codes: QuantizedWeight with a leading expert axis): rows sorted by expert with
-    `group_sizes` [E], or in any order with each row's `expert` [M] given."""
+    `group_sizes` [E], or in any order with each row's `expert` [M] given (float experts: the
+    kernel of ops/expert_gemv.py where `kernels` choose it)."""
     if getattr(weight, "perm", None) is not None:
         raise ValueError("MoE experts: act-order codes are not supported")
     if isinstance(weight, jax.Array):
         if expert is not None:
-            return rows_matmul(x, weight, expert)
+            return expert_rows_matmul(x, weight, expert, kernels=kernels)
         return grouped_matmul(x, weight, group_sizes)
     codes = (weight.packed, weight.scales, weight.offsets)
     if expert is not None:
@@ -117,14 +120,15 @@ def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
                                 group_size=weight.group_size)
 
 
-def experts_mlp(xs: jax.Array, weights: dict, hidden_act: str, **rows) -> jax.Array:
+def experts_mlp(xs: jax.Array, weights: dict, hidden_act: str,
+                kernels: KernelBackends | None = None, **rows) -> jax.Array:
     """down(act(gate(xs)) * up(xs)) of rows [M, hidden] -> [M, hidden]; rows: group_sizes=
     (sorted rows) or expert= (each row's expert), as expert_product takes them."""
-    gate = expert_product(xs, weights["gate_proj"], **rows)
-    up = expert_product(xs, weights["up_proj"], **rows)
+    gate = expert_product(xs, weights["gate_proj"], kernels=kernels, **rows)
+    up = expert_product(xs, weights["up_proj"], kernels=kernels, **rows)
     act = (jax.nn.gelu(gate, approximate=True) if hidden_act == "gelu_tanh"
            else jax.nn.silu(gate))
-    return expert_product(act * up, weights["down_proj"], **rows)
+    return expert_product(act * up, weights["down_proj"], kernels=kernels, **rows)
 
 
 def sorted_pairs(experts: jax.Array, num_groups: int, first: int | jax.Array = 0):
@@ -153,20 +157,22 @@ def combine(y: jax.Array, order: jax.Array, kept: jax.Array, weights: jax.Array,
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, normalize: bool,
-            hidden_act: str, first_expert: int | jax.Array = 0) -> jax.Array:
+            hidden_act: str, first_expert: int | jax.Array = 0,
+            kernels: KernelBackends | None = None) -> jax.Array:
     """The MoE MLP of x [N, hidden] over the experts `weights` holds (all of them, or on an
     expert shard those from first_expert on): float32 [N, hidden], the shard's part.
 
     Steps whose N * k pairs take the gathered product (ops.moe_matmul.product_form: decode)
     keep the pairs in token order, each with its expert: no sort, and the combine is a sum over
-    each token's k rows. Larger steps sort the pairs by expert first."""
+    each token's k rows; their products take the kernel of ops/expert_gemv.py where `kernels`
+    choose it. Larger steps sort the pairs by expert first."""
     n = x.shape[0]
     probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
     num_groups = jax.tree.leaves(weights["down_proj"])[0].shape[0]
     if product_form(n * top_k, num_groups) == "gathered":
         local = experts.reshape(-1) - first_expert  # [N*k] in pair order
         kept = (local >= 0) & (local < num_groups)
-        y = experts_mlp(jnp.repeat(x, top_k, axis=0), weights, hidden_act,
+        y = experts_mlp(jnp.repeat(x, top_k, axis=0), weights, hidden_act, kernels,
                         expert=jnp.clip(local, 0, num_groups - 1))
         w = jnp.where(kept, probs.reshape(-1), 0.0)
         rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from configs.switches import Switches
 from ops import gemv, quant_gemv, quant_gemv8, quant_matmul, quant_mma, quant_wgmma, rms_norm
-from ops import ragged_attention, rope_kv, tpu_quant_matmul, tpu_ragged_attention
+from ops import expert_gemv, moe_matmul, ragged_attention, rope_kv, tpu_quant_matmul
+from ops import tpu_ragged_attention
 from ops.kernel_choice import KernelBackends
 from ops.matmul import coded_product
 from ops.paged_attention import ragged_attention_by_groups, write_kv
@@ -135,6 +136,16 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
                     quant_matmul.int8_matmul_reference),
         KernelEntry("reference", "any", "codes stored [N, K]", "any", "any", coded_product),
     ),
+    "moe": (
+        KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
+                    "bf16 x and experts", "decode (rows <= E); K, N whole tiles",
+                    expert_gemv.expert_gemv),
+        KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
+                    "other dtypes, codes or shapes", "decode (rows <= E)",
+                    moe_matmul.rows_matmul),
+        KernelEntry("reference", "any", "experts [E, K, N], each row's expert given", "any",
+                    "decode (rows <= E): the gathered form", moe_matmul.rows_matmul),
+    ),
 }
 
 
@@ -162,8 +173,8 @@ def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | 
     capability 9.x, wgmma). switches: configs/switches.py (default: none set). mesh_axes:
     ((axis, size), ...) of a sharded step's (data, model) mesh, () for one device.
     "auto" switches take the Pallas kernels on a GPU and a TPU and the reference elsewhere.
-    Under a mesh the RoPE + KV write and RMSNorm take the jnp path (the write then runs per
-    shard) while attention runs its kernel per shard. On a TPU only attention and the
+    Under a mesh the RoPE + KV write, RMSNorm and the experts' decode products take the jnp /
+    XLA path (the write then runs per shard) while attention runs its kernel per shard. On a TPU only attention and the
     quantized products have kernels (Mosaic TPU); the other families run XLA. device_kind
     (jax's Device.device_kind) picks the TPU kernels' block sizes. The switch
     PALLASITE_KERNELS=tpu_interpret makes any platform choose as a TPU does, with the TPU
@@ -185,6 +196,7 @@ def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | 
     return KernelBackends(
         platform=platform, attention=attention, kv_write=fused, norm=fused,
         gemv=pick(switches.gemv), quant_matmul=pick(switches.matmul), wgmma=wgmma,
+        moe="reference" if mesh_axes else pick(switches.moe),
         k_order="wgmma" if wgmma and switches.k_order == "device" else "natural",
         mesh=tuple((str(a), int(n)) for a, n in mesh_axes),
         layer_loop=choose_layer_loop(platform, switches=switches, mesh=bool(mesh_axes)))

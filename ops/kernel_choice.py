@@ -20,9 +20,10 @@ class KernelBackends:
     """One implementation per op family (hashable: a static argument of the jitted step).
 
     attention, kv_write (RoPE + KV-cache write), norm (RMSNorm), gemv (the fused one-row products
-    of transposed layers) and quant_matmul (INT8 / INT4 codes): one of IMPLS, "pallas" being the
-    GPU kernel (Pallas Triton) where the shape class takes it, "pallas_interpret" the same kernel
-    interpreted (CPU debugging), "reference" the jnp / XLA path.
+    of transposed layers), quant_matmul (INT8 / INT4 codes) and moe (a mixture of experts' decode
+    products, ops/expert_gemv.py): one of IMPLS, "pallas" being the GPU kernel (Pallas Triton)
+    where the shape class takes it, "pallas_interpret" the same kernel interpreted (CPU
+    debugging), "reference" the jnp / XLA path.
     wgmma: codes stored [N, K] run ops/quant_wgmma.py's Hopper kernel (Mosaic GPU) where it
     takes the product (with quant_matmul "pallas").
     k_order: the K order in which decode products read codes fastest ("wgmma" with the Hopper
@@ -42,6 +43,7 @@ class KernelBackends:
     norm: str = "reference"
     gemv: str = "reference"
     quant_matmul: str = "reference"
+    moe: str = "reference"
     wgmma: bool = False
     k_order: str = "natural"
     mesh: tuple[tuple[str, int], ...] = ()
@@ -54,7 +56,7 @@ class KernelBackends:
         return self.platform == "tpu"
 
     def __post_init__(self):
-        for family in ("attention", "kv_write", "norm", "gemv", "quant_matmul"):
+        for family in ("attention", "kv_write", "norm", "gemv", "quant_matmul", "moe"):
             if getattr(self, family) not in IMPLS:
                 raise ValueError(f"KernelBackends: {family}={getattr(self, family)!r} must be "
                                  f"one of {IMPLS}")

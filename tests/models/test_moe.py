@@ -176,7 +176,7 @@ def test_hf_loader_reads_every_expert_layout():
 @pytest.mark.parametrize("tokens,seqs", [(4, 4), (256, 2)], ids=["decode", "prefill"])
 def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: F811
     """Two layers of the real shapes, bf16, lowered for an H200 with the GPU kernels: decode
-    (gathered experts) and prefill (tiles) products."""
+    (ops/expert_gemv.py's kernel) and prefill (tiles) products."""
     cfg = get_preset(name).replace(num_layers=2)
     graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
     cache = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jnp.bfloat16))
@@ -193,4 +193,5 @@ def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: 
     text = jax.jit(step).trace(state, cache, spec((tokens,), jnp.int32), meta).lower(
         lowering_platforms=("cuda",)).as_text()
     assert h200_lowering  # the attention kernel lowered too
-    assert "ragged_dot" not in text and "gather" in text  # experts gathered, no ragged_dot
+    assert "ragged_dot" not in text and "gather" in text  # no ragged_dot
+    assert ('"expert_gemv"' in text) == (tokens == seqs)  # the decode step's kernel

@@ -17,7 +17,7 @@ from ops.backends import (TABLES, TAGS, active_tags, describe_kernels, device_ke
 from ops.kernel_choice import IMPLS, REFERENCE, KernelBackends
 from ops.matmul import TransposedWeight, device_k_order
 
-FAMILIES = ("attention", "kv_write", "norm", "gemv", "quant_matmul")
+FAMILIES = ("attention", "kv_write", "norm", "gemv", "quant_matmul", "moe")
 MESH = (("data", 2), ("model", 4))
 
 
@@ -78,6 +78,7 @@ def test_selection_per_platform():
                                                                   "reference")
     assert sharded.mesh_shape == {"data": 2, "model": 4} and sharded.per_shard().mesh == ()
     assert sharded.quant_matmul == "pallas" and sharded.wgmma
+    assert sharded.moe == "reference"  # a mixture's products per shard in XLA
     with pytest.raises(ValueError, match="platform 'cuda'"):
         select_kernels("cuda")
 
@@ -91,6 +92,7 @@ def test_switches_change_the_selection():
     assert gpu(attention="reference").quant_matmul == "pallas"
     assert gpu(matmul="reference").quant_matmul == "reference"
     assert gpu(gemv="pallas_interpret").gemv == "pallas_interpret"
+    assert gpu(moe="reference").moe == "reference" and gpu(moe="reference").gemv == "pallas"
     off = gpu(wgmma="off")
     assert not off.wgmma and off.k_order == "natural" and off.quant_matmul == "pallas"
     assert gpu(k_order="natural").k_order == "natural" and gpu(k_order="natural").wgmma

@@ -81,7 +81,8 @@ def test_kernels_line_names_each_family_choice():
     """A Hopper GPU's choice, one sharded and one interpreted: the line names what each runs."""
     hopper = kernels_line(select_kernels("gpu", hopper=True))
     assert hopper == ("kernels on gpu: attention pallas, kv_write pallas, norm pallas, matmul "
-                      "xla, gemv wgmma+pallas, quant_matmul wgmma+pallas; layers unrolled")
+                      "xla, gemv wgmma+pallas, quant_matmul wgmma+pallas, moe pallas; layers "
+                      "unrolled")
     sharded = kernels_line(select_kernels("gpu", mesh_axes=(("data", 1), ("model", 2))))
     assert "attention mesh+pallas, kv_write mesh+reference, norm reference" in sharded
     interpreted = kernels_line(select_kernels("cpu", switches=Switches(gemv="pallas_interpret")))
