@@ -1,7 +1,7 @@
 """The grouped expert product of a mixture of experts, per form, against its touched-bytes floor.
 
     python -m scripts.bench.moe_matmul --model=qwen3-30b-a3b --rows=8,128,512,16384 \
-        --forms=gathered,tiles,ragged,mgpu --json_out=moe_matmul.json
+        --forms=gathered,kernel,tiles,ragged,mgpu --json_out=moe_matmul.json
 
 One projection (gate: [E, hidden, moe_intermediate]) of `--copies` layers, each its own
 weights (so no step finds its experts in the L2 cache), multiplied by M = tokens x k rows
@@ -10,7 +10,11 @@ them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows; `
 without XLA's grouped-GEMM flag is the padded dense alternative: every expert times every row),
 `gathered_reduce` (the gathered form written as multiply and sum, which XLA may fuse with the
 gather and the codes' unpacking into one reduction instead of writing the gathered weights
-first), and
+first),
+`kernel`: ops/expert_gemv.py's Pallas Triton kernel (up to E rows, like `gathered`: each row's
+expert read once by the kernel itself, no gathered copy; `kernel:BN/BK/S/W/ST/P` the same with
+the tiles ExpertGemvConfig(block_n, block_k, splits (0: the default), num_warps, num_stages,
+prefetch 0/1), for a tile sweep in one run), and
 `mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
 Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA forms
 only). The floor is the bytes of the experts the rows touch (plus x and y) over the copy
@@ -28,7 +32,7 @@ from absl import app, flags
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from configs.model import get_preset
-from ops import moe_matmul
+from ops import expert_gemv, moe_matmul
 from quant.model import quantize_experts
 from scripts.bench.common import (calibrate, error_text, markdown_table, run_info,
                                   time_per_call, write_json)
@@ -36,8 +40,8 @@ from scripts.common import set_xla_flags
 
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
 flags.DEFINE_list("rows", ["8", "128", "512", "16384"], "Rows (tokens x experts per token).")
-flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "tiles", "ragged", "mgpu"],
-                  "Forms to time.")
+flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "tiles", "ragged", "mgpu"],
+                  "Forms to time (kernel:BN/BK/S/W/ST/P: the kernel with those tiles).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
 flags.DEFINE_integer("runs", 5, "Timings per row (median).")
@@ -64,6 +68,8 @@ def product(form: str, weight, bits: int):
             max_concurrent_steps=steps, grid_block_n=gbn)
     if form == "gathered_reduce":
         return functools.partial(gathered_reduce, weight=weight, bits=bits)
+    if form.split(":")[0] == "kernel":
+        return functools.partial(kernel_product, weight=weight, config=kernel_config(form))
     if form not in moe_matmul.FORMS:
         raise ValueError(f"unknown form {form!r}")
 
@@ -74,6 +80,23 @@ def product(form: str, weight, bits: int):
                                                    group_size=weight.group_size, form=form)
         return moe_matmul.grouped_matmul(x, weight, gs, form=form)
     return run
+
+
+def kernel_config(form: str) -> expert_gemv.ExpertGemvConfig | None:
+    """The tiles of a `kernel:BN/BK/S/W/ST/P` form (None for `kernel`: the default tiles)."""
+    if ":" not in form:
+        return None
+    bn, bk, splits, warps, stages, prefetch = (int(v) for v in form.split(":")[1].split("/"))
+    return expert_gemv.ExpertGemvConfig(bn, bk, splits or None, warps, stages, bool(prefetch))
+
+
+def kernel_product(x, gs, weight, config):
+    """The `kernel` form: each sorted row's expert from the group sizes, as the gathered form
+    finds it, and the kernel's product (rows past the groups zero)."""
+    e = weight.shape[0]
+    expert = moe_matmul.row_experts(gs, x.shape[0])
+    y = expert_gemv.expert_gemv(x, weight, jnp.minimum(expert, e - 1), config=config)
+    return jnp.where((expert < e)[:, None], y, 0).astype(x.dtype)
 
 
 def gathered_reduce(x, gs, weight, bits: int):
@@ -125,8 +148,8 @@ def main(argv):
         for form in FLAGS.forms:
             row = {"rows": rows, "form": form, "touched_experts": touched, "floor_s": floor}
             try:
-                if form.startswith("gathered") and rows > e:
-                    raise ValueError(f"the gathered form takes at most E={e} rows")
+                if form.startswith(("gathered", "kernel")) and rows > e:
+                    raise ValueError(f"the {form} form takes at most E={e} rows")
                 fns = [product(form, w, bits) for w in weights]
                 got = np.asarray(jax.jit(fns[0])(x, gs), np.float32)  # every form: one answer
                 row["max_rel_err"] = float(np.abs(got - reference).max()
