@@ -38,10 +38,9 @@ from jax.sharding import PartitionSpec as P
 
 from configs.mesh import DATA, EXPERT, MODEL
 from configs.model import ModelConfig
-from ops.expert_gemv import expert_rows_matmul
+from ops.expert_gemv import expert_rows_coded_matmul, expert_rows_matmul
 from ops.kernel_choice import KernelBackends, or_reference
-from ops.moe_matmul import (grouped_coded_matmul, grouped_matmul, product_form,
-                            rows_coded_matmul)
+from ops.moe_matmul import grouped_coded_matmul, grouped_matmul, product_form
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -104,8 +103,8 @@ def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
                    kernels: KernelBackends | None = None) -> jax.Array:
     """x [M, in] times each row's expert of `weight` (a float array [E, in, out] or stacked
     codes: QuantizedWeight with a leading expert axis): rows sorted by expert with
-    `group_sizes` [E], or in any order with each row's `expert` [M] given (float experts: the
-    kernel of ops/expert_gemv.py where `kernels` choose it)."""
+    `group_sizes` [E], or in any order with each row's `expert` [M] given (then the kernel of
+    ops/expert_gemv.py where `kernels` choose it and it takes the operands)."""
     if getattr(weight, "perm", None) is not None:
         raise ValueError("MoE experts: act-order codes are not supported")
     if isinstance(weight, jax.Array):
@@ -114,8 +113,8 @@ def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
         return grouped_matmul(x, weight, group_sizes)
     codes = (weight.packed, weight.scales, weight.offsets)
     if expert is not None:
-        return rows_coded_matmul(x, *codes, expert, bits=weight.bits,
-                                 group_size=weight.group_size)
+        return expert_rows_coded_matmul(x, *codes, expert, bits=weight.bits,
+                                        group_size=weight.group_size, kernels=kernels)
     return grouped_coded_matmul(x, *codes, group_sizes, bits=weight.bits,
                                 group_size=weight.group_size)
 

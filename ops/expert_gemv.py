@@ -1,10 +1,12 @@
 """The decode product of a mixture of experts as one Pallas Triton kernel: y[m] = x[m] @
 w[expert[m]] for rows in any order, each with its expert, reading each row's expert weight once
-from memory and never a gathered copy of it.
+from memory and never a gathered copy of it; bf16 experts, or INT8 / INT4 codes.
 
-    expert_gemv          the kernel: x [M, K] bf16, expert int32 [M], w [E, K, N] bf16 -> [M, N]
-    expert_rows_matmul   the dispatch (the kernel where KernelBackends.moe says so and
-                         `kernel_refusal` finds nothing; ops.moe_matmul.rows_matmul otherwise)
+    expert_gemv               the kernel: x [M, K] bf16, expert int32 [M], w [E, K, N] bf16 or
+                              codes with scales [E, G, N] -> [M, N]
+    expert_rows_matmul        the dispatches: the kernel where KernelBackends.moe says so and
+    expert_rows_coded_matmul  `kernel_refusal` finds nothing, ops.moe_matmul's rows_matmul /
+                              rows_coded_matmul otherwise
 
 XLA's form of the same product (ops/moe_matmul.py `rows_matmul`, an einsum over w[expert])
 writes the gathered weights [M, K, N] to memory before it multiplies, so a decode step moves
@@ -12,11 +14,18 @@ about three times the bytes of the experts it touches. Here each program owns on
 block of block_n output columns and one of `splits` slices of K: it loads expert[m] itself,
 walks its K slice one [block_k, block_n] tile of w[expert[m]] at a time (the tile's rows are
 contiguous block_n-column runs of the [K, N] layout), multiplies by the row's x in float32 and
-adds into a [block_k, block_n] accumulator that is summed over K once, at the end. At a decode
-step's few rows (batch 1: M = k = 8 rows, qwen3-30b-a3b's N = 768) rows x column blocks are far
-fewer programs than a GPU has SMs, so K is split until there are about TARGET_PROGRAMS of them;
-each split writes a float32 partial [S, M, N] and jnp sums the splits (one small fusion). One
-split writes x's dtype directly.
+adds into an accumulator that is summed over K once, at the end. At a decode step's few rows
+(batch 1: M = k = 8 rows, qwen3-30b-a3b's N = 768) rows x column blocks are far fewer programs
+than a GPU has SMs, so K is split until there are about TARGET_PROGRAMS of them; each split
+writes a float32 partial [S, M, N] and jnp sums the splits (one small fusion). One split
+writes x's dtype directly.
+
+Codes (quant/qtensor.py's layouts with a leading expert axis, as ops/moe_matmul.py reads them):
+INT8 uint8 [E, K, N]; INT4 int32 [E, K/8, N], K row 8w + j in bits 4j..4j+3 of word w (a tile
+is block_k / 8 rows of words, each word's eight codes multiplying x at 8w + j); scales (and
+offsets) [E, G, N] in groups of group_size K rows, each group whole K tiles. Each code becomes
+the exact float32 c - zero (ops.quant_tiles._dequant_tile: a mask, an OR and a subtraction),
+then scale (c - zero), or scale c + offset when asymmetric, with the tile's group's scales.
 
 Rows are computed apart: two rows with the same expert each read it (as the gathered form
 does), which stays within the rows' experts' bytes.
@@ -32,7 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
-from ops.moe_matmul import rows_matmul
+from ops.matmul import code_bits
+from ops.moe_matmul import CODE_ZEROS, INT4_PER_WORD, rows_coded_matmul, rows_matmul
+from ops.quant_tiles import _dequant_tile
 
 TARGET_PROGRAMS = 528  # four programs per SM of an H100 / H200 (132 SMs), resident at once
 BLOCK_NS = (128, 64, 32, 16)  # output columns per program, the largest that divides N
@@ -74,77 +85,138 @@ def default_splits(m: int, column_blocks: int, k_tiles: int,
     return k_tiles
 
 
-def _check(x, w, expert) -> None:
-    """ValueError naming the operand whose shape does not fit."""
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"expert_gemv: x {x.shape} must be [M, K] against experts [E, K, N] "
+def _check(x, w, expert, scales=None, offsets=None) -> int:
+    """ValueError naming the operand whose shape does not fit; returns the bits per weight
+    (16: bf16 or other float values, 8: uint8 codes, 4: int32 words of eight codes)."""
+    bits = (code_bits(w) or 16) if scales is not None else 16
+    rows_k = w.shape[1] * (INT4_PER_WORD if bits == 4 else 1) if w.ndim == 3 else None
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != rows_k:
+        layout = "INT4 words [E, K/8, N]" if bits == 4 else "[E, K, N]"
+        raise ValueError(f"expert_gemv: x {x.shape} must be [M, K] against experts {layout} "
                          f"{w.shape}")
     if expert.shape != (x.shape[0],) or not jnp.issubdtype(expert.dtype, jnp.integer):
         raise ValueError(f"expert_gemv: expert ids {expert.shape} {expert.dtype} must be "
                          f"integers [M] = [{x.shape[0]}] (one expert per row of x)")
+    if scales is None:
+        if offsets is not None:
+            raise ValueError("expert_gemv: offsets without scales (offsets are for codes)")
+        return bits
+    if bits == 16:
+        raise ValueError(f"expert_gemv: with scales, the experts hold uint8 (INT8) or int32 "
+                         f"(INT4) codes, not {w.dtype}")
+    e, n = w.shape[0], w.shape[2]
+    if (scales.ndim != 3 or scales.shape[::2] != (e, n)
+            or (offsets is not None and offsets.shape != scales.shape)):
+        raise ValueError(f"expert_gemv: scales {scales.shape} and offsets "
+                         f"{None if offsets is None else offsets.shape} must be [E, G, N] = "
+                         f"[{e}, G, {n}] against codes {w.shape}")
+    return bits
 
 
-def kernel_refusal(x, w, expert, config: ExpertGemvConfig | None = None) -> str | None:
-    """Why the kernel cannot take operands that passed the shape check (None: it can): it takes
-    bf16 x and experts, K and N multiples of the config's blocks (default tiles: N a multiple of
-    16, K of 16), and fewer than MAX_ELEMENTS expert elements."""
-    _check(x, w, expert)
-    e, k, n = w.shape
+def _group(k: int, scales, group_size: int | None) -> int:
+    """K rows per group of scales [E, G, N]: K when G = 1 (per channel), else group_size."""
+    return k if scales is None or scales.shape[1] == 1 else group_size
+
+
+def kernel_refusal(x, w, expert, config: ExpertGemvConfig | None = None, scales=None,
+                   offsets=None, group_size: int | None = None) -> str | None:
+    """Why the kernel cannot take operands that pass the shape check (None: it can); the one
+    rule of what it takes: bf16 x; bf16 experts, or codes whose groups are whole K tiles; K and
+    N whole tiles of the config (default tiles: N a multiple of 16, K of 16); fewer than
+    MAX_ELEMENTS stored expert elements. Raises ValueError for shapes that do not fit."""
+    bits = _check(x, w, expert, scales, offsets)
+    e, _, n = w.shape
+    k = x.shape[1]
     cfg = config or expert_gemv_config(k, n)
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+    if x.dtype != jnp.bfloat16 or (bits == 16 and w.dtype != jnp.bfloat16):
         return f"expert_gemv: the kernel takes bf16 x and experts, not {x.dtype} and {w.dtype}"
-    if cfg is None or k % cfg.block_k or n % cfg.block_n:
+    if cfg is None or k % cfg.block_k or n % cfg.block_n or cfg.block_k % INT4_PER_WORD:
         blocks = "" if cfg is None else f" ({cfg.block_k} x {cfg.block_n})"
         return f"expert_gemv: experts {w.shape} are not whole tiles{blocks} of K x N"
-    if e * k * n >= MAX_ELEMENTS:
+    group = _group(k, scales, group_size)
+    if bits != 16 and (group is None or (group < k and group % cfg.block_k)):
+        return (f"expert_gemv: groups of {group} K rows are not whole tiles of "
+                f"{cfg.block_k}")
+    if w.size >= MAX_ELEMENTS:
         return f"expert_gemv: experts {w.shape} hold more than 2^31 elements"
     return None
 
 
-def _kernel(expert_ref, x_ref, w_ref, out_ref, *, num_experts: int, k_tiles: int,
-            per_split: int, block_n: int, block_k: int, prefetch: bool):
-    # expert_ref [M] int32; x_ref [M, K]; w_ref [E, K, N]; out_ref [S, M, N]
+def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, k_tiles: int,
+            per_split: int, block_n: int, block_k: int, prefetch: bool, bits: int,
+            group_size: int, asymmetric: bool):
+    # expert_ref [M] int32; x_ref [M, K]; w_ref [E, K/P, N] (P = 8 K rows per INT4 word, else
+    # 1); refs: (s_ref [E, G, N], (o_ref [E, G, N])) for codes, then out_ref [S, M, N]
+    codes = bits != 16
+    refs = list(refs)
+    s_ref = refs.pop(0) if codes else None
+    o_ref = refs.pop(0) if asymmetric else None
+    out_ref = refs[0]
+    per_word = INT4_PER_WORD if bits == 4 else 1
+    block_r = block_k // per_word  # stored rows of w per tile
     row, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = jnp.clip(plgpu.load(expert_ref.at[row]), 0, num_experts - 1)
     cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
     first = split * per_split
     last = jnp.minimum(first + per_split, k_tiles)
 
-    def load_tile(t):  # (x [BK], w[expert] [BK, BN]) of K tile t; with prefetch, tiles past
-        # the split's last read nothing (masked)
-        ks = t * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
-        view = w_ref.at[expert, ks[:, None], cols[None, :]]
-        if not prefetch:
-            return plgpu.load(x_ref.at[row, ks]), plgpu.load(view)
-        ok = ks < last * block_k
-        return (plgpu.load(x_ref.at[row, ks], mask=ok, other=0),
-                plgpu.load(view, mask=jnp.broadcast_to(ok[:, None], (block_k, block_n)),
-                           other=0))
+    def load_tile(t):  # K tile t: (x [BR] per K row of a stored row, w[expert] [BR, BN],
+        # the tile's group's scales and offsets [BN] or None); with prefetch, tiles past the
+        # split's last read nothing (masked)
+        rs = t * block_r + jnp.arange(block_r, dtype=jnp.int32)  # [BR] stored rows
+        ok = rs < last * block_r if prefetch else None
+        xs = tuple(plgpu.load(x_ref.at[row, per_word * rs + j], mask=ok, other=0)
+                   for j in range(per_word))
+        tile_ok = None if ok is None else jnp.broadcast_to(ok[:, None], (block_r, block_n))
+        w = plgpu.load(w_ref.at[expert, rs[:, None], cols[None, :]], mask=tile_ok,
+                       other=0)
+        if not codes:
+            return xs, w, None, None
+        group = jnp.minimum(t * block_k // group_size, num_groups - 1)
+        scale = plgpu.load(s_ref.at[expert, group, cols]).astype(jnp.float32)
+        offset = (plgpu.load(o_ref.at[expert, group, cols]).astype(jnp.float32)
+                  if asymmetric else None)
+        return xs, w, scale, offset
 
-    def body(t, carry):  # carry: (the prefetched tile or None, acc [BK, BN] float32)
+    def body(t, carry):  # carry: (the prefetched tile or None, acc [BR, BN] float32)
         tile, acc = carry
         if prefetch:  # the next tile's loads issued before this tile's math
             nxt = load_tile(t + 1)
         else:
             tile, nxt = load_tile(t), None
-        xs, w = tile
-        return nxt, acc + xs.astype(jnp.float32)[:, None] * w.astype(jnp.float32)
+        xs, w, scale, offset = tile
+        if codes:  # exact float32 c - zero per K row of a word, then scale (c - zero) or
+            # scale c + offset
+            zero = 0 if asymmetric else CODE_ZEROS[bits]
+            word = w.astype(jnp.int32)
+            values = [_dequant_tile(word, j, zero, bits) * scale[None, :] for j in
+                      range(per_word)]
+            if asymmetric:
+                values = [v + offset[None, :] for v in values]
+        else:
+            values = [w.astype(jnp.float32)]
+        for xj, v in zip(xs, values):
+            acc = acc + xj.astype(jnp.float32)[:, None] * v
+        return nxt, acc
 
     init = (load_tile(first) if prefetch else None,
-            jnp.zeros((block_k, block_n), jnp.float32))
+            jnp.zeros((block_r, block_n), jnp.float32))
     _, acc = jax.lax.fori_loop(first, last, body, init)
     plgpu.store(out_ref.at[split, row, cols], jnp.sum(acc, axis=0).astype(out_ref.dtype))
 
 
-def expert_gemv(x, w, expert, *, config: ExpertGemvConfig | None = None,
-                interpret: bool = False):
-    """The kernel: x [M, K] @ w[expert[m]] per row -> [M, N] in x's dtype, float32 sums. x and
-    w [E, K, N] bf16; expert int32 [M] (ids outside [0, E) are clamped into it). Raises
-    ValueError for shapes that do not fit or operands the kernel does not take
-    (`kernel_refusal`)."""
-    refusal = kernel_refusal(x, w, expert, config)
+def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | None = None,
+                config: ExpertGemvConfig | None = None, interpret: bool = False):
+    """The kernel: x [M, K] @ w[expert[m]] per row -> [M, N] in x's dtype, float32 sums. x bf16;
+    w bf16 [E, K, N], or codes with their scales [E, G, N] (quant/qtensor.py's values per
+    expert: scale (c - zero), or scale c + offset with offsets [E, G, N]): INT8 uint8
+    [E, K, N] or INT4 int32 words [E, K/8, N], in groups of group_size K rows (G = 1: per
+    channel); expert int32 [M] (ids outside [0, E) are clamped into it). Raises ValueError for
+    shapes that do not fit or operands the kernel does not take (`kernel_refusal`)."""
+    refusal = kernel_refusal(x, w, expert, config, scales, offsets, group_size)
     if refusal:
         raise ValueError(refusal)
+    bits = _check(x, w, expert, scales, offsets)
     m, k = x.shape
     e, _, n = w.shape
     cfg = config or expert_gemv_config(k, n)
@@ -154,19 +226,21 @@ def expert_gemv(x, w, expert, *, config: ExpertGemvConfig | None = None,
     per_split = -(-k_tiles // splits)
     splits = -(-k_tiles // per_split)  # no empty split
     out_dtype = x.dtype if splits == 1 else jnp.float32
-    kernel = functools.partial(_kernel, num_experts=e, k_tiles=k_tiles, per_split=per_split,
-                               block_n=cfg.block_n, block_k=cfg.block_k,
-                               prefetch=cfg.prefetch)
+    kernel = functools.partial(
+        _kernel, num_experts=e, num_groups=1 if scales is None else scales.shape[1],
+        k_tiles=k_tiles, per_split=per_split, block_n=cfg.block_n, block_k=cfg.block_k,
+        prefetch=cfg.prefetch, bits=bits, group_size=_group(k, scales, group_size),
+        asymmetric=offsets is not None)
+    args = [expert.astype(jnp.int32), x, w] + [a for a in (scales, offsets) if a is not None]
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
-        kernel, grid=(m, column_blocks, splits),
-        in_specs=[full((m,)), full((m, k)), full((e, k, n))],
+        kernel, grid=(m, column_blocks, splits), in_specs=[full(a.shape) for a in args],
         out_specs=full((splits, m, n)),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages),
-        interpret=interpret, name="expert_gemv",
-    )(expert.astype(jnp.int32), x, w)
+        interpret=interpret, name={16: "expert_gemv", 8: "expert_gemv8", 4: "expert_gemv4"}[bits],
+    )(*args)
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
@@ -183,3 +257,24 @@ def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
     if impl == "reference":
         return rows_matmul(x, w, expert)
     return expert_gemv(x, w, expert, config=config, interpret=impl == "pallas_interpret")
+
+
+def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, group_size: int,
+                             kernels: KernelBackends | None = None, impl: str | None = None,
+                             config: ExpertGemvConfig | None = None):
+    """ops.moe_matmul.rows_coded_matmul's function (x [M, K] @ the codes of expert[m] per row ->
+    [M, N]; packed INT8 uint8 [E, K, N] or INT4 int32 [E, K/8, N], scales (offsets)
+    [E, G, N]), dispatched as expert_rows_matmul is."""
+    if code_bits(packed) != bits:
+        raise ValueError(f"expert_rows_coded_matmul: codes {packed.dtype} are not {bits}-bit "
+                         "(INT8 uint8, INT4 int32 words)")
+    kw = dict(scales=scales, offsets=offsets, group_size=group_size)
+    if impl is None:
+        fits = kernel_refusal(x, packed, expert, config, **kw) is None
+        impl = or_reference(kernels).moe if fits else "reference"
+    impl = choose_impl("expert_rows_coded_matmul", impl, "reference")
+    if impl == "reference":
+        return rows_coded_matmul(x, packed, scales, offsets, expert, bits=bits,
+                                 group_size=group_size)
+    return expert_gemv(x, packed, expert, config=config, interpret=impl == "pallas_interpret",
+                       **kw)

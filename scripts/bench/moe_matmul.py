@@ -16,9 +16,9 @@ expert read once by the kernel itself, no gathered copy; `kernel:BN/BK/S/W/ST/P`
 the tiles ExpertGemvConfig(block_n, block_k, splits (0: the default), num_warps, num_stages,
 prefetch 0/1), for a tile sweep in one run), and
 `mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
-Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA forms
-only). The floor is the bytes of the experts the rows touch (plus x and y) over the copy
-bandwidth measured in the same run; each row also records its largest difference from the
+Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA
+forms and the kernel). The floor is the bytes of the experts the rows touch (plus x and y) over
+the copy bandwidth measured in the same run; each row also records its largest difference from the
 tiles form's product (relative to its largest value). A failing row records its error.
 """
 from __future__ import annotations
@@ -92,10 +92,16 @@ def kernel_config(form: str) -> expert_gemv.ExpertGemvConfig | None:
 
 def kernel_product(x, gs, weight, config):
     """The `kernel` form: each sorted row's expert from the group sizes, as the gathered form
-    finds it, and the kernel's product (rows past the groups zero)."""
-    e = weight.shape[0]
-    expert = moe_matmul.row_experts(gs, x.shape[0])
-    y = expert_gemv.expert_gemv(x, weight, jnp.minimum(expert, e - 1), config=config)
+    finds it, and the kernel's product (rows past the groups zero); float experts or codes."""
+    e = jax.tree.leaves(weight)[0].shape[0]
+    expert = moe_matmul.row_experts(gs, x.shape[0])  # E for rows past the groups
+    clamped = jnp.minimum(expert, e - 1)
+    if isinstance(weight, jax.Array):
+        y = expert_gemv.expert_gemv(x, weight, clamped, config=config)
+    else:
+        y = expert_gemv.expert_gemv(x, weight.packed, clamped, scales=weight.scales,
+                                    offsets=weight.offsets, group_size=weight.group_size,
+                                    config=config)
     return jnp.where((expert < e)[:, None], y, 0).astype(x.dtype)
 
 

@@ -16,36 +16,83 @@ import pytest
 
 from configs.model import get_preset
 from ops.backends import select_kernels
-from ops.expert_gemv import ExpertGemvConfig, expert_gemv, expert_rows_matmul, kernel_refusal
+from ops.expert_gemv import (ExpertGemvConfig, expert_gemv, expert_rows_coded_matmul,
+                              expert_rows_matmul, kernel_refusal)
 from ops.kernel_choice import KernelBackends
-from ops.moe_matmul import rows_matmul
+from ops.matmul import code_bits
+from ops.moe_matmul import rows_coded_matmul, rows_matmul
 from tests.marks import gpu_picks
 from tests.models.lowering import lowered_step_text
 
 ON_GPU = jax.default_backend() == "gpu"
-# (M, E, K, N, config): no split, even and uneven K splits, prefetch off, the default tiles
+# (M, E, K, N, variant, config): bf16 experts, INT8 codes (per channel or groups of g K rows,
+# symmetric or asym) and INT4 words; no split, even and uneven K splits, prefetch off, the
+# default tiles
 CASES = [
-    (3, 5, 64, 48, ExpertGemvConfig(block_n=16, block_k=16, splits=1)),
-    (8, 6, 128, 64, ExpertGemvConfig(block_n=32, block_k=16, splits=4)),
-    (8, 4, 128, 32, ExpertGemvConfig(block_n=16, block_k=16, splits=3, prefetch=False)),
-    (5, 3, 96, 80, None),
+    (3, 5, 64, 48, "bf16", ExpertGemvConfig(block_n=16, block_k=16, splits=1)),
+    (8, 6, 128, 64, "bf16", ExpertGemvConfig(block_n=32, block_k=16, splits=4)),
+    (8, 4, 128, 32, "bf16", ExpertGemvConfig(block_n=16, block_k=16, splits=3, prefetch=False)),
+    (5, 3, 96, 80, "bf16", None),
+    (3, 5, 64, 48, "int8", ExpertGemvConfig(block_n=16, block_k=16, splits=2)),
+    (8, 4, 128, 32, "int8_g32_asym", ExpertGemvConfig(block_n=16, block_k=16, splits=3)),
+    (5, 3, 128, 64, "int4_g32", ExpertGemvConfig(block_n=32, block_k=32, splits=2,
+                                                 prefetch=False)),
+    (8, 6, 256, 32, "int4_g128_asym", None),
+    (3, 4, 96, 16, "int4_asym", ExpertGemvConfig(block_n=16, block_k=32, splits=1)),
 ]
 
 
-def operands(seed: int, m: int, e: int, k: int, n: int):
-    """bf16 x [M, K] and experts [E, K, N] of fresh random values, and random expert ids [M]
-    with a repeat (two rows of one expert)."""
+def operands(seed: int, m: int, e: int, k: int, n: int, variant: str = "bf16"):
+    """bf16 x [M, K], experts [E, K, N] (bf16 values, or codes with the keyword arguments of
+    their scales) of fresh random values, and random expert ids [M] with a repeat (two rows of
+    one expert)."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((m, k)) + 0.3, jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), jnp.bfloat16)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    x = bf(rng.standard_normal((m, k)) + 0.3)
     expert = rng.integers(0, e, m)
     expert[-1] = expert[0]
-    return x, w, jnp.asarray(expert, jnp.int32)
+    expert = jnp.asarray(expert, jnp.int32)
+    if variant == "bf16":
+        return x, bf(rng.standard_normal((e, k, n)) / np.sqrt(k)), expert, {}
+    int4 = variant.startswith("int4")
+    levels = 16 if int4 else 256
+    group = int(variant.split("_")[1][1:]) if "_g" in variant else k
+    codes = rng.integers(0, levels, (e, k, n))
+    if int4:  # eight codes per int32 word, K row 8w + j in bits 4j..4j+3
+        words = (codes.reshape(e, k // 8, 8, n).astype(np.uint32)
+                 << (4 * np.arange(8, dtype=np.uint32))[None, None, :, None]).sum(
+                     2, dtype=np.uint32)
+        w = jnp.asarray(words.view(np.int32))
+    else:
+        w = jnp.asarray(codes, jnp.uint8)
+    groups = -(-k // group)
+    scales = bf(rng.uniform(0.5, 1.5, (e, groups, n)) / (0.29 * levels * np.sqrt(k)))
+    kw = dict(scales=scales, offsets=None, group_size=group)
+    if variant.endswith("asym"):  # offset -zero * scale, zero near the middle
+        kw["offsets"] = bf(-scales.astype(jnp.float32)
+                           * rng.uniform(0.375, 0.625, (e, groups, n)) * levels)
+    return x, w, expert, kw
 
 
-def float64_want(x, w, expert) -> np.ndarray:
+def float64_want(x, w, expert, scales=None, offsets=None, group_size=None) -> np.ndarray:
+    """The products in float64 numpy from the bf16 operands, codes turned into their values
+    (quant/qtensor.py) group by group."""
     f = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731
-    return np.einsum("mk,mkn->mn", f(x), f(w)[np.asarray(expert)])
+    if scales is None:
+        values = f(w)
+    else:
+        codes = np.asarray(w)
+        if codes.dtype == np.int32:
+            codes = (codes.view(np.uint32)[:, :, None, :]
+                     >> (4 * np.arange(8, dtype=np.uint32))[None, None, :, None]) & 0xF
+            codes = codes.reshape(w.shape[0], -1, w.shape[2])
+        codes = codes.astype(np.float64)
+        k = codes.shape[1]
+        per_k = lambda a: np.repeat(f(a), group_size, axis=1)[:, :k]  # noqa: E731
+        zero = 8 if w.dtype == jnp.int32 else 128
+        values = (per_k(scales) * (codes - zero) if offsets is None
+                  else per_k(scales) * codes + per_k(offsets))
+    return np.einsum("mk,mkn->mn", f(x), values[np.asarray(expert)])
 
 
 def check(out, want):
@@ -57,26 +104,38 @@ def check(out, want):
                                  2.0 ** -8 * np.abs(want) + 1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("m,e,k,n,config", gpu_picks(CASES, {0, 1, 2, 3}))
-def test_kernel_against_float64(m, e, k, n, config):
-    x, w, expert = operands(m * 100 + k + n, m, e, k, n)
-    out = expert_gemv(x, w, expert, config=config, interpret=not ON_GPU)
+def reference(x, w, expert, scales=None, offsets=None, group_size=None):
+    if scales is None:
+        return rows_matmul(x, w, expert)
+    return rows_coded_matmul(x, w, scales, offsets, expert, bits=code_bits(w),
+                             group_size=group_size)
+
+
+@pytest.mark.parametrize("m,e,k,n,variant,config", gpu_picks(CASES, set(range(len(CASES)))))
+def test_kernel_against_float64(m, e, k, n, variant, config):
+    x, w, expert, kw = operands(m * 100 + k + n, m, e, k, n, variant)
+    out = expert_gemv(x, w, expert, config=config, interpret=not ON_GPU, **kw)
     assert out.dtype == jnp.bfloat16
-    want = float64_want(x, w, expert)
+    want = float64_want(x, w, expert, **kw)
     check(out, want)
-    check(rows_matmul(x, w, expert), want)
+    with jax.default_matmul_precision("highest"):  # a GPU's default TF32 is coarser than bf16
+        check(reference(x, w, expert, **kw), want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: qwen3-30b-a3b's decode shapes run compiled")
-@pytest.mark.parametrize("m,k,n", [(8, 2048, 768), (8, 768, 2048), (128, 2048, 768)])
-def test_qwen3_moe_shapes_on_gpu(m, k, n):
-    x, w, expert = operands(m + k, m, 128, k, n)
-    check(expert_rows_matmul(x, w, expert, impl="pallas"), float64_want(x, w, expert))
+@pytest.mark.parametrize("m,k,n,variant", [(8, 2048, 768, "bf16"), (8, 768, 2048, "bf16"),
+                                           (128, 2048, 768, "bf16"), (8, 2048, 768, "int8"),
+                                           (8, 768, 2048, "int4_g128"),
+                                           (16, 2048, 768, "int4_g128_asym")])
+def test_qwen3_moe_shapes_on_gpu(m, k, n, variant):
+    x, w, expert, kw = operands(m + k, m, 128, k, n, variant)
+    out = expert_gemv(x, w, expert, **kw)
+    check(out, float64_want(x, w, expert, **kw))
 
 
 def test_dispatch_follows_the_choice_and_falls_back():
-    x, w, expert = operands(7, 4, 5, 64, 32)
+    x, w, expert, _ = operands(7, 4, 5, 64, 32)
     ref = rows_matmul(x, w, expert)
     np.testing.assert_array_equal(expert_rows_matmul(x, w, expert), ref)  # kernels None
     interpreted = KernelBackends(moe="pallas_interpret")
@@ -94,8 +153,28 @@ def test_dispatch_follows_the_choice_and_falls_back():
         expert_rows_matmul(x, w, expert, impl="triton")
 
 
+def test_coded_dispatch_follows_the_choice_and_falls_back():
+    x, w, expert, kw = operands(9, 4, 3, 128, 32, "int4_g32_asym")
+    codes = dict(bits=4, group_size=kw["group_size"])
+    args = (x, w, kw["scales"], kw["offsets"], expert)
+    want = float64_want(x, w, expert, **kw)
+    np.testing.assert_array_equal(expert_rows_coded_matmul(*args, **codes),
+                                  rows_coded_matmul(*args, **codes))  # kernels None
+    interpreted = KernelBackends(moe="pallas_interpret")
+    check(expert_rows_coded_matmul(*args, **codes, kernels=interpreted), want)
+    # groups of 16 K rows cut the default 32-row tiles: the reference runs
+    x, w, expert, kw = operands(10, 4, 3, 128, 32, "int4_g16")
+    assert "groups of 16 K rows" in kernel_refusal(x, w, expert, **kw)
+    args = (x, w, kw["scales"], None, expert)
+    np.testing.assert_array_equal(
+        expert_rows_coded_matmul(*args, bits=4, group_size=16, kernels=interpreted),
+        rows_coded_matmul(*args, bits=4, group_size=16))
+    with pytest.raises(ValueError, match="codes int32 are not 8-bit"):
+        expert_rows_coded_matmul(*args, bits=8, group_size=16)
+
+
 def test_bad_input_raises():
-    x, w, expert = operands(8, 3, 4, 32, 16)
+    x, w, expert, _ = operands(8, 3, 4, 32, 16)
     with pytest.raises(ValueError, match=r"x \(3, 16\) must be \[M, K\]"):
         expert_gemv(x[:, :16], w, expert, interpret=True)
     with pytest.raises(ValueError, match=r"expert ids \(2,\) int32 must be integers \[M\]"):
@@ -107,15 +186,35 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match=r"not whole tiles \(16 x 64\)"):
         expert_gemv(x, w, expert, config=ExpertGemvConfig(block_n=64, block_k=16),
                     interpret=True)
+    x, w, expert, kw = operands(8, 3, 4, 64, 16, "int8_g32")
+    with pytest.raises(ValueError, match=r"scales \(4, 2, 8\) and offsets None must be"):
+        expert_gemv(x, w, expert, scales=kw["scales"][:, :, :8], interpret=True)
+    with pytest.raises(ValueError, match="offsets without scales"):
+        expert_gemv(x, w, expert, offsets=kw["scales"], interpret=True)
+    with pytest.raises(ValueError, match="with scales, the experts hold uint8"):
+        expert_gemv(x, w.astype(jnp.bfloat16), expert, **kw, interpret=True)
+    with pytest.raises(ValueError, match=r"INT4 words \[E, K/8, N\]"):
+        expert_gemv(x, w.astype(jnp.int32), expert, **kw, interpret=True)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
-def test_lowers_to_triton_for_h200(h200_lowering):
+@pytest.mark.parametrize("variant", ["bf16", "int8", "int4_g128", "int8_g128_asym",
+                                     "int4_asym"])
+def test_lowers_to_triton_for_h200(h200_lowering, variant):
+    """qwen3-30b-a3b's gate shapes (8 rows, 128 experts [2048, 768]) as shapes only."""
     spec = jax.ShapeDtypeStruct
-    text = jax.jit(lambda x, w, e: expert_gemv(x, w, e)).trace(
-        spec((8, 2048), jnp.bfloat16), spec((128, 2048, 768), jnp.bfloat16),
-        spec((8,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "expert_gemv" in text and h200_lowering
+    e, k, n = 128, 2048, 768
+    group = 128 if "_g128" in variant else k
+    w = {"bf16": spec((e, k, n), jnp.bfloat16), "int8": spec((e, k, n), jnp.uint8),
+         "int4": spec((e, k // 8, n), jnp.int32)}[variant.split("_")[0][:4]]
+    scales = None if variant == "bf16" else spec((e, k // group, n), jnp.bfloat16)
+    offsets = scales if variant.endswith("asym") else None
+    text = jax.jit(lambda x, w, ex, s, o: expert_gemv(x, w, ex, scales=s, offsets=o,
+                                                      group_size=group)).trace(
+        spec((8, k), jnp.bfloat16), w, spec((8,), jnp.int32), scales, offsets).lower(
+        lowering_platforms=("cuda",)).as_text()
+    name = {"bf": "expert_gemv", "in": f"expert_gemv{variant[3]}"}[variant[:2]]
+    assert f'"{name}"' in text and h200_lowering
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
