@@ -47,7 +47,9 @@ from ops.quant_tiles import _dequant_tile
 
 TARGET_PROGRAMS = 528  # four programs per SM of an H100 / H200 (132 SMs), resident at once
 BLOCK_NS = (128, 64, 32, 16)  # output columns per program, the largest that divides N
-BLOCK_KS = (32, 16)  # K rows per tile, the largest that divides K
+# K rows per tile by bits per weight, the largest that divides K (and the groups of codes):
+# about 8 KiB of weights per [block_k, 128] tile
+BLOCK_KS = {16: (32, 16), 8: (64, 32, 16), 4: (128, 64, 32, 16)}
 MAX_ELEMENTS = 2 ** 31  # E * K * N: the kernel's element offsets are int32
 
 
@@ -65,11 +67,14 @@ class ExpertGemvConfig:
     target_programs: int = TARGET_PROGRAMS
 
 
-def expert_gemv_config(k: int, n: int) -> ExpertGemvConfig | None:
-    """The default tiles for K x N experts: the largest block_n of BLOCK_NS dividing N and
-    block_k of BLOCK_KS dividing K (None when none does)."""
+def expert_gemv_config(k: int, n: int, bits: int = 16,
+                       group_size: int | None = None) -> ExpertGemvConfig | None:
+    """The default tiles for K x N experts of `bits` per weight (16, 8, 4): the largest block_n
+    of BLOCK_NS dividing N and block_k of BLOCK_KS[bits] dividing K and group_size (codes in
+    groups; None: per channel), None when none does."""
     block_n = next((b for b in BLOCK_NS if n % b == 0), None)
-    block_k = next((b for b in BLOCK_KS if k % b == 0), None)
+    block_k = next((b for b in BLOCK_KS[bits] if k % b == 0
+                    and (group_size is None or group_size >= k or group_size % b == 0)), None)
     if block_n is None or block_k is None:
         return None
     return ExpertGemvConfig(block_n=block_n, block_k=block_k)
@@ -85,7 +90,7 @@ def default_splits(m: int, column_blocks: int, k_tiles: int,
     return k_tiles
 
 
-def _check(x, w, expert, scales=None, offsets=None) -> int:
+def _check(x, w, expert, scales=None, offsets=None, group_size: int | None = None) -> int:
     """ValueError naming the operand whose shape does not fit; returns the bits per weight
     (16: bf16 or other float values, 8: uint8 codes, 4: int32 words of eight codes)."""
     bits = (code_bits(w) or 16) if scales is not None else 16
@@ -110,6 +115,9 @@ def _check(x, w, expert, scales=None, offsets=None) -> int:
         raise ValueError(f"expert_gemv: scales {scales.shape} and offsets "
                          f"{None if offsets is None else offsets.shape} must be [E, G, N] = "
                          f"[{e}, G, {n}] against codes {w.shape}")
+    k, g = x.shape[1], scales.shape[1]
+    if g > 1 and (not group_size or -(-k // group_size) != g):
+        raise ValueError(f"expert_gemv: {g} groups of {group_size} K rows do not cover K={k}")
     return bits
 
 
@@ -124,17 +132,17 @@ def kernel_refusal(x, w, expert, config: ExpertGemvConfig | None = None, scales=
     rule of what it takes: bf16 x; bf16 experts, or codes whose groups are whole K tiles; K and
     N whole tiles of the config (default tiles: N a multiple of 16, K of 16); fewer than
     MAX_ELEMENTS stored expert elements. Raises ValueError for shapes that do not fit."""
-    bits = _check(x, w, expert, scales, offsets)
-    e, _, n = w.shape
+    bits = _check(x, w, expert, scales, offsets, group_size)
+    n = w.shape[2]
     k = x.shape[1]
-    cfg = config or expert_gemv_config(k, n)
+    group = _group(k, scales, group_size)
+    cfg = config or expert_gemv_config(k, n, bits, group)
     if x.dtype != jnp.bfloat16 or (bits == 16 and w.dtype != jnp.bfloat16):
         return f"expert_gemv: the kernel takes bf16 x and experts, not {x.dtype} and {w.dtype}"
     if cfg is None or k % cfg.block_k or n % cfg.block_n or cfg.block_k % INT4_PER_WORD:
         blocks = "" if cfg is None else f" ({cfg.block_k} x {cfg.block_n})"
         return f"expert_gemv: experts {w.shape} are not whole tiles{blocks} of K x N"
-    group = _group(k, scales, group_size)
-    if bits != 16 and (group is None or (group < k and group % cfg.block_k)):
+    if bits != 16 and group < k and group % cfg.block_k:
         return (f"expert_gemv: groups of {group} K rows are not whole tiles of "
                 f"{cfg.block_k}")
     if w.size >= MAX_ELEMENTS:
@@ -216,10 +224,11 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
     refusal = kernel_refusal(x, w, expert, config, scales, offsets, group_size)
     if refusal:
         raise ValueError(refusal)
-    bits = _check(x, w, expert, scales, offsets)
+    bits = _check(x, w, expert, scales, offsets, group_size)
     m, k = x.shape
     e, _, n = w.shape
-    cfg = config or expert_gemv_config(k, n)
+    group = _group(k, scales, group_size)
+    cfg = config or expert_gemv_config(k, n, bits, group)
     k_tiles, column_blocks = k // cfg.block_k, n // cfg.block_n
     splits = min(cfg.splits or default_splits(m, column_blocks, k_tiles, cfg.target_programs),
                  k_tiles)
@@ -229,7 +238,7 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
     kernel = functools.partial(
         _kernel, num_experts=e, num_groups=1 if scales is None else scales.shape[1],
         k_tiles=k_tiles, per_split=per_split, block_n=cfg.block_n, block_k=cfg.block_k,
-        prefetch=cfg.prefetch, bits=bits, group_size=_group(k, scales, group_size),
+        prefetch=cfg.prefetch, bits=bits, group_size=group,
         asymmetric=offsets is not None)
     args = [expert.astype(jnp.int32), x, w] + [a for a in (scales, offsets) if a is not None]
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731

@@ -162,12 +162,17 @@ def test_coded_dispatch_follows_the_choice_and_falls_back():
                                   rows_coded_matmul(*args, **codes))  # kernels None
     interpreted = KernelBackends(moe="pallas_interpret")
     check(expert_rows_coded_matmul(*args, **codes, kernels=interpreted), want)
-    # groups of 16 K rows cut the default 32-row tiles: the reference runs
+    # groups of 16 K rows: the default tiles shrink to them; 32-row tiles refuse them and the
+    # reference runs
     x, w, expert, kw = operands(10, 4, 3, 128, 32, "int4_g16")
-    assert "groups of 16 K rows" in kernel_refusal(x, w, expert, **kw)
     args = (x, w, kw["scales"], None, expert)
+    check(expert_rows_coded_matmul(*args, bits=4, group_size=16, kernels=interpreted),
+          float64_want(x, w, expert, **kw))
+    tiles = ExpertGemvConfig(block_n=16, block_k=32)
+    assert "groups of 16 K rows" in kernel_refusal(x, w, expert, tiles, **kw)
     np.testing.assert_array_equal(
-        expert_rows_coded_matmul(*args, bits=4, group_size=16, kernels=interpreted),
+        expert_rows_coded_matmul(*args, bits=4, group_size=16, kernels=interpreted,
+                                 config=tiles),
         rows_coded_matmul(*args, bits=4, group_size=16))
     with pytest.raises(ValueError, match="codes int32 are not 8-bit"):
         expert_rows_coded_matmul(*args, bits=8, group_size=16)
@@ -189,6 +194,8 @@ def test_bad_input_raises():
     x, w, expert, kw = operands(8, 3, 4, 64, 16, "int8_g32")
     with pytest.raises(ValueError, match=r"scales \(4, 2, 8\) and offsets None must be"):
         expert_gemv(x, w, expert, scales=kw["scales"][:, :, :8], interpret=True)
+    with pytest.raises(ValueError, match="2 groups of 16 K rows do not cover K=64"):
+        expert_gemv(x, w, expert, scales=kw["scales"], group_size=16, interpret=True)
     with pytest.raises(ValueError, match="offsets without scales"):
         expert_gemv(x, w, expert, offsets=kw["scales"], interpret=True)
     with pytest.raises(ValueError, match="with scales, the experts hold uint8"):
