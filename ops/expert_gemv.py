@@ -150,6 +150,11 @@ def kernel_refusal(x, w, expert, config: ExpertGemvConfig | None = None, scales=
     return None
 
 
+def _load(view, ok):
+    """view's values, those where ok is False read as 0 (ok None: all are read)."""
+    return plgpu.load(view) if ok is None else plgpu.load(view, mask=ok, other=0)
+
+
 def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, k_tiles: int,
             per_split: int, block_n: int, block_k: int, prefetch: bool, bits: int,
             group_size: int, asymmetric: bool):
@@ -173,11 +178,9 @@ def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, 
         # split's last read nothing (masked)
         rs = t * block_r + jnp.arange(block_r, dtype=jnp.int32)  # [BR] stored rows
         ok = rs < last * block_r if prefetch else None
-        xs = tuple(plgpu.load(x_ref.at[row, per_word * rs + j], mask=ok, other=0)
-                   for j in range(per_word))
+        xs = tuple(_load(x_ref.at[row, per_word * rs + j], ok) for j in range(per_word))
         tile_ok = None if ok is None else jnp.broadcast_to(ok[:, None], (block_r, block_n))
-        w = plgpu.load(w_ref.at[expert, rs[:, None], cols[None, :]], mask=tile_ok,
-                       other=0)
+        w = _load(w_ref.at[expert, rs[:, None], cols[None, :]], tile_ok)
         if not codes:
             return xs, w, None, None
         group = jnp.minimum(t * block_k // group_size, num_groups - 1)

@@ -16,8 +16,8 @@ import pytest
 
 from configs.model import get_preset
 from ops.backends import select_kernels
-from ops.expert_gemv import (ExpertGemvConfig, expert_gemv, expert_rows_coded_matmul,
-                              expert_rows_matmul, kernel_refusal)
+from ops.expert_gemv import (ExpertGemvConfig, expert_gemv, expert_gemv_config,
+                              expert_rows_coded_matmul, expert_rows_matmul, kernel_refusal)
 from ops.kernel_choice import KernelBackends
 from ops.matmul import code_bits
 from ops.moe_matmul import rows_coded_matmul, rows_matmul
@@ -205,10 +205,12 @@ def test_bad_input_raises():
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
-@pytest.mark.parametrize("variant", ["bf16", "int8", "int4_g128", "int8_g128_asym",
-                                     "int4_asym"])
-def test_lowers_to_triton_for_h200(h200_lowering, variant):
-    """qwen3-30b-a3b's gate shapes (8 rows, 128 experts [2048, 768]) as shapes only."""
+@pytest.mark.parametrize("variant,prefetch", [("bf16", True), ("bf16", False), ("int8", True),
+                                              ("int4_g128", False), ("int8_g128_asym", False),
+                                              ("int4_asym", True)])
+def test_lowers_to_triton_for_h200(h200_lowering, variant, prefetch):
+    """qwen3-30b-a3b's gate shapes (8 rows, 128 experts [2048, 768]) as shapes only, the
+    default tiles with prefetch on or off."""
     spec = jax.ShapeDtypeStruct
     e, k, n = 128, 2048, 768
     group = 128 if "_g128" in variant else k
@@ -216,8 +218,11 @@ def test_lowers_to_triton_for_h200(h200_lowering, variant):
          "int4": spec((e, k // 8, n), jnp.int32)}[variant.split("_")[0][:4]]
     scales = None if variant == "bf16" else spec((e, k // group, n), jnp.bfloat16)
     offsets = scales if variant.endswith("asym") else None
+    bits = 16 if variant == "bf16" else int(variant[3])
+    config = dataclasses.replace(expert_gemv_config(k, n, bits, group),
+                                 prefetch=prefetch)
     text = jax.jit(lambda x, w, ex, s, o: expert_gemv(x, w, ex, scales=s, offsets=o,
-                                                      group_size=group)).trace(
+                                                      group_size=group, config=config)).trace(
         spec((8, k), jnp.bfloat16), w, spec((8,), jnp.int32), scales, offsets).lower(
         lowering_platforms=("cuda",)).as_text()
     name = {"bf": "expert_gemv", "in": f"expert_gemv{variant[3]}"}[variant[:2]]
