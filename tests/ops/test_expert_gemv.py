@@ -15,12 +15,15 @@ import numpy as np
 import pytest
 
 from configs.model import get_preset
+from models.moe import moe_mlp
+from ops import expert_gemv as expert_gemv_module
 from ops.backends import select_kernels
 from ops.expert_gemv import (ExpertGemvConfig, expert_gemv, expert_gemv_config,
                               expert_rows_coded_matmul, expert_rows_matmul, kernel_refusal)
 from ops.kernel_choice import KernelBackends
 from ops.matmul import code_bits
 from ops.moe_matmul import rows_coded_matmul, rows_matmul
+from quant.model import quantize_experts
 from tests.marks import gpu_picks
 from tests.models.lowering import lowered_step_text
 
@@ -202,6 +205,34 @@ def test_bad_input_raises():
         expert_gemv(x, w.astype(jnp.bfloat16), expert, **kw, interpret=True)
     with pytest.raises(ValueError, match=r"INT4 words \[E, K/8, N\]"):
         expert_gemv(x, w.astype(jnp.int32), expert, **kw, interpret=True)
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_a_mixture_decode_step_through_the_kernel(monkeypatch, bits):
+    """models.moe.moe_mlp of 2 tokens (6 rows <= 8 experts: the decode path), bf16 experts or
+    asymmetric RTN INT4 codes in groups of 32, its three products through the kernel
+    (interpreted) against the reference path: equal up to bf16 roundings of the rows between
+    the products."""
+    e, h, i, k = 8, 64, 32, 3
+    keys = jax.random.split(jax.random.key(bits), 5)
+    x = jax.random.normal(keys[0], (2, h), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (h, e), jnp.bfloat16)
+    weights = {name: (jax.random.normal(key, shape) / np.sqrt(shape[1])).astype(jnp.bfloat16)
+               for name, key, shape in (("gate_proj", keys[2], (e, h, i)),
+                                        ("up_proj", keys[3], (e, h, i)),
+                                        ("down_proj", keys[4], (e, i, h)))}
+    if bits != 16:
+        weights = {name: quantize_experts(w, bits, 32, False, jnp.bfloat16)
+                   for name, w in weights.items()}
+    settings = dict(top_k=k, normalize=True, hidden_act="silu")
+    ref = moe_mlp(x, router, weights, **settings)
+    calls = []
+    monkeypatch.setattr(expert_gemv_module, "expert_gemv",
+                        lambda *a, **kw: calls.append(1) or expert_gemv(*a, **kw))
+    got = moe_mlp(x, router, weights, **settings, kernels=KernelBackends(moe="pallas_interpret"))
+    assert len(calls) == 3  # gate, up and down
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0,
+                               atol=2.0 ** -7 * float(np.abs(np.asarray(ref)).max()))
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
