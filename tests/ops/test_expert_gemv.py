@@ -95,7 +95,8 @@ def float64_want(x, w, expert, scales=None, offsets=None, group_size=None) -> np
         zero = 8 if w.dtype == jnp.int32 else 128
         values = (per_k(scales) * (codes - zero) if offsets is None
                   else per_k(scales) * codes + per_k(offsets))
-    return np.einsum("mk,mkn->mn", f(x), values[np.asarray(expert)])
+    xs = f(x)
+    return np.stack([xs[r] @ values[i] for r, i in enumerate(np.asarray(expert))])
 
 
 def check(out, want):
@@ -132,7 +133,7 @@ def test_kernel_against_float64(m, e, k, n, variant, config):
                                            (8, 768, 2048, "int4_g128"),
                                            (16, 2048, 768, "int4_g128_asym")])
 def test_qwen3_moe_shapes_on_gpu(m, k, n, variant):
-    x, w, expert, kw = operands(m + k, m, 128, k, n, variant)
+    x, w, expert, kw = operands(m + k, m, 16, k, n, variant)  # 16 of the 128 experts
     out = expert_gemv(x, w, expert, **kw)
     check(out, float64_want(x, w, expert, **kw))
 
