@@ -138,13 +138,18 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
     ),
     "moe": (
         KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
-                    "bf16 x and experts", "decode (rows <= E); K, N whole tiles",
-                    expert_gemv.expert_gemv),
+                    "bf16 x; bf16 experts or INT8 / INT4 codes",
+                    "decode (rows <= E); K, N and groups whole tiles", expert_gemv.expert_gemv),
         KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
-                    "other dtypes, codes or shapes", "decode (rows <= E)",
-                    moe_matmul.rows_matmul),
-        KernelEntry("reference", "any", "experts [E, K, N], each row's expert given", "any",
+                    "other dtypes or shapes", "decode (rows <= E)", moe_matmul.rows_matmul),
+        KernelEntry("pallas", "gpu", "codes [E, K, N], each row's expert given",
+                    "other dtypes or shapes", "decode (rows <= E)",
+                    moe_matmul.rows_coded_matmul),
+        KernelEntry("reference", "any", "experts [E, K, N], each row's expert given", "float",
                     "decode (rows <= E): the gathered form", moe_matmul.rows_matmul),
+        KernelEntry("reference", "any", "codes [E, K, N], each row's expert given",
+                    "INT8 / INT4", "decode (rows <= E): the gathered form",
+                    moe_matmul.rows_coded_matmul),
     ),
 }
 
@@ -174,9 +179,10 @@ def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | 
     ((axis, size), ...) of a sharded step's (data, model) mesh, () for one device.
     "auto" switches take the Pallas kernels on a GPU and a TPU and the reference elsewhere.
     Under a mesh the RoPE + KV write, RMSNorm and the experts' decode products take the jnp /
-    XLA path (the write then runs per shard) while attention runs its kernel per shard. On a TPU only attention and the
-    quantized products have kernels (Mosaic TPU); the other families run XLA. device_kind
-    (jax's Device.device_kind) picks the TPU kernels' block sizes. The switch
+    XLA path (the write then runs per shard) while attention runs its kernel per shard. On a
+    TPU only attention and the quantized products have kernels (Mosaic TPU); the other
+    families run XLA. device_kind (jax's Device.device_kind) picks the TPU kernels' block
+    sizes. The switch
     PALLASITE_KERNELS=tpu_interpret makes any platform choose as a TPU does, with the TPU
     kernels interpreted.
     """
