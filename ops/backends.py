@@ -182,9 +182,8 @@ def select_kernels(platform: str, *, hopper: bool = False, switches: Switches | 
     XLA path (the write then runs per shard) while attention runs its kernel per shard. On a
     TPU only attention and the quantized products have kernels (Mosaic TPU); the other
     families run XLA. device_kind (jax's Device.device_kind) picks the TPU kernels' block
-    sizes. The switch
-    PALLASITE_KERNELS=tpu_interpret makes any platform choose as a TPU does, with the TPU
-    kernels interpreted.
+    sizes. The switch PALLASITE_KERNELS=tpu_interpret makes any platform choose as a TPU does,
+    with the TPU kernels interpreted.
     """
     if platform not in PLATFORMS:
         raise ValueError(f"select_kernels: platform {platform!r} must be one of {PLATFORMS}")
