@@ -50,7 +50,7 @@ BLOCK_NS = (128, 64, 32, 16)  # output columns per program, the largest that div
 # K rows per tile by bits per weight, the largest that divides K (and the groups of codes):
 # about 8 KiB of weights per [block_k, 128] tile
 BLOCK_KS = {16: (32, 16), 8: (64, 32, 16), 4: (128, 64, 32, 16)}
-MAX_ELEMENTS = 2 ** 31  # E * K * N: the kernel's element offsets are int32
+MAX_ELEMENTS = 2 ** 31  # stored expert elements: the kernel's element offsets are int32
 
 
 @dataclasses.dataclass(frozen=True)
