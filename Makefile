@@ -4,10 +4,13 @@ PROMPT ?= What is the capital of France?
 ARGS ?=
 # pytest-xdist workers of `make test` (two fit the 2-core CI machine)
 TEST_WORKERS ?= 2
-# `make test-gpu`: its workers share the one GPU, each allowed GPU_MEM_FRACTION of it (an
-# engine sizes its KV cache from its own process's limit, blind to the other workers'), and its log
-GPU_TEST_WORKERS ?= 2
-GPU_MEM_FRACTION ?= 0.45
+# `make test-gpu` runs in two phases into GPU_TEST_LOG: the kernels' tests (many small compiles,
+# little memory: GPU_KERNEL_WORKERS processes sharing the GPU, each allowed GPU_KERNEL_MEM of
+# it), then the engines' tests in one process (an 8B float32 model and engines that size their
+# caches from the process's share of the device).
+GPU_KERNEL_WORKERS ?= 6
+GPU_KERNEL_MEM ?= 0.12
+GPU_ENGINE_MEM ?= 0.85
 GPU_TEST_LOG ?= test-gpu.log
 PYTHON_BIN := $(VENV)/bin/python
 
@@ -32,9 +35,11 @@ test: setup
 
 # The tests marked `gpu` on this machine's GPU: the kernels compiled for real against their
 # references (a handful of shapes each), the engine with the GPU kernels against the reference.
+GPU_PYTEST = XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON_BIN) -m pytest -m gpu -rs --durations=15 $(ARGS)
 test-gpu: setup
-	XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_CLIENT_MEM_FRACTION=$(GPU_MEM_FRACTION) bash -o pipefail -c \
-	    '$(PYTHON_BIN) -m pytest tests -m gpu -n $(GPU_TEST_WORKERS) -rs --durations=20 $(ARGS) 2>&1 | tee $(GPU_TEST_LOG)'
+	bash -o pipefail -c '\
+	  XLA_CLIENT_MEM_FRACTION=$(GPU_KERNEL_MEM) $(GPU_PYTEST) -n $(GPU_KERNEL_WORKERS) tests/ops tests/quant 2>&1 | tee $(GPU_TEST_LOG); kernels=$$?; \
+	  XLA_CLIENT_MEM_FRACTION=$(GPU_ENGINE_MEM) $(GPU_PYTEST) tests --ignore=tests/ops --ignore=tests/quant 2>&1 | tee -a $(GPU_TEST_LOG) && exit $$kernels'
 
 clean:
 	rm -rf $(VENV)

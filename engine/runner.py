@@ -317,35 +317,34 @@ class ModelRunner:
         return logits[: len(batch.token_ids)]
 
     def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
-               verification: bool = False) -> None:
+               verification: bool = False):
         """Compiles the program of a step whose sequences compute q_lens tokens each: ahead of
         time (lowered and compiled for a padding step's argument shapes, not run: a large
         prefill program would take seconds to run; the weights and cache are not touched, so
         this may run in a thread beside the engine's steps), or where `compiles_ahead` is off by
-        running it on padding (nothing is written)."""
+        running it on padding (nothing is written). Returns the compiled program when compiled
+        ahead (its memory_analysis() tells the step's temporary bytes), else None."""
         dummy = padding_batch(q_lens, num_pages, verification)
         num_seqs = dummy.num_seqs
         if self.compiles_ahead:
             args = abstract_arrays(self._step_args(dummy))
             if all_logits:
-                self._step.lower(*args, all_logits=True).compile()
-            else:
-                self._step_and_argmax.lower(*args, self.sample_rows).compile()
-        elif all_logits:
+                return self._step.lower(*args, all_logits=True).compile()
+            return self._step_and_argmax.lower(*args, self.sample_rows).compile()
+        if all_logits:
             self.execute_all_logits(dummy).block_until_ready()
         else:  # the program the engine runs: the step and its argmax
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
 
-    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int) -> None:
-        """Compiles the greedy multi-step program of a decode batch (as `warmup`). Sampled
-        multi-step programs compile when first used."""
+    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int):
+        """Compiles the greedy multi-step program of a decode batch (as `warmup`, and returns
+        the same). Sampled multi-step programs compile when first used."""
         dummy = padding_batch([1] * num_seqs, num_pages)
         arrays = SamplingArrays.defaults(num_seqs)
         if self.compiles_ahead:
-            self._multi_step.lower(*abstract_arrays(self._round_args(
+            return self._multi_step.lower(*abstract_arrays(self._round_args(
                 "multi_step", dummy, arrays, num_steps, None, None))).compile()
-            return
         np.asarray(self.execute_multi_step(dummy, arrays, num_steps)[0])
 
     def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int) -> None:

@@ -59,21 +59,22 @@ def routed_group_sizes(rng, rows: int, experts: int, k: int) -> np.ndarray:
     return np.bincount(chosen, minlength=experts).astype(np.int32)
 
 
-def product(form: str, weight, bits: int):
-    """fn(x [M, K], group_sizes [E]) -> [M, N] of one form over one layer's weight."""
+def product(form: str, bits: int):
+    """fn(x [M, K], group_sizes [E], weight) -> [M, N] of one form over one layer's weight (an
+    argument, so that jit takes it as a buffer rather than a constant of the program)."""
     if form == "mgpu":
         bm, bn, bk, steps, gbn = (int(v) for v in FLAGS.mgpu_tiles.split(","))
-        return lambda x, gs: ragged_dot_mgpu.ragged_dot(
+        return lambda x, gs, weight: ragged_dot_mgpu.ragged_dot(
             x, weight, group_sizes=gs, block_m=bm, block_n=bn, block_k=bk,
             max_concurrent_steps=steps, grid_block_n=gbn)
     if form == "gathered_reduce":
-        return functools.partial(gathered_reduce, weight=weight, bits=bits)
+        return functools.partial(gathered_reduce, bits=bits)
     if form.split(":")[0] == "kernel":
-        return functools.partial(kernel_product, weight=weight, config=kernel_config(form))
+        return functools.partial(kernel_product, config=kernel_config(form))
     if form not in moe_matmul.FORMS:
         raise ValueError(f"unknown form {form!r}")
 
-    def run(x, gs):
+    def run(x, gs, weight):
         if bits:
             return moe_matmul.grouped_coded_matmul(x, weight.packed, weight.scales,
                                                    weight.offsets, gs, bits=bits,
@@ -150,18 +151,18 @@ def main(argv):
         touched = int((np.asarray(gs) > 0).sum())
         x = jax.random.normal(jax.random.key(rows), (rows, h), jnp.bfloat16)
         floor = (touched * expert_bytes + rows * (h + i) * 2) / (calib["copy_TBps"] * 1e12)
-        reference = np.asarray(jax.jit(product("tiles", weights[0], bits))(x, gs), np.float32)
+        reference = np.asarray(jax.jit(product("tiles", bits))(x, gs, weights[0]), np.float32)
         for form in FLAGS.forms:
             row = {"rows": rows, "form": form, "touched_experts": touched, "floor_s": floor}
             try:
                 if form.startswith(("gathered", "kernel")) and rows > e:
                     raise ValueError(f"the {form} form takes at most E={e} rows")
-                fns = [product(form, w, bits) for w in weights]
-                got = np.asarray(jax.jit(fns[0])(x, gs), np.float32)  # every form: one answer
+                fn = product(form, bits)
+                got = np.asarray(jax.jit(fn)(x, gs, weights[0]), np.float32)  # one answer
                 row["max_rel_err"] = float(np.abs(got - reference).max()
                                            / np.abs(reference).max())
-                seconds = time_per_call(lambda x, gs: [f(x, gs) for f in fns], (x, gs),
-                                        len(fns), FLAGS.runs, 4)
+                seconds = time_per_call(lambda x, gs, ws: [fn(x, gs, w) for w in ws],
+                                        (x, gs, weights), len(weights), FLAGS.runs, 4)
                 row |= {"step_s": seconds, "fraction_of_floor": floor / seconds}
             except Exception as exc:  # noqa: BLE001 - a failing row is a result
                 row["error"] = error_text(exc)
