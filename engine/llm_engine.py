@@ -38,7 +38,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
-from engine.warmup import compile_step, reachable_steps
+from engine.warmup import compile_all, compile_step, compile_threads, reachable_steps
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -409,14 +409,13 @@ class LLMEngine:
                shapes: list | None = None, samplers: bool = True) -> int:
         """Compiles the programs of `warmup_shapes` (or of `shapes`, some of them: a server's
         engine.warmup.split_first) and, with `samplers`, those of sampled rows (a greedy run
-        needs none); returns how many step programs were new."""
+        needs none); returns how many step programs were new. A runner that compiles ahead of
+        time compiles engine.warmup.compile_threads() programs at once."""
         if shapes is None:
             shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
         before = len(self.runner.compiled_shapes)
-        for i, shape in enumerate(shapes):
-            self._compile_step(*shape)
-            if progress is not None:
-                progress(i + 1, len(shapes))
+        threads = compile_threads() if self.runner.compiles_ahead else 1
+        compile_all(self._compile_step, shapes, threads, progress)
         if samplers:
             self.runner.warmup_samplers()
         return len(self.runner.compiled_shapes) - before

@@ -51,7 +51,7 @@ class ModelRunner:
         self.kernels = device_kernels() if kernels is None else kernels
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
-                                                          jax.default_backend())
+                                                          self.kernels.platform)
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))

@@ -101,7 +101,7 @@ class ShardedModelRunner(ModelRunner):
         self.plan = attention_plan(cfg, self.tp)
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
-                                                          jax.default_backend())
+                                                          self.kernels.platform)
         self.graphdef, state = nnx.split(model)
         self.state, self.cfg = shard_state(state, cfg, mesh)
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))  # as ModelRunner's

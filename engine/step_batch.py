@@ -16,7 +16,8 @@ import numpy as np
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 4
 MAX_SHORT_Q = 16  # speculative verification steps: at most this many tokens per sequence
-# On a GPU the attention kernels read only each sequence's own pages, so a block table wider
+# On a GPU or TPU the attention kernels read only each sequence's own pages (the TPU kernel copies
+# only its sequence's table row to SMEM), so a block table wider
 # than its sequences costs only its copy to the device: steps pad their tables to at least this
 # many tokens' pages (one width, few programs, for every context up to it) and wider ones to a
 # power of two (a step of 256 sequences with a 128k-token context's full table would copy 8 MB).
@@ -119,10 +120,11 @@ def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
 
 def table_widths(max_width: int, page_size: int, platform: str) -> tuple[int, int]:
     """(least block-table width of any step, least of a prefill step), in pages, for a runner
-    of sequences up to max_width pages on `platform` (a jax platform name). On the CPU decode
+    of sequences up to max_width pages on `platform` (its kernels' platform). On the CPU decode
     steps take their own width's bucket and prefill steps the widest (few prefill programs); on
-    a GPU every step pads to FIXED_WIDTH_TOKENS' pages or its own bucket, whichever is wider."""
-    if platform != "gpu":
+    a GPU or TPU every step pads to FIXED_WIDTH_TOKENS' pages or its own bucket, whichever is
+    wider."""
+    if platform == "cpu":
         return 1, max_width
     floor = min(max_width, -(-FIXED_WIDTH_TOKENS // page_size))
     return floor, floor

@@ -4,6 +4,9 @@ background once it listens (`LLMEngine.compile_in_background`).
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
 from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
 
 # Before listening a server compiles the decode steps of contexts up to this many tokens (or its
@@ -11,6 +14,34 @@ from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
 # contexts and steps that prefill several prompts at once come later, nearest first.
 FIRST_CONTEXT_TOKENS = 256
 FIRST_PREFILL_SEQS = 1
+# Programs compiled at once ahead of time: XLA compiles without holding Python's lock, so
+# independent step programs compile side by side on a host's cores.
+MAX_COMPILE_THREADS = 8
+
+
+def compile_threads() -> int:
+    """Threads that compile step programs at once on this host: its cores, at most
+    MAX_COMPILE_THREADS."""
+    return max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
+
+
+def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
+    """compile_one(*shape) for every shape, `threads` at a time (1: in order, on this thread);
+    progress(done, total) after each. The first failure is raised once the others finish."""
+    if threads <= 1 or len(shapes) <= 1:
+        for i, shape in enumerate(shapes):
+            compile_one(*shape)
+            if progress is not None:
+                progress(i + 1, len(shapes))
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compile") as pool:
+        futures = [pool.submit(compile_one, *shape) for shape in shapes]
+        for done, future in enumerate(as_completed(futures), start=1):
+            future.exception()  # wait; failures are raised below, in the shapes' order
+            if progress is not None:
+                progress(done, len(shapes))
+    for future in futures:
+        future.result()
 
 
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,

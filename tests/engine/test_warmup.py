@@ -2,14 +2,17 @@
 compiles nothing (engine/warmup.py lists the reachable steps)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import pytest
 
 from configs.model import TINY_LLAMA31
 from engine.compile_stats import compile_stats, count_compiles
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.sampling import sample_packed
-from engine.warmup import split_first
+from engine.warmup import compile_all, split_first
 from models.weights import random_model
 
 
@@ -67,7 +70,7 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
 
 
 def test_block_table_widths_on_a_gpu_and_the_cpu():
-    """On a GPU steps pad their tables to FIXED_WIDTH_TOKENS' pages (one width for every context
+    """On a GPU (and a TPU) steps pad their tables to FIXED_WIDTH_TOKENS' pages (one width for every context
     up to it) and wider ones to their power of two; the warm-up lists those widths only. On the
     CPU decode steps take their own bucket and prefill steps the widest."""
     from engine.block_pool import BlockPool
@@ -75,7 +78,7 @@ def test_block_table_widths_on_a_gpu_and_the_cpu():
     from engine.step_batch import FIXED_WIDTH_TOKENS, bucket_key, table_widths
     from engine.warmup import reachable_steps
     floor = FIXED_WIDTH_TOKENS // 16
-    assert table_widths(8192, 16, "gpu") == (floor, floor)
+    assert table_widths(8192, 16, "gpu") == table_widths(8192, 16, "tpu") == (floor, floor)
     assert table_widths(40, 16, "gpu") == (40, 40)  # a short context: its own width
     assert table_widths(8192, 16, "cpu") == (1, 8192)
     # A decode step of 256 sequences: the floor, or the bucket of a wider table.
@@ -91,3 +94,30 @@ def test_block_table_widths_on_a_gpu_and_the_cpu():
     widths = {w for q_lens, w, _ in reachable_steps(cfg, pool, floor, max_total_len=1152)
               if max(q_lens) == 1}
     assert widths == {floor}
+
+
+def test_compile_all_runs_every_shape_once_and_raises_the_first_failure():
+    """engine.warmup.compile_all: every shape compiled once, progress up to the total, threads
+    or not; a failure is raised after the others ran (the first in the shapes' order)."""
+    shapes = [([1] * n, 4, False) for n in range(1, 9)]
+    for threads in (1, 3):
+        seen, reports, names = [], [], set()
+
+        def compile_one(q_lens, width, verification):
+            names.add(threading.current_thread().name)
+            seen.append(len(q_lens))
+
+        compile_all(compile_one, shapes, threads, lambda done, total: reports.append((done, total)))
+        assert sorted(seen) == list(range(1, 9))
+        assert reports == [(i, 8) for i in range(1, 9)]
+        assert (names == {threading.current_thread().name}) == (threads == 1)
+
+        def failing(q_lens, width, verification):
+            seen.append(len(q_lens))
+            if len(q_lens) in (3, 6):
+                raise ValueError(f"shape {len(q_lens)}")
+
+        seen.clear()
+        with pytest.raises(ValueError, match="shape 3"):
+            compile_all(failing, shapes, threads)
+        assert sorted(seen) == list(range(1, 9)) if threads > 1 else seen == [1, 2, 3]
