@@ -35,7 +35,10 @@ test: setup
 
 # The tests marked `gpu` on this machine's GPU: the kernels compiled for real against their
 # references (a handful of shapes each), the engine with the GPU kernels against the reference.
-GPU_PYTEST = XLA_PYTHON_CLIENT_PREALLOCATE=false $(PYTHON_BIN) -m pytest -m gpu -rs --durations=15 $(ARGS)
+# XLA's GEMM autotuning is off: it would time every product of every test program on the GPU,
+# and the tests check numbers, not speed.
+GPU_PYTEST = XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0 $$XLA_FLAGS" \
+    $(PYTHON_BIN) -m pytest -m gpu -rs --durations=15 $(ARGS)
 test-gpu: setup
 	bash -o pipefail -c '\
 	  XLA_CLIENT_MEM_FRACTION=$(GPU_KERNEL_MEM) $(GPU_PYTEST) -n $(GPU_KERNEL_WORKERS) tests/ops tests/quant 2>&1 | tee $(GPU_TEST_LOG); kernels=$$?; \
