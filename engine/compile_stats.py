@@ -35,9 +35,11 @@ class CompileStats:
                             self.seconds - other.seconds)
 
     def describe(self) -> str:
-        """'N programs: C compiled, L loaded from the compilation cache (S s)'."""
+        """'N programs: C compiled, L loaded from the compilation cache (S s of compiling)':
+        S sums every program's compile time, so it exceeds the wall time when programs compile
+        side by side."""
         return (f"{self.programs} programs: {self.compiled} compiled, {self.loaded} loaded from "
-                f"the compilation cache ({self.seconds:.1f}s)")
+                f"the compilation cache ({self.seconds:.1f}s of compiling)")
 
 
 _lock = threading.Lock()
