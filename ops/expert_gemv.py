@@ -9,8 +9,8 @@ from memory and never a gathered copy of it; bf16 experts, or INT8 / INT4 codes.
                               rows_coded_matmul otherwise
 
 XLA's form of the same product (ops/moe_matmul.py `rows_matmul`, an einsum over w[expert])
-writes the gathered weights [M, K, N] to memory before it multiplies, so a decode step moves
-about three times the bytes of the experts it touches. Here each program owns one row m, a
+may write the gathered weights [M, K, N] to memory before it multiplies, so that a decode step
+moves about three times the bytes of the experts it touches. Here each program owns one row m, a
 block of block_n output columns and one of `splits` slices of K: it loads expert[m] itself,
 walks its K slice one [block_k, block_n] tile of w[expert[m]] at a time (the tile's rows are
 contiguous block_n-column runs of the [K, N] layout), multiplies by the row's x in float32 and
