@@ -16,11 +16,11 @@ import numpy as np
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 4
 MAX_SHORT_Q = 16  # speculative verification steps: at most this many tokens per sequence
-# On a GPU or TPU the attention kernels read only each sequence's own pages (the TPU kernel copies
-# only its sequence's table row to SMEM), so a block table wider
-# than its sequences costs only its copy to the device: steps pad their tables to at least this
-# many tokens' pages (one width, few programs, for every context up to it) and wider ones to a
-# power of two (a step of 256 sequences with a 128k-token context's full table would copy 8 MB).
+# On a GPU or TPU the attention kernels read only each sequence's own pages (the TPU kernel
+# copies only its sequence's table row to SMEM), so a block table wider than its sequences costs
+# only its copy to the device: steps pad their tables to at least this many tokens' pages (one
+# width, few programs, for every context up to it) and wider ones to a power of two (a step of
+# 256 sequences with a 128k-token context's full table would copy 8 MB).
 FIXED_WIDTH_TOKENS = 2048
 
 

@@ -26,8 +26,9 @@ def compile_threads() -> int:
 
 
 def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
-    """compile_one(*shape) for every shape, `threads` at a time (1: in order, on this thread);
-    progress(done, total) after each. The first failure is raised once the others finish."""
+    """compile_one(*shape) for every shape, `threads` at a time; progress(done, total) after
+    each. On threads the first failure (in the shapes' order) is raised once the others finish;
+    with one thread, in order on this thread, a failure stops the walk."""
     if threads <= 1 or len(shapes) <= 1:
         for i, shape in enumerate(shapes):
             compile_one(*shape)

@@ -150,8 +150,15 @@ def combine(y: jax.Array, order: jax.Array, kept: jax.Array, weights: jax.Array,
     run)."""
     pairs = order.shape[0]
     where = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype))
-    w = jnp.where(kept[where], weights.reshape(-1), 0.0)  # [N*k] in pair order
-    rows = jnp.where(kept[where][:, None], y[where].astype(jnp.float32), 0.0) * w[:, None]
+    return token_sums(y[where], kept[where], weights, num_tokens, top_k)
+
+
+def token_sums(y: jax.Array, kept: jax.Array, weights: jax.Array, num_tokens: int,
+               top_k: int) -> jax.Array:
+    """sum over each token's k rows of weight * row: y [N*k, hidden] in pair order, kept [N*k],
+    weights [N, k] -> float32 [N, hidden] (rows not kept count zero), in a fixed order."""
+    w = jnp.where(kept, weights.reshape(-1), 0.0)  # [N*k]
+    rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]
     return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1)
 
 
@@ -173,9 +180,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
         kept = (local >= 0) & (local < num_groups)
         y = experts_mlp(jnp.repeat(x, top_k, axis=0), weights, hidden_act, kernels,
                         expert=jnp.clip(local, 0, num_groups - 1))
-        w = jnp.where(kept, probs.reshape(-1), 0.0)
-        rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]
-        return jnp.sum(rows.reshape(n, top_k, -1), axis=1)
+        return token_sums(y, kept, probs, n, top_k)
     order, kept, group_sizes = sorted_pairs(experts, num_groups, first_expert)
     y = experts_mlp(x[order // top_k], weights, hidden_act, group_sizes=group_sizes)
     return combine(y, order, kept, probs, n, top_k)
