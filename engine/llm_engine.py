@@ -38,7 +38,8 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
-from engine.warmup import compile_all, compile_step, compile_threads, reachable_steps
+from engine.warmup import (compile_all, compile_step, compile_threads, reachable_steps,
+                           sampled_round_shapes)
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -398,34 +399,43 @@ class LLMEngine:
     # ---- compilation --------------------------------------------------------------------------
 
     def warmup_shapes(self, num_seqs: int | None = None, max_total_len: int | None = None,
-                      prompt_lens: list[int] | None = None) -> list[tuple[list[int], int, bool]]:
+                      prompt_lens: list[int] | None = None, sampled: bool = True) -> list[tuple]:
         """The steps (tokens of each sequence, block-table width, verification?) whose programs
-        a run can reach (engine/warmup.py)."""
-        return reachable_steps(self.engine_cfg, self.pool, self.runner.min_width,
-                               self.spec_config, num_seqs, max_total_len, prompt_lens)
+        a run can reach (engine/warmup.py); with `sampled`, then those whose rounds rows that
+        sample reach (the same with a fourth entry, the sampler mode)."""
+        shapes = reachable_steps(self.engine_cfg, self.pool, self.runner.min_width,
+                                 self.spec_config, num_seqs, max_total_len, prompt_lens)
+        if not sampled or self.rounds is None:
+            return shapes
+        return shapes + sampled_round_shapes(shapes, self.rounds.num_steps,
+                                             self.rounds.mixed_rounds)
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
                prompt_lens: list[int] | None = None, progress=None,
                shapes: list | None = None, samplers: bool = True) -> int:
         """Compiles the programs of `warmup_shapes` (or of `shapes`, some of them: a server's
-        engine.warmup.split_first) and, with `samplers`, those of sampled rows (a greedy run
-        needs none); returns how many step programs were new. A runner that compiles ahead of
-        time compiles engine.warmup.compile_threads() programs at once."""
+        engine.warmup.split_first) and, with `samplers`, the sampler programs of sampled rows
+        (a greedy run needs none, nor `warmup_shapes`' sampled rounds); returns how many step
+        programs were new. A runner that compiles ahead of time compiles
+        engine.warmup.compile_threads() programs at once."""
         if shapes is None:
-            shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens)
+            shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens, sampled=samplers)
         before = len(self.runner.compiled_shapes)
-        threads = compile_threads() if self.runner.compiles_ahead else 1
-        compile_all(self._compile_step, shapes, threads, progress)
+        jobs = [(self._compile_step, shape) for shape in shapes]
         if samplers:
-            self.runner.warmup_samplers()
+            jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
+        threads = compile_threads() if self.runner.compiles_ahead else 1
+        compile_all(lambda compile_one, shape: compile_one(*shape), jobs, threads, progress)
         return len(self.runner.compiled_shapes) - before
 
-    def _compile_step(self, q_lens, width: int, verification: bool) -> None:
-        """The programs of one reachable step (and its multi-step or mixed round)."""
+    def _compile_step(self, q_lens, width: int, verification: bool, mode: str = "greedy"
+                      ) -> None:
+        """The programs of one reachable step (and its multi-step or mixed round) whose rows
+        sample in `mode`."""
         rounds = self.rounds
         compile_step(self.runner, q_lens, width, verification,
                      rounds.num_steps if rounds is not None else 1,
-                     rounds is not None and rounds.mixed_rounds)
+                     rounds is not None and rounds.mixed_rounds, mode)
 
     def compile_in_background(self, shapes: list, log=None) -> threading.Thread:
         """Starts a daemon thread that compiles the programs of `shapes` ahead of time beside
@@ -447,8 +457,8 @@ class LLMEngine:
                     f"{time.perf_counter() - start:.1f}s")
 
         if shapes:
-            log(f"compiling {len(shapes)} more programs in the background (longer contexts, "
-                "several prompts per step)")
+            log(f"compiling {len(shapes)} more programs in the background (rounds of rows that "
+                "sample, longer contexts, several prompts per step)")
         thread = threading.Thread(target=run, name="compile-in-background", daemon=True)
         thread.start()
         return thread

@@ -9,8 +9,8 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache, init_kv_cache
-from engine.sampling import (SamplingArrays, pack_sampling, sample_from_packed, sample_step,
-                             with_logprobs)
+from engine.sampling import (SamplingArrays, first_rows, pack_sampling, sample_from_packed,
+                             sample_packed, sample_step, with_logprobs)
 from engine.step_batch import StepBatch, bucket, bucket_key, pad_to, padding_batch, table_widths
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
@@ -337,39 +337,55 @@ class ModelRunner:
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
 
-    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int):
-        """Compiles the greedy multi-step program of a decode batch (as `warmup`, and returns
-        the same). Sampled multi-step programs compile when first used."""
+    def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int,
+                          mode: str = "greedy"):
+        """Compiles the multi-step program of a decode batch whose rows sample in `mode`
+        (engine.sampling.sampling_mode), as `warmup` does, and returns the same."""
         dummy = padding_batch([1] * num_seqs, num_pages)
-        arrays = SamplingArrays.defaults(num_seqs)
+        arrays = SamplingArrays.of_mode(num_seqs, mode)
         if self.compiles_ahead:
             return self._multi_step.lower(*abstract_arrays(self._round_args(
                 "multi_step", dummy, arrays, num_steps, None, None))).compile()
         np.asarray(self.execute_multi_step(dummy, arrays, num_steps)[0])
 
-    def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int) -> None:
-        """Compiles the greedy mixed-round program of a step whose sequences compute q_lens
-        tokens each (as `warmup`)."""
+    def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int,
+                           mode: str = "greedy") -> None:
+        """Compiles the mixed-round program of a step whose sequences compute q_lens tokens
+        each and sample in `mode` (as `warmup`)."""
         dummy = padding_batch(q_lens, num_pages)
         complete = np.zeros(dummy.num_seqs, np.bool_)
-        arrays = SamplingArrays.defaults(dummy.num_seqs)
+        arrays = SamplingArrays.of_mode(dummy.num_seqs, mode)
         if self.compiles_ahead:
             self._mixed_round.lower(*abstract_arrays(self._round_args(
                 "mixed_round", dummy, arrays, num_steps, None, None, complete))).compile()
             return
         np.asarray(self.execute_mixed_round(dummy, complete, arrays, num_steps)[0])
 
-    def warmup_samplers(self) -> None:
-        """Compiles the sampler programs of batches with sampled rows (without and with top-k /
-        top-p / min-p cuts) for every power-of-two row count up to the step's."""
-        rows = 1
-        while rows <= bucket(self.max_seqs):
-            logits = self._placed(np.zeros((rows, self.cfg.vocab_size), np.float32))
-            for top_k in (0, 1):  # modes "plain", "cuts"
-                arrays = SamplingArrays.defaults(rows)
-                arrays.temperature[:], arrays.top_k[:] = 1.0, top_k
-                fetch_samples(self.sample_device(logits, arrays), rows)
-            rows *= 2
+    def sampler_shapes(self) -> list[tuple[int, str]]:
+        """(rows, mode) of the sampler programs that steps with sampled rows reach: every
+        power-of-two row count up to the step's, without and with top-k / top-p / min-p cuts."""
+        rows = [1 << i for i in range(bucket(self.max_seqs).bit_length())]
+        return [(r, mode) for r in rows for mode in ("plain", "cuts")]
+
+    def warmup_sampler(self, rows: int, mode: str) -> None:
+        """Compiles the sampler program of `rows` logits rows in `mode` and, with cuts, the cut
+        of a step's sample_rows padded rows down to `rows` (`sample_device`): ahead of time
+        (from shapes alone, so it may run on a compile thread), or by running them where
+        `compiles_ahead` is off."""
+        arrays = SamplingArrays.of_mode(rows, mode)
+        cut = mode == "cuts" and rows < self.sample_rows
+        vocab = self.cfg.vocab_size
+        if self.compiles_ahead:
+            floats, ints = pack_sampling(arrays)
+            sample_packed.lower(jax.ShapeDtypeStruct((rows, vocab), jnp.float32), floats, ints,
+                                None, out_rows=self.sample_rows, mode=mode).compile()
+            if cut:
+                first_rows.lower(jax.ShapeDtypeStruct((self.sample_rows, vocab), jnp.float32),
+                                 rows, rows=rows).compile()
+            return
+        for logits_rows in (rows, self.sample_rows) if cut else (rows,):
+            logits = self._placed(np.zeros((logits_rows, vocab), np.float32))
+            fetch_samples(self.sample_device(logits, arrays), rows)
 
     def _placed(self, host: np.ndarray) -> jax.Array:
         """A host array where the step puts its logits (the sampler's programs are keyed by
@@ -390,7 +406,7 @@ class ModelRunner:
         # slicing op. Only the sort of the "cuts" mode is worth cutting them down to bucket(S).
         if rows != bucket(rows) or (rows > bucket(s) and arrays.mode() == "cuts"):
             rows = bucket(s)
-            logits = jnp.pad(logits[:s], ((0, rows - s), (0, 0)))
+            logits = first_rows(logits, s, rows=rows)
         return start_copies(sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows))
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):

@@ -176,6 +176,19 @@ class SamplingArrays:
                    np.ones(rows, np.float32), np.zeros(rows, np.float32),
                    np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
 
+    @classmethod
+    def of_mode(cls, rows: int, mode: str) -> "SamplingArrays":
+        """Rows whose `mode()` is `mode`: greedy (the defaults), plain (temperature 1, no cut)
+        or cuts (also top-k 1): what a warm-up compiles each sampler mode's programs with."""
+        arrays = cls.defaults(rows)
+        if mode != "greedy":
+            arrays.temperature[:] = 1.0
+        if mode == "cuts":
+            arrays.top_k[:] = 1
+        if arrays.mode() != mode:
+            raise ValueError(f"sampling mode must be greedy, plain or cuts, got {mode!r}")
+        return arrays
+
     def mode(self) -> str:
         """The sampler mode of these rows (`sampling_mode`)."""
         return sampling_mode(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -236,6 +249,15 @@ def _token_matrix(token_lists) -> np.ndarray:
     for i, tokens in enumerate(token_lists):
         out[i, : len(tokens)] = tokens
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def first_rows(logits: jax.Array, num_rows, rows: int) -> jax.Array:
+    """[rows, V] of logits [R, V]: its first num_rows rows, then zero rows (rows static, a
+    power of two; num_rows traced): one small program per (R, rows), whatever num_rows."""
+    if logits.shape[0] < rows:
+        logits = jnp.pad(logits, ((0, rows - logits.shape[0]), (0, 0)))
+    return jnp.where(jnp.arange(rows)[:, None] < num_rows, logits[:rows], 0.0)
 
 
 def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None = None,

@@ -14,6 +14,8 @@ from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
 # contexts and steps that prefill several prompts at once come later, nearest first.
 FIRST_CONTEXT_TOKENS = 256
 FIRST_PREFILL_SEQS = 1
+# Sampler modes of rows that sample (engine.sampling.sampling_mode): without and with cuts.
+SAMPLED_MODES = ("plain", "cuts")
 # Programs compiled at once ahead of time: XLA compiles without holding Python's lock, so
 # independent step programs compile side by side on a host's cores.
 MAX_COMPILE_THREADS = 8
@@ -84,39 +86,53 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
     return shapes
 
 
-def split_first(shapes: list[tuple[list[int], int, bool]], page_size: int,
+def split_first(shapes: list[tuple], page_size: int,
                 first_context: int = FIRST_CONTEXT_TOKENS,
                 first_prefill_seqs: int = FIRST_PREFILL_SEQS) -> tuple[list, list]:
-    """(first, later) of `reachable_steps`' shapes: first (in their order) the decode and
-    verification steps whose block tables are at most the widest of the least width and
-    first_context tokens' pages, and the prefill steps of at most first_prefill_seqs prompts;
-    later the rest (longer contexts, steps that prefill several prompts at once), those
-    nearest the first ones first (by how many times wider, or how many more prompts)."""
-    least = min((w for q_lens, w, verification in shapes if max(q_lens) == 1 or verification),
-                default=1)
+    """(first, later) of `reachable_steps`' shapes (and of `sampled_round_shapes`'): first (in
+    their order) the greedy decode and verification steps whose block tables are at most the
+    widest of the least width and first_context tokens' pages, and the greedy prefill steps of
+    at most first_prefill_seqs prompts; later the rest (rounds of rows that sample, longer
+    contexts, steps that prefill several prompts at once), those nearest the first ones first
+    (by how many times wider, or how many more prompts; a sampled round just after its greedy
+    one's place)."""
+    least = min((w for q_lens, w, verification, *_ in shapes
+                 if max(q_lens) == 1 or verification), default=1)
     widest_first = max(least, bucket(-(-first_context // page_size), MIN_PAGE_BUCKET))
-    first, later = [], []
-    for shape in shapes:
-        q_lens, width, verification = shape
-        prefill = max(q_lens) > 1 and not verification
-        needed = len(q_lens) <= first_prefill_seqs if prefill else width <= widest_first
-        (first if needed else later).append(shape)
 
     def distance(shape):  # how far past the first ones: x wider, or x more prompts
-        q_lens, width, verification = shape
+        q_lens, width, verification, *mode = shape
         if max(q_lens) > 1 and not verification:
-            return len(q_lens) / first_prefill_seqs
-        return width / widest_first
+            return len(q_lens) / first_prefill_seqs, bool(mode)
+        return width / widest_first, bool(mode)
 
+    first, later = [], []
+    for shape in shapes:
+        nearness, sampled = distance(shape)
+        (first if nearness <= 1 and not sampled else later).append(shape)
     return first, sorted(later, key=distance)
 
 
+def sampled_round_shapes(shapes: list[tuple[list[int], int, bool]], num_steps: int,
+                         mixed_rounds: bool) -> list[tuple[list[int], int, bool, str]]:
+    """The steps of `shapes` again, once per sampled mode (plain, cuts), where they run as a
+    multi-step or mixed round: a round samples inside its program, so rows that sample reach
+    other programs than greedy ones (single steps sample in separate sampler programs)."""
+    if num_steps <= 1:
+        return []
+    return [(q_lens, width, False, mode) for mode in SAMPLED_MODES
+            for q_lens, width, verification in shapes
+            if not verification and (max(q_lens) == 1 or mixed_rounds)]
+
+
 def compile_step(runner, q_lens: list[int], width: int, verification: bool,
-                 num_steps: int = 1, mixed_rounds: bool = False) -> None:
-    """Compiles the programs of one reachable step on `runner`: the step itself and, with
-    num_steps > 1 (multi-step rounds), its decode round or its mixed round."""
-    runner.warmup(q_lens, width, all_logits=verification, verification=verification)
+                 num_steps: int = 1, mixed_rounds: bool = False, mode: str = "greedy") -> None:
+    """Compiles the programs of one reachable step on `runner`: greedy, the step itself and,
+    with num_steps > 1 (multi-step rounds), its decode round or its mixed round; in a sampled
+    `mode`, only the round (see `sampled_round_shapes`)."""
+    if mode == "greedy":
+        runner.warmup(q_lens, width, all_logits=verification, verification=verification)
     if num_steps > 1 and max(q_lens) == 1 and not verification:
-        runner.warmup_multi_step(len(q_lens), width, num_steps)
+        runner.warmup_multi_step(len(q_lens), width, num_steps, mode)
     if num_steps > 1 and max(q_lens) > 1 and mixed_rounds:
-        runner.warmup_mixed_round(q_lens, width, num_steps)
+        runner.warmup_mixed_round(q_lens, width, num_steps, mode)

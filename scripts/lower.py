@@ -160,8 +160,9 @@ class LoweringRunner(ModelRunner):
                                                           self.kv_dtype))
         lowering_programs(self, chip, limit, None, on_program)
 
-    def warmup_samplers(self) -> None:
+    def sampler_shapes(self) -> list:
         """The samplers' programs hold no kernel of interest: not lowered."""
+        return []
 
 
 class ShardedLoweringRunner(ShardedModelRunner):
@@ -188,8 +189,9 @@ class ShardedLoweringRunner(ShardedModelRunner):
             a.shape, a.dtype, sharding=small.sharding), full, self.cache)
         lowering_programs(self, chip, limit, mesh, on_program)
 
-    def warmup_samplers(self) -> None:
+    def sampler_shapes(self) -> list:
         """The samplers' programs hold no kernel of interest: not lowered."""
+        return []
 
 
 def serving_setup(model_name: str, quant: str, chip: str, kv_dtype_name: str,

@@ -25,6 +25,7 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import kv_bytes_per_token
+from engine.memory import device_memory, size
 from engine.runner import ModelRunner, fetch_samples
 from engine.step_batch import StepBatch, make_step_batch
 from engine.sampling import SamplingArrays
@@ -82,6 +83,7 @@ def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
         return generators[key]
 
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    check_weights_fit(cfg, [leaf for _, leaf in paths_leaves], shardings, dtype)
     base = jax.random.key(seed)
     values = []
     for i, (path, leaf) in enumerate(paths_leaves):
@@ -90,6 +92,21 @@ def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None):
         values.append(generator(leaf.shape, leaf.dtype, sharding, ones)(
             jax.random.fold_in(base, i)))
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+
+
+def check_weights_fit(cfg: ModelConfig, leaves: list, shardings: list | None, dtype) -> None:
+    """ValueError, naming both sizes, when the weights' largest shard (per device) exceeds what
+    the device has free: making them would otherwise stall in the allocator's retries."""
+    per_device = sum(
+        int(np.prod(s.shard_shape(leaf.shape) if s is not None else leaf.shape))
+        * jnp.dtype(leaf.dtype).itemsize
+        for leaf, s in zip(leaves, shardings or [None] * len(leaves)))
+    total, in_use = device_memory()
+    if per_device > total - in_use:
+        raise ValueError(
+            f"{cfg.name} in {jnp.dtype(dtype).name}: the weights take {size(per_device)} per "
+            f"device, more than the {size(total - in_use)} free of {size(total)}: use a device "
+            f"with more memory, more devices (--tp / --ep) or XLA_CLIENT_MEM_FRACTION")
 
 
 def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_size: int,

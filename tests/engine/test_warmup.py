@@ -35,7 +35,6 @@ def test_a_run_after_warmup_compiles_nothing():
     assert len(engine.runner.compiled_shapes) == len(shapes)
     assert (compile_stats() - before).programs >= len(shapes)
     compiled = set(engine.runner.compiled_shapes)
-    samplers = sample_packed._cache_size()
     before = compile_stats()
     # Mixed traffic: prompts from 1 to 40 tokens (chunked by the 32-token budget), decodes of
     # up to 4 sequences beside prefill chunks, sequences up to the 64-token context.
@@ -48,8 +47,38 @@ def test_a_run_after_warmup_compiles_nothing():
     outs = engine.generate(prompts, params)
     assert [len(o.output_ids) for o in outs] == [p.max_tokens for p in params]
     assert engine.runner.compiled_shapes == compiled
+    assert (compile_stats() - before).programs == 0  # the samplers' too (compiled ahead)
+
+
+def test_sampled_rounds_are_warm_too():
+    """With multi-step and mixed rounds (a GPU's defaults) a round samples inside its program:
+    warm-up also compiles the rounds of rows that sample (plain and with cuts), a server's
+    after it listens, so sampled requests then compile nothing either."""
+    count_compiles()
+    cfg = TINY_LLAMA31
+    engine = LLMEngine(cfg, random_model(cfg, 6), None, EngineConfig(
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
+        num_decode_steps=4, async_scheduling=True))
+    shapes = engine.warmup_shapes()
+    greedy = engine.warmup_shapes(sampled=False)
+    sampled = [s for s in shapes if len(s) == 4]
+    assert shapes[:len(greedy)] == greedy and {s[3] for s in sampled} == {"plain", "cuts"}
+    first, later = split_first(shapes, page_size=16, first_context=16)
+    # sampled rounds compile once a server listens, those of the first steps before the rest
+    assert all(len(s) == 3 for s in first)
+    nearest = [s for s in sampled if s[:3] in first]
+    assert nearest and sorted(map(str, later[:len(nearest)])) == sorted(map(str, nearest))
+    engine.warmup(shapes=first)
+    engine.compile_in_background(later).join()
+    before = compile_stats()
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 40, 9, 17)]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=t, top_p=p, seed=i)
+              for i, (m, t, p) in enumerate(zip(rng.integers(6, 20, 4), (0.8, 1.0, 0.0, 0.7),
+                                                (1.0, 0.9, 1.0, 1.0)))]
+    outs = engine.generate(prompts, params)
+    assert [len(o.output_ids) for o in outs] == [p.max_tokens for p in params]
     assert (compile_stats() - before).programs == 0
-    assert sample_packed._cache_size() == samplers
 
 
 def test_warmup_on_a_mesh_compiles_what_a_run_reaches():

@@ -115,3 +115,11 @@ def test_summarize_trace_counts_stream_kernels_once():
                                   "calls_per_step": 0.5, "mean_us": 99}]
     assert "error" in profile.summarize_trace({"traceEvents": meta[1:2]}, steps=1)
     assert "host work" in profile.format_summary(s)
+
+
+def test_weights_larger_than_the_device_are_one_clear_error(monkeypatch):
+    # a device with 16 KiB free: tiny-llama31's float32 weights do not fit
+    monkeypatch.setattr(dm, "device_memory", lambda: (3 << 20, (3 << 20) - (16 << 10)))
+    with pytest.raises(ValueError, match=r"tiny-llama31 in float32: the weights take .* MiB per "
+                                         r"device, more than the 0.0 MiB free of 3.0 MiB"):
+        dm.random_weights(get_preset("tiny-llama31"), 0, jnp.float32)
