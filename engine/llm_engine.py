@@ -38,8 +38,8 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
-from engine.warmup import (compile_all, compile_step, compile_threads, reachable_steps,
-                           sampled_round_shapes)
+from engine.warmup import (compile_all, compile_program, compile_threads, reachable_steps,
+                           step_programs)
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -400,20 +400,19 @@ class LLMEngine:
 
     def warmup_shapes(self, num_seqs: int | None = None, max_total_len: int | None = None,
                       prompt_lens: list[int] | None = None, sampled: bool = True) -> list[tuple]:
-        """The steps (tokens of each sequence, block-table width, verification?) whose programs
-        a run can reach (engine/warmup.py); with `sampled`, then those whose rounds rows that
-        sample reach (the same with a fourth entry, the sampler mode)."""
-        shapes = reachable_steps(self.engine_cfg, self.pool, self.runner.min_width,
-                                 self.spec_config, num_seqs, max_total_len, prompt_lens)
-        if not sampled or self.rounds is None:
-            return shapes
-        return shapes + sampled_round_shapes(shapes, self.rounds.num_steps,
-                                             self.rounds.mixed_rounds)
+        """The programs a run can reach (engine/warmup.py): (tokens of each sequence,
+        block-table width, verification?, program) of every reachable step; without `sampled`,
+        no rounds of rows that sample."""
+        steps = reachable_steps(self.engine_cfg, self.pool, self.runner.min_width,
+                                self.spec_config, num_seqs, max_total_len, prompt_lens)
+        rounds = self.rounds
+        return step_programs(steps, rounds.num_steps if rounds is not None else 1,
+                             rounds is not None and rounds.mixed_rounds, sampled)
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
                prompt_lens: list[int] | None = None, progress=None,
                shapes: list | None = None, samplers: bool = True) -> int:
-        """Compiles the programs of `warmup_shapes` (or of `shapes`, some of them: a server's
+        """Compiles the programs of `warmup_shapes` (or `shapes`, some of them: a server's
         engine.warmup.split_first) and, with `samplers`, the sampler programs of sampled rows
         (a greedy run needs none, nor `warmup_shapes`' sampled rounds); returns how many step
         programs were new. A runner that compiles ahead of time compiles
@@ -421,21 +420,18 @@ class LLMEngine:
         if shapes is None:
             shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens, sampled=samplers)
         before = len(self.runner.compiled_shapes)
-        jobs = [(self._compile_step, shape) for shape in shapes]
+        jobs = [(self._compile_program, shape) for shape in shapes]
         if samplers:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
         threads = compile_threads() if self.runner.compiles_ahead else 1
         compile_all(lambda compile_one, shape: compile_one(*shape), jobs, threads, progress)
         return len(self.runner.compiled_shapes) - before
 
-    def _compile_step(self, q_lens, width: int, verification: bool, mode: str = "greedy"
-                      ) -> None:
-        """The programs of one reachable step (and its multi-step or mixed round) whose rows
-        sample in `mode`."""
+    def _compile_program(self, q_lens, width: int, verification: bool, program: str) -> None:
+        """One of `warmup_shapes`' programs (engine.warmup.compile_program)."""
         rounds = self.rounds
-        compile_step(self.runner, q_lens, width, verification,
-                     rounds.num_steps if rounds is not None else 1,
-                     rounds is not None and rounds.mixed_rounds, mode)
+        compile_program(self.runner, q_lens, width, verification, program,
+                        rounds.num_steps if rounds is not None else 1)
 
     def compile_in_background(self, shapes: list, log=None) -> threading.Thread:
         """Starts a daemon thread that compiles the programs of `shapes` ahead of time beside
@@ -451,14 +447,14 @@ class LLMEngine:
         def run():
             start = time.perf_counter()
             for shape in shapes:
-                self._compile_step(*shape)
+                self._compile_program(*shape)
             if shapes:
                 log(f"compiled {len(shapes)} more programs in the background in "
                     f"{time.perf_counter() - start:.1f}s")
 
         if shapes:
-            log(f"compiling {len(shapes)} more programs in the background (rounds of rows that "
-                "sample, longer contexts, several prompts per step)")
+            log(f"compiling {len(shapes)} more programs in the background (longer contexts, "
+                "several prompts per step, rounds of rows that sample)")
         thread = threading.Thread(target=run, name="compile-in-background", daemon=True)
         thread.start()
         return thread

@@ -1,6 +1,11 @@
-"""Which step programs a run can reach: the shapes `LLMEngine.warmup` compiles at start-up, and
+"""Which step programs a run can reach: the programs `LLMEngine.warmup` compiles at start-up, and
 which of them a server needs before it listens (`split_first`); the others it compiles in the
 background once it listens (`LLMEngine.compile_in_background`).
+
+A reachable step (`reachable_steps`: the tokens of each sequence, the block-table width,
+verification?) has up to four programs (`step_programs`): the single step ("step") and, with
+multi-step rounds, its round for greedy rows and for each sampled mode ("greedy", "plain",
+"cuts"): a round samples inside its program.
 """
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
 
 # Before listening a server compiles the decode steps of contexts up to this many tokens (or its
-# least table width) and the prefill steps of one prompt: what the first requests reach. Longer
-# contexts and steps that prefill several prompts at once come later, nearest first.
+# least table width) and the prefill steps of one prompt, each as the first requests run it
+# (greedy): what they reach. Longer contexts, steps that prefill several prompts at once and the
+# other programs of the first steps come later, nearest first.
 FIRST_CONTEXT_TOKENS = 256
 FIRST_PREFILL_SEQS = 1
 # Sampler modes of rows that sample (engine.sampling.sampling_mode): without and with cuts.
 SAMPLED_MODES = ("plain", "cuts")
+STEP = "step"  # the single-step program of a step shape (its others: a round, by sampler mode)
 # Programs compiled at once ahead of time: XLA compiles without holding Python's lock, so
 # independent step programs compile side by side on a host's cores.
 MAX_COMPILE_THREADS = 8
@@ -86,53 +93,73 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
     return shapes
 
 
-def split_first(shapes: list[tuple], page_size: int,
+def has_round(q_lens: list[int], verification: bool, num_steps: int, mixed_rounds: bool) -> bool:
+    """Whether a step of this shape also runs as a round: a decode step as a multi-step round,
+    a step with prefill chunks as a mixed round (engine/multi_step.py)."""
+    return num_steps > 1 and not verification and (max(q_lens) == 1 or mixed_rounds)
+
+
+def step_programs(steps: list[tuple[list[int], int, bool]], num_steps: int, mixed_rounds: bool,
+                  sampled: bool = True) -> list[tuple[list[int], int, bool, str]]:
+    """The programs of `reachable_steps`' steps, (q_lens, width, verification, program): each
+    step's single step (STEP), then, where it has a round, the round of greedy rows and, with
+    `sampled`, the rounds of rows that sample (SAMPLED_MODES)."""
+    modes = ("greedy",) + (SAMPLED_MODES if sampled else ())
+    return [(q_lens, width, verification, STEP) for q_lens, width, verification in steps] + [
+        (q_lens, width, verification, mode) for mode in modes
+        for q_lens, width, verification in steps
+        if has_round(q_lens, verification, num_steps, mixed_rounds)]
+
+
+def split_first(programs: list[tuple[list[int], int, bool, str]], page_size: int,
                 first_context: int = FIRST_CONTEXT_TOKENS,
                 first_prefill_seqs: int = FIRST_PREFILL_SEQS) -> tuple[list, list]:
-    """(first, later) of `reachable_steps`' shapes (and of `sampled_round_shapes`'): first (in
-    their order) the greedy decode and verification steps whose block tables are at most the
-    widest of the least width and first_context tokens' pages, and the greedy prefill steps of
-    at most first_prefill_seqs prompts; later the rest (rounds of rows that sample, longer
-    contexts, steps that prefill several prompts at once), those nearest the first ones first
-    (by how many times wider, or how many more prompts; a sampled round just after its greedy
-    one's place)."""
-    least = min((w for q_lens, w, verification, *_ in shapes
+    """(first, later) of `step_programs`: first (in their order) the program that the first
+    requests run each near step with, greedy: decode steps whose block tables are at most the
+    widest of the least width and first_context tokens' pages, as their multi-step round if
+    they have one (else the single step), verification steps, and the single steps that
+    prefill at most first_prefill_seqs prompts (a mixed round needs more than half the
+    sequence slots busy). Later the rest, nearest first (by how many times wider, or how many
+    more prompts), and at each distance the usual program first, then its rounds of rows that
+    sample, then the rare ones (single decode steps beside rounds, mixed rounds)."""
+    least = min((w for q_lens, w, verification, _ in programs
                  if max(q_lens) == 1 or verification), default=1)
     widest_first = max(least, bucket(-(-first_context // page_size), MIN_PAGE_BUCKET))
+    rounds = {(tuple(q_lens), w) for q_lens, w, _, program in programs if program == "greedy"}
 
-    def distance(shape):  # how far past the first ones: x wider, or x more prompts
-        q_lens, width, verification, *mode = shape
+    def place(program):  # (how far past the first ones, 0 usual / 1 sampled usual / 2 rare)
+        q_lens, width, verification, kind = program
         if max(q_lens) > 1 and not verification:
-            return len(q_lens) / first_prefill_seqs, bool(mode)
-        return width / widest_first, bool(mode)
+            far, usual = len(q_lens) / first_prefill_seqs, STEP
+        else:
+            far = width / widest_first
+            usual = "greedy" if (tuple(q_lens), width) in rounds else STEP
+        sampled_usual = usual == "greedy" and kind in SAMPLED_MODES
+        return far, 0 if kind == usual else 1 if sampled_usual else 2
 
     first, later = [], []
-    for shape in shapes:
-        nearness, sampled = distance(shape)
-        (first if nearness <= 1 and not sampled else later).append(shape)
-    return first, sorted(later, key=distance)
+    for program in programs:
+        far, rank = place(program)
+        (first if far <= 1 and rank == 0 else later).append(program)
+    return first, sorted(later, key=place)
 
 
-def sampled_round_shapes(shapes: list[tuple[list[int], int, bool]], num_steps: int,
-                         mixed_rounds: bool) -> list[tuple[list[int], int, bool, str]]:
-    """The steps of `shapes` again, once per sampled mode (plain, cuts), where they run as a
-    multi-step or mixed round: a round samples inside its program, so rows that sample reach
-    other programs than greedy ones (single steps sample in separate sampler programs)."""
-    if num_steps <= 1:
-        return []
-    return [(q_lens, width, False, mode) for mode in SAMPLED_MODES
-            for q_lens, width, verification in shapes
-            if not verification and (max(q_lens) == 1 or mixed_rounds)]
+def compile_program(runner, q_lens: list[int], width: int, verification: bool, program: str,
+                    num_steps: int = 1) -> None:
+    """Compiles one of `step_programs` on `runner`: the single step, or the step's round of
+    num_steps steps (a multi-step round for a decode step, else a mixed round) whose rows
+    sample in mode `program`."""
+    if program == STEP:
+        runner.warmup(q_lens, width, all_logits=verification, verification=verification)
+    elif max(q_lens) == 1:
+        runner.warmup_multi_step(len(q_lens), width, num_steps, program)
+    else:
+        runner.warmup_mixed_round(q_lens, width, num_steps, program)
 
 
 def compile_step(runner, q_lens: list[int], width: int, verification: bool,
-                 num_steps: int = 1, mixed_rounds: bool = False, mode: str = "greedy") -> None:
-    """Compiles the programs of one reachable step on `runner`: greedy, the step itself and,
-    with num_steps > 1 (multi-step rounds), its decode round or its mixed round; in a sampled
-    `mode`, only the round (see `sampled_round_shapes`)."""
-    if mode == "greedy":
-        runner.warmup(q_lens, width, all_logits=verification, verification=verification)
-    if num_steps > 1 and max(q_lens) == 1 and not verification:
-        runner.warmup_multi_step(len(q_lens), width, num_steps, mode)
-    if num_steps > 1 and max(q_lens) > 1 and mixed_rounds:
-        runner.warmup_mixed_round(q_lens, width, num_steps, mode)
+                 num_steps: int = 1, mixed_rounds: bool = False) -> None:
+    """Compiles every greedy program of one reachable step on `runner` (`step_programs`)."""
+    for program in step_programs([(q_lens, width, verification)], num_steps, mixed_rounds,
+                                 sampled=False):
+        compile_program(runner, *program, num_steps)

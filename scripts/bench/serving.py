@@ -68,6 +68,9 @@ flags.DEFINE_bool("startup_only", False, "Measure only the start-up, as scripts.
                   "process start to the first token of one request, with the weights' time "
                   "apart and the programs compiled and loaded from --compilation_cache_dir "
                   "(run twice on one directory: cold, then warm).")
+flags.DEFINE_bool("startup_background", False, "With --startup_only: then also wait for the "
+                  "programs compiled in the background and time them (on a GPU with default "
+                  "flags, hundreds of programs).")
 flags.DEFINE_string("compare", "", "Engine configurations also run on the same workload, "
                     "';'-separated, each comma-separated EngineConfig fields, e.g. "
                     "'max_num_batched_tokens=4096;num_decode_steps=4,async_scheduling=true'; "

@@ -28,7 +28,7 @@ def test_a_run_after_warmup_compiles_nothing():
     # a server's start: the programs the first requests reach, then the rest in a thread
     first, later = split_first(shapes, page_size=16, first_context=16)
     assert first and later and sorted(map(str, first + later)) == sorted(map(str, shapes))
-    assert all(max(q) == 1 and w == 4 or max(q) > 1 and len(q) == 1 for q, w, _ in first)
+    assert all(max(q) == 1 and w == 4 or max(q) > 1 and len(q) == 1 for q, w, _, _ in first)
     before = compile_stats()
     assert engine.warmup(shapes=first) == len(first)  # one new program per step shape
     engine.compile_in_background(later).join()
@@ -52,22 +52,24 @@ def test_a_run_after_warmup_compiles_nothing():
 
 def test_sampled_rounds_are_warm_too():
     """With multi-step and mixed rounds (a GPU's defaults) a round samples inside its program:
-    warm-up also compiles the rounds of rows that sample (plain and with cuts), a server's
-    after it listens, so sampled requests then compile nothing either."""
+    warm-up also compiles the rounds of rows that sample (plain and with cuts), so sampled
+    requests then compile nothing either. A server compiles before it listens only the program
+    each near step usually runs (a decode step's greedy round, a prefill's single step)."""
     count_compiles()
     cfg = TINY_LLAMA31
     engine = LLMEngine(cfg, random_model(cfg, 6), None, EngineConfig(
         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
         num_decode_steps=4, async_scheduling=True))
-    shapes = engine.warmup_shapes()
+    programs = engine.warmup_shapes()
     greedy = engine.warmup_shapes(sampled=False)
-    sampled = [s for s in shapes if len(s) == 4]
-    assert shapes[:len(greedy)] == greedy and {s[3] for s in sampled} == {"plain", "cuts"}
-    first, later = split_first(shapes, page_size=16, first_context=16)
-    # sampled rounds compile once a server listens, those of the first steps before the rest
-    assert all(len(s) == 3 for s in first)
-    nearest = [s for s in sampled if s[:3] in first]
-    assert nearest and sorted(map(str, later[:len(nearest)])) == sorted(map(str, nearest))
+    assert set(map(str, greedy)) < set(map(str, programs))
+    assert {p[3] for p in programs} - {p[3] for p in greedy} == {"plain", "cuts"}
+    first, later = split_first(programs, page_size=16, first_context=16)
+    assert {p[3] for p in first} == {"greedy", "step"}
+    assert all((p[3] == "greedy") == (max(p[0]) == 1) for p in first)
+    # the nearest later ones: the sampled rounds of the first decode steps
+    nearest = [(q, w, v, mode) for mode in ("plain", "cuts") for q, w, v, p in first if p == "greedy"]
+    assert sorted(map(str, later[:len(nearest)])) == sorted(map(str, nearest))
     engine.warmup(shapes=first)
     engine.compile_in_background(later).join()
     before = compile_stats()
