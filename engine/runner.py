@@ -9,8 +9,8 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache, init_kv_cache
-from engine.sampling import (SamplingArrays, first_rows, pack_sampling, sample_from_packed,
-                             sample_packed, sample_step, with_logprobs)
+from engine.sampling import (SAMPLED_MODES, SamplingArrays, first_rows, pack_sampling,
+                             sample_from_packed, sample_packed, sample_step, with_logprobs)
 from engine.step_batch import StepBatch, bucket, bucket_key, pad_to, padding_batch, table_widths
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
@@ -365,7 +365,7 @@ class ModelRunner:
         """(rows, mode) of the sampler programs that steps with sampled rows reach: every
         power-of-two row count up to the step's, without and with top-k / top-p / min-p cuts."""
         rows = [1 << i for i in range(bucket(self.max_seqs).bit_length())]
-        return [(r, mode) for r in rows for mode in ("plain", "cuts")]
+        return [(r, mode) for r in rows for mode in SAMPLED_MODES]
 
     def warmup_sampler(self, rows: int, mode: str) -> None:
         """Compiles the sampler program of `rows` logits rows in `mode` and, with cuts, the cut

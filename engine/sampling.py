@@ -115,6 +115,10 @@ def _sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: 
     return tokens
 
 
+# The sampler modes of batches where some row samples: without and with top-k / top-p / min-p cuts.
+SAMPLED_MODES = ("plain", "cuts")
+
+
 def sampling_mode(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                   min_p: np.ndarray) -> str:
     """The cheapest `_sample` mode that draws every row of these host arrays correctly."""

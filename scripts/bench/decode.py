@@ -3,8 +3,9 @@
     python -m scripts.bench.decode --model=llama3.2-1b,llama3.1-8b --batch=1,8,32,128 \
         --context=512,4096 --variants=base,fused --json_out=decode.json
 
-For each model (random weights of the preset's real shapes, made on the device; --quant
-RTN-quantizes them there) and each variant (`base`; `fused`: q/k/v and gate/up fused,
+For each model (random weights of the preset's real shapes, made on the device; with --quant
+the linears are random codes of the same spread, made as codes, or RTN-quantized on a mesh)
+and each variant (`base`; `fused`: q/k/v and gate/up fused,
 models.llama.fuse_projections; `gemv`: fused, and the layers transposed for ops/gemv.py's
 kernel, models.llama.transpose_for_gemv; `mesh`: the sharded runner over a --tp / --ep mesh;
 `scan`, `unrolled`: base with that layer loop, models/layer_scan.py, for a same-run A/B), one
@@ -68,7 +69,7 @@ flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "bf16", "int8", "fp8"],
                   "KV-cache storage: auto (--dtype), bf16, or int8 / fp8 pages with a float32 "
                   "scale per token and head (the floor counts the scales' bytes).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"],
-                  "RTN weight quantization (int4: group 128).")
+                  "Weight-only quantized linears, random codes (int4: group 128).")
 flags.DEFINE_bool("quant_lm_head", False, "With --quant: the untied output head quantized too.")
 VARIANTS = ("base", "fused", "gemv", "mesh", "scan", "unrolled")
 flags.DEFINE_list("variants", ["base"], "base, fused, gemv, mesh, scan, unrolled (see the "

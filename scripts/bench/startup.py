@@ -80,10 +80,12 @@ def measure_startup(FLAGS, mesh=None, on_ready=None) -> dict:
         on_ready(out)
     start = time.perf_counter()
     background = engine.compile_in_background(later, log=common.log_line)
-    if FLAGS.startup_background:
-        background.join()
-        out["background_s"] = time.perf_counter() - start
-        out["background_programs"] = (compile_stats() - stats).programs
+    if not FLAGS.startup_background:
+        background.stop()
+        return out
+    background.join()
+    out["background_s"] = time.perf_counter() - start
+    out["background_programs"] = (compile_stats() - stats).programs
     return out
 
 

@@ -123,3 +123,28 @@ def test_weights_larger_than_the_device_are_one_clear_error(monkeypatch):
     with pytest.raises(ValueError, match=r"tiny-llama31 in float32: the weights take .* MiB per "
                                          r"device, more than the 0.0 MiB free of 3.0 MiB"):
         dm.random_weights(get_preset("tiny-llama31"), 0, jnp.float32)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_quantized_random_weights_are_made_as_codes_with_the_float_spread(quant):
+    """--quant on one device makes the decoder linears as random codes (never float weights
+    first), dequantizing to about the float weights' spread (std 0.02, mean 0), experts too;
+    the model then runs a step with finite logits."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from quant.calibration import linear_modules
+    from quant.qtensor import QuantizedWeight, dequantize
+    cfg, model = dm.build_model(get_preset("tiny-qwen3-moe"), jnp.float32, 3, quant)
+    weights = [w for w in jax.tree.leaves(nnx.state(model), is_leaf=lambda a: isinstance(
+        a, QuantizedWeight)) if isinstance(w, QuantizedWeight)]
+    assert len(weights) == sum(len(linear_modules(layer)) for layer in model.layers)
+    assert any(w.packed.ndim == 3 for w in weights)  # the stacked experts
+    for w in weights:
+        values = np.asarray(jax.vmap(dequantize)(w) if w.packed.ndim == 3 else dequantize(w))
+        assert abs(values.std() - 0.02) < 0.002 and abs(values.mean()) < 0.002
+    runner = dm.make_runner(cfg, model, max_batch=2, max_context=32, page_size=8)
+    dm.fill_cache_random(runner, 4)
+    batch = dm.decode_batch(np.array([5, 9]), [20, 24], dm.page_tables(2, 4, 1), 8)
+    logits = np.asarray(runner.execute(batch))
+    assert logits.shape == (2, cfg.vocab_size) and np.isfinite(logits).all()
