@@ -273,7 +273,9 @@ def warm_up(engine, longest: int, rerun) -> int:
     """Compiles per --warmup; returns the number of programs compiled."""
     before = len(engine.runner.compiled_shapes)
     if FLAGS.warmup == "shapes":
-        engine.warmup(max_total_len=longest, progress=common.print_progress("compiling"))
+        # the workload is greedy: neither the samplers nor the rounds of sampled rows
+        engine.warmup(max_total_len=longest, progress=common.print_progress("compiling"),
+                      samplers=False)
     else:
         rerun()
         engine.pool = type(engine.pool)(engine.pool.num_pages, engine.pool.page_size,
