@@ -58,7 +58,7 @@ def test_sampled_rounds_are_warm_too():
     count_compiles()
     cfg = TINY_LLAMA31
     engine = LLMEngine(cfg, random_model(cfg, 6), None, EngineConfig(
-        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
+        max_model_len=48, max_num_seqs=2, max_num_batched_tokens=16, page_size=16,
         num_decode_steps=4, async_scheduling=True))
     programs = engine.warmup_shapes()
     greedy = engine.warmup_shapes(sampled=False)
@@ -74,7 +74,7 @@ def test_sampled_rounds_are_warm_too():
     engine.compile_in_background(later).join()
     before = compile_stats()
     rng = np.random.default_rng(9)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 40, 9, 17)]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 30, 9, 17)]
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=t, top_p=p, seed=i)
               for i, (m, t, p) in enumerate(zip(rng.integers(6, 20, 4), (0.8, 1.0, 0.0, 0.7),
                                                 (1.0, 0.9, 1.0, 1.0)))]
