@@ -397,8 +397,9 @@ class LLMEngine:
 
     # ---- compilation --------------------------------------------------------------------------
 
-    def warmup_shapes(self, num_seqs: int | None = None, max_total_len: int | None = None,
-                      prompt_lens: list[int] | None = None, sampled: bool = True) -> list[tuple]:
+    def warmup_programs(self, num_seqs: int | None = None, max_total_len: int | None = None,
+                        prompt_lens: list[int] | None = None,
+                        sampled: bool = True) -> list[tuple]:
         """The programs a run can reach (engine/warmup.py): (tokens of each sequence,
         block-table width, verification?, program) of every reachable step; without `sampled`,
         no rounds of rows that sample."""
@@ -410,16 +411,17 @@ class LLMEngine:
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
                prompt_lens: list[int] | None = None, progress=None,
-               shapes: list | None = None, samplers: bool = True) -> int:
-        """Compiles the programs of `warmup_shapes` (or `shapes`, some of them: a server's
+               programs: list | None = None, samplers: bool = True) -> int:
+        """Compiles the programs of `warmup_programs` (or `programs`, some of them: a server's
         engine.warmup.split_first) and, with `samplers`, the sampler programs of sampled rows
-        (a greedy run needs none, nor `warmup_shapes`' sampled rounds); returns how many step
+        (a greedy run needs none, nor `warmup_programs`' sampled rounds); returns how many step
         programs were new. A runner that compiles ahead of time compiles
         engine.warmup.compile_threads() programs at once."""
-        if shapes is None:
-            shapes = self.warmup_shapes(num_seqs, max_total_len, prompt_lens, sampled=samplers)
+        if programs is None:
+            programs = self.warmup_programs(num_seqs, max_total_len, prompt_lens,
+                                            sampled=samplers)
         before = len(self.runner.compiled_shapes)
-        jobs = [(self._compile_program, shape) for shape in shapes]
+        jobs = [(self._compile_program, program) for program in programs]
         if samplers:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
         threads = compile_threads() if self.runner.compiles_ahead else 1
@@ -427,24 +429,24 @@ class LLMEngine:
         return len(self.runner.compiled_shapes) - before
 
     def _compile_program(self, q_lens, width: int, verification: bool, program: str) -> None:
-        """One of `warmup_shapes`' programs (engine.warmup.compile_program)."""
+        """One of `warmup_programs`' programs (engine.warmup.compile_program)."""
         rounds = self.rounds
         compile_program(self.runner, q_lens, width, verification, program,
                         rounds.num_steps if rounds is not None else 1)
 
-    def compile_in_background(self, shapes: list, log=None) -> BackgroundCompile:
-        """Starts a daemon thread that compiles the programs of `shapes` ahead of time beside
-        the engine's steps (the runner lowers them from shapes alone, never touching the weights'
-        or cache's buffers) and returns it (engine.warmup.BackgroundCompile: join() waits for
+    def compile_in_background(self, programs: list, log=None) -> BackgroundCompile:
+        """Starts a daemon thread that compiles `programs` (of `warmup_programs`) ahead of time
+        beside the engine's steps (the runner lowers them from shapes alone, never touching the
+        weights' or cache's buffers) and returns it (engine.warmup.BackgroundCompile: join() waits for
         all, stop() for the program being compiled); log(line) hears when it starts and ends. A
         step that reaches one of them before the thread does compiles it on the spot. ValueError
-        when shapes are given to a runner that warms up by running steps (the sharded runner)."""
-        if shapes and not self.runner.compiles_ahead:
+        when programs are given to a runner that warms up by running steps (the sharded runner)."""
+        if programs and not self.runner.compiles_ahead:
             raise ValueError("compile_in_background: this runner compiles by running steps, "
                              "which cannot run beside the engine's")
-        if shapes and log is not None:
-            log(f"compiling {len(shapes)} more programs in the background (longer contexts, "
+        if programs and log is not None:
+            log(f"compiling {len(programs)} more programs in the background (longer contexts, "
                 "several prompts per step, rounds of rows that sample)")
-        thread = BackgroundCompile(self._compile_program, shapes, log)
+        thread = BackgroundCompile(self._compile_program, programs, log)
         thread.start()
         return thread

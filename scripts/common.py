@@ -245,12 +245,12 @@ def startup_summary(seconds: float, since: CompileStats | None = None) -> str:
 def warmup_for_serving(engine, background: bool) -> list:
     """Compiles, with progress, the programs a server needs before it listens: with
     `background` (and a runner that compiles ahead of time) those of engine.warmup.split_first,
-    else every reachable one. Returns the shapes left to engine.compile_in_background."""
-    shapes = engine.warmup_shapes()
-    first, later = shapes, []
+    else every reachable one. Returns the programs left to engine.compile_in_background."""
+    programs = engine.warmup_programs()
+    first, later = programs, []
     if background and engine.runner.compiles_ahead:
-        first, later = split_first(shapes, engine.engine_cfg.page_size)
-    engine.warmup(shapes=first, progress=print_progress("compiling"))
+        first, later = split_first(programs, engine.engine_cfg.page_size)
+    engine.warmup(programs=first, progress=print_progress("compiling"))
     return later
 
 

@@ -24,13 +24,13 @@ def test_a_run_after_warmup_compiles_nothing():
     cfg = TINY_LLAMA31
     engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16))
-    shapes = engine.warmup_shapes()
+    shapes = engine.warmup_programs()
     # a server's start: the programs the first requests reach, then the rest in a thread
     first, later = split_first(shapes, page_size=16, first_context=16)
     assert first and later and sorted(map(str, first + later)) == sorted(map(str, shapes))
     assert all(max(q) == 1 and w == 4 or max(q) > 1 and len(q) == 1 for q, w, _, _ in first)
     before = compile_stats()
-    assert engine.warmup(shapes=first) == len(first)  # one new program per step shape
+    assert engine.warmup(programs=first) == len(first)  # one new program per step shape
     engine.compile_in_background(later).join()
     assert len(engine.runner.compiled_shapes) == len(shapes)
     assert (compile_stats() - before).programs >= len(shapes)
@@ -60,8 +60,8 @@ def test_sampled_rounds_are_warm_too():
     engine = LLMEngine(cfg, random_model(cfg, 6), None, EngineConfig(
         max_model_len=48, max_num_seqs=2, max_num_batched_tokens=16, page_size=16,
         num_decode_steps=4, async_scheduling=True))
-    programs = engine.warmup_shapes()
-    greedy = engine.warmup_shapes(sampled=False)
+    programs = engine.warmup_programs()
+    greedy = engine.warmup_programs(sampled=False)
     assert set(map(str, greedy)) < set(map(str, programs))
     assert {p[3] for p in programs} - {p[3] for p in greedy} == {"plain", "cuts"}
     first, later = split_first(programs, page_size=16, first_context=16)
@@ -70,7 +70,7 @@ def test_sampled_rounds_are_warm_too():
     # the nearest later ones: the sampled rounds of the first decode steps
     nearest = [(q, w, v, mode) for mode in ("plain", "cuts") for q, w, v, p in first if p == "greedy"]
     assert sorted(map(str, later[:len(nearest)])) == sorted(map(str, nearest))
-    engine.warmup(shapes=first)
+    engine.warmup(programs=first)
     engine.compile_in_background(later).join()
     before = compile_stats()
     rng = np.random.default_rng(9)
@@ -90,7 +90,7 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
     engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
         max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=16),
         mesh=make_mesh(1, 1))
-    assert engine.warmup() == len(engine.warmup_shapes())
+    assert engine.warmup() == len(engine.warmup_programs())
     compiled, samplers = set(engine.runner.compiled_shapes), sample_packed._cache_size()
     params = [SamplingParams(max_tokens=6, ignore_eos=True),
               SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.9, top_k=5, seed=1)]
