@@ -16,6 +16,7 @@ internals. A None field of EngineConfig takes the device's default (engine/engin
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Iterator, Sequence
 
@@ -37,8 +38,8 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
-from engine.warmup import (BackgroundCompile, compile_all, compile_program, compile_threads,
-                           reachable_steps, step_programs)
+from engine.warmup import (compile_all, compile_program, compile_threads, reachable_steps,
+                           step_programs)
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -434,19 +435,30 @@ class LLMEngine:
         compile_program(self.runner, q_lens, width, verification, program,
                         rounds.num_steps if rounds is not None else 1)
 
-    def compile_in_background(self, programs: list, log=None) -> BackgroundCompile:
+    def compile_in_background(self, programs: list, log=None) -> threading.Thread:
         """Starts a daemon thread that compiles `programs` (of `warmup_programs`) ahead of time
         beside the engine's steps (the runner lowers them from shapes alone, never touching the
-        weights' or cache's buffers) and returns it (engine.warmup.BackgroundCompile: join() waits for
-        all, stop() for the program being compiled); log(line) hears when it starts and ends. A
+        weights' or cache's buffers) and returns it; log(line) hears when it starts and ends. A
         step that reaches one of them before the thread does compiles it on the spot. ValueError
-        when programs are given to a runner that warms up by running steps (the sharded runner)."""
+        when programs are given to a runner that warms up by running steps (the sharded runner).
+        A process must not exit while the thread is inside XLA's compiler (it crashes): join it,
+        or leave by os._exit as scripts.serve does."""
         if programs and not self.runner.compiles_ahead:
             raise ValueError("compile_in_background: this runner compiles by running steps, "
                              "which cannot run beside the engine's")
-        if programs and log is not None:
+        log = log or (lambda line: None)
+
+        def run():
+            start = time.perf_counter()
+            for program in programs:
+                self._compile_program(*program)
+            if programs:
+                log(f"compiled {len(programs)} more programs in the background in "
+                    f"{time.perf_counter() - start:.1f}s")
+
+        if programs:
             log(f"compiling {len(programs)} more programs in the background (longer contexts, "
                 "several prompts per step, rounds of rows that sample)")
-        thread = BackgroundCompile(self._compile_program, programs, log)
+        thread = threading.Thread(target=run, name="compile-in-background", daemon=True)
         thread.start()
         return thread

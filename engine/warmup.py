@@ -10,8 +10,6 @@ multi-step rounds, its round for greedy rows and for each sampled mode ("greedy"
 from __future__ import annotations
 
 import os
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from engine.sampling import SAMPLED_MODES
@@ -53,39 +51,6 @@ def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
                 progress(done, len(shapes))
     for future in futures:
         future.result()
-
-
-class BackgroundCompile(threading.Thread):
-    """A daemon thread that calls compile_one(*program) for each of `programs` in order, and
-    log(line) at the end. stop() asks it to finish after the program it is compiling and waits:
-    a process must not exit while a thread is inside XLA's compiler (it crashes)."""
-
-    def __init__(self, compile_one, programs: list, log=None):
-        super().__init__(name="compile-in-background", daemon=True)
-        self.compile_one, self.programs, self.log = compile_one, programs, log
-        self._stopping = threading.Event()
-
-    def run(self) -> None:
-        start = time.perf_counter()
-        for done, program in enumerate(self.programs):
-            if self._stopping.is_set():
-                self._report(f"stopped compiling in the background after {done} of "
-                             f"{len(self.programs)} programs")
-                return
-            self.compile_one(*program)
-        if self.programs:
-            self._report(f"compiled {len(self.programs)} more programs in the background in "
-                         f"{time.perf_counter() - start:.1f}s")
-
-    def stop(self) -> None:
-        """Stops after the program being compiled; returns when the thread has ended."""
-        self._stopping.set()
-        if self.is_alive():
-            self.join()
-
-    def _report(self, line: str) -> None:
-        if self.log is not None:
-            self.log(line)
 
 
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,

@@ -66,7 +66,8 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
     return cfg, model
 
 
-def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None, qcfg: QuantConfig | None = None):
+def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None,
+                   qcfg: QuantConfig | None = None):
     """A model of cfg's shapes with normal(0, 0.02) weights (RMSNorm weights 1), made on the
     device (on the mesh's shards by models/sharding.py's rules with a mesh). With `qcfg` (one
     device) the decoder linears are QuantizedWeights of random codes whose scales give the same
@@ -109,7 +110,7 @@ def leaf_kind(path) -> str:
     QuantizedWeight's codes, scales and offsets their own way, any other weight normal."""
     name = jax.tree_util.keystr(path)
     for kind in ("packed", "scales", "offsets"):
-        if name.endswith(f".{kind}") or name.endswith(f"'{kind}']"):
+        if name.endswith(f".{kind}"):
             return kind
     return "ones" if "norm" in name else "normal"
 

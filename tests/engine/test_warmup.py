@@ -152,28 +152,3 @@ def test_compile_all_runs_every_shape_once_and_raises_the_first_failure():
         with pytest.raises(ValueError, match="shape 3"):
             compile_all(failing, shapes, threads)
         assert sorted(seen) == list(range(1, 9)) if threads > 1 else seen == [1, 2, 3]
-
-
-def test_background_compile_stops_after_the_program_it_is_compiling():
-    """stop() lets the program being compiled finish (a process must not exit inside XLA's
-    compiler) and skips the rest; join() without stop() compiles them all."""
-    from engine.warmup import BackgroundCompile
-    started, release, done, lines = threading.Event(), threading.Event(), [], []
-
-    def compile_one(name):
-        started.set()
-        release.wait(5)
-        done.append(name)
-
-    thread = BackgroundCompile(compile_one, [("a",), ("b",), ("c",)], lines.append)
-    thread.start()
-    started.wait(5)
-    threading.Timer(0.2, release.set).start()
-    thread.stop()
-    assert not thread.is_alive() and done == ["a"]
-    assert lines == ["stopped compiling in the background after 1 of 3 programs"]
-    release.set()
-    whole = BackgroundCompile(lambda name: done.append(name), [("d",), ("e",)], lines.append)
-    whole.start()
-    whole.join()
-    assert done == ["a", "d", "e"] and lines[-1].startswith("compiled 2 more programs")
