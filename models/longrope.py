@@ -47,7 +47,8 @@ def longrope_and_write_kv(qkv, meta, inv_freq: np.ndarray, k_pages, v_pages,
     """
     original = scaling.original_max_position_embeddings
     n = meta.positions.shape[0]
-    seq = jnp.searchsorted(meta.query_start_loc, jnp.arange(n, dtype=jnp.int32), side="right")
+    seq = jnp.searchsorted(meta.query_start_loc, jnp.arange(n, dtype=jnp.int32), side="right",
+                           method="scan_unrolled")  # no while loop (a host round trip per step)
     seq = jnp.clip(seq - 1, 0, meta.kv_lens.shape[0] - 1)  # each token's sequence
     long = meta.kv_lens[seq] > original  # [N]
     rotated = []

@@ -40,7 +40,7 @@ from configs.mesh import DATA, EXPERT, MODEL
 from configs.model import ModelConfig
 from ops.expert_gemv import expert_rows_coded_matmul, expert_rows_matmul
 from ops.kernel_choice import KernelBackends, or_reference
-from ops.moe_matmul import grouped_coded_matmul, grouped_matmul, product_form
+from ops.moe_matmul import SEARCH, grouped_coded_matmul, grouped_matmul, product_form
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -255,7 +255,8 @@ def all_to_all_moe(x: jax.Array, router: jax.Array, weights: dict, settings: dic
     order = jnp.argsort(experts.reshape(-1), stable=True).astype(jnp.int32)  # by expert
     sorted_experts = experts.reshape(-1)[order]
     dest = sorted_experts // local  # [pairs] the shard of each sorted pair's expert
-    start = jnp.searchsorted(dest, jnp.arange(ep, dtype=jnp.int32), side="left")  # [ep]
+    start = jnp.searchsorted(dest, jnp.arange(ep, dtype=jnp.int32), side="left",
+                             method=SEARCH)  # [ep]
     slot = jnp.arange(pairs, dtype=jnp.int32) - start[dest]  # place in its shard's block
     # room for every pair in every block: dropless whatever the routing
     send_x = jnp.zeros((ep, pairs, hidden), x.dtype).at[dest, slot].set(mine[order // top_k])

@@ -34,6 +34,9 @@ CODE_ZEROS = {8: 128, 4: 8}  # bits -> the zero point of symmetric codes
 TILE_ROWS = 64  # rows per tile of the "tiles" form
 LARGE_FORM = "tiles"  # the form of products of more rows than experts: "tiles" or "ragged"
 FORMS = ("gathered", "tiles", "ragged")
+# jnp.searchsorted's method: its default ("scan") is a while loop, which a GPU runs with a
+# host round trip per step; the unrolled binary search is the same few gathers with no loop
+SEARCH = "scan_unrolled"
 
 
 def product_form(rows: int, num_experts: int) -> str:
@@ -93,8 +96,8 @@ def rows_matmul(x: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
 def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
     """The expert of each of `rows` sorted rows (int32 [rows]); rows past the groups get E."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # [E]
-    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(
-        jnp.int32)
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right",
+                            method=SEARCH).astype(jnp.int32)
 
 
 def _row_experts_clamped(group_sizes: jax.Array, rows: int, num_experts: int):
@@ -118,7 +121,7 @@ def tile_layout(group_sizes: jax.Array, rows: int, tile: int):
     offset = jnp.arange(rows, dtype=jnp.int32) - row_start[expert]
     position = jnp.where(real, (tile_end - tiles)[expert] * tile + offset, num_tiles * tile)
     tile_expert = jnp.searchsorted(tile_end, jnp.arange(num_tiles, dtype=jnp.int32),
-                                   side="right")
+                                   side="right", method=SEARCH)
     return position.astype(jnp.int32), jnp.minimum(tile_expert, e - 1).astype(jnp.int32)
 
 

@@ -20,6 +20,7 @@ Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per exper
 forms and the kernel). The floor is the bytes of the experts the rows touch (plus x and y) over
 the copy bandwidth measured in the same run; each row also records its largest difference from the
 tiles form's product (relative to its largest value). A failing row records its error.
+--device_times adds the profiler's device busy time per product and its top kernels.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from ops import expert_gemv, moe_matmul
 from quant.model import quantize_experts
 from scripts.bench.common import (calibrate, error_text, markdown_table, run_info,
                                   time_per_call, write_json)
+from scripts.bench.profile import device_time_per_call
 from scripts.common import set_xla_flags
 
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
@@ -45,6 +47,8 @@ flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "tiles", "r
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
 flags.DEFINE_integer("runs", 5, "Timings per row (median).")
+flags.DEFINE_bool("device_times", False, "Also each row's device busy time per product and its "
+                  "top kernels, from jax's profiler (where the wall time goes at few rows).")
 flags.DEFINE_string("mgpu_tiles", "64,128,64,4,1", "block_m,block_n,block_k,"
                     "max_concurrent_steps,grid_block_n of the mgpu form.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
@@ -164,6 +168,9 @@ def main(argv):
                 seconds = time_per_call(lambda x, gs, ws: [fn(x, gs, w) for w in ws],
                                         (x, gs, weights), len(weights), FLAGS.runs, 4)
                 row |= {"step_s": seconds, "fraction_of_floor": floor / seconds}
+                if FLAGS.device_times:
+                    row |= device_time_per_call(lambda x, gs, ws: [fn(x, gs, w) for w in ws],
+                                                (x, gs, weights), len(weights), 4)
             except Exception as exc:  # noqa: BLE001 - a failing row is a result
                 row["error"] = error_text(exc)
             results["rows"].append(row)
@@ -172,10 +179,11 @@ def main(argv):
                 write_json(FLAGS.json_out, results)
     table = [[r["rows"], r["form"], r["touched_experts"], f"{r['floor_s'] * 1e6:.1f}",
               f"{r['step_s'] * 1e6:.1f}" if "step_s" in r else r.get("error", "")[:50],
-              f"{r['fraction_of_floor']:.1%}" if "step_s" in r else ""]
+              f"{r['fraction_of_floor']:.1%}" if "step_s" in r else "",
+              f"{r['dev_us']:.1f}" if "dev_us" in r else ""]
              for r in results["rows"]]
-    print(markdown_table(["rows", "form", "experts touched", "floor us", "us", "of floor"],
-                         table))
+    print(markdown_table(["rows", "form", "experts touched", "floor us", "us", "of floor",
+                          "device us"], table))
 
 
 if __name__ == "__main__":
