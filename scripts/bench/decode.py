@@ -161,38 +161,56 @@ def run_hf_peer(results: dict) -> None:
         save(results)
 
 
+def pages(tokens: int) -> int:
+    return -(-tokens // FLAGS.page_size)
+
+
+def row_shapes() -> list[tuple[int, int]]:
+    """(sequences, tokens each) of every row the flags ask for: the decode rows (with room for
+    a multi-step round), the prefills and the greedy check. The cache holds the largest one's
+    pages, not max(sequences) x max(tokens): 64 sequences of 512 tokens and one prompt of
+    4096 need 2,048 + 1 pages, not 16,384."""
+    shapes = [(int(b), int(c) + FLAGS.multi_step) for b in FLAGS.batch for c in FLAGS.context]
+    shapes += [(1, int(t)) for t in FLAGS.prefill]
+    if FLAGS.greedy_steps:
+        shapes.append((FLAGS.greedy_batch, FLAGS.greedy_context + FLAGS.multi_step))
+    return shapes
+
+
+def row_tables(batch: int, tokens: int) -> np.ndarray:
+    """int32 [batch, pages of `tokens`]: distinct pages of the cache, shuffled, for one row."""
+    return dm.page_tables(batch, pages(tokens), FLAGS.seed)
+
+
 def variant_setup(name: str, variant: str, dtype, mesh):
     """(cfg, model, runner) of one model variant, with a random cache sized for every row."""
     cfg, model = dm.build_model(get_preset(name), dtype, FLAGS.seed, FLAGS.quant,
                                 fused=variant in ("fused", "gemv"),
                                 mesh=mesh if variant == "mesh" else None,
                                 quant_lm_head=FLAGS.quant_lm_head, gemv=variant == "gemv")
-    batches = [int(b) for b in FLAGS.batch]
-    contexts = [int(c) + FLAGS.multi_step for c in FLAGS.context] + [
-        int(c) for c in FLAGS.prefill]
-    if FLAGS.greedy_steps:
-        batches.append(FLAGS.greedy_batch)
-        contexts.append(FLAGS.greedy_context + FLAGS.multi_step)
+    shapes = row_shapes()
     kernels = None  # this device's choice; scan / unrolled: its layer loop forced
     if variant in ("scan", "unrolled"):
         kernels = dataclasses.replace(device_kernels(), layer_loop=variant)
-    runner = dm.make_runner(cfg, model, max(batches), max(contexts), FLAGS.page_size,
-                            mesh if variant == "mesh" else None, FLAGS.kv_cache_dtype, kernels)
+    runner = dm.make_runner(cfg, model, max(b for b, _ in shapes), max(t for _, t in shapes),
+                            FLAGS.page_size, mesh if variant == "mesh" else None,
+                            FLAGS.kv_cache_dtype, kernels,
+                            max_pages=max(b * pages(t) for b, t in shapes))
     dm.fill_cache_random(runner, FLAGS.seed + 1)
     return cfg, model, runner
 
 
-def decode_row(row: dict, name: str, variant: str, cfg, model, runner, tables, rng, calib,
+def decode_row(row: dict, name: str, variant: str, cfg, model, runner, rng, calib,
                devices: int) -> dict:
     """One decode row (batch row['batch'], context row['context']): step time, floor and MBU,
     multi-step rounds and the loop when asked, a profile when --profile names it."""
     b, c = row["batch"], row["context"]
-    table = tables[:b, :-(-c // FLAGS.page_size)]  # [B, pages of C tokens]
+    room = row_tables(b, c + FLAGS.multi_step)  # [B, pages of C tokens and a round]
+    table = room[:, :pages(c)]  # [B, pages of C tokens]
     batch = dm.decode_batch(rng.integers(0, cfg.vocab_size, b), np.full(b, c - 1), table,
                             FLAGS.page_size)
     row |= dm.time_queued(runner, batch, FLAGS.steps, FLAGS.runs)
     if FLAGS.multi_step and variant != "mesh":
-        room = tables[:b, :-(-(c + FLAGS.multi_step) // FLAGS.page_size)]
         rounds = dm.decode_batch(batch.token_ids, np.full(b, c - 1), room, FLAGS.page_size)
         row |= dm.time_multi_step(runner, rounds, FLAGS.multi_step,
                                   max(FLAGS.steps // FLAGS.multi_step, 2), FLAGS.runs)
@@ -225,7 +243,6 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
             "kv_cache_dtype": FLAGS.kv_cache_dtype, "label": FLAGS.label}
     start = time.perf_counter()
     cfg, model, runner = variant_setup(name, variant, dtype, mesh)
-    tables = dm.page_tables(runner.max_seqs, runner.max_width, FLAGS.seed)
     rng = np.random.default_rng(FLAGS.seed)
     devices = mesh.devices.size if variant == "mesh" else 1
     results["setup"].append(head | {"devices": devices, "setup_s": time.perf_counter() - start,
@@ -233,7 +250,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
     if FLAGS.greedy_steps:
         b, c, n = FLAGS.greedy_batch, FLAGS.greedy_context, FLAGS.greedy_steps
         first = rng.integers(0, cfg.vocab_size, b)
-        table = tables[:b, :-(-c // FLAGS.page_size)]
+        table = row_tables(b, c + FLAGS.multi_step)[:, :pages(c)]
         tokens, _, gaps = dm.greedy_loop(runner, first, c - n - 1, table, n, margins=True)
         results["greedy"].append(head | {"batch": b, "context": c, "tokens": tokens.tolist(),
                                          "margins": gaps.tolist()})
@@ -246,7 +263,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
         for c in map(int, FLAGS.context):
             row = head | {"batch": b, "context": c}
             try:
-                decode_row(row, name, variant, cfg, model, runner, tables, rng, calib, devices)
+                decode_row(row, name, variant, cfg, model, runner, rng, calib, devices)
             except Exception as e:  # noqa: BLE001 - a failing row is a result
                 row["error"] = error_text(e)
             results["decode"].append(row)
@@ -256,7 +273,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
         row = head | {"prompt_tokens": t}
         try:
             batch = dm.prefill_batch(rng.integers(0, cfg.vocab_size, t),
-                                     tables[0][:-(-t // FLAGS.page_size)], FLAGS.page_size)
+                                     row_tables(1, t)[0], FLAGS.page_size)
             row |= dm.time_queued(runner, batch, max(FLAGS.steps // 8, 2), FLAGS.runs)
             flops = dm.prefill_flops(cfg, t)
             row |= {"tokens_per_s": t / row["step_s"], "flops": flops,

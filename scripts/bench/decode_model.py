@@ -148,12 +148,14 @@ def check_weights_fit(cfg: ModelConfig, leaves: list, shardings: list | None, dt
 
 
 def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_size: int,
-                mesh=None, kv_dtype=None, kernels=None) -> ModelRunner:
-    """A runner whose cache holds max_batch sequences of max_context tokens (+ padding page);
+                mesh=None, kv_dtype=None, kernels=None, max_pages: int | None = None
+                ) -> ModelRunner:
+    """A runner for up to max_batch sequences of up to max_context tokens whose cache holds
+    max_pages pages (None: max_batch x max_context tokens' worth) plus the padding page;
     kv_dtype: the cache's (ops.kv_quant.kv_cache_dtype: None / 'auto', 'bf16', 'int8', 'fp8');
     kernels: the kernel choice (None: this device's, ops.backends.device_kernels)."""
     width = -(-max_context // page_size)
-    num_pages = max_batch * width + 1
+    num_pages = (max_batch * width if max_pages is None else max_pages) + 1
     if mesh is None:
         return ModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
                            max_width=width, kernels=kernels)

@@ -49,6 +49,10 @@ def test_decode_rows_variants_multi_step_and_profile(tmp_path):
         assert r["floor_s"] == pytest.approx(floor) and r["mbu"] == pytest.approx(
             floor / r["step_s"])
         assert r["multi_step_s"] > 0 and r["multi_steps"] == 3 and r["loop_step_s"] > 0
+    # the cache holds the largest row's pages (3 sequences of 24 + 3 tokens: 12 pages of 8)
+    # and the padding page, not max(batch) x max(tokens) (3 x 35 tokens: 15 pages)
+    assert {s["cache_bytes"] for s in res["setup"]} == {
+        13 * 8 * kv_bytes_per_token(cfg, jnp.float32)}
     by = {(r["variant"], r["batch"]): r for r in rows}
     assert by["gemv", 3]["weight_bytes"] == by["base", 3]["weight_bytes"]  # the same weights
     assert [r["prompt_tokens"] for r in res["prefill"]] == [16] * 2
