@@ -14,7 +14,8 @@ place (tests/models/test_moe.py, against torch's choices recorded by make_golden
 Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
 at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
 steps sort the pairs by expert and the grouped products (ops/moe_matmul.py: tiles, or
-jax.lax.ragged_dot) take each expert's run of rows. Weights per expert are [in, out] like
+jax.lax.ragged_dot) take each expert's run of rows, or on a GPU, up to a few pairs per expert
+(batched decode), the decode kernel over the sorted rows. Weights per expert are [in, out] like
 Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the
 expert-stacked QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
 
@@ -38,7 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 from configs.mesh import DATA, EXPERT, MODEL
 from configs.model import ModelConfig
-from ops.expert_gemv import expert_rows_coded_matmul, expert_rows_matmul
+from ops.expert_gemv import (MAX_ROWS_PER_EXPERT, expert_rows_coded_matmul, expert_rows_matmul,
+                             kernel_runs)
 from ops.kernel_choice import KernelBackends, or_reference
 from ops.moe_matmul import SEARCH, grouped_coded_matmul, grouped_matmul, product_form
 
@@ -102,17 +104,22 @@ def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
                    expert: jax.Array | None = None,
                    kernels: KernelBackends | None = None) -> jax.Array:
     """x [M, in] times each row's expert of `weight` (a float array [E, in, out] or stacked
-    codes: QuantizedWeight with a leading expert axis): rows sorted by expert with
-    `group_sizes` [E], or in any order with each row's `expert` [M] given (then the kernel of
-    ops/expert_gemv.py where `kernels` choose it and it takes the operands)."""
+    codes: QuantizedWeight with a leading expert axis). Rows in any order with each row's
+    `expert` [M] (no group_sizes): the kernel of ops/expert_gemv.py where `kernels` choose it
+    and it takes the operands, else the gathered form. Rows sorted by expert with
+    `group_sizes` [E]: that kernel too when `expert` is also given and the kernel runs, else
+    the grouped products."""
     if getattr(weight, "perm", None) is not None:
         raise ValueError("MoE experts: act-order codes are not supported")
     if isinstance(weight, jax.Array):
-        if expert is not None:
+        if expert is not None and (group_sizes is None
+                                   or kernel_runs(x, weight, expert, kernels)):
             return expert_rows_matmul(x, weight, expert, kernels=kernels)
         return grouped_matmul(x, weight, group_sizes)
     codes = (weight.packed, weight.scales, weight.offsets)
-    if expert is not None:
+    if expert is not None and (group_sizes is None or kernel_runs(
+            x, weight.packed, expert, kernels, weight.scales, weight.offsets,
+            weight.group_size)):
         return expert_rows_coded_matmul(x, *codes, expert, bits=weight.bits,
                                         group_size=weight.group_size, kernels=kernels)
     return grouped_coded_matmul(x, *codes, group_sizes, bits=weight.bits,
@@ -122,7 +129,8 @@ def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
 def experts_mlp(xs: jax.Array, weights: dict, hidden_act: str,
                 kernels: KernelBackends | None = None, **rows) -> jax.Array:
     """down(act(gate(xs)) * up(xs)) of rows [M, hidden] -> [M, hidden]; rows: group_sizes=
-    (sorted rows) or expert= (each row's expert), as expert_product takes them."""
+    (sorted rows, with expert= too where the kernel may take them) or expert= (each row's
+    expert), as expert_product takes them."""
     gate = expert_product(xs, weights["gate_proj"], kernels=kernels, **rows)
     up = expert_product(xs, weights["up_proj"], kernels=kernels, **rows)
     act = (jax.nn.gelu(gate, approximate=True) if hidden_act == "gelu_tanh"
@@ -171,7 +179,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
     Steps whose N * k pairs take the gathered product (ops.moe_matmul.product_form: decode)
     keep the pairs in token order, each with its expert: no sort, and the combine is a sum over
     each token's k rows; their products take the kernel of ops/expert_gemv.py where `kernels`
-    choose it. Larger steps sort the pairs by expert first."""
+    choose it. Larger steps sort the pairs by expert first; up to MAX_ROWS_PER_EXPERT pairs
+    per expert (batched decode) the sorted rows take that kernel too where it runs."""
     n = x.shape[0]
     probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
     num_groups = jax.tree.leaves(weights["down_proj"])[0].shape[0]
@@ -182,7 +191,11 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
                         expert=jnp.clip(local, 0, num_groups - 1))
         return token_sums(y, kept, probs, n, top_k)
     order, kept, group_sizes = sorted_pairs(experts, num_groups, first_expert)
-    y = experts_mlp(x[order // top_k], weights, hidden_act, group_sizes=group_sizes)
+    sorted_expert = None  # each sorted row's expert, for the kernel
+    if n * top_k <= MAX_ROWS_PER_EXPERT * num_groups:
+        sorted_expert = jnp.clip(experts.reshape(-1)[order] - first_expert, 0, num_groups - 1)
+    y = experts_mlp(x[order // top_k], weights, hidden_act, kernels, group_sizes=group_sizes,
+                    expert=sorted_expert)
     return combine(y, order, kept, probs, n, top_k)
 
 

@@ -139,7 +139,9 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
     "moe": (
         KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
                     "bf16 x; bf16 experts or INT8 / INT4 codes",
-                    "decode (rows <= E); K, N and groups whole tiles", expert_gemv.expert_gemv),
+                    f"decode (rows <= E, or <= {expert_gemv.MAX_ROWS_PER_EXPERT} E sorted by "
+                    "expert); K, N and groups whole tiles",
+                    expert_gemv.expert_gemv),
         KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
                     "other dtypes or shapes", "decode (rows <= E)", moe_matmul.rows_matmul),
         KernelEntry("pallas", "gpu", "codes [E, K, N], each row's expert given",

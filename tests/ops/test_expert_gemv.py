@@ -208,15 +208,18 @@ def test_bad_input_raises():
         expert_gemv(x, w.astype(jnp.int32), expert, **kw, interpret=True)
 
 
+@pytest.mark.parametrize("tokens,kernel_calls", [(2, 3), (8, 3), (16, 0)],
+                         ids=["decode", "batched decode", "prefill"])
 @pytest.mark.parametrize("bits", [16, 4])
-def test_a_mixture_decode_step_through_the_kernel(monkeypatch, bits):
-    """models.moe.moe_mlp of 2 tokens (6 rows <= 8 experts: the decode path), bf16 experts or
-    asymmetric RTN INT4 codes in groups of 32, its three products through the kernel
-    (interpreted) against the reference path: equal up to bf16 roundings of the rows between
-    the products."""
+def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernel_calls):
+    """models.moe.moe_mlp of 8 experts, 3 per token, bf16 experts or asymmetric RTN INT4 codes
+    in groups of 32, with the kernel chosen (interpreted) against the reference path: equal up
+    to bf16 roundings of the rows between the products. 2 tokens (6 rows <= 8 experts: rows in
+    token order) and 8 tokens (24 rows sorted by expert, 3 per expert) take the kernel for
+    their three products; 16 tokens (6 rows per expert) the grouped products."""
     e, h, i, k = 8, 64, 32, 3
     keys = jax.random.split(jax.random.key(bits), 5)
-    x = jax.random.normal(keys[0], (2, h), jnp.bfloat16)
+    x = jax.random.normal(keys[0], (tokens, h), jnp.bfloat16)
     router = jax.random.normal(keys[1], (h, e), jnp.bfloat16)
     weights = {name: (jax.random.normal(key, shape) / np.sqrt(shape[1])).astype(jnp.bfloat16)
                for name, key, shape in (("gate_proj", keys[2], (e, h, i)),
@@ -231,7 +234,7 @@ def test_a_mixture_decode_step_through_the_kernel(monkeypatch, bits):
     monkeypatch.setattr(expert_gemv_module, "expert_gemv",
                         lambda *a, **kw: calls.append(1) or expert_gemv(*a, **kw))
     got = moe_mlp(x, router, weights, **settings, kernels=KernelBackends(moe="pallas_interpret"))
-    assert len(calls) == 3  # gate, up and down
+    assert len(calls) == kernel_calls  # gate, up and down, or none
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0,
                                atol=2.0 ** -7 * float(np.abs(np.asarray(ref)).max()))
 
