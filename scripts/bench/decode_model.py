@@ -27,8 +27,9 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import kv_bytes_per_token
+from ops.kv_quant import kv_cache_dtype
 from engine.memory import device_memory, size
-from engine.runner import ModelRunner, fetch_samples
+from engine.runner import ModelRunner, fetch_samples, model_dtype
 from engine.step_batch import StepBatch, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.sharded_runner import ShardedModelRunner
@@ -156,11 +157,27 @@ def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_
     kernels: the kernel choice (None: this device's, ops.backends.device_kernels)."""
     width = -(-max_context // page_size)
     num_pages = (max_batch * width if max_pages is None else max_pages) + 1
+    check_cache_fits(cfg, kv_cache_dtype(kv_dtype, model_dtype(model)), num_pages * page_size,
+                     1 if mesh is None else mesh.devices.size)
     if mesh is None:
         return ModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
                            max_width=width, kernels=kernels)
     return ShardedModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
                               max_width=width, mesh=mesh)
+
+
+def check_cache_fits(cfg: ModelConfig, kv_dtype, tokens: int, devices: int = 1) -> None:
+    """ValueError naming the sizes when a cache of `tokens` tokens of kv_dtype (split over
+    `devices`) is larger than the device's free memory: said at once, rather than an
+    allocator that waits for memory that never frees."""
+    per_device = tokens * kv_bytes_per_token(cfg, kv_dtype) // devices
+    total, in_use = device_memory()
+    if per_device > total - in_use:
+        raise ValueError(
+            f"{cfg.name}: a KV cache of {tokens} tokens in {jnp.dtype(kv_dtype).name} takes "
+            f"{size(per_device)} per device, more than the {size(total - in_use)} free of "
+            f"{size(total)}: ask for fewer --batch x --context tokens, a quantized "
+            f"--kv_cache_dtype or a device with more memory")
 
 
 FILL_CHUNK_ELEMENTS = 1 << 26  # values drawn per loop step of fill_cache_random

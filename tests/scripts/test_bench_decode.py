@@ -129,6 +129,17 @@ def test_weights_larger_than_the_device_are_one_clear_error(monkeypatch):
         dm.random_weights(get_preset("tiny-llama31"), 0, jnp.float32)
 
 
+def test_a_cache_larger_than_the_device_is_one_clear_error(monkeypatch):
+    # tiny-llama31 (2 layers, 2 KV heads of 8 dims): 256 bytes a float32 token, 64 KiB for
+    # 256 tokens against 48 KiB free; an int8 cache (96 bytes a token with its scales) fits
+    cfg = get_preset("tiny-llama31")
+    monkeypatch.setattr(dm, "device_memory", lambda: (1 << 20, (1 << 20) - (48 << 10)))
+    with pytest.raises(ValueError, match=r"tiny-llama31: a KV cache of 256 tokens in float32 "
+                                         r"takes 0.1 MiB per device, more than the 0.0 MiB free"):
+        dm.check_cache_fits(cfg, jnp.float32, 256)
+    dm.check_cache_fits(cfg, jnp.int8, 256)
+
+
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_quantized_random_weights_are_made_as_codes_with_the_float_spread(quant):
     """--quant on one device makes the decoder linears as random codes (never float weights
