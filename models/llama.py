@@ -20,7 +20,7 @@ from configs.model import ModelConfig
 from models.kv_cache import KVCache
 from models.layer_scan import LayerChoice, scan_layers
 from models.longrope import longrope_and_write_kv
-from models.moe import SparseMoE
+from models.moe import ExpertLinear, SparseMoE
 from ops import gemv as gemv_ops
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
@@ -384,14 +384,15 @@ def _check_fusable(kernels: list) -> None:
 
 
 def _concat_kernels(kernels: list):
-    """Concatenates [K, n_i] kernels along the output axis: float arrays, or quantized weights
-    (quant/qtensor.py) of one format, whose columns are independent (own scales and offsets)."""
+    """Concatenates [K, n_i] (or experts' [E, K, n_i]) kernels along the output axis: float
+    arrays, or quantized weights (quant/qtensor.py) of one format, whose columns are
+    independent (own scales and offsets)."""
     first = kernels[0]
     _check_fusable(kernels)
     if isinstance(first, jax.Array | np.ndarray):
-        return jnp.concatenate(kernels, axis=1)
+        return jnp.concatenate(kernels, axis=-1)
     cat = lambda name: (None if getattr(first, name) is None  # noqa: E731
-                        else jnp.concatenate([getattr(k, name) for k in kernels], axis=1))
+                        else jnp.concatenate([getattr(k, name) for k in kernels], axis=-1))
     return dataclasses.replace(first, packed=cat("packed"), scales=cat("scales"),
                                offsets=cat("offsets"))
 
@@ -407,6 +408,14 @@ def _fused_linear(parent, names: tuple[str, ...]) -> Linear:
     return Linear(0, 0, None, None, weights=(kernel, bias))
 
 
+def _fused_experts(mlp: SparseMoE) -> ExpertLinear:
+    """One ExpertLinear whose columns are mlp's gate then up experts' (which are removed)."""
+    kernel = _concat_kernels([getattr(mlp, n).kernel.get_value() for n in _GATE_UP])
+    for n in _GATE_UP:
+        delattr(mlp, n)
+    return ExpertLinear(0, 0, 0, None, None, kernel=kernel)
+
+
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
@@ -417,18 +426,21 @@ def fuse_projections(cfg: ModelConfig, model: LlamaForCausalLM
     Returns (cfg with fused_projections=True, the same model object). The fused model computes
     the same function: its products are the unfused ones side by side. Layer by layer, so peak
     memory grows by one layer's kernels. Quantize before fusing (quant/model.py names the
-    unfused layers); quantized kernels are concatenated column-wise. Sharding rules
-    (models/sharding.py) know only the unfused names: fused weights are for one device.
+    unfused layers); quantized kernels are concatenated column-wise. A mixture's experts fuse
+    their gate and up kernels into one [E, hidden, 2 I] (models.moe.FUSED_PROJECTIONS).
+    Sharding rules (models/sharding.py) know only the unfused names: fused weights are for one
+    device.
     """
     if cfg.fused_projections:
         raise ValueError("fuse_projections: the model is already fused")
-    dense = not cfg.is_moe  # a mixture of experts' MLP keeps its stacked experts as they are
     for layer in model.layers:  # every layer checked first: an error leaves the model as it was
-        for parent, names in ((layer.self_attn, _QKV),) + (((layer.mlp, _GATE_UP),) * dense):
+        for parent, names in ((layer.self_attn, _QKV), (layer.mlp, _GATE_UP)):
             _check_fusable([getattr(parent, n).kernel.get_value() for n in names])
     for layer in model.layers:
         layer.self_attn.qkv_proj = _fused_linear(layer.self_attn, _QKV)
-        if dense:
+        if cfg.is_moe:
+            layer.mlp.gate_up_proj = _fused_experts(layer.mlp)
+        else:
             layer.mlp.gate_up_proj = _fused_linear(layer.mlp, _GATE_UP)
     return cfg.replace(fused_projections=True), model
 

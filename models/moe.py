@@ -16,8 +16,9 @@ at most E pairs (decode) keep the pairs in token order and gather each pair's ex
 steps sort the pairs by expert and the grouped products (ops/moe_matmul.py: tiles, or
 jax.lax.ragged_dot) take each expert's run of rows, or on a GPU, up to a few pairs per expert
 (batched decode), the decode kernel over the sorted rows. Weights per expert are [in, out] like
-Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]; float, or the
-expert-stacked QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
+Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden] (on one GPU fused
+into gate_up_proj [E, hidden, 2 I]: one product, one kernel); float, or the expert-stacked
+QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
 
 On a mesh (kernels.mesh has the `expert` axis) the layer runs per shard under shard_map:
     expert  each shard holds E / ep experts; every shard sees all of its data shard's tokens
@@ -48,14 +49,25 @@ from ops.moe_matmul import SEARCH, grouped_coded_matmul, grouped_matmul, product
 # batches) by all-gather. One place: `dispatch_mode`.
 ALL_TO_ALL_MIN_TOKENS = 1024
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# after models.llama.fuse_projections (one device): gate and up as one [E, hidden, 2 I] product
+FUSED_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 class ExpertLinear(nnx.Module):
-    """The stacked [E, in, out] kernels of one projection of every expert (float, or codes)."""
+    """The stacked [E, in, out] kernels of one projection of every expert (float, or codes);
+    `kernel` given: that one (fused projections), no initializer."""
 
-    def __init__(self, num_experts: int, din: int, dout: int, rngs: nnx.Rngs, dtype):
-        init = nnx.initializers.normal(stddev=0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (num_experts, din, dout), dtype))
+    def __init__(self, num_experts: int, din: int, dout: int, rngs: nnx.Rngs | None, dtype,
+                 kernel=None):
+        if kernel is None:
+            init = nnx.initializers.normal(stddev=0.02)
+            kernel = init(rngs.params(), (num_experts, din, dout), dtype)
+        self.kernel = nnx.Param(kernel)
+
+
+def expert_projections(mlp: "SparseMoE") -> tuple[str, ...]:
+    """The names of a mixture's expert products: PROJECTIONS, or FUSED_PROJECTIONS once fused."""
+    return FUSED_PROJECTIONS if hasattr(mlp, "gate_up_proj") else PROJECTIONS
 
 
 class Router(nnx.Module):
@@ -80,7 +92,7 @@ class SparseMoE(nnx.Module):
         self.down_proj = ExpertLinear(e, i, h, rngs, dtype)
 
     def __call__(self, x: jax.Array, kernels: KernelBackends | None = None) -> jax.Array:
-        weights = {n: getattr(self, n).kernel.get_value() for n in PROJECTIONS}
+        weights = {n: getattr(self, n).kernel.get_value() for n in expert_projections(self)}
         router = self.router.kernel.get_value()
         settings = dict(top_k=self.top_k, normalize=self.norm_topk_prob,
                         hidden_act=self.hidden_act)
@@ -130,9 +142,14 @@ def experts_mlp(xs: jax.Array, weights: dict, hidden_act: str,
                 kernels: KernelBackends | None = None, **rows) -> jax.Array:
     """down(act(gate(xs)) * up(xs)) of rows [M, hidden] -> [M, hidden]; rows: group_sizes=
     (sorted rows, with expert= too where the kernel may take them) or expert= (each row's
-    expert), as expert_product takes them."""
-    gate = expert_product(xs, weights["gate_proj"], kernels=kernels, **rows)
-    up = expert_product(xs, weights["up_proj"], kernels=kernels, **rows)
+    expert), as expert_product takes them. Fused weights (a "gate_up_proj" [E, hidden, 2 I])
+    take gate and up in one product, one read of each row's x and one kernel."""
+    if "gate_up_proj" in weights:
+        gate, up = jnp.split(expert_product(xs, weights["gate_up_proj"], kernels=kernels,
+                                            **rows), 2, axis=-1)
+    else:
+        gate = expert_product(xs, weights["gate_proj"], kernels=kernels, **rows)
+        up = expert_product(xs, weights["up_proj"], kernels=kernels, **rows)
     act = (jax.nn.gelu(gate, approximate=True) if hidden_act == "gelu_tanh"
            else jax.nn.silu(gate))
     return expert_product(act * up, weights["down_proj"], kernels=kernels, **rows)

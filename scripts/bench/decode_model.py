@@ -35,6 +35,7 @@ from engine.sampling import SamplingArrays
 from engine.sharded_runner import ShardedModelRunner
 from models.sharding import tree_shardings
 from models.llama import LlamaForCausalLM, fuse_projections, transpose_for_gemv
+from models.moe import expert_projections
 from quant.model import QuantConfig, quantize_model, quantized_abstract_model
 from scripts.bench.common import dispatch_hold, queued_seconds
 
@@ -280,7 +281,7 @@ def weight_bytes_per_step(cfg: ModelConfig, model, batch: int) -> int:
     if cfg.is_moe:  # the experts no token of the step chose are not read
         idle = 1.0 - touched_experts(cfg, batch) / cfg.num_experts
         experts = sum(array_nbytes(getattr(layer.mlp, name).kernel.get_value())
-                      for layer in model.layers for name in ("gate_proj", "up_proj", "down_proj"))
+                      for layer in model.layers for name in expert_projections(layer.mlp))
         total -= int(idle * experts)
     return total
 

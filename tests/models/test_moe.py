@@ -31,6 +31,7 @@ from ops.backends import select_kernels
 from ops import moe_matmul
 from ops.moe_matmul import grouped_matmul
 from quant.loader import load_model
+from quant.model import QuantConfig, quantize_model
 from tests.conftest import GOLDEN_DIR
 from tests.models.test_golden import greedy, relative_error
 from tests.ops.conftest import h200_lowering  # noqa: F401  (the fixture)
@@ -141,12 +142,25 @@ def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
         grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes[:3]), form)
 
 
-def test_prepare_for_a_gpu_fuses_attention_and_keeps_the_experts():
+@pytest.mark.parametrize("quant", [None, "int4_rtn"])
+def test_prepare_for_a_gpu_fuses_attention_and_the_experts_gate_and_up(quant):
+    """The fused model (q/k/v as one product, each layer's experts' gate and up as one
+    [E, hidden, 2 I]) computes the unfused model's logits, float32 or INT4 experts."""
     cfg = get_preset("tiny-qwen3-moe")
-    prepared = prepare_for_device(cfg, random_model(cfg, seed=1), platform="gpu", hopper=True)
+    model = random_model(cfg, seed=1)
+    if quant:
+        quantize_model(cfg, model, QuantConfig(quant, group_size=16), progress=False)
+    ids = (np.arange(12)[None] * 37 + 5) % cfg.vocab_size
+    unfused = np.asarray(full_sequence_logits(cfg, model, ids, page_size=4))
+    prepared = prepare_for_device(cfg, model, platform="gpu", hopper=True)
     layer = prepared.model.layers[0]
     assert prepared.cfg.fused_projections and hasattr(layer.self_attn, "qkv_proj")
-    assert layer.mlp.gate_proj.kernel.get_value().shape == (8, 64, 32)  # stacked, unfused
+    assert not hasattr(layer.mlp, "gate_proj") and not hasattr(layer.mlp, "up_proj")
+    fused = layer.mlp.gate_up_proj.kernel.get_value()
+    assert (fused.shape if not quant else fused.scales.shape) == (
+        (8, 64, 64) if not quant else (8, 64 // 16, 64))  # [E, hidden, 2 I]
+    got = np.asarray(full_sequence_logits(prepared.cfg, prepared.model, ids, page_size=4))
+    np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=1e-5 * np.abs(unfused).max())
     with pytest.raises(ValueError, match="mixture of experts"):
         transpose_for_gemv(prepared.cfg, prepared.model, k_order="natural")
 

@@ -211,12 +211,14 @@ def test_bad_input_raises():
 @pytest.mark.parametrize("tokens,kernel_calls", [(2, 3), (8, 3), (16, 0)],
                          ids=["decode", "batched decode", "prefill"])
 @pytest.mark.parametrize("bits", [16, 4])
-def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernel_calls):
+@pytest.mark.parametrize("fused", [False, True], ids=["gate, up", "gate_up"])
+def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernel_calls, fused):
     """models.moe.moe_mlp of 8 experts, 3 per token, bf16 experts or asymmetric RTN INT4 codes
     in groups of 32, with the kernel chosen (interpreted) against the reference path: equal up
     to bf16 roundings of the rows between the products. 2 tokens (6 rows <= 8 experts: rows in
     token order) and 8 tokens (24 rows sorted by expert, 3 per expert) take the kernel for
-    their three products; 16 tokens (6 rows per expert) the grouped products."""
+    their three products (two with gate and up fused into one [E, hidden, 2 I]); 16 tokens (6
+    rows per expert) the grouped products."""
     e, h, i, k = 8, 64, 32, 3
     keys = jax.random.split(jax.random.key(bits), 5)
     x = jax.random.normal(keys[0], (tokens, h), jnp.bfloat16)
@@ -230,6 +232,14 @@ def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernel_cal
                    for name, w in weights.items()}
     settings = dict(top_k=k, normalize=True, hidden_act="silu")
     ref = moe_mlp(x, router, weights, **settings)
+    if fused:  # as models.llama.fuse_projections stores them
+        gate, up = weights.pop("gate_proj"), weights.pop("up_proj")
+        weights["gate_up_proj"] = (jnp.concatenate([gate, up], axis=-1) if bits == 16 else
+                                   dataclasses.replace(gate, **{
+                                       f: None if getattr(gate, f) is None else jnp.concatenate(
+                                           [getattr(gate, f), getattr(up, f)], axis=-1)
+                                       for f in ("packed", "scales", "offsets")}))
+        kernel_calls -= kernel_calls // 3
     calls = []
     monkeypatch.setattr(expert_gemv_module, "expert_gemv",
                         lambda *a, **kw: calls.append(1) or expert_gemv(*a, **kw))
