@@ -7,16 +7,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.kv_cache import init_kv_cache
-from models.llama import AttentionMetadata, forward
+from models.llama import AttentionMetadata, LlamaForCausalLM, forward, fuse_projections
 from models.weights import abstract_model
 
 
 def lowered_step_text(cfg, kernels, *, num_pages: int, page_size: int, tokens: int, seqs: int,
-                      width: int, stacked: bool = False) -> str:
+                      width: int, stacked: bool = False, fused: bool = False) -> str:
     """The StableHLO text of forward(...) for `tokens` tokens of `seqs` sequences (block tables
-    [seqs, width], up to tokens / 2 a sequence, two of them prefills), bf16 weights and pages,
-    with `kernels`, lowered for CUDA (the caller holds the h200_lowering fixture)."""
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
+    [seqs, width], up to tokens / 2 a sequence, two of them prefills), bf16 weights and pages
+    (with `fused`, as models.llama.fuse_projections leaves them), with `kernels`, lowered for
+    CUDA (the caller holds the h200_lowering fixture)."""
+    if fused:
+        cfg, model = cfg.replace(fused_projections=True), nnx.eval_shape(
+            lambda: fuse_projections(cfg, LlamaForCausalLM(cfg, nnx.Rngs(0), jnp.bfloat16))[1])
+    else:
+        model = abstract_model(cfg, jnp.bfloat16)
+    graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, page_size, jnp.bfloat16,
                                                  stacked=stacked))
     spec = jax.ShapeDtypeStruct

@@ -275,15 +275,17 @@ def test_lowers_to_triton_for_h200(h200_lowering, variant, prefetch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
-def test_decode_step_of_a_tiny_mixture_reaches_the_kernel(h200_lowering):
-    """tiny-qwen3-moe's decode step (2 tokens x 3 experts: 6 rows <= 8 experts) with the GPU's
-    kernel choice runs its three expert products per layer through the kernel; with the
-    reference choice, through none."""
+@pytest.mark.parametrize("tokens", [2, 8], ids=["decode", "batched decode"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_step_of_a_tiny_mixture_reaches_the_kernel(h200_lowering, tokens, fused):
+    """tiny-qwen3-moe's decode step (2 tokens x 3 experts: 6 rows <= 8 experts; 8 tokens: 24
+    rows sorted by expert) with the GPU's kernel choice runs its three expert products per
+    layer through the kernel (two with gate and up fused); with the reference choice, none."""
     cfg = get_preset("tiny-qwen3-moe")
-    shapes = dict(num_pages=8, page_size=4, tokens=2, seqs=2, width=4)
+    shapes = dict(num_pages=8, page_size=4, tokens=tokens, seqs=tokens, width=4, fused=fused)
     gpu = select_kernels("gpu", hopper=True)
     assert gpu.moe == "pallas"
     text = lowered_step_text(cfg, gpu, **shapes)
-    assert text.count('"expert_gemv"') >= 3 * cfg.num_layers and h200_lowering
+    assert text.count('"expert_gemv"') == (2 if fused else 3) * cfg.num_layers and h200_lowering
     text = lowered_step_text(cfg, dataclasses.replace(gpu, moe="reference"), **shapes)
     assert '"expert_gemv"' not in text
