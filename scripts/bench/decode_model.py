@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs.mesh import MODEL
 from configs.model import ModelConfig
 from models.kv_cache import kv_bytes_per_token
 from ops.kv_quant import kv_cache_dtype
@@ -158,8 +159,9 @@ def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_
     kernels: the kernel choice (None: this device's, ops.backends.device_kernels)."""
     width = -(-max_context // page_size)
     num_pages = (max_batch * width if max_pages is None else max_pages) + 1
+    # each device of a mesh holds its data shard's pages (num_pages), the KV heads split over tp
     check_cache_fits(cfg, kv_cache_dtype(kv_dtype, model_dtype(model)), num_pages * page_size,
-                     1 if mesh is None else mesh.devices.size)
+                     1 if mesh is None else mesh.shape.get(MODEL, 1))
     if mesh is None:
         return ModelRunner(cfg, model, num_pages, page_size, kv_dtype, max_seqs=max_batch,
                            max_width=width, kernels=kernels)
@@ -167,11 +169,11 @@ def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_
                               max_width=width, mesh=mesh)
 
 
-def check_cache_fits(cfg: ModelConfig, kv_dtype, tokens: int, devices: int = 1) -> None:
-    """ValueError naming the sizes when a cache of `tokens` tokens of kv_dtype (split over
-    `devices`) is larger than the device's free memory: said at once, rather than an
-    allocator that waits for memory that never frees."""
-    per_device = tokens * kv_bytes_per_token(cfg, kv_dtype) // devices
+def check_cache_fits(cfg: ModelConfig, kv_dtype, tokens: int, heads_split: int = 1) -> None:
+    """ValueError naming the sizes when a device's cache of `tokens` tokens of kv_dtype (its
+    KV heads split `heads_split` ways) is larger than its free memory: said at once, rather
+    than an allocator that waits for memory that never frees."""
+    per_device = tokens * kv_bytes_per_token(cfg, kv_dtype) // heads_split
     total, in_use = device_memory()
     if per_device > total - in_use:
         raise ValueError(
