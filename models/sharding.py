@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.mesh import AXES, EXPERT, MODEL, expert_size, mesh_shape
 from configs.model import ModelConfig
-from models.llama import LlamaForCausalLM
+from models.weights import abstract_model, random_model
 from models.moe import check_expert_mesh, expert_partition_spec
 
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})
@@ -237,13 +237,10 @@ def leaf_placer(cfg: ModelConfig, mesh):
 
 
 def random_model_on_mesh(cfg: ModelConfig, seed: int, dtype, mesh):
-    """A random model of cfg's shapes created directly on its shards (benchmarks)."""
-    def build():
-        return nnx.split(LlamaForCausalLM(cfg, nnx.Rngs(seed), dtype))[1]
-
-    graphdef = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(seed), dtype)))[0]
-    shardings = tree_shardings(jax.eval_shape(build), cfg, mesh)
-    return nnx.merge(graphdef, jax.jit(build, out_shardings=shardings)())
+    """A random model of cfg's shapes created directly on its shards (models.weights'
+    random_model, each weight on the sharding the rules give it)."""
+    state = nnx.state(abstract_model(cfg, dtype))
+    return random_model(cfg, seed, dtype, jax.tree.leaves(tree_shardings(state, cfg, mesh)))
 
 
 def abstract_with_shardings(tree, cfg: ModelConfig, mesh):

@@ -15,8 +15,6 @@ Words used below:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import statistics
 import time
 
@@ -35,7 +33,8 @@ from engine.step_batch import StepBatch, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.sharded_runner import ShardedModelRunner
 from models.sharding import tree_shardings
-from models.llama import LlamaForCausalLM, fuse_projections, transpose_for_gemv
+from models import weights
+from models.llama import fuse_projections, transpose_for_gemv
 from models.moe import expert_projections
 from quant.model import QuantConfig, quantize_model, quantized_abstract_model
 from scripts.bench.common import dispatch_hold, queued_seconds
@@ -72,67 +71,17 @@ def build_model(cfg: ModelConfig, dtype, seed: int, quant: str = "none", fused: 
 def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None,
                    qcfg: QuantConfig | None = None):
     """A model of cfg's shapes with normal(0, 0.02) weights (RMSNorm weights 1), made on the
-    device (on the mesh's shards by models/sharding.py's rules with a mesh). With `qcfg` (one
-    device) the decoder linears are QuantizedWeights of random codes whose scales give the same
-    spread, made as codes: a model whose float weights do not fit the device (qwen3-30b-a3b in
-    bf16 on an 80 GB card) still runs quantized.
-
-    One small jitted generator per distinct (shape, sharding), called once per weight: compiling
-    the whole initializer as one program (models.weights.random_model) makes XLA build one
-    kernel per weight, which takes minutes for an 8B model.
-    """
+    device by models.weights.random_like (on the mesh's shards by models/sharding.py's rules
+    with a mesh), after checking that they fit. With `qcfg` (one device) the decoder linears
+    are QuantizedWeights of random codes whose scales give the same spread, made as codes: a
+    model whose float weights do not fit the device (qwen3-30b-a3b in bf16 on an 80 GB card)
+    still runs quantized."""
     abstract_model = (quantized_abstract_model(cfg, qcfg, dtype) if qcfg is not None else
-                      nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0), dtype)))
-    graphdef, abstract = nnx.split(abstract_model)
-    shardings = None
-    if mesh is not None:
-        shardings = jax.tree.leaves(tree_shardings(abstract, cfg, mesh))
-    generators = {}
-
-    def generator(shape, dtype, sharding, kind):
-        key = (shape, jnp.dtype(dtype).name, sharding, kind)
-        if key not in generators:
-            generators[key] = jax.jit(functools.partial(random_leaf, shape, dtype, kind,
-                                                        qcfg.bits if qcfg else 16),
-                                      out_shardings=sharding)
-        return generators[key]
-
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    check_weights_fit(cfg, [leaf for _, leaf in paths_leaves], shardings, dtype)
-    base = jax.random.key(seed)
-    values = []
-    for i, (path, leaf) in enumerate(paths_leaves):
-        sharding = shardings[i] if shardings is not None else None
-        values.append(generator(leaf.shape, leaf.dtype, sharding, leaf_kind(path))(
-            jax.random.fold_in(base, i)))
-    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
-
-
-def leaf_kind(path) -> str:
-    """How `random_leaf` fills the weight at this tree path: norm weights ones, a
-    QuantizedWeight's codes, scales and offsets their own way, any other weight normal."""
-    name = jax.tree_util.keystr(path)
-    for kind in ("packed", "scales", "offsets"):
-        if name.endswith(f".{kind}"):
-            return kind
-    return "ones" if "norm" in name else "normal"
-
-
-def random_leaf(shape, dtype, kind: str, bits: int, key) -> jax.Array:
-    """One random weight of `kind` (`leaf_kind`): normal(0, 0.02); ones; uniform random codes
-    (every bit random: int4 words hold 8 codes); scales that give the codes, less their
-    midpoint, a spread of 0.02; offsets that remove the midpoint (asymmetric codes)."""
-    spread = math.sqrt((4 ** bits - 1) / 12)  # std of a uniform code of `bits` bits
-    if kind == "ones":
-        return jnp.ones(shape, dtype)
-    if kind == "packed":
-        unsigned = jnp.dtype(dtype) if jnp.dtype(dtype) == jnp.uint8 else jnp.uint32
-        return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, unsigned), dtype)
-    if kind == "scales":
-        return jnp.full(shape, 0.02 / spread, dtype)
-    if kind == "offsets":
-        return jnp.full(shape, -0.02 / spread * (2 ** bits - 1) / 2, dtype)
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+                      weights.abstract_model(cfg, dtype))
+    state = nnx.state(abstract_model)
+    shardings = None if mesh is None else jax.tree.leaves(tree_shardings(state, cfg, mesh))
+    check_weights_fit(cfg, jax.tree.leaves(state), shardings, dtype)
+    return weights.random_like(abstract_model, seed, shardings, qcfg.bits if qcfg else 16)
 
 
 def check_weights_fit(cfg: ModelConfig, leaves: list, shardings: list | None, dtype) -> None:
