@@ -245,11 +245,25 @@ def startup_summary(seconds: float, since: CompileStats | None = None) -> str:
 def warmup_for_serving(engine, background: bool) -> list:
     """Compiles, with progress, the programs a server needs before it listens: with
     `background` (and a runner that compiles ahead of time) those of engine.warmup.split_first,
-    else every reachable one. Returns the programs left to engine.compile_in_background."""
+    else every reachable one. Returns the programs left to engine.compile_in_background.
+
+    With `background`, the first of them is compiled alone first. When the persistent
+    compilation cache served it (a start of a configuration that ran before), the others go to
+    the background too: a load takes a fraction of a second even when a step reaches the
+    program first, while loading them all before listening took most of a warm start (8 of
+    12 s for llama3.2-1b on an H100), tracing each program to find its cache key."""
     programs = engine.warmup_programs()
     first, later = programs, []
     if background and engine.runner.compiles_ahead:
         first, later = split_first(programs, engine.engine_cfg.page_size)
+        before = compile_stats()
+        engine.warmup(programs=first[:1], samplers=False)
+        probe = compile_stats() - before
+        first = first[1:]
+        if probe.programs and not probe.compiled:  # loaded: the cache is warm
+            print(f"compilation cache warm: {len(first)} first programs load in the "
+                  "background", file=sys.stderr, flush=True)
+            first, later = [], first + later
     engine.warmup(programs=first, progress=print_progress("compiling"))
     return later
 
