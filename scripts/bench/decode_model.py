@@ -86,17 +86,24 @@ def random_weights(cfg: ModelConfig, seed: int, dtype, mesh=None,
 
 def check_weights_fit(cfg: ModelConfig, leaves: list, shardings: list | None, dtype) -> None:
     """ValueError, naming both sizes, when the weights' largest shard (per device) exceeds what
-    the device has free: making them would otherwise stall in the allocator's retries."""
+    the device has free (`check_free`)."""
     per_device = sum(
         int(np.prod(s.shard_shape(leaf.shape) if s is not None else leaf.shape))
         * jnp.dtype(leaf.dtype).itemsize
         for leaf, s in zip(leaves, shardings or [None] * len(leaves)))
+    check_free(per_device, f"{cfg.name} in {jnp.dtype(dtype).name}: the weights take",
+               "use a device with more memory, more devices (--tp / --ep) or "
+               "XLA_CLIENT_MEM_FRACTION")
+
+
+def check_free(per_device: int, what: str, advice: str) -> None:
+    """ValueError '<what> N per device, more than the F free of T: <advice>' when per_device
+    bytes exceed the device's free memory: said at once, rather than an allocator that waits
+    for memory that never frees."""
     total, in_use = device_memory()
     if per_device > total - in_use:
-        raise ValueError(
-            f"{cfg.name} in {jnp.dtype(dtype).name}: the weights take {size(per_device)} per "
-            f"device, more than the {size(total - in_use)} free of {size(total)}: use a device "
-            f"with more memory, more devices (--tp / --ep) or XLA_CLIENT_MEM_FRACTION")
+        raise ValueError(f"{what} {size(per_device)} per device, more than the "
+                         f"{size(total - in_use)} free of {size(total)}: {advice}")
 
 
 def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_size: int,
@@ -120,16 +127,11 @@ def make_runner(cfg: ModelConfig, model, max_batch: int, max_context: int, page_
 
 def check_cache_fits(cfg: ModelConfig, kv_dtype, tokens: int, heads_split: int = 1) -> None:
     """ValueError naming the sizes when a device's cache of `tokens` tokens of kv_dtype (its
-    KV heads split `heads_split` ways) is larger than its free memory: said at once, rather
-    than an allocator that waits for memory that never frees."""
-    per_device = tokens * kv_bytes_per_token(cfg, kv_dtype) // heads_split
-    total, in_use = device_memory()
-    if per_device > total - in_use:
-        raise ValueError(
-            f"{cfg.name}: a KV cache of {tokens} tokens in {jnp.dtype(kv_dtype).name} takes "
-            f"{size(per_device)} per device, more than the {size(total - in_use)} free of "
-            f"{size(total)}: ask for fewer --batch x --context tokens, a quantized "
-            f"--kv_cache_dtype or a device with more memory")
+    KV heads split `heads_split` ways) is larger than its free memory (`check_free`)."""
+    check_free(tokens * kv_bytes_per_token(cfg, kv_dtype) // heads_split,
+               f"{cfg.name}: a KV cache of {tokens} tokens in {jnp.dtype(kv_dtype).name} takes",
+               "ask for fewer --batch x --context tokens, a quantized --kv_cache_dtype or a "
+               "device with more memory")
 
 
 FILL_CHUNK_ELEMENTS = 1 << 26  # values drawn per loop step of fill_cache_random

@@ -39,10 +39,11 @@ def measure_startup(FLAGS, mesh=None, on_ready=None) -> dict:
     """One start as scripts.serve makes it (the model, engine and fusion flags in FLAGS), then
     one request of 8 prompt tokens and 1 output token, then, with --startup_background, the
     programs a server compiles in the background once listening (--compile_in_background).
-    Returns main_at_s (when the benchmark's main began, since process start), the durations of the phases (weights loaded
-    and prepared, engine built with its KV cache, compiling, first token, background), the
-    programs compiled and loaded from the compilation cache by the first token, ready_s
-    (process start to first token) and ready_without_weights_s (less the weights').
+    Returns main_at_s (when the benchmark's main began, since process start), the durations
+    of the phases (weights loaded and prepared, engine built with its KV cache, compiling,
+    first token, background), the programs compiled and loaded from the compilation cache by
+    the first token, ready_s (process start to first token) and ready_without_weights_s (less
+    the weights').
     on_ready(figures so far) is called at the first token, before the background compiles."""
     out = {"main_at_s": process_age()}
     start = time.perf_counter()

@@ -68,7 +68,8 @@ def test_sampled_rounds_are_warm_too():
     assert {p[3] for p in first} == {"greedy", "step"}
     assert all((p[3] == "greedy") == (max(p[0]) == 1) for p in first)
     # the nearest later ones: the sampled rounds of the first decode steps
-    nearest = [(q, w, v, mode) for mode in ("plain", "cuts") for q, w, v, p in first if p == "greedy"]
+    nearest = [(q, w, v, mode) for mode in ("plain", "cuts")
+               for q, w, v, p in first if p == "greedy"]
     assert sorted(map(str, later[:len(nearest)])) == sorted(map(str, nearest))
     engine.warmup(programs=first)
     engine.compile_in_background(later).join()
@@ -101,8 +102,9 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
 
 
 def test_block_table_widths_on_a_gpu_and_the_cpu():
-    """On a GPU (and a TPU) steps pad their tables to FIXED_WIDTH_TOKENS' pages (one width for every context
-    up to it) and wider ones to their power of two; the warm-up lists those widths only. On the
+    """On a GPU (and a TPU) steps pad their tables to FIXED_WIDTH_TOKENS' pages (one width for
+    every context up to it) and wider ones to their power of two; the warm-up lists those
+    widths only. On the
     CPU decode steps take their own bucket and prefill steps the widest."""
     from engine.block_pool import BlockPool
     from engine.engine_config import resolve_engine_config
