@@ -104,11 +104,15 @@ class SparseMoE(nnx.Module):
 
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """(weights float32 [N, k], experts int32 [N, k]) of router logits [N, E]: the k highest
-    softmax probabilities (ties: the lower expert first), divided by their sum if `normalize`."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    softmax probabilities (ties: the lower expert first), divided by their sum if `normalize`.
+    The top-k is taken of the logits (softmax keeps their order), so normalized weights are a
+    softmax over k values and unnormalized ones exp(logit - logsumexp): no softmax over all E."""
+    logits = logits.astype(jnp.float32)
+    top, experts = jax.lax.top_k(logits, top_k)  # [N, k]
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        weights = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
     return weights, experts.astype(jnp.int32)
 
 
