@@ -163,34 +163,24 @@ class Attention(nnx.Module):
                                                        inv_freq, kernels, window)
         return self.o_proj(heads, kernels), k_pages, v_pages
 
-    def norm_qk(self, qkv, cfg: ModelConfig, kernels: KernelBackends | None = None):
-        """(q, k, v) of project_qkv's output with each query and key head RMS-normed (q_norm,
-        k_norm: Qwen3, Gemma 3); q [N, H * D], k and v [N, KVH * D]."""
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if isinstance(qkv, tuple):
-            q, k, v = qkv
-        else:
-            q, k, v = qkv[:, :h * d], qkv[:, h * d:(h + kvh) * d], qkv[:, (h + kvh) * d:]
-        n = q.shape[0]
-        q = self.q_norm(q.reshape(n * h, d), kernels).reshape(n, h * d)
-        k = self.k_norm(k.reshape(n * kvh, d), kernels).reshape(n, kvh * d)
-        return q, k, v
-
     def attention_heads(self, qkv, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                         inv_freq: np.ndarray, kernels: KernelBackends | None = None,
                         window: int | None = None):
         """`attend` before o_proj: (the heads' outputs [N, H * D], k_pages, v_pages)."""
         num_tokens = meta.positions.shape[0]
-        if cfg.qk_norm:
-            qkv = self.norm_qk(qkv, cfg, kernels)
-        # RoPE on q and k and the K/V cache write, in one kernel on GPU (ops/rope_kv.py).
+        # q/k norms (Qwen3, Gemma 3: one [head_dim] scale shared by every query head, one by
+        # every key head), RoPE on q and k and the K/V cache write, in one kernel on GPU
+        # (ops/rope_kv.py).
+        qk_norm = ((self.q_norm.weight[...], self.k_norm.weight[...], cfg.rms_norm_eps)
+                   if cfg.qk_norm else None)
         if np.ndim(inv_freq) == 2:  # LongRoPE: the short and the long factors' frequencies
             q, k_pages, v_pages = longrope_and_write_kv(
-                qkv, meta, inv_freq, k_pages, v_pages, cfg.rope_scaling, cfg.num_heads, kernels)
+                qkv, meta, inv_freq, k_pages, v_pages, cfg.rope_scaling, cfg.num_heads, kernels,
+                qk_norm=qk_norm)
         else:
             q, k_pages, v_pages = rope_and_write_kv(
                 qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping,
-                num_heads=cfg.num_heads, kernels=kernels)  # q [N, H, D]
+                num_heads=cfg.num_heads, qk_norm=qk_norm, kernels=kernels)  # q [N, H, D]
         out = step_attention(
             q, k_pages, v_pages, meta.block_tables, meta.query_start_loc, meta.kv_lens,
             max_q_len=meta.max_q_len, max_prefill_seqs=meta.max_prefill_seqs,

@@ -38,7 +38,7 @@ def uses_longrope(scaling: RopeScaling | None) -> bool:
 
 def longrope_and_write_kv(qkv, meta, inv_freq: np.ndarray, k_pages, v_pages,
                           scaling: RopeScaling, num_heads: int,
-                          kernels: KernelBackends | None = None):
+                          kernels: KernelBackends | None = None, qk_norm: tuple | None = None):
     """ops.rope_kv.rope_and_write_kv under LongRoPE (module doc).
 
     meta: the step's models.llama.AttentionMetadata; inv_freq: [2, D / 2], the short and the long
@@ -55,6 +55,7 @@ def longrope_and_write_kv(qkv, meta, inv_freq: np.ndarray, k_pages, v_pages,
     for freq, mine in ((inv_freq[0], ~long), (inv_freq[1], long)):
         slots = jnp.where(mine, meta.slot_mapping, -1)  # the other pass's tokens: not written
         q, k_pages, v_pages = rope_and_write_kv(qkv, meta.positions, freq, k_pages, v_pages,
-                                                slots, num_heads=num_heads, kernels=kernels)
+                                                slots, num_heads=num_heads, qk_norm=qk_norm,
+                                                kernels=kernels)
         rotated.append(q)
     return jnp.where(long[:, None, None], rotated[1], rotated[0]), k_pages, v_pages

@@ -5,12 +5,15 @@ a handful of tiny ops: RoPE on the queries, RoPE on the keys, and the scatter of
 into their cache slots. XLA runs them as separate kernels (for llama3.1-8b at batch 1 on the
 H200: five per layer, because a one-row scatter becomes a select plus a dynamic-update-slice per
 cache), each reading almost nothing but paying a kernel's start and drain. `rope_and_write_kv`
-does all of it in one Pallas kernel on GPU, and in plain jnp elsewhere.
+does all of it in one Pallas kernel on GPU, and in plain jnp elsewhere. Models with per-head
+q/k RMSNorm (Qwen3, Gemma 3) normalize each query and key head in the same kernel, before the
+rotation: two or three kernels fewer per layer.
 
 Kernel: one program per (token, kv head). It computes the token's angles (position x inverse
 frequency, float32), rotates the kv head's key and writes it and the value to the token's slot
 in the pages (which are aliased to the outputs: written in place), and rotates the kv head's G
-query heads into the output. Rotate-half (HF) layout: element i pairs with i +- D/2. A slot < 0
+query heads into the output (each head RMS-normed first where the model has q/k norms, with
+ops.rms_norm's rounding). Rotate-half (HF) layout: element i pairs with i +- D/2. A slot < 0
 (padding) writes nothing. Quantized caches (int8 / fp8 QuantizedPages: the kernel stores no
 scales), a sharded step (its KernelBackends hold a mesh) and head dims that are not a power of
 two take the jnp path, which quantizes each new row in ops.paged_attention.write_kv.
@@ -31,6 +34,7 @@ from ops import attention_tiles as tiles
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.kv_quant import QuantizedPages
 from ops.paged_attention import write_kv
+from ops.rms_norm import rms_norm_reference
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -58,27 +62,33 @@ def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int):
 
 
 def rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *,
-                                num_heads: int, kernels: KernelBackends | None = None):
-    """The unfused ops: RoPE on q and k (apply_rope), then write_kv (per shard under a mesh in
-    `kernels`)."""
+                                num_heads: int, qk_norm: tuple | None = None,
+                                kernels: KernelBackends | None = None):
+    """The unfused ops: each query and key head RMS-normed (qk_norm), RoPE on q and k
+    (apply_rope), then write_kv (per shard under a mesh in `kernels`)."""
     num_kv_heads, _, _, head_dim = k_pages.shape
     q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, kernels=kernels)
     return q, k_pages, v_pages
 
 
-def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, kp_in_ref, vp_in_ref,
-                    q_out_ref, kp_ref, vp_ref, *, group: int, rows: int, head_dim: int,
-                    q_col: int, k_col: int, v_col: int):
+def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, *refs, group: int,
+                    rows: int, head_dim: int, q_col: int, k_col: int, v_col: int,
+                    norm_eps: float | None):
     # pos_ref, slot_ref: [N] int32 (all tokens); freq_ref: [D] float32 (inverse frequencies,
     #   repeated for both halves)
     # q_ref, k_ref, v_ref: [C] this token's projection row(s); its q heads start at column
     #   q_col, its k heads at k_col, its v heads at v_col
-    # kp_ref, vp_ref: [P * S, D] this kv head's pages (aliased to kp_in_ref, vp_in_ref)
-    # q_out_ref: [H * D] this token's rotated queries
-    del kp_in_ref, vp_in_ref  # the same buffers as kp_ref, vp_ref
+    # refs: (qw_ref [D], kw_ref [D]: the q/k norms' weights, when norm_eps is not None), then
+    #   kp_in_ref, vp_in_ref, q_out_ref [H * D] (this token's rotated queries), kp_ref, vp_ref
+    #   [P * S, D] (this kv head's pages, aliased to kp_in_ref, vp_in_ref)
+    qw_ref, kw_ref = refs[:2] if norm_eps is not None else (None, None)
+    q_out_ref, kp_ref, vp_ref = refs[-3:]
     t, h = pl.program_id(0), pl.program_id(1)
     half = head_dim // 2
     i = jnp.arange(head_dim, dtype=jnp.int32)  # [D]
@@ -86,18 +96,26 @@ def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, kp_in_ref,
     sign = jnp.where(i < half, -1.0, 1.0).astype(jnp.float32)
     angles = pos_ref[t].astype(jnp.float32) * plgpu.load(freq_ref.at[i])  # [D]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    dtype = q_out_ref.dtype
 
-    def rotate(ref, cols, partner_cols, mask=None):  # ref[cols] rotated, float32
+    def rotate(ref, cols, partner_cols, w_ref, mask=None):  # ref[cols] (normed,) rotated,
+        # float32; cols [.., D]: each row one head
         other = None if mask is None else 0.0
         x = plgpu.load(ref.at[cols], mask=mask, other=other).astype(jnp.float32)
         xp = plgpu.load(ref.at[partner_cols], mask=mask, other=other).astype(jnp.float32)
+        if w_ref is not None:  # ops.rms_norm's numerics: w * (x * scale), rounded twice
+            scale = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / head_dim + norm_eps)
+            norm = lambda a, w: (w * (a * scale).astype(dtype).astype(jnp.float32)).astype(  # noqa: E731
+                dtype).astype(jnp.float32)
+            x = norm(x, plgpu.load(w_ref.at[i]).astype(jnp.float32))
+            xp = norm(xp, plgpu.load(w_ref.at[partner]).astype(jnp.float32))
         return x * cos + sign * xp * sin
 
     slot = slot_ref[t]
     ok = jnp.full((1,), slot >= 0)  # [1]
     row = jnp.full((1,), jnp.maximum(slot, 0))  # [1]
     base = k_col + h * head_dim
-    k = rotate(k_ref, base + i, base + partner)  # [D]
+    k = rotate(k_ref, base + i, base + partner, kw_ref)  # [D]
     tiles.store_rows(kp_ref, row, k[None, :], ok)
     v = plgpu.load(v_ref.at[v_col + h * head_dim + i])  # [D]
     tiles.store_rows(vp_ref, row, v[None, :], ok)
@@ -108,15 +126,15 @@ def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, kp_in_ref,
     # dropped by the interpreter), so they never touch a real head's row.
     cols = jnp.where(head_ok, h * group + g, 0)[:, None] * head_dim  # [G', 1]
     mask = jnp.broadcast_to(head_ok[:, None], (rows, head_dim))
-    q = rotate(q_ref, q_col + cols + i[None, :], q_col + cols + partner[None, :], mask)
+    q = rotate(q_ref, q_col + cols + i[None, :], q_col + cols + partner[None, :], qw_ref, mask)
     out_cols = jnp.where(head_ok, h * group + g, q_out_ref.shape[0] // head_dim)[:, None]
     plgpu.store(q_out_ref.at[out_cols * head_dim + i[None, :]], q.astype(q_out_ref.dtype),
                 mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "columns", "interpret"))
-def _rope_kv_pallas(positions, slot_mapping, freq, sources, k_pages, v_pages, *, num_heads,
-                    columns, interpret):
+@functools.partial(jax.jit, static_argnames=("num_heads", "columns", "norm_eps", "interpret"))
+def _rope_kv_pallas(positions, slot_mapping, freq, sources, norm_weights, k_pages, v_pages, *,
+                    num_heads, columns, norm_eps, interpret):
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     num_tokens = positions.shape[0]
     num_slots = num_pages * page_size
@@ -128,32 +146,34 @@ def _rope_kv_pallas(positions, slot_mapping, freq, sources, k_pages, v_pages, *,
     def row_spec(src):  # this token's row of a projection output
         return pl.BlockSpec((None, src.shape[1]), lambda t, h: (t, 0))
 
+    whole = pl.BlockSpec((head_dim,), lambda t, h: (0,))
     page_spec = pl.BlockSpec((None, num_slots, head_dim), lambda t, h: (h, 0, 0))
     kernel = functools.partial(
         _rope_kv_kernel, group=group, rows=tiles.next_pow2(group), head_dim=head_dim,
-        q_col=columns[0], k_col=columns[1], v_col=columns[2])
+        q_col=columns[0], k_col=columns[1], v_col=columns[2], norm_eps=norm_eps)
+    first = 6 + len(norm_weights)  # the pages' operand index
     q, k_rows, v_rows = pl.pallas_call(
         kernel, grid=(num_tokens, num_kv_heads),
         in_specs=[pl.BlockSpec((num_tokens,), lambda t, h: (0,)),
-                  pl.BlockSpec((num_tokens,), lambda t, h: (0,)),
-                  pl.BlockSpec((head_dim,), lambda t, h: (0,)),
-                  row_spec(q_src), row_spec(k_src), row_spec(v_src), page_spec, page_spec],
+                  pl.BlockSpec((num_tokens,), lambda t, h: (0,)), whole,
+                  row_spec(q_src), row_spec(k_src), row_spec(v_src),
+                  *[whole] * len(norm_weights), page_spec, page_spec],
         out_specs=[pl.BlockSpec((None, num_heads * head_dim), lambda t, h: (t, 0)),
                    page_spec, page_spec],
         out_shape=[jax.ShapeDtypeStruct((num_tokens, num_heads * head_dim), q_src.dtype),
                    jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype),
                    jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)],
-        input_output_aliases={6: 1, 7: 2},
+        input_output_aliases={first: 1, first + 1: 2},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="rope_and_write_kv",
-    )(positions, slot_mapping, freq, q_src, k_src, v_src, k_rows, v_rows)
+    )(positions, slot_mapping, freq, q_src, k_src, v_src, *norm_weights, k_rows, v_rows)
     return (q.reshape(num_tokens, num_heads, head_dim), k_rows.reshape(k_pages.shape),
             v_rows.reshape(v_pages.shape))
 
 
 def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: jax.Array,
                       v_pages: jax.Array, slot_mapping: jax.Array, *, num_heads: int,
-                      impl: str | None = None,
+                      qk_norm: tuple | None = None, impl: str | None = None,
                       kernels: KernelBackends | None = None):
     """RoPE on this step's queries and keys, and the keys and values written to their slots.
 
@@ -162,6 +182,8 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
     positions, slot_mapping: int32 [N] (slot < 0: padding, not written); inv_freq: float32
       [D / 2] (models.llama.rope_inv_freq). k_pages, v_pages: [KVH, P, S, D], or QuantizedPages
       (int8 / fp8; the jnp path quantizes the new rows: ops.paged_attention.write_kv).
+    qk_norm: (q_weight [D], k_weight [D], eps) to RMS-norm each query and key head before the
+      rotation (Qwen3, Gemma 3), or None.
     impl: None (kernels.kv_write where the kernel takes the inputs, else jnp; kernels None:
       jnp), 'pallas', 'pallas_interpret' (interpreted, for CPU tests) or 'reference'.
     Returns (q [N, H, D] rotated, k_pages, v_pages); the pages are updated in place when donated.
@@ -184,18 +206,27 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
     kernels = or_reference(kernels)
     resolved = choose_impl(name, impl, kernels.kv_write)
     quantized = isinstance(k_pages, QuantizedPages)
+    norm_weights = () if qk_norm is None else tuple(qk_norm[:2])
+    if any(w.shape != (head_dim,) for w in norm_weights):
+        raise ValueError(f"{name}: q/k norm weights {[w.shape for w in norm_weights]} must be "
+                         f"[head_dim] = [{head_dim}]")
     kernel_ok = (tiles.kernel_takes_head_dim(head_dim) and not quantized
                  and not kernels.mesh and k_pages.dtype == sources[0].dtype
+                 and all(w.dtype == sources[0].dtype for w in norm_weights)
                  and positions.shape[0] > 0)
     if resolved == "reference" or not kernel_ok:
         if resolved != "reference" and impl is not None:
-            raise ValueError(f"{name}: the kernel needs a power-of-two head_dim >= 16, pages in "
-                             f"the projections' dtype (not quantized pages) and no mesh")
+            raise ValueError(f"{name}: the kernel needs a power-of-two head_dim >= 16, pages "
+                             f"and norm weights in the projections' dtype (not quantized "
+                             f"pages) and no mesh")
         return rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages,
-                                           slot_mapping, num_heads=num_heads, kernels=kernels)
+                                           slot_mapping, num_heads=num_heads, qk_norm=qk_norm,
+                                           kernels=kernels)
     columns = ((0, num_heads * head_dim, (num_heads + num_kv_heads) * head_dim) if fused
                else (0, 0, 0))
     freq = jnp.asarray(np.concatenate([inv_freq, inv_freq]).astype(np.float32))  # [D]
     return _rope_kv_pallas(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), freq,
-                           sources, k_pages, v_pages, num_heads=num_heads, columns=columns,
+                           sources, norm_weights, k_pages, v_pages, num_heads=num_heads,
+                           columns=columns,
+                           norm_eps=None if qk_norm is None else float(qk_norm[2]),
                            interpret=tiles.interpret_or_gpu(resolved))

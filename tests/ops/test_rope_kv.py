@@ -40,25 +40,33 @@ def make_case(rng, *, num_tokens, num_heads, num_kv_heads, head_dim, page_size, 
             jnp.asarray(pages[1], dtype), jnp.asarray(slots))
 
 
-# (tokens, heads, kv heads, head_dim, page_size, dtype, fused projection)
-CASES = [(5, 8, 2, 64, 16, jnp.float32, True),     # GQA 4
-         (7, 4, 4, 32, 8, jnp.bfloat16, False),    # GQA 1, three projections
-         (3, 6, 2, 128, 16, jnp.bfloat16, True)]   # GQA 3: padded head rows
+# (tokens, heads, kv heads, head_dim, page_size, dtype, fused projection, q/k norms)
+CASES = [(5, 8, 2, 64, 16, jnp.float32, True, False),     # GQA 4
+         (7, 4, 4, 32, 8, jnp.bfloat16, False, False),    # GQA 1, three projections
+         (3, 6, 2, 128, 16, jnp.bfloat16, True, False),   # GQA 3: padded head rows
+         (4, 8, 2, 64, 16, jnp.bfloat16, True, True),     # Qwen3's q/k norms
+         (3, 6, 2, 32, 8, jnp.float32, False, True)]      # norms, padded head rows
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,page_size,dtype,fused", CASES)
-def test_matches_the_unfused_ops(tokens, heads, kv_heads, head_dim, page_size, dtype, fused):
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,page_size,dtype,fused,norm", CASES)
+def test_matches_the_unfused_ops(tokens, heads, kv_heads, head_dim, page_size, dtype, fused,
+                                 norm):
     rng = np.random.default_rng(tokens)
     cfg = get_preset("llama3.1-8b").replace(head_dim=head_dim)  # Llama-3.1 scaled frequencies
     inv_freq = rope_inv_freq(cfg)
     qkv, pos, k_pages, v_pages, slots = make_case(
         rng, num_tokens=tokens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         page_size=page_size, num_pages=6, dtype=dtype, fused=fused)
+    qk_norm = None
+    if norm:  # weights away from 1, inputs of several scales: the norm must matter
+        qkv = jax.tree.map(lambda a: a * jnp.asarray(3.0, dtype), qkv)
+        weights = (1.0 + 0.5 * rng.standard_normal((2, head_dim))).astype(np.float32)
+        qk_norm = (jnp.asarray(weights[0], dtype), jnp.asarray(weights[1], dtype), 1e-6)
     want_q, want_k, want_v = rope_and_write_kv_reference(
-        qkv, pos, inv_freq, k_pages, v_pages, slots, num_heads=heads)
+        qkv, pos, inv_freq, k_pages, v_pages, slots, num_heads=heads, qk_norm=qk_norm)
     q, k, v = rope_and_write_kv(qkv, pos, inv_freq, k_pages, v_pages, slots, num_heads=heads,
-                                impl=IMPL)
+                                qk_norm=qk_norm, impl=IMPL)
     assert q.shape == (tokens, heads, head_dim) and q.dtype == dtype
     # float32 math on both sides: equal up to the rounding of the last operations.
     tol = 1e-6 if dtype == jnp.float32 else BF16_ULP
@@ -72,6 +80,10 @@ def test_matches_the_unfused_ops(tokens, heads, kv_heads, head_dim, page_size, d
     flat = lambda a: f32(a).reshape(a.shape[0], -1, head_dim)  # noqa: E731
     np.testing.assert_array_equal(flat(k)[:, ~written], flat(k_pages)[:, ~written])
     assert not np.array_equal(flat(k)[:, written], flat(k_pages)[:, written])
+    if norm:  # each written key head has the norm's weights' scale, not the input's
+        unnormed = rope_and_write_kv_reference(qkv, pos, inv_freq, k_pages, v_pages, slots,
+                                               num_heads=heads)
+        assert not np.allclose(f32(q), f32(unnormed[0]), atol=0.1)
 
 
 def test_apply_rope_matches_a_float64_rotation():
@@ -115,8 +127,8 @@ def test_validation_and_fallbacks():
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
-@pytest.mark.parametrize("fused", [True, False])
-def test_lowers_to_triton_for_h200(h200_lowering, fused):
+@pytest.mark.parametrize("fused,norm", [(True, False), (False, False), (True, True)])
+def test_lowers_to_triton_for_h200(h200_lowering, fused, norm):
     spec = jax.ShapeDtypeStruct
     h, kvh, d = 32, 8, 128
     qkv = (spec((1, (h + 2 * kvh) * d), jnp.bfloat16) if fused else
@@ -124,10 +136,14 @@ def test_lowers_to_triton_for_h200(h200_lowering, fused):
             spec((1, kvh * d), jnp.bfloat16)))
     pages = spec((kvh, 64, 16, d), jnp.bfloat16)
     inv_freq = rope_inv_freq(get_preset("llama3.1-8b"))
+    weights = (spec((d,), jnp.bfloat16),) * 2 if norm else ()
 
-    def f(qkv, pos, k, v, slots):
-        return rope_and_write_kv(qkv, pos, inv_freq, k, v, slots, num_heads=h, impl="pallas")
+    def f(qkv, pos, k, v, slots, *weights):
+        qk_norm = (*weights, 1e-6) if weights else None
+        return rope_and_write_kv(qkv, pos, inv_freq, k, v, slots, num_heads=h, qk_norm=qk_norm,
+                                 impl="pallas")
 
-    text = jax.jit(f).trace(qkv, spec((1,), jnp.int32), pages, pages,
-                            spec((1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(f).trace(qkv, spec((1,), jnp.int32), pages, pages, spec((1,), jnp.int32),
+                            *weights).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and h200_lowering
+    assert len(h200_lowering) == 1  # one kernel: the norms are inside it
