@@ -43,7 +43,8 @@ from configs.model import ModelConfig
 from ops.expert_gemv import (MAX_ROWS_PER_EXPERT, expert_rows_coded_matmul, expert_rows_matmul,
                              kernel_runs)
 from ops.kernel_choice import KernelBackends, or_reference
-from ops.moe_matmul import SEARCH, grouped_coded_matmul, grouped_matmul, product_form
+from ops.moe_matmul import (SEARCH, GatedRows, grouped_coded_matmul, grouped_matmul,
+                            product_form)
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -116,47 +117,52 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
     return weights, experts.astype(jnp.int32)
 
 
-def expert_product(x: jax.Array, weight, group_sizes: jax.Array | None = None,
-                   expert: jax.Array | None = None,
-                   kernels: KernelBackends | None = None) -> jax.Array:
-    """x [M, in] times each row's expert of `weight` (a float array [E, in, out] or stacked
-    codes: QuantizedWeight with a leading expert axis). Rows in any order with each row's
+def expert_product(x, weight, group_sizes: jax.Array | None = None,
+                   expert: jax.Array | None = None, kernels: KernelBackends | None = None,
+                   partials: bool = False) -> jax.Array:
+    """x [M, in] (or GatedRows) times each row's expert of `weight` (a float array [E, in, out]
+    or stacked codes: QuantizedWeight with a leading expert axis) -> [M, out], or with
+    `partials` float32 [S, M, out] to be summed over S. Rows in any order with each row's
     `expert` [M] (no group_sizes): the kernel of ops/expert_gemv.py where `kernels` choose it
     and it takes the operands, else the gathered form. Rows sorted by expert with
     `group_sizes` [E]: that kernel too when `expert` is also given and the kernel runs, else
     the grouped products."""
     if getattr(weight, "perm", None) is not None:
         raise ValueError("MoE experts: act-order codes are not supported")
-    if isinstance(weight, jax.Array):
-        if expert is not None and (group_sizes is None
-                                   or kernel_runs(x, weight, expert, kernels)):
-            return expert_rows_matmul(x, weight, expert, kernels=kernels)
-        return grouped_matmul(x, weight, group_sizes)
-    codes = (weight.packed, weight.scales, weight.offsets)
-    if expert is not None and (group_sizes is None or kernel_runs(
-            x, weight.packed, expert, kernels, weight.scales, weight.offsets,
-            weight.group_size)):
-        return expert_rows_coded_matmul(x, *codes, expert, bits=weight.bits,
-                                        group_size=weight.group_size, kernels=kernels)
-    return grouped_coded_matmul(x, *codes, group_sizes, bits=weight.bits,
-                                group_size=weight.group_size)
+    quantized = not isinstance(weight, jax.Array)
+    stored = weight.packed if quantized else weight
+    codes = (weight.scales, weight.offsets, weight.group_size) if quantized else ()
+    if expert is not None and (group_sizes is None
+                               or kernel_runs(x, stored, expert, kernels, *codes)):
+        if quantized:
+            return expert_rows_coded_matmul(x, stored, *codes[:2], expert, bits=weight.bits,
+                                            group_size=weight.group_size, kernels=kernels,
+                                            partials=partials)
+        return expert_rows_matmul(x, stored, expert, kernels=kernels, partials=partials)
+    rows = x.rows() if isinstance(x, GatedRows) else x
+    y = (grouped_coded_matmul(rows, stored, *codes[:2], group_sizes, bits=weight.bits,
+                              group_size=weight.group_size) if quantized
+         else grouped_matmul(rows, stored, group_sizes))
+    return y.astype(jnp.float32)[None] if partials else y
 
 
 def experts_mlp(xs: jax.Array, weights: dict, hidden_act: str,
                 kernels: KernelBackends | None = None, **rows) -> jax.Array:
-    """down(act(gate(xs)) * up(xs)) of rows [M, hidden] -> [M, hidden]; rows: group_sizes=
-    (sorted rows, with expert= too where the kernel may take them) or expert= (each row's
-    expert), as expert_product takes them. Fused weights (a "gate_up_proj" [E, hidden, 2 I])
-    take gate and up in one product, one read of each row's x and one kernel."""
+    """down(act(gate(xs)) * up(xs)) of rows [M, hidden] as float32 partials [S, M, hidden]
+    (their sum over S is the output); rows: group_sizes= (sorted rows, with expert= too where
+    the kernel may take them) or expert= (each row's expert), as expert_product takes them.
+    Fused weights (a "gate_up_proj" [E, hidden, 2 I]) take gate and up in one product, one
+    read of each row's x and one kernel. The gate-up partials go to the down product as
+    GatedRows: where the kernel runs, it sums and activates them as it loads them."""
     if "gate_up_proj" in weights:
-        gate, up = jnp.split(expert_product(xs, weights["gate_up_proj"], kernels=kernels,
-                                            **rows), 2, axis=-1)
+        gate_up = expert_product(xs, weights["gate_up_proj"], kernels=kernels, partials=True,
+                                 **rows)  # [S, M, 2 I]
     else:
-        gate = expert_product(xs, weights["gate_proj"], kernels=kernels, **rows)
-        up = expert_product(xs, weights["up_proj"], kernels=kernels, **rows)
-    act = (jax.nn.gelu(gate, approximate=True) if hidden_act == "gelu_tanh"
-           else jax.nn.silu(gate))
-    return expert_product(act * up, weights["down_proj"], kernels=kernels, **rows)
+        gate = expert_product(xs, weights["gate_proj"], kernels=kernels, partials=True, **rows)
+        up = expert_product(xs, weights["up_proj"], kernels=kernels, partials=True, **rows)
+        gate_up = jnp.concatenate([jnp.sum(gate, 0), jnp.sum(up, 0)], axis=-1)[None]
+    return expert_product(GatedRows(gate_up, hidden_act, xs.dtype), weights["down_proj"],
+                          kernels=kernels, partials=True, **rows)
 
 
 def sorted_pairs(experts: jax.Array, num_groups: int, first: int | jax.Array = 0):
@@ -173,22 +179,23 @@ def sorted_pairs(experts: jax.Array, num_groups: int, first: int | jax.Array = 0
 
 def combine(y: jax.Array, order: jax.Array, kept: jax.Array, weights: jax.Array,
             num_tokens: int, top_k: int) -> jax.Array:
-    """sum over each token's pairs of weight * row: y [N*k, hidden] sorted rows -> float32
-    [N, hidden] (rows not kept count zero). The rows go back to pair order by a gather, and
-    each token's k rows are summed in a fixed order (no scatter-add: the same sums on every
-    run)."""
+    """sum over each token's pairs of weight * row: y float32 partials [S, N*k, hidden] of
+    sorted rows -> float32 [N, hidden] (rows not kept count zero). The rows go back to pair
+    order by a gather, and each token's k rows are summed in a fixed order (no scatter-add:
+    the same sums on every run)."""
     pairs = order.shape[0]
     where = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype))
-    return token_sums(y[where], kept[where], weights, num_tokens, top_k)
+    return token_sums(y[:, where], kept[where], weights, num_tokens, top_k)
 
 
 def token_sums(y: jax.Array, kept: jax.Array, weights: jax.Array, num_tokens: int,
                top_k: int) -> jax.Array:
-    """sum over each token's k rows of weight * row: y [N*k, hidden] in pair order, kept [N*k],
-    weights [N, k] -> float32 [N, hidden] (rows not kept count zero), in a fixed order."""
+    """sum over each token's k rows of weight * row: y float32 partials [S, N*k, hidden] in
+    pair order, kept [N*k], weights [N, k] -> float32 [N, hidden] (rows not kept count zero),
+    in a fixed order; one reduction over the partials and the k rows together."""
     w = jnp.where(kept, weights.reshape(-1), 0.0)  # [N*k]
-    rows = jnp.where(kept[:, None], y.astype(jnp.float32), 0.0) * w[:, None]
-    return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1)
+    rows = jnp.where(kept[None, :, None], y.astype(jnp.float32), 0.0) * w[None, :, None]
+    return jnp.sum(rows.reshape(y.shape[0], num_tokens, top_k, -1), axis=(0, 2))
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, normalize: bool,
@@ -302,11 +309,11 @@ def all_to_all_moe(x: jax.Array, router: jax.Array, weights: dict, settings: dic
     r_order, r_kept, group_sizes = sorted_pairs(rows_e[:, None], local)
     y = experts_mlp(recv_x.reshape(-1, hidden)[r_order], weights, settings["hidden_act"],
                     group_sizes=group_sizes)
-    y = jnp.where(r_kept[:, None], y, 0)
+    y = jnp.where(r_kept[:, None], jnp.sum(y, axis=0), 0).astype(x.dtype)  # sent as x's dtype
     back = jnp.zeros_like(y).at[r_order].set(y).reshape(ep, pairs, hidden)
     back = jax.lax.all_to_all(back, EXPERT, 0, 0, tiled=False)  # [ep (expert shard), pairs, h]
     y_pairs = back[dest, slot]  # [pairs, hidden] in sorted order
-    out = combine(y_pairs, order, jnp.ones((pairs,), bool), probs, per, top_k)
+    out = combine(y_pairs[None], order, jnp.ones((pairs,), bool), probs, per, top_k)
     if model_axes:
         out = jax.lax.psum(out, model_axes)
     out = jax.lax.all_gather(out.astype(x.dtype), EXPERT, tiled=True)  # [ep * per, hidden]

@@ -17,8 +17,12 @@ contiguous block_n-column runs of the [K, N] layout), multiplies by the row's x 
 adds into an accumulator that is summed over K once, at the end. At a decode step's few rows
 (batch 1: M = k = 8 rows, qwen3-30b-a3b's N = 768) rows x column blocks are far fewer programs
 than a GPU has SMs, so K is split until there are about TARGET_PROGRAMS of them; each split
-writes a float32 partial [S, M, N] and jnp sums the splits (one small fusion). One split
-writes x's dtype directly.
+writes a float32 partial [S, M, N] and jnp sums the splits (one small fusion), or the caller
+takes the partials unsummed (`partials`): the MoE layer hands the gate-up product's partials to
+the down product as GatedRows, whose kernel sums them and applies act(gate) * up as it loads
+each x tile, and sums the down product's partials in its weighted combine, so that no kernel
+runs between the two products or between the down product and the combine. One split writes
+x's dtype directly.
 
 Codes (quant/qtensor.py's layouts with a leading expert axis, as ops/moe_matmul.py reads them):
 INT8 uint8 [E, K, N]; INT4 int32 [E, K/8, N], K row 8w + j in bits 4j..4j+3 of word w (a tile
@@ -42,7 +46,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import code_bits
-from ops.moe_matmul import CODE_ZEROS, INT4_PER_WORD, rows_coded_matmul, rows_matmul
+from ops.moe_matmul import (ACTIVATIONS, CODE_ZEROS, INT4_PER_WORD, GatedRows,
+                            rows_coded_matmul, rows_matmul)
 from ops.quant_tiles import _dequant_tile
 
 TARGET_PROGRAMS = 528  # four programs per SM of an H100 / H200 (132 SMs), resident at once
@@ -99,7 +104,15 @@ def default_splits(m: int, column_blocks: int, k_tiles: int,
 
 def _check(x, w, expert, scales=None, offsets=None, group_size: int | None = None) -> int:
     """ValueError naming the operand whose shape does not fit; returns the bits per weight
-    (16: bf16 or other float values, 8: uint8 codes, 4: int32 words of eight codes)."""
+    (16: bf16 or other float values, 8: uint8 codes, 4: int32 words of eight codes). x: rows
+    [M, K] or GatedRows."""
+    if isinstance(x, GatedRows):
+        p = x.partials
+        if p.ndim != 3 or p.shape[2] % 2 or p.dtype != jnp.float32 or x.act not in ACTIVATIONS:
+            raise ValueError(f"expert_gemv: gated rows need float32 partials [S, M, 2 K], not "
+                             f"{p.shape} {p.dtype}, and an activation of {list(ACTIVATIONS)}, "
+                             f"not {x.act!r}")
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype)
     bits = (code_bits(w) or 16) if scales is not None else 16
     rows_k = w.shape[1] * (INT4_PER_WORD if bits == 4 else 1) if w.ndim == 3 else None
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != rows_k:
@@ -172,9 +185,10 @@ def _load(view, ok):
 
 def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, k_tiles: int,
             per_split: int, block_n: int, block_k: int, prefetch: bool, bits: int,
-            group_size: int, asymmetric: bool):
-    # expert_ref [M] int32; x_ref [M, K]; w_ref [E, K/P, N] (P = 8 K rows per INT4 word, else
-    # 1); refs: (s_ref [E, G, N], (o_ref [E, G, N])) for codes, then out_ref [S, M, N]
+            group_size: int, asymmetric: bool, act: str | None, x_dtype):
+    # expert_ref [M] int32; x_ref [M, K], or with `act` a gate-up product's float32 partials
+    # [S', M, 2 K] (GatedRows); w_ref [E, K/P, N] (P = 8 K rows per INT4 word, else 1); refs:
+    # (s_ref [E, G, N], (o_ref [E, G, N])) for codes, then out_ref [S, M, N]
     codes = bits != 16
     refs = list(refs)
     s_ref = refs.pop(0) if codes else None
@@ -188,12 +202,21 @@ def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, 
     first = split * per_split
     last = jnp.minimum(first + per_split, k_tiles)
 
+    def load_x(ks, ok):  # float32 [BR] of the row's x at K indices ks (masked: 0)
+        if act is None:
+            return _load(x_ref.at[row, ks], ok).astype(jnp.float32)
+        half = x_ref.shape[2] // 2
+        gate = sum(_load(x_ref.at[s, row, ks], ok) for s in range(x_ref.shape[0]))
+        up = sum(_load(x_ref.at[s, row, half + ks], ok) for s in range(x_ref.shape[0]))
+        # GatedRows.rows' numerics: float32 sums and activation, rounded once
+        return (ACTIVATIONS[act](gate) * up).astype(x_dtype).astype(jnp.float32)
+
     def load_tile(t):  # K tile t: (x [BR] per K row of a stored row, w[expert] [BR, BN],
         # the tile's group's scales and offsets [BN] or None); with prefetch, tiles past the
         # split's last read nothing (masked)
         rs = t * block_r + jnp.arange(block_r, dtype=jnp.int32)  # [BR] stored rows
         ok = rs < last * block_r if prefetch else None
-        xs = tuple(_load(x_ref.at[row, per_word * rs + j], ok) for j in range(per_word))
+        xs = tuple(load_x(per_word * rs + j, ok) for j in range(per_word))
         tile_ok = None if ok is None else jnp.broadcast_to(ok[:, None], (block_r, block_n))
         w = _load(w_ref.at[expert, rs[:, None], cols[None, :]], tile_ok)
         if not codes:
@@ -222,7 +245,7 @@ def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, 
         else:
             values = [w.astype(jnp.float32)]
         for xj, v in zip(xs, values):
-            acc = acc + xj.astype(jnp.float32)[:, None] * v
+            acc = acc + xj[:, None] * v
         return nxt, acc
 
     init = (load_tile(first) if prefetch else None,
@@ -232,13 +255,17 @@ def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, 
 
 
 def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | None = None,
-                config: ExpertGemvConfig | None = None, interpret: bool = False):
-    """The kernel: x [M, K] @ w[expert[m]] per row -> [M, N] in x's dtype, float32 sums. x bf16;
+                config: ExpertGemvConfig | None = None, partials: bool = False,
+                interpret: bool = False):
+    """The kernel: x [M, K] @ w[expert[m]] per row -> [M, N] in x's dtype, float32 sums. x bf16
+    rows, or GatedRows (bf16) whose partials the kernel sums and activates as it loads them;
     w bf16 [E, K, N], or codes with their scales [E, G, N] (quant/qtensor.py's values per
     expert: scale (c - zero), or scale c + offset with offsets [E, G, N]): INT8 uint8
     [E, K, N] or INT4 int32 words [E, K/8, N], in groups of group_size K rows (G = 1: per
-    channel); expert int32 [M] (ids outside [0, E) are clamped into it). Raises ValueError for
-    shapes that do not fit or operands the kernel does not take (`kernel_refusal`)."""
+    channel); expert int32 [M] (ids outside [0, E) are clamped into it). partials: return the
+    K splits' float32 sums [S, M, N] unsummed, for a consumer that sums them itself (a
+    GatedRows, a weighted combine). Raises ValueError for shapes that do not fit or operands
+    the kernel does not take (`kernel_refusal`)."""
     refusal = kernel_refusal(x, w, expert, config, scales, offsets, group_size)
     if refusal:
         raise ValueError(refusal)
@@ -252,13 +279,15 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
                  k_tiles)
     per_split = -(-k_tiles // splits)
     splits = -(-k_tiles // per_split)  # no empty split
-    out_dtype = x.dtype if splits == 1 else jnp.float32
+    out_dtype = x.dtype if splits == 1 and not partials else jnp.float32
+    gated = isinstance(x, GatedRows)
     kernel = functools.partial(
         _kernel, num_experts=e, num_groups=1 if scales is None else scales.shape[1],
         k_tiles=k_tiles, per_split=per_split, block_n=cfg.block_n, block_k=cfg.block_k,
         prefetch=cfg.prefetch, bits=bits, group_size=group,
-        asymmetric=offsets is not None)
-    args = [expert.astype(jnp.int32), x, w] + [a for a in (scales, offsets) if a is not None]
+        asymmetric=offsets is not None, act=x.act if gated else None, x_dtype=x.dtype)
+    args = [expert.astype(jnp.int32), x.partials if gated else x, w] + [
+        a for a in (scales, offsets) if a is not None]
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel, grid=(m, column_blocks, splits), in_specs=[full(a.shape) for a in args],
@@ -268,30 +297,40 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
                                              num_stages=cfg.num_stages),
         interpret=interpret, name={16: "expert_gemv", 8: "expert_gemv8", 4: "expert_gemv4"}[bits],
     )(*args)
+    if partials:
+        return out
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
+def _reference(y, partials: bool):
+    """The reference products' [M, N] as the kernel returns it: [1, M, N] float32 partials."""
+    return y.astype(jnp.float32)[None] if partials else y
+
+
 def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
-                       impl: str | None = None, config: ExpertGemvConfig | None = None):
-    """ops.moe_matmul.rows_matmul's function (x [M, K] @ w[expert[m]] per row -> [M, N]),
-    dispatched. impl None: kernels.moe where `kernel_refusal` finds nothing, the reference
-    (rows_matmul) otherwise (kernels None: the reference); or 'pallas', 'pallas_interpret'
-    (CPU tests), 'reference'."""
+                       impl: str | None = None, config: ExpertGemvConfig | None = None,
+                       partials: bool = False):
+    """ops.moe_matmul.rows_matmul's function (x [M, K] or GatedRows @ w[expert[m]] per row ->
+    [M, N], or with `partials` float32 [S, M, N] to be summed), dispatched. impl None:
+    kernels.moe where `kernel_refusal` finds nothing, the reference (rows_matmul) otherwise
+    (kernels None: the reference); or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
     if impl is None:
         fits = kernel_refusal(x, w, expert, config) is None
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_matmul", impl, "reference")
     if impl == "reference":
-        return rows_matmul(x, w, expert)
-    return expert_gemv(x, w, expert, config=config, interpret=impl == "pallas_interpret")
+        rows = x.rows() if isinstance(x, GatedRows) else x
+        return _reference(rows_matmul(rows, w, expert), partials)
+    return expert_gemv(x, w, expert, config=config, partials=partials,
+                       interpret=impl == "pallas_interpret")
 
 
 def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, group_size: int,
                              kernels: KernelBackends | None = None, impl: str | None = None,
-                             config: ExpertGemvConfig | None = None):
-    """ops.moe_matmul.rows_coded_matmul's function (x [M, K] @ the codes of expert[m] per row ->
-    [M, N]; packed INT8 uint8 [E, K, N] or INT4 int32 [E, K/8, N], scales (offsets)
-    [E, G, N]), dispatched as expert_rows_matmul is."""
+                             config: ExpertGemvConfig | None = None, partials: bool = False):
+    """ops.moe_matmul.rows_coded_matmul's function (x [M, K] or GatedRows @ the codes of
+    expert[m] per row -> [M, N]; packed INT8 uint8 [E, K, N] or INT4 int32 [E, K/8, N], scales
+    (offsets) [E, G, N]), dispatched as expert_rows_matmul is."""
     if code_bits(packed) != bits:
         raise ValueError(f"expert_rows_coded_matmul: codes {packed.dtype} are not {bits}-bit "
                          "(INT8 uint8, INT4 int32 words)")
@@ -301,7 +340,8 @@ def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, g
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_coded_matmul", impl, "reference")
     if impl == "reference":
-        return rows_coded_matmul(x, packed, scales, offsets, expert, bits=bits,
-                                 group_size=group_size)
-    return expert_gemv(x, packed, expert, config=config, interpret=impl == "pallas_interpret",
-                       **kw)
+        rows = x.rows() if isinstance(x, GatedRows) else x
+        return _reference(rows_coded_matmul(rows, packed, scales, offsets, expert, bits=bits,
+                                            group_size=group_size), partials)
+    return expert_gemv(x, packed, expert, config=config, partials=partials,
+                       interpret=impl == "pallas_interpret", **kw)

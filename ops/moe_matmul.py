@@ -10,6 +10,8 @@ zero). Nothing is padded to a capacity and no row is dropped.
                           scales and offsets [E, G, N])
     rows_matmul, rows_coded_matmul  the gathered form for rows in any order, each with its
                           expert given (decode steps need no sort)
+    GatedRows             the rows act(gate) * up of a gate-up product's float32 split sums,
+                          which the decode kernel (ops/expert_gemv.py) computes as it loads them
 
 XLA forms, by rows (`product_form`):
     gathered  up to as many rows as experts (decode steps): each row's expert weight is
@@ -26,6 +28,9 @@ XLA forms, by rows (`product_form`):
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +42,30 @@ FORMS = ("gathered", "tiles", "ragged")
 # jnp.searchsorted's method: its default ("scan") is a while loop, which a GPU runs with a
 # host round trip per step; the unrolled binary search is the same few gathers with no loop
 SEARCH = "scan_unrolled"
+
+
+ACTIVATIONS = {"silu": jax.nn.silu,
+               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedRows:
+    """Rows act(gate) * up [M, K] in `dtype`, given as a gate-up product's float32 split
+    partials [S, M, 2 K] (gate columns, then up; the rows' sums over S), so that the down
+    product's kernel sums, activates and multiplies them as it loads its input and no kernel
+    runs in between. act: a key of ACTIVATIONS."""
+    partials: jax.Array
+    act: str
+    dtype: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.partials.shape[1], self.partials.shape[2] // 2
+
+    def rows(self) -> jax.Array:
+        """The rows [M, K] in dtype (jnp)."""
+        gate, up = jnp.split(jnp.sum(self.partials.astype(jnp.float32), axis=0), 2, axis=-1)
+        return (ACTIVATIONS[self.act](gate) * up).astype(self.dtype)
 
 
 def product_form(rows: int, num_experts: int) -> str:

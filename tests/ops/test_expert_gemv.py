@@ -22,7 +22,7 @@ from ops.expert_gemv import (ExpertGemvConfig, expert_gemv, expert_gemv_config,
                               expert_rows_coded_matmul, expert_rows_matmul, kernel_refusal)
 from ops.kernel_choice import KernelBackends
 from ops.matmul import code_bits
-from ops.moe_matmul import rows_coded_matmul, rows_matmul
+from ops.moe_matmul import GatedRows, rows_coded_matmul, rows_matmul
 from quant.model import quantize_experts
 from tests.marks import gpu_picks
 from tests.models.lowering import lowered_step_text
@@ -124,6 +124,49 @@ def test_kernel_against_float64(m, e, k, n, variant, config):
     check(out, want)
     with jax.default_matmul_precision("highest"):  # a GPU's default TF32 is coarser than bf16
         check(reference(x, w, expert, **kw), want)
+
+
+@pytest.mark.parametrize("variant,act,config", [
+    ("bf16", "silu", ExpertGemvConfig(block_n=16, block_k=16, splits=3)),
+    ("int4_g32", "gelu_tanh", ExpertGemvConfig(block_n=16, block_k=32, splits=2))])
+def test_gated_rows_between_two_products_against_float64(variant, act, config):
+    """An expert MLP's two products as the MoE layer runs them: the gate-up product's split
+    partials [S, M, 2 I] unsummed, then the down product over GatedRows of them, the kernel
+    summing the partials and applying act(gate) * up as it loads them. Against float64: the
+    partials' sum within float32 sums; the output within the bf16 rounding of the gated rows
+    (each |h| 2^-8 at most, carried through |W_down|) and of the output."""
+    m, e, hidden, inter = 5, 4, 96, 32  # K = 96: 6 or 3 tiles, split 3 or 2 ways
+    x, gate_up, expert, kw_up = operands(11, m, e, hidden, 2 * inter, variant)
+    _, down, _, kw_down = operands(12, m, e, inter, hidden, variant)
+    partials = expert_gemv(x, gate_up, expert, config=config, partials=True,
+                           interpret=not ON_GPU, **kw_up)
+    assert partials.dtype == jnp.float32 and partials.shape[1:] == (m, 2 * inter)
+    assert partials.shape[0] == config.splits
+    sums = float64_want(x, gate_up, expert, **kw_up)  # [M, 2 I]
+    total = np.asarray(jnp.sum(partials, axis=0), np.float64)
+    np.testing.assert_allclose(total, sums, rtol=0, atol=1e-5 * np.abs(sums).max())
+    gate, up = sums[:, :inter], sums[:, inter:]
+    act64 = (gate / (1 + np.exp(-gate)) if act == "silu" else 0.5 * gate * (
+        1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate ** 3))))
+    h = act64 * up  # [M, I] float64
+    rows = GatedRows(partials, act, jnp.bfloat16)
+    np.testing.assert_array_less(np.abs(np.asarray(rows.rows().astype(jnp.float32)) - h),
+                                 2.0 ** -8 * np.abs(h) + 1e-6 * np.abs(h).max())
+    out = expert_gemv(rows, down, expert, interpret=not ON_GPU, **kw_down)
+    assert out.dtype == jnp.bfloat16 and out.shape == (m, hidden)
+    values = float64_want(jnp.eye(inter, dtype=jnp.bfloat16)[None].repeat(m, 0).reshape(
+        m * inter, inter), down, jnp.repeat(expert, inter), **kw_down).reshape(m, inter, hidden)
+    want = np.einsum("mk,mkn->mn", h, values)
+    bound = 2.0 ** -8 * (np.einsum("mk,mkn->mn", np.abs(h), np.abs(values)) + np.abs(want))
+    np.testing.assert_array_less(np.abs(np.asarray(out.astype(jnp.float32)) - want),
+                                 bound + 1e-4 * np.abs(want).max())
+    # The dispatch's reference path computes the same product from GatedRows.rows().
+    ref = (expert_rows_matmul(rows, down, expert, partials=True) if variant == "bf16" else
+           expert_rows_coded_matmul(rows, down, kw_down["scales"], kw_down["offsets"], expert,
+                                    bits=4, group_size=32, partials=True))
+    assert ref.shape == (1, m, hidden) and ref.dtype == jnp.float32
+    np.testing.assert_array_less(np.abs(np.asarray(ref[0], np.float64) - want),
+                                 bound + 1e-4 * np.abs(want).max())
 
 
 @pytest.mark.gpu
@@ -272,6 +315,21 @@ def test_lowers_to_triton_for_h200(h200_lowering, variant, prefetch):
         lowering_platforms=("cuda",)).as_text()
     name = {"bf": "expert_gemv", "in": f"expert_gemv{variant[3]}"}[variant[:2]]
     assert f'"{name}"' in text and h200_lowering
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_rows_lower_to_triton_for_h200(h200_lowering, act):
+    """qwen3-30b-a3b's down product (8 rows, INT4 experts [768, 2048] in groups of 128) over
+    GatedRows of 8 float32 partials [8, 8, 1536]."""
+    spec = jax.ShapeDtypeStruct
+    e, k, n = 128, 768, 2048
+    scales = spec((e, k // 128, n), jnp.bfloat16)
+    text = jax.jit(lambda p, w, ex, s: expert_gemv(
+        GatedRows(p, act, jnp.bfloat16), w, ex, scales=s, group_size=128, partials=True)).trace(
+        spec((8, 8, 2 * k), jnp.float32), spec((e, k // 8, n), jnp.int32), spec((8,), jnp.int32),
+        scales).lower(lowering_platforms=("cuda",)).as_text()
+    assert '"expert_gemv4"' in text and h200_lowering
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
