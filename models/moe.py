@@ -43,8 +43,8 @@ from configs.model import ModelConfig
 from ops.expert_gemv import (MAX_ROWS_PER_EXPERT, expert_rows_coded_matmul, expert_rows_matmul,
                              kernel_runs)
 from ops.kernel_choice import KernelBackends, or_reference
-from ops.moe_matmul import (SEARCH, GatedRows, grouped_coded_matmul, grouped_matmul,
-                            product_form)
+from ops.moe_matmul import (SEARCH, GatedRows, IndexedRows, grouped_coded_matmul,
+                            grouped_matmul, product_form)
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -120,7 +120,7 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 def expert_product(x, weight, group_sizes: jax.Array | None = None,
                    expert: jax.Array | None = None, kernels: KernelBackends | None = None,
                    partials: bool = False) -> jax.Array:
-    """x [M, in] (or GatedRows) times each row's expert of `weight` (a float array [E, in, out]
+    """x [M, in] (or IndexedRows, GatedRows) times each row's expert of `weight` (a float array [E, in, out]
     or stacked codes: QuantizedWeight with a leading expert axis) -> [M, out], or with
     `partials` float32 [S, M, out] to be summed over S. Rows in any order with each row's
     `expert` [M] (no group_sizes): the kernel of ops/expert_gemv.py where `kernels` choose it
@@ -139,16 +139,17 @@ def expert_product(x, weight, group_sizes: jax.Array | None = None,
                                             group_size=weight.group_size, kernels=kernels,
                                             partials=partials)
         return expert_rows_matmul(x, stored, expert, kernels=kernels, partials=partials)
-    rows = x.rows() if isinstance(x, GatedRows) else x
+    rows = x.rows() if isinstance(x, (GatedRows, IndexedRows)) else x
     y = (grouped_coded_matmul(rows, stored, *codes[:2], group_sizes, bits=weight.bits,
                               group_size=weight.group_size) if quantized
          else grouped_matmul(rows, stored, group_sizes))
     return y.astype(jnp.float32)[None] if partials else y
 
 
-def experts_mlp(xs: jax.Array, weights: dict, hidden_act: str,
+def experts_mlp(xs, weights: dict, hidden_act: str,
                 kernels: KernelBackends | None = None, **rows) -> jax.Array:
-    """down(act(gate(xs)) * up(xs)) of rows [M, hidden] as float32 partials [S, M, hidden]
+    """down(act(gate(xs)) * up(xs)) of rows [M, hidden] (or IndexedRows: each pair's token,
+    read in place where the kernel runs) as float32 partials [S, M, hidden]
     (their sum over S is the output); rows: group_sizes= (sorted rows, with expert= too where
     the kernel may take them) or expert= (each row's expert), as expert_product takes them.
     Fused weights (a "gate_up_proj" [E, hidden, 2 I]) take gate and up in one product, one
@@ -215,15 +216,16 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
     if product_form(n * top_k, num_groups) == "gathered":
         local = experts.reshape(-1) - first_expert  # [N*k] in pair order
         kept = (local >= 0) & (local < num_groups)
-        y = experts_mlp(jnp.repeat(x, top_k, axis=0), weights, hidden_act, kernels,
+        tokens = jnp.arange(n * top_k, dtype=jnp.int32) // top_k  # [N*k] each pair's token
+        y = experts_mlp(IndexedRows(x, tokens), weights, hidden_act, kernels,
                         expert=jnp.clip(local, 0, num_groups - 1))
         return token_sums(y, kept, probs, n, top_k)
     order, kept, group_sizes = sorted_pairs(experts, num_groups, first_expert)
     sorted_expert = None  # each sorted row's expert, for the kernel
     if n * top_k <= MAX_ROWS_PER_EXPERT * num_groups:
         sorted_expert = jnp.clip(experts.reshape(-1)[order] - first_expert, 0, num_groups - 1)
-    y = experts_mlp(x[order // top_k], weights, hidden_act, kernels, group_sizes=group_sizes,
-                    expert=sorted_expert)
+    y = experts_mlp(IndexedRows(x, order // top_k), weights, hidden_act, kernels,
+                    group_sizes=group_sizes, expert=sorted_expert)
     return combine(y, order, kept, probs, n, top_k)
 
 

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import code_bits
-from ops.moe_matmul import (ACTIVATIONS, CODE_ZEROS, INT4_PER_WORD, GatedRows,
+from ops.moe_matmul import (ACTIVATIONS, CODE_ZEROS, INT4_PER_WORD, GatedRows, IndexedRows,
                             rows_coded_matmul, rows_matmul)
 from ops.quant_tiles import _dequant_tile
 
@@ -105,7 +105,12 @@ def default_splits(m: int, column_blocks: int, k_tiles: int,
 def _check(x, w, expert, scales=None, offsets=None, group_size: int | None = None) -> int:
     """ValueError naming the operand whose shape does not fit; returns the bits per weight
     (16: bf16 or other float values, 8: uint8 codes, 4: int32 words of eight codes). x: rows
-    [M, K] or GatedRows."""
+    [M, K], IndexedRows or GatedRows."""
+    if isinstance(x, IndexedRows):
+        if x.x.ndim != 2 or x.index.ndim != 1 or not jnp.issubdtype(x.index.dtype, jnp.integer):
+            raise ValueError(f"expert_gemv: indexed rows need x [T, K] and integer indices "
+                             f"[M], not {x.x.shape} and {x.index.shape} {x.index.dtype}")
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if isinstance(x, GatedRows):
         p = x.partials
         if p.ndim != 3 or p.shape[2] % 2 or p.dtype != jnp.float32 or x.act not in ACTIVATIONS:
@@ -183,12 +188,13 @@ def _load(view, ok):
     return plgpu.load(view) if ok is None else plgpu.load(view, mask=ok, other=0)
 
 
-def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, k_tiles: int,
-            per_split: int, block_n: int, block_k: int, prefetch: bool, bits: int,
+def _kernel(expert_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int,
+            k_tiles: int, per_split: int, block_n: int, block_k: int, prefetch: bool, bits: int,
             group_size: int, asymmetric: bool, act: str | None, x_dtype):
-    # expert_ref [M] int32; x_ref [M, K], or with `act` a gate-up product's float32 partials
-    # [S', M, 2 K] (GatedRows); w_ref [E, K/P, N] (P = 8 K rows per INT4 word, else 1); refs:
-    # (s_ref [E, G, N], (o_ref [E, G, N])) for codes, then out_ref [S, M, N]
+    # expert_ref, index_ref [M] int32 (each row's expert; the row of x it reads); x_ref [T, K],
+    # or with `act` a gate-up product's float32 partials [S', M, 2 K] (GatedRows); w_ref
+    # [E, K/P, N] (P = 8 K rows per INT4 word, else 1); refs: (s_ref [E, G, N], (o_ref
+    # [E, G, N])) for codes, then out_ref [S, M, N]
     codes = bits != 16
     refs = list(refs)
     s_ref = refs.pop(0) if codes else None
@@ -198,13 +204,14 @@ def _kernel(expert_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int, 
     block_r = block_k // per_word  # stored rows of w per tile
     row, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = jnp.clip(plgpu.load(expert_ref.at[row]), 0, num_experts - 1)
+    x_row = plgpu.load(index_ref.at[row])
     cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
     first = split * per_split
     last = jnp.minimum(first + per_split, k_tiles)
 
     def load_x(ks, ok):  # float32 [BR] of the row's x at K indices ks (masked: 0)
         if act is None:
-            return _load(x_ref.at[row, ks], ok).astype(jnp.float32)
+            return _load(x_ref.at[x_row, ks], ok).astype(jnp.float32)
         half = x_ref.shape[2] // 2
         gate = sum(_load(x_ref.at[s, row, ks], ok) for s in range(x_ref.shape[0]))
         up = sum(_load(x_ref.at[s, row, half + ks], ok) for s in range(x_ref.shape[0]))
@@ -258,7 +265,8 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
                 config: ExpertGemvConfig | None = None, partials: bool = False,
                 interpret: bool = False):
     """The kernel: x [M, K] @ w[expert[m]] per row -> [M, N] in x's dtype, float32 sums. x bf16
-    rows, or GatedRows (bf16) whose partials the kernel sums and activates as it loads them;
+    rows, IndexedRows (read in place), or GatedRows (bf16) whose partials the kernel sums and
+    activates as it loads them;
     w bf16 [E, K, N], or codes with their scales [E, G, N] (quant/qtensor.py's values per
     expert: scale (c - zero), or scale c + offset with offsets [E, G, N]): INT8 uint8
     [E, K, N] or INT4 int32 words [E, K/8, N], in groups of group_size K rows (G = 1: per
@@ -281,12 +289,15 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
     splits = -(-k_tiles // per_split)  # no empty split
     out_dtype = x.dtype if splits == 1 and not partials else jnp.float32
     gated = isinstance(x, GatedRows)
+    indexed = isinstance(x, IndexedRows)
+    index = x.index.astype(jnp.int32) if indexed else jnp.arange(m, dtype=jnp.int32)
+    source = x.partials if gated else x.x if indexed else x
     kernel = functools.partial(
         _kernel, num_experts=e, num_groups=1 if scales is None else scales.shape[1],
         k_tiles=k_tiles, per_split=per_split, block_n=cfg.block_n, block_k=cfg.block_k,
         prefetch=cfg.prefetch, bits=bits, group_size=group,
         asymmetric=offsets is not None, act=x.act if gated else None, x_dtype=x.dtype)
-    args = [expert.astype(jnp.int32), x.partials if gated else x, w] + [
+    args = [expert.astype(jnp.int32), index, source, w] + [
         a for a in (scales, offsets) if a is not None]
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
@@ -302,6 +313,11 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
+def _rows(x) -> jax.Array:
+    """x's rows [M, K] (jnp) of an array, IndexedRows or GatedRows."""
+    return x.rows() if isinstance(x, (GatedRows, IndexedRows)) else x
+
+
 def _reference(y, partials: bool):
     """The reference products' [M, N] as the kernel returns it: [1, M, N] float32 partials."""
     return y.astype(jnp.float32)[None] if partials else y
@@ -310,8 +326,8 @@ def _reference(y, partials: bool):
 def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
                        impl: str | None = None, config: ExpertGemvConfig | None = None,
                        partials: bool = False):
-    """ops.moe_matmul.rows_matmul's function (x [M, K] or GatedRows @ w[expert[m]] per row ->
-    [M, N], or with `partials` float32 [S, M, N] to be summed), dispatched. impl None:
+    """ops.moe_matmul.rows_matmul's function (x [M, K], IndexedRows or GatedRows @ w[expert[m]]
+    per row -> [M, N], or with `partials` float32 [S, M, N] to be summed), dispatched. impl None:
     kernels.moe where `kernel_refusal` finds nothing, the reference (rows_matmul) otherwise
     (kernels None: the reference); or 'pallas', 'pallas_interpret' (CPU tests), 'reference'."""
     if impl is None:
@@ -319,8 +335,7 @@ def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_matmul", impl, "reference")
     if impl == "reference":
-        rows = x.rows() if isinstance(x, GatedRows) else x
-        return _reference(rows_matmul(rows, w, expert), partials)
+        return _reference(rows_matmul(_rows(x), w, expert), partials)
     return expert_gemv(x, w, expert, config=config, partials=partials,
                        interpret=impl == "pallas_interpret")
 
@@ -328,9 +343,9 @@ def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
 def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, group_size: int,
                              kernels: KernelBackends | None = None, impl: str | None = None,
                              config: ExpertGemvConfig | None = None, partials: bool = False):
-    """ops.moe_matmul.rows_coded_matmul's function (x [M, K] or GatedRows @ the codes of
-    expert[m] per row -> [M, N]; packed INT8 uint8 [E, K, N] or INT4 int32 [E, K/8, N], scales
-    (offsets) [E, G, N]), dispatched as expert_rows_matmul is."""
+    """ops.moe_matmul.rows_coded_matmul's function (x [M, K], IndexedRows or GatedRows @ the
+    codes of expert[m] per row -> [M, N]; packed INT8 uint8 [E, K, N] or INT4 int32
+    [E, K/8, N], scales (offsets) [E, G, N]), dispatched as expert_rows_matmul is."""
     if code_bits(packed) != bits:
         raise ValueError(f"expert_rows_coded_matmul: codes {packed.dtype} are not {bits}-bit "
                          "(INT8 uint8, INT4 int32 words)")
@@ -340,8 +355,7 @@ def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, g
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_coded_matmul", impl, "reference")
     if impl == "reference":
-        rows = x.rows() if isinstance(x, GatedRows) else x
-        return _reference(rows_coded_matmul(rows, packed, scales, offsets, expert, bits=bits,
+        return _reference(rows_coded_matmul(_rows(x), packed, scales, offsets, expert, bits=bits,
                                             group_size=group_size), partials)
     return expert_gemv(x, packed, expert, config=config, partials=partials,
                        interpret=impl == "pallas_interpret", **kw)

@@ -10,8 +10,9 @@ zero). Nothing is padded to a capacity and no row is dropped.
                           scales and offsets [E, G, N])
     rows_matmul, rows_coded_matmul  the gathered form for rows in any order, each with its
                           expert given (decode steps need no sort)
-    GatedRows             the rows act(gate) * up of a gate-up product's float32 split sums,
-                          which the decode kernel (ops/expert_gemv.py) computes as it loads them
+    IndexedRows, GatedRows  rows the decode kernel (ops/expert_gemv.py) makes as it loads them:
+                          a token's row read in place for each of its pairs; act(gate) * up of a
+                          gate-up product's float32 split sums
 
 XLA forms, by rows (`product_form`):
     gathered  up to as many rows as experts (decode steps): each row's expert weight is
@@ -46,6 +47,26 @@ SEARCH = "scan_unrolled"
 
 ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexedRows:
+    """Rows x[index] [M, K] of x [T, K] (index int32 [M]: each pair's token), which the decode
+    kernel reads in place, with no gathered copy written first."""
+    x: jax.Array
+    index: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.index.shape[0], self.x.shape[1]
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+    def rows(self) -> jax.Array:
+        """The rows [M, K] (jnp)."""
+        return self.x[self.index]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ops.expert_gemv import (ExpertGemvConfig, expert_gemv, expert_gemv_config,
                               expert_rows_coded_matmul, expert_rows_matmul, kernel_refusal)
 from ops.kernel_choice import KernelBackends
 from ops.matmul import code_bits
-from ops.moe_matmul import GatedRows, rows_coded_matmul, rows_matmul
+from ops.moe_matmul import GatedRows, IndexedRows, rows_coded_matmul, rows_matmul
 from quant.model import quantize_experts
 from tests.marks import gpu_picks
 from tests.models.lowering import lowered_step_text
@@ -124,6 +124,19 @@ def test_kernel_against_float64(m, e, k, n, variant, config):
     check(out, want)
     with jax.default_matmul_precision("highest"):  # a GPU's default TF32 is coarser than bf16
         check(reference(x, w, expert, **kw), want)
+
+
+@pytest.mark.parametrize("variant", ["bf16", "int4_g32"])
+def test_indexed_rows_read_in_place(variant):
+    """IndexedRows: each of 6 rows reads its token's row of x [3, K] in place (two pairs per
+    token, as a decode step's pairs of top-k 2), against float64 of the gathered rows."""
+    x, w, expert, kw = operands(21, 6, 4, 64, 32, variant)
+    tokens = x[:3]
+    index = jnp.asarray([0, 0, 1, 1, 2, 2], jnp.int32)
+    config = ExpertGemvConfig(block_n=16, block_k=32, splits=2)
+    out = expert_gemv(IndexedRows(tokens, index), w, expert, config=config,
+                      interpret=not ON_GPU, **kw)
+    check(out, float64_want(tokens[index], w, expert, **kw))
 
 
 @pytest.mark.parametrize("variant,act,config", [
