@@ -120,8 +120,8 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 def expert_product(x, weight, group_sizes: jax.Array | None = None,
                    expert: jax.Array | None = None, kernels: KernelBackends | None = None,
                    partials: bool = False) -> jax.Array:
-    """x [M, in] (or IndexedRows, GatedRows) times each row's expert of `weight` (a float array [E, in, out]
-    or stacked codes: QuantizedWeight with a leading expert axis) -> [M, out], or with
+    """x [M, in] (or IndexedRows, GatedRows) times each row's expert of `weight` (a float array
+    [E, in, out] or stacked codes: QuantizedWeight with a leading expert axis) -> [M, out], or with
     `partials` float32 [S, M, out] to be summed over S. Rows in any order with each row's
     `expert` [M] (no group_sizes): the kernel of ops/expert_gemv.py where `kernels` choose it
     and it takes the operands, else the gathered form. Rows sorted by expert with

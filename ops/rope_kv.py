@@ -105,10 +105,12 @@ def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, *refs, gro
         xp = plgpu.load(ref.at[partner_cols], mask=mask, other=other).astype(jnp.float32)
         if w_ref is not None:  # ops.rms_norm's numerics: w * (x * scale), rounded twice
             scale = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / head_dim + norm_eps)
-            norm = lambda a, w: (w * (a * scale).astype(dtype).astype(jnp.float32)).astype(  # noqa: E731
-                dtype).astype(jnp.float32)
-            x = norm(x, plgpu.load(w_ref.at[i]).astype(jnp.float32))
-            xp = norm(xp, plgpu.load(w_ref.at[partner]).astype(jnp.float32))
+
+            def norm(a, w):
+                w = w.astype(jnp.float32)
+                return (w * (a * scale).astype(dtype).astype(jnp.float32)).astype(dtype).astype(
+                    jnp.float32)
+            x, xp = norm(x, plgpu.load(w_ref.at[i])), norm(xp, plgpu.load(w_ref.at[partner]))
         return x * cos + sign * xp * sin
 
     slot = slot_ref[t]
