@@ -265,7 +265,7 @@ class DecoderLayer(nnx.Module):
         ops.gemv.MAX_ROWS tokens: four fused_gemv kernels (ops/gemv.py), the norms, SiLU x up
         and residuals inside them, around RoPE + KV write and attention; gate/up, o and down
         apart where ops.gemv.runs_apart says the Hopper kernel is faster (INT4 gate/up and
-        down)."""
+        down). A mixture of experts' layer runs q/k/v and o so, then its MoE MLP."""
         attn, mlp = self.self_attn, self.mlp
         def product(x, layer, **kw):  # layer's TransposedWeight: [out, in] (+ code scales)
             w = layer.kernel.get_value()
@@ -287,6 +287,8 @@ class DecoderLayer(nnx.Module):
             return product(h, layer, residual=x)
 
         x = plus_residual(heads, attn.o_proj, "o")
+        if cfg.is_moe:
+            return x + mlp(self.post_attention_layernorm(x, kernels), kernels), k_pages, v_pages
         if apart(mlp.gate_up_proj.kernel.get_value(), product="gated"):
             # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
             act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x, kernels),
@@ -439,7 +441,8 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str |
                        kernels: KernelBackends | None = None
                        ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Stores each layer's q/k/v, o, gate/up and down kernels transposed, [out, in]
-    (ops.matmul.TransposedWeight), in place, for ops/gemv.py's fused decode kernel.
+    (ops.matmul.TransposedWeight), in place, for ops/gemv.py's fused decode kernel (a mixture
+    of experts' layers: q/k/v and o; the experts keep their layout).
 
     Codes are stored along `in` in `k_order` (TransposedWeight.k_order): None picks the order
     of `kernels` per weight (ops.matmul.device_k_order: "wgmma" with the Hopper kernel, which
@@ -452,14 +455,15 @@ def transpose_for_gemv(cfg: ModelConfig, model: LlamaForCausalLM, k_order: str |
     fusion. The model computes the same function; layer by layer, so peak memory grows by one
     layer's kernels. An untied output head of codes (QuantConfig.lm_head) is stored transposed
     too, for the same kernels as the layers' products (on the H200 only then is a quantized
-    head faster than the bf16 one); a float head keeps its layout (XLA's product reads it at the copy rate).
+    head faster than the bf16 one); a float head keeps its layout (XLA's product reads it at
+    the copy rate).
     """
     if cfg.gemv_layers:
         raise ValueError("transpose_for_gemv: the model is already transposed")
     if not cfg.fused_projections:
         raise ValueError("transpose_for_gemv: fuse the projections first (fuse_projections)")
-    plain = {"sandwich_norms": cfg.sandwich_norms, "hidden_act": cfg.hidden_act != "silu",
-             "mixture of experts": cfg.is_moe}
+    plain = {"sandwich_norms": cfg.sandwich_norms,
+             "hidden_act": cfg.hidden_act != "silu" and not cfg.is_moe}
     if any(plain.values()):
         raise ValueError(f"transpose_for_gemv: the fused decode layer has no "
                          f"{next(k for k, v in plain.items() if v)} (ModelConfig)")
@@ -495,8 +499,12 @@ def has_quantized_layers(model: LlamaForCausalLM) -> bool:
 
 
 def _gemv_linears(layer: DecoderLayer) -> tuple[Linear, ...]:
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
+    """A layer's products for ops/gemv.py: q/k/v, o, and the MLP's gate/up and down (a mixture
+    of experts' expert products keep their layout, for ops/expert_gemv.py)."""
+    attention = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+    if isinstance(layer.mlp, SparseMoE):
+        return attention
+    return attention + (layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 def _transposed_linears(cfg: ModelConfig, model: LlamaForCausalLM) -> list[Linear]:

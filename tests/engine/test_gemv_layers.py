@@ -19,7 +19,7 @@ import pytest
 
 import ops.gemv
 import ops.quant_wgmma
-from configs.model import TINY_LLAMA31, TINY_QWEN2
+from configs.model import TINY_LLAMA31, TINY_QWEN2, TINY_QWEN3_MOE
 from engine.request import SamplingParams
 from models.llama import fuse_projections, transpose_for_gemv
 from models.weights import model_from_pure_dict
@@ -102,6 +102,31 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     assert calls.get(1, 0) > 0 and max(calls) <= ops.gemv.MAX_ROWS
     for kind in ("gated", "o", "down"):  # apart: never fused
         assert bool(kinds[kind].get(1)) == (not apart), kind
+    assert_same_generations(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", [None, "int4_rtn"])
+def test_a_mixture_of_experts_transposes_its_attention(monkeypatch, method):
+    """tiny-qwen3-moe (q/k norms, 8 experts, 3 per token), float or INT4 codes in groups of
+    32: q/k/v and o stored transposed and run by fused_gemv at one row (the input norm and the
+    residual inside), the experts kept in their layout for the MoE layer; the same tokens."""
+    cfg, model, prompts = model_and_prompts(TINY_QWEN3_MOE, 5, False, (6, 15))
+    if method:
+        model = quantize_model(cfg, model, QuantConfig(method, group_size=32), progress=False)
+    cfg, model = fuse_projections(cfg, model)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+    params = [params, dataclasses.replace(params, max_tokens=10)]
+    with jax.default_matmul_precision("highest"):
+        want = generate(model, cfg, prompts, params)
+        calls, kinds = count_gemv_calls(monkeypatch)
+        jax.clear_caches()
+        cfg_t, model = transpose_for_gemv(cfg, model)
+        layer = model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj.kernel.get_value(), TransposedWeight)
+        assert not isinstance(layer.mlp.gate_up_proj.kernel.get_value(), TransposedWeight)
+        got = generate(model, cfg_t, prompts, params)
+    assert kinds["o"].get(1) and not kinds["gated"] and not kinds["down"]
+    assert calls.get(1, 0) == 2 * cfg.num_layers  # q/k/v and o per layer, in one program
     assert_same_generations(got, want, rtol=1e-5)
 
 

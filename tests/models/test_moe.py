@@ -22,11 +22,12 @@ from configs.model import get_preset
 from engine.runner import full_sequence_logits
 from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
 from models.kv_cache import init_kv_cache
-from models.llama import AttentionMetadata, forward, transpose_for_gemv
+from models.llama import AttentionMetadata, forward
 from models.moe import moe_mlp, route
 from models.prepare import prepare_for_device
 from models.weights import abstract_model, random_model
 from ops.expert_gemv import MAX_ROWS_PER_EXPERT
+from ops.matmul import TransposedWeight
 from ops.backends import select_kernels
 from ops import moe_matmul
 from ops.moe_matmul import grouped_matmul
@@ -145,7 +146,9 @@ def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
 @pytest.mark.parametrize("quant", [None, "int4_rtn"])
 def test_prepare_for_a_gpu_fuses_attention_and_the_experts_gate_and_up(quant):
     """The fused model (q/k/v as one product, each layer's experts' gate and up as one
-    [E, hidden, 2 I]) computes the unfused model's logits, float32 or INT4 experts."""
+    [E, hidden, 2 I]) computes the unfused model's logits, float32 or INT4 experts; quantized,
+    its attention products are stored transposed for the one-token kernel (as a dense quantized
+    model's layers are on a Hopper GPU) and its experts keep their layout."""
     cfg = get_preset("tiny-qwen3-moe")
     model = random_model(cfg, seed=1)
     if quant:
@@ -161,8 +164,9 @@ def test_prepare_for_a_gpu_fuses_attention_and_the_experts_gate_and_up(quant):
         (8, 64, 64) if not quant else (8, 64 // 16, 64))  # [E, hidden, 2 I]
     got = np.asarray(full_sequence_logits(prepared.cfg, prepared.model, ids, page_size=4))
     np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=1e-5 * np.abs(unfused).max())
-    with pytest.raises(ValueError, match="mixture of experts"):
-        transpose_for_gemv(prepared.cfg, prepared.model, k_order="natural")
+    assert prepared.cfg.gemv_layers == bool(quant)
+    assert isinstance(layer.self_attn.o_proj.kernel.get_value(), TransposedWeight) == bool(quant)
+    assert not isinstance(fused, TransposedWeight)
 
 
 def test_hf_loader_reads_every_expert_layout():
