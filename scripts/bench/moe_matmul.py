@@ -14,7 +14,9 @@ first),
 `kernel`: ops/expert_gemv.py's Pallas Triton kernel (up to E rows, like `gathered`: each row's
 expert read once by the kernel itself, no gathered copy; `kernel:BN/BK/S/W/ST/P` the same with
 the tiles ExpertGemvConfig(block_n, block_k, splits (0: the default), num_warps, num_stages,
-prefetch 0/1), for a tile sweep in one run), and
+prefetch 0/1), for a tile sweep in one run; `kernel_gated` the kernel over GatedRows of
+--gated_splits float32 partials, as a mixture's down product takes its input, against its own
+reference), and
 `mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
 Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA
 forms and the kernel). The floor is the bytes of the experts the rows touch (plus x and y) over
@@ -42,7 +44,8 @@ from scripts.common import set_xla_flags
 
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
 flags.DEFINE_list("rows", ["8", "128", "512", "16384"], "Rows (tokens x experts per token).")
-flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "tiles", "ragged", "mgpu"],
+flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "kernel_gated", "tiles",
+                            "ragged", "mgpu"],
                   "Forms to time (kernel:BN/BK/S/W/ST/P: the kernel with those tiles).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
@@ -51,6 +54,8 @@ flags.DEFINE_bool("device_times", False, "Also each row's device busy time per p
                   "top kernels, from jax's profiler (where the wall time goes at few rows).")
 flags.DEFINE_string("mgpu_tiles", "64,128,64,4,1", "block_m,block_n,block_k,"
                     "max_concurrent_steps,grid_block_n of the mgpu form.")
+flags.DEFINE_integer("gated_splits", 8, "Partials per row of the kernel_gated form (a batch-1 "
+                     "gate-up product's K splits).")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 FLAGS = flags.FLAGS
 
@@ -75,6 +80,9 @@ def product(form: str, bits: int):
         return functools.partial(gathered_reduce, bits=bits)
     if form.split(":")[0] == "kernel":
         return functools.partial(kernel_product, config=kernel_config(form))
+    if form == "kernel_gated":  # x: the partials [S, M, 2 K]
+        return lambda p, gs, weight: kernel_product(
+            moe_matmul.GatedRows(p, "silu", jnp.bfloat16), gs, weight, config=None)
     if form not in moe_matmul.FORMS:
         raise ValueError(f"unknown form {form!r}")
 
@@ -155,22 +163,29 @@ def main(argv):
         touched = int((np.asarray(gs) > 0).sum())
         x = jax.random.normal(jax.random.key(rows), (rows, h), jnp.bfloat16)
         floor = (touched * expert_bytes + rows * (h + i) * 2) / (calib["copy_TBps"] * 1e12)
-        reference = np.asarray(jax.jit(product("tiles", bits))(x, gs, weights[0]), np.float32)
+        partials = jax.random.normal(jax.random.key(rows + 1), (FLAGS.gated_splits, rows, 2 * h))
+        tiles = jax.jit(product("tiles", bits))
+        reference = np.asarray(tiles(x, gs, weights[0]), np.float32)
         for form in FLAGS.forms:
             row = {"rows": rows, "form": form, "touched_experts": touched, "floor_s": floor}
             try:
                 if form.startswith(("gathered", "kernel")) and rows > e:
                     raise ValueError(f"the {form} form takes at most E={e} rows")
                 fn = product(form, bits)
-                got = np.asarray(jax.jit(fn)(x, gs, weights[0]), np.float32)  # one answer
-                row["max_rel_err"] = float(np.abs(got - reference).max()
-                                           / np.abs(reference).max())
+                if form == "kernel_gated":  # its own input, and the tiles form of its rows
+                    x_in = partials
+                    want = np.asarray(tiles(moe_matmul.GatedRows(
+                        partials, "silu", jnp.bfloat16).rows(), gs, weights[0]), np.float32)
+                else:
+                    x_in, want = x, reference
+                got = np.asarray(jax.jit(fn)(x_in, gs, weights[0]), np.float32)  # one answer
+                row["max_rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
                 seconds = time_per_call(lambda x, gs, ws: [fn(x, gs, w) for w in ws],
-                                        (x, gs, weights), len(weights), FLAGS.runs, 4)
+                                        (x_in, gs, weights), len(weights), FLAGS.runs, 4)
                 row |= {"step_s": seconds, "fraction_of_floor": floor / seconds}
                 if FLAGS.device_times:
                     row |= device_time_per_call(lambda x, gs, ws: [fn(x, gs, w) for w in ws],
-                                                (x, gs, weights), len(weights), 4)
+                                                (x_in, gs, weights), len(weights), 4)
             except Exception as exc:  # noqa: BLE001 - a failing row is a result
                 row["error"] = error_text(exc)
             results["rows"].append(row)
