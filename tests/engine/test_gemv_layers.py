@@ -52,6 +52,19 @@ def count_gemv_calls(monkeypatch) -> tuple[dict, dict]:
     return calls, kinds
 
 
+def fused_case(base, seed: int, method: str | None, group: int, head: bool = False):
+    """(cfg, the unit-scale model quantized by `method` (groups of `group`, 0: 128; `head`: the
+    output head too) and fused, two prompts of 6 and 15 tokens, their SamplingParams: 6 and 10
+    greedy tokens with log-probabilities)."""
+    cfg, model, prompts = model_and_prompts(base, seed, False, (6, 15))
+    if method:
+        model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128,
+                                                       lm_head=head), progress=False)
+    cfg, model = fuse_projections(cfg, model)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+    return cfg, model, prompts, [params, dataclasses.replace(params, max_tokens=10)]
+
+
 @pytest.mark.parametrize("base,method,group,k_order,head,apart", [
     (TINY_QWEN2, None, 0, None, False, False), (TINY_LLAMA31, "int4_rtn", 32, None, False, False),
     (TINY_LLAMA31, "int4_rtn", 32, "wgmma", True, True),
@@ -72,13 +85,7 @@ def test_transposed_layers_give_the_same_tokens(monkeypatch, base, method, group
     `linear` then the residual added: only q/k/v fused."""
     if apart:
         monkeypatch.setattr(ops.gemv, "runs_apart", lambda *args, **kwargs: True)
-    cfg, model, prompts = model_and_prompts(base, 11, False, (6, 15))
-    if method:
-        model = quantize_model(cfg, model, QuantConfig(method, group_size=group or 128,
-                                                       lm_head=head), progress=False)
-    cfg, model = fuse_projections(cfg, model)
-    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
-    params = [params, dataclasses.replace(params, max_tokens=10)]
+    cfg, model, prompts, params = fused_case(base, 11, method, group, head)
     with jax.default_matmul_precision("highest"):
         want = generate(model, cfg, prompts, params)
         calls, kinds = count_gemv_calls(monkeypatch)
@@ -111,12 +118,7 @@ def test_a_mixture_of_experts_transposes_its_attention(monkeypatch, method):
     """tiny-qwen3-moe (q/k norms, 8 experts, 3 per token), float or INT4 codes in groups of
     32: q/k/v and o stored transposed and run by fused_gemv at one row (the input norm and the
     residual inside), the experts kept in their layout for the MoE layer; the same tokens."""
-    cfg, model, prompts = model_and_prompts(TINY_QWEN3_MOE, 5, False, (6, 15))
-    if method:
-        model = quantize_model(cfg, model, QuantConfig(method, group_size=32), progress=False)
-    cfg, model = fuse_projections(cfg, model)
-    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
-    params = [params, dataclasses.replace(params, max_tokens=10)]
+    cfg, model, prompts, params = fused_case(TINY_QWEN3_MOE, 5, method, 32)
     with jax.default_matmul_precision("highest"):
         want = generate(model, cfg, prompts, params)
         calls, kinds = count_gemv_calls(monkeypatch)
