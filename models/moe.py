@@ -44,7 +44,7 @@ from ops.expert_gemv import (MAX_ROWS_PER_EXPERT, expert_rows_coded_matmul, expe
                              kernel_runs)
 from ops.kernel_choice import KernelBackends, or_reference
 from ops.moe_matmul import (SEARCH, GatedRows, IndexedRows, grouped_coded_matmul,
-                            grouped_matmul, product_form)
+                            grouped_matmul, input_rows, product_form)
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -120,37 +120,38 @@ def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, ja
 def expert_product(x, weight, group_sizes: jax.Array | None = None,
                    expert: jax.Array | None = None, kernels: KernelBackends | None = None,
                    partials: bool = False) -> jax.Array:
-    """x [M, in] (or IndexedRows, GatedRows) times each row's expert of `weight` (a float array
-    [E, in, out] or stacked codes: QuantizedWeight with a leading expert axis) -> [M, out], or with
-    `partials` float32 [S, M, out] to be summed over S. Rows in any order with each row's
-    `expert` [M] (no group_sizes): the kernel of ops/expert_gemv.py where `kernels` choose it
-    and it takes the operands, else the gathered form. Rows sorted by expert with
-    `group_sizes` [E]: that kernel too when `expert` is also given and the kernel runs, else
-    the grouped products."""
+    """x [M, in] (or IndexedRows, GatedRows) times each row's expert of `weight` (a float
+    array [E, in, out] or stacked codes: QuantizedWeight with a leading expert axis) ->
+    [M, out], or with `partials` float32 [S, M, out] to be summed over S. Rows in any order
+    with each row's `expert` [M] (no group_sizes): the kernel of ops/expert_gemv.py where
+    `kernels` choose it and it takes the operands, else the gathered form. Rows sorted by
+    expert with `group_sizes` [E]: that kernel too when `expert` is also given and the kernel
+    runs, else the grouped products."""
     if getattr(weight, "perm", None) is not None:
         raise ValueError("MoE experts: act-order codes are not supported")
-    quantized = not isinstance(weight, jax.Array)
-    stored = weight.packed if quantized else weight
-    codes = (weight.scales, weight.offsets, weight.group_size) if quantized else ()
-    if expert is not None and (group_sizes is None
-                               or kernel_runs(x, stored, expert, kernels, *codes)):
-        if quantized:
-            return expert_rows_coded_matmul(x, stored, *codes[:2], expert, bits=weight.bits,
-                                            group_size=weight.group_size, kernels=kernels,
-                                            partials=partials)
-        return expert_rows_matmul(x, stored, expert, kernels=kernels, partials=partials)
-    rows = x.rows() if isinstance(x, (GatedRows, IndexedRows)) else x
-    y = (grouped_coded_matmul(rows, stored, *codes[:2], group_sizes, bits=weight.bits,
-                              group_size=weight.group_size) if quantized
-         else grouped_matmul(rows, stored, group_sizes))
+    if isinstance(weight, jax.Array):
+        if expert is not None and (group_sizes is None
+                                   or kernel_runs(x, weight, expert, kernels)):
+            return expert_rows_matmul(x, weight, expert, kernels=kernels, partials=partials)
+        y = grouped_matmul(input_rows(x), weight, group_sizes)
+        return y.astype(jnp.float32)[None] if partials else y
+    codes = (weight.packed, weight.scales, weight.offsets)
+    if expert is not None and (group_sizes is None or kernel_runs(
+            x, weight.packed, expert, kernels, weight.scales, weight.offsets,
+            weight.group_size)):
+        return expert_rows_coded_matmul(x, *codes, expert, bits=weight.bits,
+                                        group_size=weight.group_size, kernels=kernels,
+                                        partials=partials)
+    y = grouped_coded_matmul(input_rows(x), *codes, group_sizes, bits=weight.bits,
+                             group_size=weight.group_size)
     return y.astype(jnp.float32)[None] if partials else y
 
 
 def experts_mlp(xs, weights: dict, hidden_act: str,
                 kernels: KernelBackends | None = None, **rows) -> jax.Array:
     """down(act(gate(xs)) * up(xs)) of rows [M, hidden] (or IndexedRows: each pair's token,
-    read in place where the kernel runs) as float32 partials [S, M, hidden]
-    (their sum over S is the output); rows: group_sizes= (sorted rows, with expert= too where
+    read in place where the kernel runs) as float32 partials [S, M, hidden] (their sum over S
+    is the output); rows: group_sizes= (sorted rows, with expert= too where
     the kernel may take them) or expert= (each row's expert), as expert_product takes them.
     Fused weights (a "gate_up_proj" [E, hidden, 2 I]) take gate and up in one product, one
     read of each row's x and one kernel. The gate-up partials go to the down product as

@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import code_bits
 from ops.moe_matmul import (ACTIVATIONS, CODE_ZEROS, INT4_PER_WORD, GatedRows, IndexedRows,
-                            rows_coded_matmul, rows_matmul)
+                            input_rows, rows_coded_matmul, rows_matmul)
 from ops.quant_tiles import _dequant_tile
 
 TARGET_PROGRAMS = 528  # four programs per SM of an H100 / H200 (132 SMs), resident at once
@@ -313,11 +313,6 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
-def _rows(x) -> jax.Array:
-    """x's rows [M, K] (jnp) of an array, IndexedRows or GatedRows."""
-    return x.rows() if isinstance(x, (GatedRows, IndexedRows)) else x
-
-
 def _reference(y, partials: bool):
     """The reference products' [M, N] as the kernel returns it: [1, M, N] float32 partials."""
     return y.astype(jnp.float32)[None] if partials else y
@@ -335,7 +330,7 @@ def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_matmul", impl, "reference")
     if impl == "reference":
-        return _reference(rows_matmul(_rows(x), w, expert), partials)
+        return _reference(rows_matmul(input_rows(x), w, expert), partials)
     return expert_gemv(x, w, expert, config=config, partials=partials,
                        interpret=impl == "pallas_interpret")
 
@@ -355,7 +350,7 @@ def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, g
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_coded_matmul", impl, "reference")
     if impl == "reference":
-        return _reference(rows_coded_matmul(_rows(x), packed, scales, offsets, expert, bits=bits,
+        return _reference(rows_coded_matmul(input_rows(x), packed, scales, offsets, expert, bits=bits,
                                             group_size=group_size), partials)
     return expert_gemv(x, packed, expert, config=config, partials=partials,
                        interpret=impl == "pallas_interpret", **kw)

@@ -89,6 +89,11 @@ class GatedRows:
         return (ACTIVATIONS[self.act](gate) * up).astype(self.dtype)
 
 
+def input_rows(x) -> jax.Array:
+    """The rows [M, K] of an array, IndexedRows or GatedRows (jnp)."""
+    return x.rows() if isinstance(x, (GatedRows, IndexedRows)) else x
+
+
 def product_form(rows: int, num_experts: int) -> str:
     """The XLA form of a product of `rows` sorted rows over `num_experts` experts (see the
     module docstring)."""
