@@ -9,7 +9,7 @@ while a step is traced. Unset or empty means the default.
 | PALLASITE_ATTENTION | auto, pallas, pallas_interpret, reference | auto    | attention/KV/RMSNorm |
 | PALLASITE_MATMUL    | auto, pallas, pallas_interpret, reference | auto    | quantized matmuls    |
 | PALLASITE_GEMV      | auto, pallas, pallas_interpret, reference | auto    | one-row products     |
-| PALLASITE_MOE       | auto, pallas, pallas_interpret, reference | auto    | MoE decode products  |
+| PALLASITE_MOE       | auto, pallas, pallas_interpret, reference | auto    | MoE router, experts  |
 | PALLASITE_WGMMA     | on, off                                   | on      | Hopper codes kernel  |
 | PALLASITE_K_ORDER   | device, natural                           | device  | K order of codes     |
 | PALLASITE_KERNELS   | device, tpu_interpret                     | device  | platform's kernels   |

@@ -248,15 +248,19 @@ class DecoderLayer(nnx.Module):
         attn_out, k_pages, v_pages = self.self_attn.attend(qkv, k_pages, v_pages, meta, cfg,
                                                            inv_freq, kernels, window)
         if cfg.sandwich_norms:
-            attn_out = self.post_attention_layernorm(attn_out, kernels)
-            mlp_in = self.pre_feedforward_layernorm(x + attn_out, kernels)
-        else:
-            mlp_in = self.post_attention_layernorm(x + attn_out, kernels)
+            x = x + self.post_attention_layernorm(attn_out, kernels)
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(x, kernels), kernels)
+            return x + self.post_feedforward_layernorm(mlp_out, kernels), k_pages, v_pages
         x = x + attn_out
-        mlp_out = self.mlp(mlp_in, kernels)
-        if cfg.sandwich_norms:
-            mlp_out = self.post_feedforward_layernorm(mlp_out, kernels)
-        return x + mlp_out, k_pages, v_pages
+        return x + self.normed_mlp(x, kernels), k_pages, v_pages
+
+    def normed_mlp(self, x, kernels: KernelBackends | None = None):
+        """mlp(post_attention_layernorm(x)); a mixture of experts norms x itself, with its
+        router (one kernel on a GPU's decode rows)."""
+        norm = self.post_attention_layernorm
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(x, kernels, norm=(norm.weight[...], norm.eps))
+        return self.mlp(norm(x, kernels), kernels)
 
     def gemv_call(self, x, k_pages, v_pages, meta: AttentionMetadata, cfg: ModelConfig,
                   inv_freq: np.ndarray, kernels: KernelBackends | None = None,
@@ -288,7 +292,7 @@ class DecoderLayer(nnx.Module):
 
         x = plus_residual(heads, attn.o_proj, "o")
         if cfg.is_moe:
-            return x + mlp(self.post_attention_layernorm(x, kernels), kernels), k_pages, v_pages
+            return x + self.normed_mlp(x, kernels), k_pages, v_pages
         if apart(mlp.gate_up_proj.kernel.get_value(), product="gated"):
             # INT4 on a Hopper GPU: norm, the Hopper kernel (via linear), SiLU x up apart
             act = gated_activation(mlp.gate_up_proj(self.post_attention_layernorm(x, kernels),

@@ -9,7 +9,9 @@ Qwen3-MoE by its config): the same as HF transformers' routers.
 Top-k ties: `jax.lax.top_k` keeps the lower expert index first among equal probabilities.
 torch.topk (what transformers' routers call) picks among exact ties by its partial sort, which
 no index rule reproduces; the chosen experts agree wherever a tie does not straddle the k-th
-place (tests/models/test_moe.py, against torch's choices recorded by make_golden.py).
+place (tests/models/test_moe.py, against torch's choices recorded by make_golden.py). The
+router is ops/moe_router.py's: given the layer's RMSNorm (`norm`), a GPU's decode rows run the
+norm, the router's logits and the top-k in one kernel.
 
 Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
 at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
@@ -43,6 +45,8 @@ from configs.model import ModelConfig
 from ops.expert_gemv import (MAX_ROWS_PER_EXPERT, expert_rows_coded_matmul, expert_rows_matmul,
                              kernel_runs)
 from ops.kernel_choice import KernelBackends, or_reference
+from ops.moe_router import route, route_rows
+from ops.rms_norm import rms_norm
 from ops.moe_matmul import (SEARCH, GatedRows, IndexedRows, grouped_coded_matmul,
                             grouped_matmul, input_rows, product_form)
 
@@ -92,29 +96,21 @@ class SparseMoE(nnx.Module):
         self.up_proj = ExpertLinear(e, h, i, rngs, dtype)
         self.down_proj = ExpertLinear(e, i, h, rngs, dtype)
 
-    def __call__(self, x: jax.Array, kernels: KernelBackends | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: KernelBackends | None = None,
+                 norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+        """x [N, hidden] -> [N, hidden]. norm: (weight [hidden], eps) of the RMSNorm before the
+        MLP, applied here to x (on a GPU's decode rows in one kernel with the router,
+        ops/moe_router.py), or None when x is normed already."""
         weights = {n: getattr(self, n).kernel.get_value() for n in expert_projections(self)}
         router = self.router.kernel.get_value()
         settings = dict(top_k=self.top_k, normalize=self.norm_topk_prob,
                         hidden_act=self.hidden_act)
         mesh = or_reference(kernels).mesh_shape
         if mesh:
+            x = x if norm is None else rms_norm(x, *norm, kernels=kernels)
             return sharded_moe_mlp(mesh, x, router, weights, settings)
-        return moe_mlp(x, router, weights, **settings, kernels=kernels).astype(x.dtype)
-
-
-def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights float32 [N, k], experts int32 [N, k]) of router logits [N, E]: the k highest
-    softmax probabilities (ties: the lower expert first), divided by their sum if `normalize`.
-    The top-k is taken of the logits (softmax keeps their order), so normalized weights are a
-    softmax over k values and unnormalized ones exp(logit - logsumexp): no softmax over all E."""
-    logits = logits.astype(jnp.float32)
-    top, experts = jax.lax.top_k(logits, top_k)  # [N, k]
-    if normalize:
-        weights = jax.nn.softmax(top, axis=-1)
-    else:
-        weights = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-    return weights, experts.astype(jnp.int32)
+        return moe_mlp(x, router, weights, **settings, kernels=kernels, norm=norm).astype(
+            x.dtype)
 
 
 def expert_product(x, weight, group_sizes: jax.Array | None = None,
@@ -202,9 +198,11 @@ def token_sums(y: jax.Array, kept: jax.Array, weights: jax.Array, num_tokens: in
 
 def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, normalize: bool,
             hidden_act: str, first_expert: int | jax.Array = 0,
-            kernels: KernelBackends | None = None) -> jax.Array:
+            kernels: KernelBackends | None = None,
+            norm: tuple[jax.Array, float] | None = None) -> jax.Array:
     """The MoE MLP of x [N, hidden] over the experts `weights` holds (all of them, or on an
-    expert shard those from first_expert on): float32 [N, hidden], the shard's part.
+    expert shard those from first_expert on): float32 [N, hidden], the shard's part. norm:
+    (weight, eps) of an RMSNorm applied to x first, with the router (ops.moe_router.route_rows).
 
     Steps whose N * k pairs take the gathered product (ops.moe_matmul.product_form: decode)
     keep the pairs in token order, each with its expert: no sort, and the combine is a sum over
@@ -212,14 +210,20 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
     choose it. Larger steps sort the pairs by expert first; up to MAX_ROWS_PER_EXPERT pairs
     per expert (batched decode) the sorted rows take that kernel too where it runs."""
     n = x.shape[0]
-    probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
+    if norm is None:
+        probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
+    else:
+        x, probs, experts = route_rows(x, *norm, router, top_k=top_k, normalize=normalize,
+                                       kernels=kernels)
     num_groups = jax.tree.leaves(weights["down_proj"])[0].shape[0]
     if product_form(n * top_k, num_groups) == "gathered":
         local = experts.reshape(-1) - first_expert  # [N*k] in pair order
         kept = (local >= 0) & (local < num_groups)
+        every_expert = (isinstance(first_expert, int) and first_expert == 0
+                        and num_groups == router.shape[1])  # ids in range: no clip
         tokens = jnp.arange(n * top_k, dtype=jnp.int32) // top_k  # [N*k] each pair's token
         y = experts_mlp(IndexedRows(x, tokens), weights, hidden_act, kernels,
-                        expert=jnp.clip(local, 0, num_groups - 1))
+                        expert=local if every_expert else jnp.clip(local, 0, num_groups - 1))
         return token_sums(y, kept, probs, n, top_k)
     order, kept, group_sizes = sorted_pairs(experts, num_groups, first_expert)
     sorted_expert = None  # each sorted row's expert, for the kernel

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from configs.switches import Switches
 from ops import gemv, quant_gemv, quant_gemv8, quant_matmul, quant_mma, quant_wgmma, rms_norm
-from ops import expert_gemv, moe_matmul, ragged_attention, rope_kv, tpu_quant_matmul
+from ops import (expert_gemv, moe_matmul, moe_router, ragged_attention, rope_kv,
+                 tpu_quant_matmul)
 from ops import tpu_ragged_attention
 from ops.kernel_choice import KernelBackends
 from ops.matmul import coded_product
@@ -152,6 +153,13 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
         KernelEntry("reference", "any", "codes [E, K, N], each row's expert given",
                     "INT8 / INT4", "decode (rows <= E): the gathered form",
                     moe_matmul.rows_coded_matmul),
+        KernelEntry("pallas", "gpu", "router [H, E] with the RMSNorm before it",
+                    "bf16 rows, norm weight and router",
+                    f"decode (rows <= {moe_router.MAX_ROWS})", moe_router._router_kernel),
+        KernelEntry("pallas", "gpu", "router [H, E] with the RMSNorm before it",
+                    "other dtypes or shapes", "any", moe_router.route_rows_reference),
+        KernelEntry("reference", "any", "router [H, E] with the RMSNorm before it", "any",
+                    "any", moe_router.route_rows_reference),
     ),
 }
 

@@ -21,9 +21,9 @@ class KernelBackends:
 
     attention, kv_write (RoPE + KV-cache write), norm (RMSNorm), gemv (the fused one-row products
     of transposed layers), quant_matmul (INT8 / INT4 codes) and moe (a mixture of experts' decode
-    products, ops/expert_gemv.py): one of IMPLS, "pallas" being the GPU kernel (Pallas Triton)
-    where the shape class takes it, "pallas_interpret" the same kernel interpreted (CPU
-    debugging), "reference" the jnp / XLA path.
+    router and products, ops/moe_router.py and ops/expert_gemv.py): one of IMPLS, "pallas"
+    being the GPU kernel (Pallas Triton) where the shape class takes it, "pallas_interpret"
+    the same kernel interpreted (CPU debugging), "reference" the jnp / XLA path.
     wgmma: codes stored [N, K] run ops/quant_wgmma.py's Hopper kernel (Mosaic GPU) where it
     takes the product (with quant_matmul "pallas").
     k_order: the K order in which decode products read codes fastest ("wgmma" with the Hopper

@@ -19,6 +19,7 @@ import pytest
 
 import ops.expert_gemv
 import ops.gemv
+import ops.moe_router
 import ops.quant_wgmma
 from configs.model import TINY_LLAMA31, TINY_QWEN2, TINY_QWEN3_MOE
 from engine.request import SamplingParams
@@ -271,7 +272,8 @@ def test_a_mixture_decode_through_the_gpu_kernels_gives_the_reference_tokens(mon
     """bf16 tiny-qwen3-moe at shapes the GPU kernels take (hidden 256, head_dim 64, 8 experts
     [256, 128]), INT4 codes in groups of 64, prepared as a GPU prepares it (fused, attention
     transposed): its decode steps run the q/k norms inside the RoPE kernel, q/k/v and o in
-    ops/gemv.py and the expert kernel over IndexedRows and GatedRows, and give the greedy
+    ops/gemv.py, the norm and router in ops/moe_router.py and the expert kernel over
+    IndexedRows and GatedRows, and give the greedy
     tokens of every op's reference path (PALLASITE_ATTENTION/GEMV/MOE/MATMUL=reference),
     log-probabilities within bf16 rounding."""
     cfg = TINY_QWEN3_MOE.replace(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -282,11 +284,13 @@ def test_a_mixture_decode_through_the_gpu_kernels_gives_the_reference_tokens(mon
     prompts = [[5, 9, 44, 7], [3, 100, 21, 8, 90, 4, 17]]
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     calls = []
-    inner = ops.expert_gemv.expert_gemv
+    inner, router = ops.expert_gemv.expert_gemv, ops.moe_router._route_rows_pallas
     monkeypatch.setattr(ops.expert_gemv, "expert_gemv",
                         lambda *a, **kw: calls.append(type(a[0]).__name__) or inner(*a, **kw))
+    monkeypatch.setattr(ops.moe_router, "_route_rows_pallas",
+                        lambda *a, **kw: calls.append("router") or router(*a, **kw))
     got = generate(model, cfg, prompts, params)
-    assert {"IndexedRows", "GatedRows"} <= set(calls)
+    assert {"IndexedRows", "GatedRows", "router"} <= set(calls)
     for family in ("ATTENTION", "GEMV", "MOE", "MATMUL"):
         monkeypatch.setenv(f"PALLASITE_{family}", "reference")
     jax.clear_caches()

@@ -23,10 +23,11 @@ from engine.runner import full_sequence_logits
 from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
 from models.kv_cache import init_kv_cache
 from models.llama import AttentionMetadata, forward
-from models.moe import moe_mlp, route
+from models.moe import moe_mlp
 from models.prepare import prepare_for_device
 from models.weights import abstract_model, random_model
 from ops.expert_gemv import MAX_ROWS_PER_EXPERT
+from ops.moe_router import route
 from ops.matmul import TransposedWeight
 from ops.backends import select_kernels
 from ops import moe_matmul
