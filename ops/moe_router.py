@@ -150,7 +150,8 @@ def _route_rows_pallas(x, norm_weight, router, *, eps: float, top_k: int, normal
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                    jax.ShapeDtypeStruct((rows, top_k), jnp.float32),
                    jax.ShapeDtypeStruct((rows, top_k), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        # one program streams the whole router: many warps and stages keep its loads in flight
+        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=3),
         interpret=interpret, name="moe_router",
     )(x, norm_weight, router)
 
