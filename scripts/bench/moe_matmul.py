@@ -16,7 +16,8 @@ expert read once by the kernel itself, no gathered copy; `kernel:BN/BK/S/W/ST/P`
 the tiles ExpertGemvConfig(block_n, block_k, splits (0: the default), num_warps, num_stages,
 prefetch 0/1), for a tile sweep in one run; `kernel_gated` the kernel over GatedRows of
 --gated_splits float32 partials, as a mixture's down product takes its input, against its own
-reference), and
+reference), `router` / `router_xla` (ops/moe_router.py: the norm, router logits and top-k of
+the rows' tokens, the kernel / XLA's ops; the floor is the routers' bytes), and
 `mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
 Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA
 forms and the kernel). The floor is the bytes of the experts the rows touch (plus x and y) over
@@ -36,6 +37,7 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from configs.model import get_preset
 from ops import expert_gemv, moe_matmul
+from ops.moe_router import route_rows
 from quant.model import quantize_experts
 from scripts.bench.common import (calibrate, error_text, markdown_table, run_info,
                                   time_per_call, write_json)
@@ -45,7 +47,7 @@ from scripts.common import set_xla_flags
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
 flags.DEFINE_list("rows", ["8", "128", "512", "16384"], "Rows (tokens x experts per token).")
 flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "kernel_gated", "tiles",
-                            "ragged", "mgpu"],
+                            "ragged", "mgpu", "router", "router_xla"],
                   "Forms to time (kernel:BN/BK/S/W/ST/P: the kernel with those tiles).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
@@ -118,6 +120,14 @@ def kernel_product(x, gs, weight, config):
     return jnp.where((expert < e)[:, None], y, 0).astype(x.dtype)
 
 
+def route_product(x, gs, router, norm_weight, top_k: int, normalize: bool, impl: str):
+    """The `router` / `router_xla` forms: the normed rows and the routing weights of x's
+    tokens (ops.moe_router.route_rows), the weights as the answer checked."""
+    del gs
+    return route_rows(x, norm_weight, 1e-6, router, top_k=top_k, normalize=normalize,
+                      impl=impl)[1]
+
+
 def gathered_reduce(x, gs, weight, bits: int):
     """The gathered form as an elementwise product and a sum over K (float) or over each group
     of K with the scales after it (codes), which XLA may fuse with the gather and the codes'
@@ -155,6 +165,9 @@ def main(argv):
         weights = [quantize_experts(w, bits, 128 if bits == 4 else -1, False, jnp.bfloat16)
                    for w in weights]
     expert_bytes = sum(a.nbytes for a in jax.tree.leaves(weights[0])) / e
+    routers = [(0.02 * jax.random.normal(key, (h, e), jnp.float32)).astype(jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(1), FLAGS.copies)]
+    norm_weight = (1.0 + 0.1 * jax.random.normal(jax.random.key(2), (h,))).astype(jnp.bfloat16)
     results = {**run_info(), "model": FLAGS.model, "quant": FLAGS.quant, "rows": []}
     results["calibration"] = calib = calibrate()
     rng = np.random.default_rng(0)
@@ -171,21 +184,29 @@ def main(argv):
             try:
                 if form.startswith(("gathered", "kernel")) and rows > e:
                     raise ValueError(f"the {form} form takes at most E={e} rows")
-                fn = product(form, bits)
-                if form == "kernel_gated":  # its own input, and the tiles form of its rows
-                    x_in = partials
+                ws = weights
+                if form.startswith("router"):  # the rows' tokens, each a router of its own
+                    x_in, ws = x[:-(-rows // k)], routers
+                    fn = functools.partial(route_product, norm_weight=norm_weight, top_k=k,
+                                           normalize=cfg.norm_topk_prob,
+                                           impl="pallas" if form == "router" else "reference")
+                    want = np.asarray(jax.jit(functools.partial(fn, impl="reference"))(
+                        x_in, gs, ws[0]), np.float32)
+                    row["floor_s"] = ws[0].nbytes / (calib["copy_TBps"] * 1e12)
+                elif form == "kernel_gated":  # its own input, and the tiles form of its rows
+                    fn, x_in = product(form, bits), partials
                     want = np.asarray(tiles(moe_matmul.GatedRows(
-                        partials, "silu", jnp.bfloat16).rows(), gs, weights[0]), np.float32)
+                        partials, "silu", jnp.bfloat16).rows(), gs, ws[0]), np.float32)
                 else:
-                    x_in, want = x, reference
-                got = np.asarray(jax.jit(fn)(x_in, gs, weights[0]), np.float32)  # one answer
+                    fn, x_in, want = product(form, bits), x, reference
+                got = np.asarray(jax.jit(fn)(x_in, gs, ws[0]), np.float32)  # one answer
                 row["max_rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
                 seconds = time_per_call(lambda x, gs, ws: [fn(x, gs, w) for w in ws],
-                                        (x_in, gs, weights), len(weights), FLAGS.runs, 4)
-                row |= {"step_s": seconds, "fraction_of_floor": floor / seconds}
+                                        (x_in, gs, ws), len(ws), FLAGS.runs, 4)
+                row |= {"step_s": seconds, "fraction_of_floor": row["floor_s"] / seconds}
                 if FLAGS.device_times:
                     row |= device_time_per_call(lambda x, gs, ws: [fn(x, gs, w) for w in ws],
-                                                (x_in, gs, weights), len(weights), 4)
+                                                (x_in, gs, ws), len(ws), 4)
             except Exception as exc:  # noqa: BLE001 - a failing row is a result
                 row["error"] = error_text(exc)
             results["rows"].append(row)
