@@ -265,10 +265,10 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
                 config: ExpertGemvConfig | None = None, partials: bool = False,
                 interpret: bool = False):
     """The kernel: x [M, K] @ w[expert[m]] per row -> [M, N] in x's dtype, float32 sums. x bf16
-    rows, IndexedRows (read in place), or GatedRows (bf16) whose partials the kernel sums and
-    activates as it loads them;
-    w bf16 [E, K, N], or codes with their scales [E, G, N] (quant/qtensor.py's values per
-    expert: scale (c - zero), or scale c + offset with offsets [E, G, N]): INT8 uint8
+    rows, IndexedRows (read in place; its indices must be valid rows), or GatedRows (bf16)
+    whose partials the kernel sums and activates as it loads them; w bf16 [E, K, N], or codes
+    with their scales [E, G, N] (quant/qtensor.py's values per expert: scale (c - zero), or
+    scale c + offset with offsets [E, G, N]): INT8 uint8
     [E, K, N] or INT4 int32 words [E, K/8, N], in groups of group_size K rows (G = 1: per
     channel); expert int32 [M] (ids outside [0, E) are clamped into it). partials: return the
     K splits' float32 sums [S, M, N] unsummed, for a consumer that sums them itself (a
