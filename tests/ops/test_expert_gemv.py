@@ -126,6 +126,7 @@ def test_kernel_against_float64(m, e, k, n, variant, config):
         check(reference(x, w, expert, **kw), want)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["bf16", "int4_g32"])
 def test_indexed_rows_read_in_place(variant):
     """IndexedRows: each of 6 rows reads its token's row of x [3, K] in place (two pairs per
@@ -139,6 +140,7 @@ def test_indexed_rows_read_in_place(variant):
     check(out, float64_want(tokens[index], w, expert, **kw))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant,act,config", [
     ("bf16", "silu", ExpertGemvConfig(block_n=16, block_k=16, splits=3)),
     ("int4_g32", "gelu_tanh", ExpertGemvConfig(block_n=16, block_k=32, splits=2))])
