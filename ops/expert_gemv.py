@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops import attention_tiles as tiles
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import code_bits
 from ops.moe_matmul import (ACTIVATIONS, CODE_ZEROS, INT4_PER_WORD, GatedRows, IndexedRows,
@@ -209,12 +210,18 @@ def _kernel(expert_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_gr
     first = split * per_split
     last = jnp.minimum(first + per_split, k_tiles)
 
+    def summed(ks, ok):  # float32 [BR]: the S partials' sum at K indices ks, one 2-D load
+        parts = x_ref.shape[0]
+        p_ids = jnp.arange(tiles.next_pow2(parts), dtype=jnp.int32)  # S padded to 2^n
+        mask = (p_ids < parts)[:, None] if ok is None else (p_ids < parts)[:, None] & ok[None]
+        mask = jnp.broadcast_to(mask, (p_ids.shape[0], ks.shape[0]))
+        views = x_ref.at[jnp.minimum(p_ids, parts - 1)[:, None], row, ks[None, :]]
+        return jnp.sum(plgpu.load(views, mask=mask, other=0), axis=0)
+
     def load_x(ks, ok):  # float32 [BR] of the row's x at K indices ks (masked: 0)
         if act is None:
             return _load(x_ref.at[x_row, ks], ok).astype(jnp.float32)
-        half = x_ref.shape[2] // 2
-        gate = sum(_load(x_ref.at[s, row, ks], ok) for s in range(x_ref.shape[0]))
-        up = sum(_load(x_ref.at[s, row, half + ks], ok) for s in range(x_ref.shape[0]))
+        gate, up = summed(ks, ok), summed(x_ref.shape[2] // 2 + ks, ok)
         # GatedRows.rows' numerics: float32 sums and activation, rounded once
         return (ACTIVATIONS[act](gate) * up).astype(x_dtype).astype(jnp.float32)
 
@@ -350,7 +357,8 @@ def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, g
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_coded_matmul", impl, "reference")
     if impl == "reference":
-        return _reference(rows_coded_matmul(input_rows(x), packed, scales, offsets, expert, bits=bits,
-                                            group_size=group_size), partials)
+        y = rows_coded_matmul(input_rows(x), packed, scales, offsets, expert, bits=bits,
+                              group_size=group_size)
+        return _reference(y, partials)
     return expert_gemv(x, packed, expert, config=config, partials=partials,
                        interpret=impl == "pallas_interpret", **kw)
