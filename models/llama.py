@@ -25,6 +25,7 @@ from ops import gemv as gemv_ops
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
 from ops.matmul import TransposedWeight, device_k_order, linear, reorder_k
+from ops.moe_matmul import ACTIVATIONS
 from ops.paged_attention import step_attention
 from ops.rms_norm import rms_norm
 from ops.rope_kv import rope_and_write_kv
@@ -222,9 +223,7 @@ def gated_activation(gate_up, hidden_act: str = "silu"):
     else:
         i = gate_up.shape[-1] // 2
         gate, up = gate_up[:, :i], gate_up[:, i:]
-    if hidden_act == "gelu_tanh":
-        return jax.nn.gelu(gate, approximate=True) * up
-    return jax.nn.silu(gate) * up
+    return ACTIVATIONS[hidden_act](gate) * up
 
 
 class DecoderLayer(nnx.Module):

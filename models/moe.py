@@ -45,10 +45,10 @@ from configs.model import ModelConfig
 from ops.expert_gemv import (MAX_ROWS_PER_EXPERT, expert_rows_coded_matmul, expert_rows_matmul,
                              kernel_runs)
 from ops.kernel_choice import KernelBackends, or_reference
+from ops.moe_matmul import (SEARCH, GatedRows, IndexedRows, as_partials,
+                            grouped_coded_matmul, grouped_matmul, input_rows, product_form)
 from ops.moe_router import route, route_rows
 from ops.rms_norm import rms_norm
-from ops.moe_matmul import (SEARCH, GatedRows, IndexedRows, grouped_coded_matmul,
-                            grouped_matmul, input_rows, product_form)
 
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
@@ -130,7 +130,7 @@ def expert_product(x, weight, group_sizes: jax.Array | None = None,
                                    or kernel_runs(x, weight, expert, kernels)):
             return expert_rows_matmul(x, weight, expert, kernels=kernels, partials=partials)
         y = grouped_matmul(input_rows(x), weight, group_sizes)
-        return y.astype(jnp.float32)[None] if partials else y
+        return as_partials(y, partials)
     codes = (weight.packed, weight.scales, weight.offsets)
     if expert is not None and (group_sizes is None or kernel_runs(
             x, weight.packed, expert, kernels, weight.scales, weight.offsets,
@@ -140,15 +140,15 @@ def expert_product(x, weight, group_sizes: jax.Array | None = None,
                                         partials=partials)
     y = grouped_coded_matmul(input_rows(x), *codes, group_sizes, bits=weight.bits,
                              group_size=weight.group_size)
-    return y.astype(jnp.float32)[None] if partials else y
+    return as_partials(y, partials)
 
 
 def experts_mlp(xs, weights: dict, hidden_act: str,
                 kernels: KernelBackends | None = None, **rows) -> jax.Array:
     """down(act(gate(xs)) * up(xs)) of rows [M, hidden] (or IndexedRows: each pair's token,
     read in place where the kernel runs) as float32 partials [S, M, hidden] (their sum over S
-    is the output); rows: group_sizes= (sorted rows, with expert= too where
-    the kernel may take them) or expert= (each row's expert), as expert_product takes them.
+    is the output); rows: group_sizes= (sorted rows, with expert= too where the kernel may take
+    them) or expert= (each row's expert), as expert_product takes them.
     Fused weights (a "gate_up_proj" [E, hidden, 2 I]) take gate and up in one product, one
     read of each row's x and one kernel. The gate-up partials go to the down product as
     GatedRows: where the kernel runs, it sums and activates them as it loads them."""

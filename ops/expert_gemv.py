@@ -48,7 +48,7 @@ from ops import attention_tiles as tiles
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import code_bits
 from ops.moe_matmul import (ACTIVATIONS, CODE_ZEROS, INT4_PER_WORD, GatedRows, IndexedRows,
-                            input_rows, rows_coded_matmul, rows_matmul)
+                            as_partials, input_rows, rows_coded_matmul, rows_matmul)
 from ops.quant_tiles import _dequant_tile
 
 TARGET_PROGRAMS = 528  # four programs per SM of an H100 / H200 (132 SMs), resident at once
@@ -320,11 +320,6 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
     return out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
-def _reference(y, partials: bool):
-    """The reference products' [M, N] as the kernel returns it: [1, M, N] float32 partials."""
-    return y.astype(jnp.float32)[None] if partials else y
-
-
 def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
                        impl: str | None = None, config: ExpertGemvConfig | None = None,
                        partials: bool = False):
@@ -337,7 +332,7 @@ def expert_rows_matmul(x, w, expert, *, kernels: KernelBackends | None = None,
         impl = or_reference(kernels).moe if fits else "reference"
     impl = choose_impl("expert_rows_matmul", impl, "reference")
     if impl == "reference":
-        return _reference(rows_matmul(input_rows(x), w, expert), partials)
+        return as_partials(rows_matmul(input_rows(x), w, expert), partials)
     return expert_gemv(x, w, expert, config=config, partials=partials,
                        interpret=impl == "pallas_interpret")
 
@@ -359,6 +354,6 @@ def expert_rows_coded_matmul(x, packed, scales, offsets, expert, *, bits: int, g
     if impl == "reference":
         y = rows_coded_matmul(input_rows(x), packed, scales, offsets, expert, bits=bits,
                               group_size=group_size)
-        return _reference(y, partials)
+        return as_partials(y, partials)
     return expert_gemv(x, packed, expert, config=config, partials=partials,
                        interpret=impl == "pallas_interpret", **kw)

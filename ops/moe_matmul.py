@@ -45,6 +45,7 @@ FORMS = ("gathered", "tiles", "ragged")
 SEARCH = "scan_unrolled"
 
 
+# the gated MLPs' activations by ModelConfig.hidden_act (dense MLPs and experts alike)
 ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
@@ -87,6 +88,12 @@ class GatedRows:
         """The rows [M, K] in dtype (jnp)."""
         gate, up = jnp.split(jnp.sum(self.partials.astype(jnp.float32), axis=0), 2, axis=-1)
         return (ACTIVATIONS[self.act](gate) * up).astype(self.dtype)
+
+
+def as_partials(y: jax.Array, partials: bool) -> jax.Array:
+    """A product [M, N] as a consumer of split partials takes it: float32 [1, M, N] when
+    `partials`, else as it is."""
+    return y.astype(jnp.float32)[None] if partials else y
 
 
 def input_rows(x) -> jax.Array:

@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import attention_tiles as tiles
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
-from ops.rms_norm import rms_norm_reference
+from ops.rms_norm import normed_row, rms_norm_reference
 
 MAX_ROWS = 64  # rows (tokens) the kernel takes: a decode step's; prefill steps run XLA's
 TILE_ELEMENTS = 8192  # router elements per loop step of the kernel ([block_h, E] bf16: 16 KiB)
@@ -84,13 +84,9 @@ def _router_kernel(x_ref, nw_ref, r_ref, normed_ref, w_ref, e_ref, *, hidden: in
     safe = jnp.where(ok, cols, 0)
     x = plgpu.load(x_ref.at[safe], mask=ok, other=0).astype(jnp.float32)
     scale = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
-
-    def normed(x, w):  # ops.rms_norm's numerics: w * (x * scale), rounded twice
-        return (w.astype(jnp.float32) * (x * scale).astype(dtype).astype(jnp.float32)).astype(
-            dtype)
-
     w = plgpu.load(nw_ref.at[safe], mask=ok, other=0)
-    plgpu.store(normed_ref.at[jnp.where(ok, cols, hidden)], normed(x, w), mask=ok)
+    plgpu.store(normed_ref.at[jnp.where(ok, cols, hidden)],
+                normed_row(x, scale, w, dtype).astype(dtype), mask=ok)
 
     e_cols = jnp.arange(e_width, dtype=jnp.int32)
     e_ok = e_cols < experts
@@ -100,7 +96,7 @@ def _router_kernel(x_ref, nw_ref, r_ref, normed_ref, w_ref, e_ref, *, hidden: in
     def body(b, acc):  # acc [E'] float32: the logits over the first b blocks of hidden
         rows = b * block_h + jnp.arange(block_h, dtype=jnp.int32)  # [BH]
         xb = plgpu.load(x_ref.at[rows]).astype(jnp.float32)
-        nb = normed(xb, plgpu.load(nw_ref.at[rows])).astype(jnp.float32)
+        nb = normed_row(xb, scale, plgpu.load(nw_ref.at[rows]), dtype)
         rb = plgpu.load(r_ref.at[rows[:, None], e_safe[None, :]], mask=tile_ok, other=0)
         return acc + jnp.sum(nb[:, None] * rb.astype(jnp.float32), axis=0)
 

@@ -38,6 +38,13 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
     return weight * (x.astype(jnp.float32) * rms_scale(x, eps)).astype(x.dtype)
 
 
+def normed_row(x: jax.Array, scale, weight: jax.Array, dtype) -> jax.Array:
+    """w * (x * scale) with rms_norm_reference's roundings, inside a kernel: x float32, scale
+    its row's rms_scale, weight any float dtype -> float32 values of `dtype`."""
+    y = (x * scale).astype(dtype).astype(jnp.float32)
+    return (weight.astype(jnp.float32) * y).astype(dtype).astype(jnp.float32)
+
+
 def _rms_norm_kernel(x_ref, w_ref, o_ref, *, hidden: int, width: int, eps: float):
     # x_ref, o_ref: [H] this program's row; w_ref: [H]
     cols = jnp.arange(width, dtype=jnp.int32)  # [W] the row, padded to a power of two
@@ -45,10 +52,10 @@ def _rms_norm_kernel(x_ref, w_ref, o_ref, *, hidden: int, width: int, eps: float
     safe = jnp.where(ok, cols, 0)
     x = plgpu.load(x_ref.at[safe], mask=ok, other=0).astype(jnp.float32)  # [W]
     scale = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
-    y = (x * scale).astype(o_ref.dtype).astype(jnp.float32)
-    w = plgpu.load(w_ref.at[safe], mask=ok, other=0).astype(jnp.float32)
+    w = plgpu.load(w_ref.at[safe], mask=ok, other=0)
     out = jnp.where(ok, cols, hidden)  # padding columns are written past the end (dropped)
-    plgpu.store(o_ref.at[out], (w * y).astype(o_ref.dtype), mask=ok)
+    plgpu.store(o_ref.at[out], normed_row(x, scale, w, o_ref.dtype).astype(o_ref.dtype),
+                mask=ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))

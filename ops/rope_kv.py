@@ -34,7 +34,7 @@ from ops import attention_tiles as tiles
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.kv_quant import QuantizedPages
 from ops.paged_attention import write_kv
-from ops.rms_norm import rms_norm_reference
+from ops.rms_norm import normed_row, rms_norm_reference
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -103,14 +103,10 @@ def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, *refs, gro
         other = None if mask is None else 0.0
         x = plgpu.load(ref.at[cols], mask=mask, other=other).astype(jnp.float32)
         xp = plgpu.load(ref.at[partner_cols], mask=mask, other=other).astype(jnp.float32)
-        if w_ref is not None:  # ops.rms_norm's numerics: w * (x * scale), rounded twice
+        if w_ref is not None:  # each head RMS-normed, with ops.rms_norm's roundings
             scale = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / head_dim + norm_eps)
-
-            def norm(a, w):
-                w = w.astype(jnp.float32)
-                return (w * (a * scale).astype(dtype).astype(jnp.float32)).astype(dtype).astype(
-                    jnp.float32)
-            x, xp = norm(x, plgpu.load(w_ref.at[i])), norm(xp, plgpu.load(w_ref.at[partner]))
+            x = normed_row(x, scale, plgpu.load(w_ref.at[i]), dtype)
+            xp = normed_row(xp, scale, plgpu.load(w_ref.at[partner]), dtype)
         return x * cos + sign * xp * sin
 
     slot = slot_ref[t]
