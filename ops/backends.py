@@ -155,7 +155,7 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
                     moe_matmul.rows_coded_matmul),
         KernelEntry("pallas", "gpu", "router [H, E] with the RMSNorm before it",
                     "bf16 rows, norm weight and router",
-                    f"decode (rows <= {moe_router.MAX_ROWS})", moe_router._router_kernel),
+                    f"decode (rows <= {moe_router.MAX_ROWS})", moe_router._route_rows_pallas),
         KernelEntry("pallas", "gpu", "router [H, E] with the RMSNorm before it",
                     "other dtypes or shapes", "any", moe_router.route_rows_reference),
         KernelEntry("reference", "any", "router [H, E] with the RMSNorm before it", "any",
