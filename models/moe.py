@@ -15,9 +15,9 @@ norm, the router's logits and the top-k in one kernel.
 
 Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
 at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
-steps sort the pairs by expert and the grouped products (ops/moe_matmul.py: tiles, or
-jax.lax.ragged_dot) take each expert's run of rows, or on a GPU, up to a few pairs per expert
-(batched decode), the decode kernel over the sorted rows. Weights per expert are [in, out] like
+steps sort the pairs by expert and the grouped products take each expert's run of rows: on a
+GPU up to ops.expert_gemm.MAX_ROWS pairs (batched decode, mixed steps) the grouped kernel of
+ops/expert_gemm.py, else ops/moe_matmul.py's tiles or jax.lax.ragged_dot. Weights per expert are [in, out] like
 Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden] (on one GPU fused
 into gate_up_proj [E, hidden, 2 I]: one product, one kernel); float, or the expert-stacked
 QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
@@ -42,6 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 from configs.mesh import DATA, EXPERT, MODEL
 from configs.model import ModelConfig
+from ops.expert_gemm import grouped_rows_coded_matmul, grouped_rows_matmul
+from ops.expert_gemm import kernel_runs as grouped_kernel_runs
 from ops.expert_gemv import (MAX_ROWS_PER_EXPERT, expert_rows_coded_matmul, expert_rows_matmul,
                              kernel_runs)
 from ops.kernel_choice import KernelBackends, or_reference
@@ -119,25 +121,33 @@ def expert_product(x, weight, group_sizes: jax.Array | None = None,
     """x [M, in] (or IndexedRows, GatedRows) times each row's expert of `weight` (a float
     array [E, in, out] or stacked codes: QuantizedWeight with a leading expert axis) ->
     [M, out], or with `partials` float32 [S, M, out] to be summed over S. Rows in any order
-    with each row's `expert` [M] (no group_sizes): the kernel of ops/expert_gemv.py where
-    `kernels` choose it and it takes the operands, else the gathered form. Rows sorted by
-    expert with `group_sizes` [E]: that kernel too when `expert` is also given and the kernel
-    runs, else the grouped products."""
+    with each row's `expert` [M] (no group_sizes): the one-row kernel of ops/expert_gemv.py
+    where `kernels` choose it and it takes the operands, else the gathered form. Rows sorted
+    by expert with `group_sizes` [E]: the grouped kernel of ops/expert_gemm.py where it runs,
+    else the one-row kernel when `expert` is also given and it runs, else XLA's grouped
+    products."""
     if getattr(weight, "perm", None) is not None:
         raise ValueError("MoE experts: act-order codes are not supported")
     if isinstance(weight, jax.Array):
+        if group_sizes is not None and grouped_kernel_runs(x, weight, group_sizes, kernels):
+            return grouped_rows_matmul(x, weight, group_sizes, kernels=kernels,
+                                       partials=partials)
         if expert is not None and (group_sizes is None
                                    or kernel_runs(x, weight, expert, kernels)):
             return expert_rows_matmul(x, weight, expert, kernels=kernels, partials=partials)
         y = grouped_matmul(input_rows(x), weight, group_sizes)
         return as_partials(y, partials)
     codes = (weight.packed, weight.scales, weight.offsets)
+    coded = dict(bits=weight.bits, group_size=weight.group_size, kernels=kernels,
+                 partials=partials)
+    if group_sizes is not None and grouped_kernel_runs(
+            x, weight.packed, group_sizes, kernels, weight.scales, weight.offsets,
+            weight.group_size):
+        return grouped_rows_coded_matmul(x, *codes, group_sizes, **coded)
     if expert is not None and (group_sizes is None or kernel_runs(
             x, weight.packed, expert, kernels, weight.scales, weight.offsets,
             weight.group_size)):
-        return expert_rows_coded_matmul(x, *codes, expert, bits=weight.bits,
-                                        group_size=weight.group_size, kernels=kernels,
-                                        partials=partials)
+        return expert_rows_coded_matmul(x, *codes, expert, **coded)
     y = grouped_coded_matmul(input_rows(x), *codes, group_sizes, bits=weight.bits,
                              group_size=weight.group_size)
     return as_partials(y, partials)
@@ -207,8 +217,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
     Steps whose N * k pairs take the gathered product (ops.moe_matmul.product_form: decode)
     keep the pairs in token order, each with its expert: no sort, and the combine is a sum over
     each token's k rows; their products take the kernel of ops/expert_gemv.py where `kernels`
-    choose it. Larger steps sort the pairs by expert first; up to MAX_ROWS_PER_EXPERT pairs
-    per expert (batched decode) the sorted rows take that kernel too where it runs."""
+    choose it. Larger steps sort the pairs by expert first and take the grouped kernel of
+    ops/expert_gemm.py where it runs (up to MAX_ROWS_PER_EXPERT pairs per expert, the one-row
+    kernel where only it does)."""
     n = x.shape[0]
     if norm is None:
         probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)

@@ -11,12 +11,14 @@ without XLA's grouped-GEMM flag is the padded dense alternative: every expert ti
 `gathered_reduce` (the gathered form written as multiply and sum, which XLA may fuse with the
 gather and the codes' unpacking into one reduction instead of writing the gathered weights
 first),
-`kernel`: ops/expert_gemv.py's Pallas Triton kernel (up to E rows, like `gathered`: each row's
-expert read once by the kernel itself, no gathered copy; `kernel:BN/BK/S/W/ST/P` the same with
+`kernel`: ops/expert_gemv.py's Pallas Triton kernel (up to MAX_ROWS_PER_EXPERT x E rows: each
+row's expert read by the kernel itself, no gathered copy; `kernel:BN/BK/S/W/ST/P` the same with
 the tiles ExpertGemvConfig(block_n, block_k, splits (0: the default), num_warps, num_stages,
 prefetch 0/1), for a tile sweep in one run; `kernel_gated` the kernel over GatedRows of
 --gated_splits float32 partials, as a mixture's down product takes its input, against its own
-reference), `router` / `router_xla` (ops/moe_router.py: the norm, router logits and top-k of
+reference), `grouped`: ops/expert_gemm.py's kernel (each expert's run of sorted rows by
+one program per column block, the expert read once; `grouped:BM/BN/BK/W/ST` with the tiles
+ExpertGemmConfig(block_m, block_n, block_k, num_warps, num_stages)), `router` / `router_xla` (ops/moe_router.py: the norm, router logits and top-k of
 the rows' tokens, the kernel / XLA's ops; the floor is the routers' bytes), and
 `mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
 Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA
@@ -36,7 +38,7 @@ from absl import app, flags
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from configs.model import get_preset
-from ops import expert_gemv, moe_matmul
+from ops import expert_gemm, expert_gemv, moe_matmul
 from ops.moe_router import route_rows
 from quant.model import quantize_experts
 from scripts.bench.common import (calibrate, error_text, markdown_table, run_info,
@@ -46,9 +48,10 @@ from scripts.common import set_xla_flags
 
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
 flags.DEFINE_list("rows", ["8", "128", "512", "16384"], "Rows (tokens x experts per token).")
-flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "kernel_gated", "tiles",
-                            "ragged", "mgpu", "router", "router_xla"],
-                  "Forms to time (kernel:BN/BK/S/W/ST/P: the kernel with those tiles).")
+flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "kernel_gated", "grouped",
+                            "tiles", "ragged", "mgpu", "router", "router_xla"],
+                  "Forms to time (kernel:BN/BK/S/W/ST/P, grouped:BM/BN/BK/W/ST: the kernel "
+                  "with those tiles).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
 flags.DEFINE_integer("runs", 5, "Timings per row (median).")
@@ -82,6 +85,8 @@ def product(form: str, bits: int):
         return functools.partial(gathered_reduce, bits=bits)
     if form.split(":")[0] == "kernel":
         return functools.partial(kernel_product, config=kernel_config(form))
+    if form.split(":")[0] == "grouped":
+        return functools.partial(grouped_product, config=grouped_config(form))
     if form == "kernel_gated":  # x: the partials [S, M, 2 K]
         return lambda p, gs, weight: kernel_product(
             moe_matmul.GatedRows(p, "silu", jnp.bfloat16), gs, weight, config=None)
@@ -103,6 +108,23 @@ def kernel_config(form: str) -> expert_gemv.ExpertGemvConfig | None:
         return None
     bn, bk, splits, warps, stages, prefetch = (int(v) for v in form.split(":")[1].split("/"))
     return expert_gemv.ExpertGemvConfig(bn, bk, splits or None, warps, stages, bool(prefetch))
+
+
+def grouped_config(form: str) -> expert_gemm.ExpertGemmConfig | None:
+    """The tiles of a `grouped:BM/BN/BK/W/ST` form (None for `grouped`: the default tiles)."""
+    if ":" not in form:
+        return None
+    return expert_gemm.ExpertGemmConfig(*(int(v) for v in form.split(":")[1].split("/")))
+
+
+def grouped_product(x, gs, weight, config):
+    """The `grouped` form: ops/expert_gemm.py's kernel over the sorted rows; float experts or
+    codes."""
+    if isinstance(weight, jax.Array):
+        return expert_gemm.expert_group_matmul(x, weight, gs, config=config)
+    return expert_gemm.expert_group_matmul(x, weight.packed, gs, scales=weight.scales,
+                                           offsets=weight.offsets,
+                                           group_size=weight.group_size, config=config)
 
 
 def kernel_product(x, gs, weight, config):
@@ -182,8 +204,11 @@ def main(argv):
         for form in FLAGS.forms:
             row = {"rows": rows, "form": form, "touched_experts": touched, "floor_s": floor}
             try:
-                if form.startswith(("gathered", "kernel")) and rows > e:
+                if form.startswith("gathered") and rows > e:
                     raise ValueError(f"the {form} form takes at most E={e} rows")
+                most = expert_gemv.MAX_ROWS_PER_EXPERT * e  # as models/moe.py takes it
+                if form.startswith("kernel") and rows > most:
+                    raise ValueError(f"the {form} form takes at most {most} rows")
                 ws = weights
                 if form.startswith("router"):  # the rows' tokens, each a router of its own
                     x_in, ws = x[:-(-rows // k)], routers

@@ -26,7 +26,6 @@ from models.llama import AttentionMetadata, forward
 from models.moe import moe_mlp
 from models.prepare import prepare_for_device
 from models.weights import abstract_model, random_model
-from ops.expert_gemv import MAX_ROWS_PER_EXPERT
 from ops.moe_router import route
 from ops.matmul import TransposedWeight
 from ops.backends import select_kernels
@@ -197,9 +196,9 @@ def test_hf_loader_reads_every_expert_layout():
                          ids=["decode", "batched decode", "prefill"])
 def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: F811
     """Two layers of the real shapes, bf16, lowered for an H200 with the GPU kernels: the
-    decode kernel (ops/expert_gemv.py) up to MAX_ROWS_PER_EXPERT pairs per expert (qwen3's 256
-    pairs of 32 tokens sorted by expert take it, mixtral's 64 over 8 experts do not), the
-    tiles form beyond."""
+    one-row kernel (ops/expert_gemv.py) for up to E pairs in token order, the grouped kernel
+    (ops/expert_gemm.py) for the pairs sorted by expert of batched decode and prefill steps;
+    no XLA expert product."""
     cfg = get_preset(name).replace(num_layers=2)
     graphdef, state = nnx.split(abstract_model(cfg, jnp.bfloat16))
     cache = jax.eval_shape(lambda: init_kv_cache(cfg, 64, 16, jnp.bfloat16))
@@ -216,6 +215,7 @@ def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: 
     text = jax.jit(step).trace(state, cache, spec((tokens,), jnp.int32), meta).lower(
         lowering_platforms=("cuda",)).as_text()
     assert h200_lowering  # the attention kernel lowered too
-    assert "ragged_dot" not in text and "gather" in text  # no ragged_dot
+    assert "ragged_dot" not in text
     pairs = tokens * cfg.num_experts_per_tok
-    assert ('"expert_gemv"' in text) == (pairs <= MAX_ROWS_PER_EXPERT * cfg.num_experts)
+    one_row = pairs <= cfg.num_experts
+    assert ('"expert_gemv"' in text) == one_row and ('"expert_gemm"' in text) != one_row

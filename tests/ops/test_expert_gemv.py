@@ -351,14 +351,17 @@ def test_gated_rows_lower_to_triton_for_h200(h200_lowering, act):
 @pytest.mark.parametrize("tokens", [2, 8], ids=["decode", "batched decode"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_decode_step_of_a_tiny_mixture_reaches_the_kernel(h200_lowering, tokens, fused):
-    """tiny-qwen3-moe's decode step (2 tokens x 3 experts: 6 rows <= 8 experts; 8 tokens: 24
-    rows sorted by expert) with the GPU's kernel choice runs its three expert products per
-    layer through the kernel (two with gate and up fused); with the reference choice, none."""
+    """tiny-qwen3-moe's decode step (2 tokens x 3 experts: 6 rows <= 8 experts, in token
+    order; 8 tokens: 24 rows sorted by expert) with the GPU's kernel choice runs its three
+    expert products per layer (two with gate and up fused) through the one-row kernel, or for
+    sorted rows the grouped kernel (ops/expert_gemm.py); with the reference choice, neither."""
     cfg = get_preset("tiny-qwen3-moe")
     shapes = dict(num_pages=8, page_size=4, tokens=tokens, seqs=tokens, width=4, fused=fused)
     gpu = select_kernels("gpu", hopper=True)
     assert gpu.moe == "pallas"
     text = lowered_step_text(cfg, gpu, **shapes)
-    assert text.count('"expert_gemv"') == (2 if fused else 3) * cfg.num_layers and h200_lowering
+    name = '"expert_gemv"' if tokens * cfg.num_experts_per_tok <= cfg.num_experts else (
+        '"expert_gemm"')
+    assert text.count(name) == (2 if fused else 3) * cfg.num_layers and h200_lowering
     text = lowered_step_text(cfg, dataclasses.replace(gpu, moe="reference"), **shapes)
-    assert '"expert_gemv"' not in text
+    assert '"expert_gemv"' not in text and '"expert_gemm"' not in text
