@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from configs.switches import Switches
 from ops import gemv, quant_gemv, quant_gemv8, quant_matmul, quant_mma, quant_wgmma, rms_norm
-from ops import (expert_gemv, moe_matmul, moe_router, ragged_attention, rope_kv,
+from ops import (expert_gemm, expert_gemv, moe_matmul, moe_router, ragged_attention, rope_kv,
                  tpu_quant_matmul)
 from ops import tpu_ragged_attention
 from ops.kernel_choice import KernelBackends
@@ -141,8 +141,14 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
         KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
                     "bf16 x; bf16 experts or INT8 / INT4 codes",
                     f"decode (rows <= E, or <= {expert_gemv.MAX_ROWS_PER_EXPERT} E sorted by "
-                    "expert); K, N and groups whole tiles",
+                    "expert where the grouped kernel refuses); K, N and groups whole tiles",
                     expert_gemv.expert_gemv),
+        KernelEntry("pallas", "gpu", "experts [E, K, N], rows sorted by expert",
+                    "bf16 x; bf16 experts or INT8 / INT4 codes",
+                    f"more rows than E, up to {expert_gemm.MAX_ROWS}; K, N and groups whole "
+                    "tiles", expert_gemm.expert_group_matmul),
+        KernelEntry("pallas", "gpu", "experts [E, K, N], rows sorted by expert",
+                    "other dtypes or shapes", "more rows than E", moe_matmul.grouped_matmul),
         KernelEntry("pallas", "gpu", "experts [E, K, N], each row's expert given",
                     "other dtypes or shapes", "decode (rows <= E)", moe_matmul.rows_matmul),
         KernelEntry("pallas", "gpu", "codes [E, K, N], each row's expert given",

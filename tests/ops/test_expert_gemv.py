@@ -16,8 +16,10 @@ import pytest
 
 from configs.model import get_preset
 from models.moe import moe_mlp
+from ops import expert_gemm as expert_gemm_module
 from ops import expert_gemv as expert_gemv_module
 from ops.backends import select_kernels
+from ops.expert_gemm import expert_group_matmul
 from ops.expert_gemv import (ExpertGemvConfig, expert_gemv, expert_gemv_config,
                               expert_rows_coded_matmul, expert_rows_matmul, kernel_refusal)
 from ops.kernel_choice import KernelBackends
@@ -266,17 +268,20 @@ def test_bad_input_raises():
         expert_gemv(x, w.astype(jnp.int32), expert, **kw, interpret=True)
 
 
-@pytest.mark.parametrize("tokens,kernel_calls", [(2, 3), (8, 3), (16, 0)],
+@pytest.mark.parametrize("tokens,kernels_taking", [(2, ("gemv", "gemv")), (8, ("gemm", "gemv")),
+                                                   (16, ("gemm", None))],
                          ids=["decode", "batched decode", "prefill"])
 @pytest.mark.parametrize("bits", [16, 4])
 @pytest.mark.parametrize("fused", [False, True], ids=["gate, up", "gate_up"])
-def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernel_calls, fused):
+def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernels_taking, fused):
     """models.moe.moe_mlp of 8 experts, 3 per token, bf16 experts or asymmetric RTN INT4 codes
-    in groups of 32, with the kernel chosen (interpreted) against the reference path: equal up
-    to bf16 roundings of the rows between the products. 2 tokens (6 rows <= 8 experts: rows in
-    token order) and 8 tokens (24 rows sorted by expert, 3 per expert) take the kernel for
-    their three products (two with gate and up fused into one [E, hidden, 2 I]); 16 tokens (6
-    rows per expert) the grouped products."""
+    in groups of 32, with the kernels chosen (interpreted) against the reference path: equal up
+    to bf16 roundings of the rows between the products. 2 tokens (6 rows <= 8 experts) keep
+    their rows in token order and take the one-row kernel for their three products (two with
+    gate and up fused into one [E, hidden, 2 I]). 8 tokens (24 rows, 3 per expert) and 16 (6
+    per expert) sort them by expert and take the grouped kernel (ops/expert_gemm.py); INT4
+    groups of 32 are not whole K tiles of it, so there 8 tokens take the one-row kernel over
+    the sorted rows and 16 tokens XLA's grouped products."""
     e, h, i, k = 8, 64, 32, 3
     keys = jax.random.split(jax.random.key(bits), 5)
     x = jax.random.normal(keys[0], (tokens, h), jnp.bfloat16)
@@ -297,12 +302,14 @@ def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernel_cal
                                        f: None if getattr(gate, f) is None else jnp.concatenate(
                                            [getattr(gate, f), getattr(up, f)], axis=-1)
                                        for f in ("packed", "scales", "offsets")}))
-        kernel_calls -= kernel_calls // 3
     calls = []
     monkeypatch.setattr(expert_gemv_module, "expert_gemv",
-                        lambda *a, **kw: calls.append(1) or expert_gemv(*a, **kw))
+                        lambda *a, **kw: calls.append("gemv") or expert_gemv(*a, **kw))
+    monkeypatch.setattr(expert_gemm_module, "expert_group_matmul",
+                        lambda *a, **kw: calls.append("gemm") or expert_group_matmul(*a, **kw))
     got = moe_mlp(x, router, weights, **settings, kernels=KernelBackends(moe="pallas_interpret"))
-    assert len(calls) == kernel_calls  # gate, up and down, or none
+    taking = kernels_taking[bits == 4]
+    assert calls == ([taking] * (2 if fused else 3) if taking else [])
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0,
                                atol=2.0 ** -7 * float(np.abs(np.asarray(ref)).max()))
 
