@@ -43,7 +43,8 @@ BLOCK_NS = (128, 64, 32, 16)  # output columns per program, the largest that div
 # a dot's K is block_k / (codes per stored element), at least 16
 BLOCK_KS = {16: (64, 32, 16), 8: (64, 32, 16), 4: (128,)}
 BLOCK_MS = (16, 32, 64)  # rows per chunk: the smallest that holds the average run
-MAX_ROWS = 16384  # sorted rows the kernel takes: decode and mixed steps up to a 2048-token budget
+MAX_ROWS = 4096  # sorted rows the kernel takes: decode steps of up to 512 tokens (k = 8);
+# larger (prefill) steps keep XLA's tiles form and its large batched dots
 MAX_ELEMENTS = 2 ** 31  # stored expert elements: the kernel's element offsets are int32
 
 
