@@ -57,12 +57,11 @@ BLOCK_NS = (128, 64, 32, 16)  # output columns per program, the largest that div
 # about 8 KiB of weights per [block_k, 128] tile
 BLOCK_KS = {16: (32, 16), 8: (64, 32, 16), 4: (128, 64, 32, 16)}
 MAX_ELEMENTS = 2 ** 31  # stored expert elements: the kernel's element offsets are int32
-# A step with more (token, expert) pairs than experts takes the kernel over its pairs sorted
-# by expert while it has at most this many per expert on average: rows of one expert sit side
-# by side in the grid, so their programs read the same tile at once and DRAM serves it once.
-# Beyond that, the tiles form's batched products (ops/moe_matmul.py) use the tensor cores.
-# On an H100 (qwen3-30b-a3b INT4 decode) a step of 512 pairs (batch 64) through the tiles form
-# took 1.36 ms a layer in all, one of 128 pairs (batch 16) through this kernel 0.30 ms.
+# A step with more (token, expert) pairs than experts sorts them by expert and takes the
+# grouped kernel (ops/expert_gemm.py); where that one refuses the operands (INT4 groups under
+# 128 K rows, say), this kernel takes the sorted rows while there are at most this many per
+# expert on average: rows of one expert sit side by side in the grid, so their programs read
+# the same tile at once and DRAM serves it once. Beyond that, ops/moe_matmul.py's tiles form.
 MAX_ROWS_PER_EXPERT = 4
 
 
