@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import attention_tiles as tiles
+from ops.expert_gemv import code_refs, group_rows
 from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.matmul import code_bits
 from ops.moe_matmul import (ACTIVATIONS, CODE_ZEROS, INT4_PER_WORD, GatedRows, IndexedRows,
@@ -105,11 +106,6 @@ def _bits(x, w, group_sizes, scales, offsets, group_size) -> int:
     return bits
 
 
-def _group(k: int, scales, group_size: int | None) -> int:
-    """K rows per group of scales [E, G, N]: K when G = 1 (per channel), else group_size."""
-    return k if scales is None or scales.shape[1] == 1 else group_size
-
-
 def kernel_refusal(x, w, group_sizes, config: ExpertGemmConfig | None = None, scales=None,
                    offsets=None, group_size: int | None = None) -> str | None:
     """Why the kernel cannot take operands that pass the shape check (None: it can): bf16 x;
@@ -119,7 +115,7 @@ def kernel_refusal(x, w, group_sizes, config: ExpertGemmConfig | None = None, sc
     bits = _bits(x, w, group_sizes, scales, offsets, group_size)
     m, k = x.shape
     e, _, n = w.shape
-    group = _group(k, scales, group_size)
+    group = group_rows(k, scales, group_size)
     cfg = config or expert_gemm_config(m, e, k, n, bits, group)
     if x.dtype != jnp.bfloat16 or (bits == 16 and w.dtype != jnp.bfloat16):
         return (f"expert_group_matmul: the kernel takes bf16 x and experts, not {x.dtype} and "
@@ -152,10 +148,7 @@ def _kernel(start_ref, size_ref, index_ref, x_ref, w_ref, *refs, num_experts: in
     # w_ref [E, K/P, N] (P = 8 K rows per INT4 word, else 1); refs: (s_ref [E, G, N],
     # (o_ref [E, G, N])) for codes, then out_ref [M, N]
     codes = bits != 16
-    refs = list(refs)
-    s_ref = refs.pop(0) if codes else None
-    o_ref = refs.pop(0) if asymmetric else None
-    out_ref = refs[0]
+    s_ref, o_ref, out_ref = code_refs(refs, bits, asymmetric)
     per_word = INT4_PER_WORD if bits == 4 else 1
     block_r = block_k // per_word  # stored rows of w per tile
     group_id, nb = pl.program_id(0), pl.program_id(1)
@@ -228,7 +221,7 @@ def expert_group_matmul(x, w, group_sizes, *, scales=None, offsets=None,
     bits = _bits(x, w, group_sizes, scales, offsets, group_size)
     m, k = x.shape
     e, _, n = w.shape
-    group = _group(k, scales, group_size)
+    group = group_rows(k, scales, group_size)
     cfg = config or expert_gemm_config(m, e, k, n, bits, group)
     sizes = group_sizes.astype(jnp.int32)
     sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])  # [E + 1]

@@ -146,7 +146,7 @@ def _check(x, w, expert, scales=None, offsets=None, group_size: int | None = Non
     return bits
 
 
-def _group(k: int, scales, group_size: int | None) -> int:
+def group_rows(k: int, scales, group_size: int | None) -> int:
     """K rows per group of scales [E, G, N]: K when G = 1 (per channel), else group_size."""
     return k if scales is None or scales.shape[1] == 1 else group_size
 
@@ -160,7 +160,7 @@ def kernel_refusal(x, w, expert, config: ExpertGemvConfig | None = None, scales=
     bits = _check(x, w, expert, scales, offsets, group_size)
     n = w.shape[2]
     k = x.shape[1]
-    group = _group(k, scales, group_size)
+    group = group_rows(k, scales, group_size)
     cfg = config or expert_gemv_config(k, n, bits, group)
     if x.dtype != jnp.bfloat16 or (bits == 16 and w.dtype != jnp.bfloat16):
         return f"expert_gemv: the kernel takes bf16 x and experts, not {x.dtype} and {w.dtype}"
@@ -183,6 +183,15 @@ def kernel_runs(x, w, expert, kernels: KernelBackends | None, scales=None, offse
             and kernel_refusal(x, w, expert, None, scales, offsets, group_size) is None)
 
 
+def code_refs(refs, bits: int, asymmetric: bool):
+    """(scales ref or None, offsets ref or None, out ref) of an expert kernel's refs after the
+    weights: the scales for codes (bits 8 or 4), the offsets when asymmetric, then the output."""
+    refs = list(refs)
+    s_ref = refs.pop(0) if bits != 16 else None
+    o_ref = refs.pop(0) if asymmetric else None
+    return s_ref, o_ref, refs[0]
+
+
 def _load(view, ok):
     """view's values, those where ok is False read as 0 (ok None: all are read)."""
     return plgpu.load(view) if ok is None else plgpu.load(view, mask=ok, other=0)
@@ -196,10 +205,7 @@ def _kernel(expert_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_gr
     # [E, K/P, N] (P = 8 K rows per INT4 word, else 1); refs: (s_ref [E, G, N], (o_ref
     # [E, G, N])) for codes, then out_ref [S, M, N]
     codes = bits != 16
-    refs = list(refs)
-    s_ref = refs.pop(0) if codes else None
-    o_ref = refs.pop(0) if asymmetric else None
-    out_ref = refs[0]
+    s_ref, o_ref, out_ref = code_refs(refs, bits, asymmetric)
     per_word = INT4_PER_WORD if bits == 4 else 1
     block_r = block_k // per_word  # stored rows of w per tile
     row, nb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -286,7 +292,7 @@ def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | No
     bits = _check(x, w, expert, scales, offsets, group_size)
     m, k = x.shape
     e, _, n = w.shape
-    group = _group(k, scales, group_size)
+    group = group_rows(k, scales, group_size)
     cfg = config or expert_gemv_config(k, n, bits, group)
     k_tiles, column_blocks = k // cfg.block_k, n // cfg.block_n
     splits = min(cfg.splits or default_splits(m, column_blocks, k_tiles, cfg.target_programs),
