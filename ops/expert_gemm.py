@@ -123,7 +123,8 @@ def kernel_refusal(x, w, group_sizes, config: ExpertGemmConfig | None = None, sc
     if cfg is None or k % cfg.block_k or n % cfg.block_n:
         return f"expert_group_matmul: experts {w.shape} are not whole tiles of K x N"
     if bits != 16 and group < k and group % cfg.block_k:
-        return f"expert_group_matmul: groups of {group} K rows are not whole tiles of {cfg.block_k}"
+        return (f"expert_group_matmul: groups of {group} K rows are not whole tiles of "
+                f"{cfg.block_k}")
     if m > MAX_ROWS:
         return f"expert_group_matmul: {m} rows are more than the kernel's {MAX_ROWS}"
     if w.size >= MAX_ELEMENTS:

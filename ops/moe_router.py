@@ -35,7 +35,7 @@ from ops.kernel_choice import KernelBackends, choose_impl, or_reference
 from ops.rms_norm import normed_row, rms_norm_reference
 
 MAX_ROWS = 64  # rows (tokens) the kernel takes: a decode step's; prefill steps run XLA's
-TILE_ELEMENTS = 8192  # router elements per program of the logits kernel ([block_h, E] bf16: 16 KiB)
+TILE_ELEMENTS = 8192  # router elements per logits program ([block_h, E] bf16: 16 KiB)
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:

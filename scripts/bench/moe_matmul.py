@@ -17,9 +17,10 @@ the tiles ExpertGemvConfig(block_n, block_k, splits (0: the default), num_warps,
 prefetch 0/1), for a tile sweep in one run; `kernel_gated` the kernel over GatedRows of
 --gated_splits float32 partials, as a mixture's down product takes its input, against its own
 reference), `grouped`: ops/expert_gemm.py's kernel (each expert's run of sorted rows by
-one program per column block, the expert read once; `grouped:BM/BN/BK/W/ST` with the tiles
-ExpertGemmConfig(block_m, block_n, block_k, num_warps, num_stages)), `router` / `router_xla` (ops/moe_router.py: the norm, router logits and top-k of
-the rows' tokens, the kernel / XLA's ops; the floor is the routers' bytes), and
+one program per column block, the expert read once per chunk of rows; `grouped:BM/BN/BK/W/ST`
+with the tiles ExpertGemmConfig(block_m, block_n, block_k, num_warps, num_stages)), `router` /
+`router_xla` (ops/moe_router.py: the norm, router logits and top-k of the rows' tokens, the
+kernel / XLA's ops; the floor is the routers' bytes), and
 `mgpu`: jax's Pallas Mosaic GPU ragged_dot (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu;
 Hopper, bf16, tiles from --mgpu_tiles). --quant=int4 / int8: RTN codes per expert (the XLA
 forms and the kernel). The floor is the bytes of the experts the rows touch (plus x and y) over
