@@ -140,11 +140,24 @@ def kernel_runs(x, w, group_sizes, kernels: KernelBackends | None, scales=None, 
             and kernel_refusal(x, w, group_sizes, None, scales, offsets, group_size) is None)
 
 
-def _kernel(start_ref, size_ref, index_ref, x_ref, w_ref, *refs, num_experts: int,
-            num_groups: int, k_tiles: int, block_m: int, block_n: int, block_k: int,
-            bits: int, group_size: int, asymmetric: bool, act: str | None, x_dtype):
-    # start_ref, size_ref [E + 1] int32: each expert's run of sorted rows (the last: the rows
-    # past the groups' sum); index_ref [M] int32: the row of x each sorted row reads; x_ref
+def _run(sizes_ref, group_id, num_experts: int, rows: int):
+    """(first sorted row, rows) of program group_id's run: expert group_id's, or for
+    group_id = E the rows past the groups' sum. sizes_ref [E] int32, summed in the program (a
+    few hundred bytes) so that no cumulative sum runs before the kernel."""
+    ids = jnp.arange(max(16, tiles.next_pow2(num_experts)), dtype=jnp.int32)
+    ok = ids < num_experts
+    sizes = plgpu.load(sizes_ref.at[jnp.where(ok, ids, 0)], mask=ok, other=0)  # [E']
+    start = jnp.sum(jnp.where(ids < group_id, sizes, 0))
+    size = jnp.where(group_id < num_experts, jnp.sum(jnp.where(ids == group_id, sizes, 0)),
+                     rows - start)
+    return start, size
+
+
+def _kernel(sizes_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int,
+            k_tiles: int, block_m: int, block_n: int, block_k: int, bits: int,
+            group_size: int, asymmetric: bool, act: str | None, x_dtype):
+    # sizes_ref [E] int32: each expert's run of sorted rows (program E: the rows past their
+    # sum); index_ref [M] int32: the row of x each sorted row reads; x_ref
     # [T, K], or with `act` a gate-up product's float32 partials [S, M, 2 K] (GatedRows);
     # w_ref [E, K/P, N] (P = 8 K rows per INT4 word, else 1); refs: (s_ref [E, G, N],
     # (o_ref [E, G, N])) for codes, then out_ref [M, N]
@@ -154,7 +167,7 @@ def _kernel(start_ref, size_ref, index_ref, x_ref, w_ref, *refs, num_experts: in
     block_r = block_k // per_word  # stored rows of w per tile
     group_id, nb = pl.program_id(0), pl.program_id(1)
     expert = jnp.minimum(group_id, num_experts - 1)
-    start, size = plgpu.load(start_ref.at[group_id]), plgpu.load(size_ref.at[group_id])
+    start, size = _run(sizes_ref, group_id, num_experts, out_ref.shape[0])
     cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
     chunk_rows = jnp.arange(block_m, dtype=jnp.int32)  # [BM]
 
@@ -224,9 +237,6 @@ def expert_group_matmul(x, w, group_sizes, *, scales=None, offsets=None,
     e, _, n = w.shape
     group = group_rows(k, scales, group_size)
     cfg = config or expert_gemm_config(m, e, k, n, bits, group)
-    sizes = group_sizes.astype(jnp.int32)
-    sizes = jnp.concatenate([sizes, (m - jnp.sum(sizes))[None]])  # [E + 1]
-    starts = jnp.cumsum(sizes) - sizes  # [E + 1]
     gated, indexed = isinstance(x, GatedRows), isinstance(x, IndexedRows)
     index = x.index.astype(jnp.int32) if indexed else jnp.arange(m, dtype=jnp.int32)
     source = x.partials if gated else x.x if indexed else x
@@ -235,7 +245,8 @@ def expert_group_matmul(x, w, group_sizes, *, scales=None, offsets=None,
         k_tiles=k // cfg.block_k, block_m=cfg.block_m, block_n=cfg.block_n,
         block_k=cfg.block_k, bits=bits, group_size=group, asymmetric=offsets is not None,
         act=x.act if gated else None, x_dtype=x.dtype)
-    args = [starts, sizes, index, source, w] + [a for a in (scales, offsets) if a is not None]
+    args = [group_sizes.astype(jnp.int32), index, source, w] + [
+        a for a in (scales, offsets) if a is not None]
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel, grid=(e + 1, n // cfg.block_n), in_specs=[full(a.shape) for a in args],
