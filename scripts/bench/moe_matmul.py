@@ -3,7 +3,8 @@
     python -m scripts.bench.moe_matmul --model=qwen3-30b-a3b --rows=8,128,512,16384 \
         --forms=gathered,kernel,tiles,ragged,mgpu --json_out=moe_matmul.json
 
-One projection (gate: [E, hidden, moe_intermediate]) of `--copies` layers, each its own
+One projection (--projection: gate [E, hidden, I], gate_up [E, hidden, 2 I] or down
+[E, I, hidden]) of `--copies` layers, each its own
 weights (so no step finds its experts in the L2 cache), multiplied by M = tokens x k rows
 routed uniformly (each token k distinct experts) and sorted by expert, as models/moe.py sorts
 them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows; `ragged`
@@ -54,6 +55,9 @@ flags.DEFINE_list("forms", ["gathered", "gathered_reduce", "kernel", "kernel_gat
                   "Forms to time (kernel:BN/BK/S/W/ST/P, grouped:BM/BN/BK/W/ST: the kernel "
                   "with those tiles).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' format.")
+flags.DEFINE_enum("projection", "gate", ["gate", "gate_up", "down"], "Which expert product: "
+                  "gate [hidden, I], gate and up fused [hidden, 2 I] (a decode layer's first "
+                  "product on one GPU), or down [I, hidden].")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
 flags.DEFINE_integer("runs", 5, "Timings per row (median).")
 flags.DEFINE_bool("device_times", False, "Also each row's device busy time per product and its "
@@ -180,9 +184,10 @@ def main(argv):
         raise app.UsageError(f"--model={FLAGS.model} is not a mixture of experts")
     e, h, i, k = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                   cfg.num_experts_per_tok)
+    din, dout = {"gate": (h, i), "gate_up": (h, 2 * i), "down": (i, h)}[FLAGS.projection]
     bits = {"none": 0, "int8": 8, "int4": 4}[FLAGS.quant]
     keys = jax.random.split(jax.random.key(0), FLAGS.copies)
-    weights = [(0.02 * jax.random.normal(key, (e, h, i), jnp.float32)).astype(jnp.bfloat16)
+    weights = [(0.02 * jax.random.normal(key, (e, din, dout), jnp.float32)).astype(jnp.bfloat16)
                for key in keys]
     if bits:
         weights = [quantize_experts(w, bits, 128 if bits == 4 else -1, False, jnp.bfloat16)
@@ -191,15 +196,18 @@ def main(argv):
     routers = [(0.02 * jax.random.normal(key, (h, e), jnp.float32)).astype(jnp.bfloat16)
                for key in jax.random.split(jax.random.key(1), FLAGS.copies)]
     norm_weight = (1.0 + 0.1 * jax.random.normal(jax.random.key(2), (h,))).astype(jnp.bfloat16)
-    results = {**run_info(), "model": FLAGS.model, "quant": FLAGS.quant, "rows": []}
+    results = {**run_info(), "model": FLAGS.model, "quant": FLAGS.quant,
+               "projection": FLAGS.projection, "rows": []}
     results["calibration"] = calib = calibrate()
     rng = np.random.default_rng(0)
     for rows in map(int, FLAGS.rows):
         gs = jnp.asarray(routed_group_sizes(rng, rows, e, k))
         touched = int((np.asarray(gs) > 0).sum())
-        x = jax.random.normal(jax.random.key(rows), (rows, h), jnp.bfloat16)
-        floor = (touched * expert_bytes + rows * (h + i) * 2) / (calib["copy_TBps"] * 1e12)
-        partials = jax.random.normal(jax.random.key(rows + 1), (FLAGS.gated_splits, rows, 2 * h))
+        x = jax.random.normal(jax.random.key(rows), (rows, din), jnp.bfloat16)
+        floor = (touched * expert_bytes + rows * (din + dout) * 2) / (calib["copy_TBps"] * 1e12)
+        partials = jax.random.normal(jax.random.key(rows + 1),
+                                     (FLAGS.gated_splits, rows, 2 * din))
+        tokens = jax.random.normal(jax.random.key(rows + 2), (-(-rows // k), h), jnp.bfloat16)
         tiles = jax.jit(product("tiles", bits))
         reference = np.asarray(tiles(x, gs, weights[0]), np.float32)
         for form in FLAGS.forms:
@@ -212,7 +220,7 @@ def main(argv):
                     raise ValueError(f"the {form} form takes at most {most} rows")
                 ws = weights
                 if form.startswith("router"):  # the rows' tokens, each a router of its own
-                    x_in, ws = x[:-(-rows // k)], routers
+                    x_in, ws = tokens, routers
                     fn = functools.partial(route_product, norm_weight=norm_weight, top_k=k,
                                            normalize=cfg.norm_topk_prob,
                                            impl="pallas" if form == "router" else "reference")
