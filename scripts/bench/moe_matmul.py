@@ -28,6 +28,7 @@ forms and the kernel). The floor is the bytes of the experts the rows touch (plu
 the copy bandwidth measured in the same run; each row also records its largest difference from the
 tiles form's product (relative to its largest value). A failing row records its error.
 --device_times adds the profiler's device busy time per product and its top kernels.
+--impl=pallas_interpret runs the Pallas forms interpreted: a CPU check of every form's answer.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert weights' fo
 flags.DEFINE_enum("projection", "gate", ["gate", "gate_up", "down"], "Which expert product: "
                   "gate [hidden, I], gate and up fused [hidden, 2 I] (a decode layer's first "
                   "product on one GPU), or down [I, hidden].")
+flags.DEFINE_enum("impl", "pallas", ["pallas", "pallas_interpret"], "The Pallas forms "
+                  "compiled, or interpreted (a CPU check of every form's answer; times mean "
+                  "nothing).")
 flags.DEFINE_integer("copies", 8, "Layers of distinct weights per timed call.")
 flags.DEFINE_integer("runs", 5, "Timings per row (median).")
 flags.DEFINE_bool("device_times", False, "Also each row's device busy time per product and its "
@@ -126,10 +130,16 @@ def grouped_product(x, gs, weight, config):
     """The `grouped` form: ops/expert_gemm.py's kernel over the sorted rows; float experts or
     codes."""
     if isinstance(weight, jax.Array):
-        return expert_gemm.expert_group_matmul(x, weight, gs, config=config)
+        return expert_gemm.expert_group_matmul(x, weight, gs, config=config,
+                                               interpret=interpreted())
     return expert_gemm.expert_group_matmul(x, weight.packed, gs, scales=weight.scales,
                                            offsets=weight.offsets,
-                                           group_size=weight.group_size, config=config)
+                                           group_size=weight.group_size, config=config,
+                                           interpret=interpreted())
+
+
+def interpreted() -> bool:
+    return FLAGS.impl == "pallas_interpret"
 
 
 def kernel_product(x, gs, weight, config):
@@ -139,9 +149,10 @@ def kernel_product(x, gs, weight, config):
     expert = moe_matmul.row_experts(gs, x.shape[0])  # E for rows past the groups
     clamped = jnp.minimum(expert, e - 1)
     if isinstance(weight, jax.Array):
-        y = expert_gemv.expert_gemv(x, weight, clamped, config=config)
+        y = expert_gemv.expert_gemv(x, weight, clamped, config=config, interpret=interpreted())
     else:
         y = expert_gemv.expert_gemv(x, weight.packed, clamped, scales=weight.scales,
+                                    interpret=interpreted(),
                                     offsets=weight.offsets, group_size=weight.group_size,
                                     config=config)
     return jnp.where((expert < e)[:, None], y, 0).astype(x.dtype)
@@ -198,7 +209,9 @@ def main(argv):
     norm_weight = (1.0 + 0.1 * jax.random.normal(jax.random.key(2), (h,))).astype(jnp.bfloat16)
     results = {**run_info(), "model": FLAGS.model, "quant": FLAGS.quant,
                "projection": FLAGS.projection, "rows": []}
-    results["calibration"] = calib = calibrate()
+    # interpreted (a CPU check of the forms): a small calibration that fits the CPU's memory
+    results["calibration"] = calib = (calibrate(copy_bytes=64 << 20, matmul=1024)
+                                      if interpreted() else calibrate())
     rng = np.random.default_rng(0)
     for rows in map(int, FLAGS.rows):
         gs = jnp.asarray(routed_group_sizes(rng, rows, e, k))
@@ -223,7 +236,7 @@ def main(argv):
                     x_in, ws = tokens, routers
                     fn = functools.partial(route_product, norm_weight=norm_weight, top_k=k,
                                            normalize=cfg.norm_topk_prob,
-                                           impl="pallas" if form == "router" else "reference")
+                                           impl=FLAGS.impl if form == "router" else "reference")
                     want = np.asarray(jax.jit(functools.partial(fn, impl="reference"))(
                         x_in, gs, ws[0]), np.float32)
                     row["floor_s"] = ws[0].nbytes / (calib["copy_TBps"] * 1e12)
