@@ -1,7 +1,7 @@
 """A mixture's grouped expert product over rows sorted by expert as one Pallas Triton kernel:
 each program owns one expert and one block of output columns, reads that expert's tiles once
-and multiplies every row of the expert's run by them on the tensor cores; bf16 experts, or
-INT8 / INT4 codes.
+per chunk of up to 64 rows and multiplies the chunk's rows by them on the tensor cores; bf16
+experts, or INT8 / INT4 codes.
 
     expert_group_matmul       the kernel: x [M, K] bf16 (or IndexedRows, GatedRows) sorted by
                               expert, group_sizes int32 [E], w [E, K, N] bf16 or codes with
