@@ -106,30 +106,45 @@ def _bits(x, w, group_sizes, scales, offsets, group_size) -> int:
     return bits
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What the kernel would run for some operands: bits per weight, K rows per group of
+    scales, the tiles, and why it cannot (None: it can)."""
+    bits: int
+    group: int
+    config: ExpertGemmConfig | None
+    refusal: str | None
+
+
+def _plan(x, w, group_sizes, config, scales, offsets, group_size) -> _Plan:
+    bits = _bits(x, w, group_sizes, scales, offsets, group_size)
+    m, k = x.shape
+    e, _, n = w.shape
+    group = group_rows(k, scales, group_size)
+    cfg = config or expert_gemm_config(m, e, k, n, bits, group)
+    refusal = None
+    if x.dtype != jnp.bfloat16 or (bits == 16 and w.dtype != jnp.bfloat16):
+        refusal = (f"expert_group_matmul: the kernel takes bf16 x and experts, not {x.dtype} "
+                   f"and {w.dtype}")
+    elif cfg is None or k % cfg.block_k or n % cfg.block_n:
+        refusal = f"expert_group_matmul: experts {w.shape} are not whole tiles of K x N"
+    elif bits != 16 and group < k and group % cfg.block_k:
+        refusal = (f"expert_group_matmul: groups of {group} K rows are not whole tiles of "
+                   f"{cfg.block_k}")
+    elif m > MAX_ROWS:
+        refusal = f"expert_group_matmul: {m} rows are more than the kernel's {MAX_ROWS}"
+    elif w.size >= MAX_ELEMENTS:
+        refusal = f"expert_group_matmul: experts {w.shape} hold more than 2^31 elements"
+    return _Plan(bits, group, cfg, refusal)
+
+
 def kernel_refusal(x, w, group_sizes, config: ExpertGemmConfig | None = None, scales=None,
                    offsets=None, group_size: int | None = None) -> str | None:
     """Why the kernel cannot take operands that pass the shape check (None: it can): bf16 x;
     bf16 experts, or codes whose groups are whole K tiles; K and N whole tiles; at most
     MAX_ROWS rows; fewer than MAX_ELEMENTS stored expert elements. Raises ValueError for shapes
     that do not fit."""
-    bits = _bits(x, w, group_sizes, scales, offsets, group_size)
-    m, k = x.shape
-    e, _, n = w.shape
-    group = group_rows(k, scales, group_size)
-    cfg = config or expert_gemm_config(m, e, k, n, bits, group)
-    if x.dtype != jnp.bfloat16 or (bits == 16 and w.dtype != jnp.bfloat16):
-        return (f"expert_group_matmul: the kernel takes bf16 x and experts, not {x.dtype} and "
-                f"{w.dtype}")
-    if cfg is None or k % cfg.block_k or n % cfg.block_n:
-        return f"expert_group_matmul: experts {w.shape} are not whole tiles of K x N"
-    if bits != 16 and group < k and group % cfg.block_k:
-        return (f"expert_group_matmul: groups of {group} K rows are not whole tiles of "
-                f"{cfg.block_k}")
-    if m > MAX_ROWS:
-        return f"expert_group_matmul: {m} rows are more than the kernel's {MAX_ROWS}"
-    if w.size >= MAX_ELEMENTS:
-        return f"expert_group_matmul: experts {w.shape} hold more than 2^31 elements"
-    return None
+    return _plan(x, w, group_sizes, config, scales, offsets, group_size).refusal
 
 
 def kernel_runs(x, w, group_sizes, kernels: KernelBackends | None, scales=None, offsets=None,
@@ -229,14 +244,12 @@ def expert_group_matmul(x, w, group_sizes, *, scales=None, offsets=None,
     [1, M, N] with `partials`. w bf16 [E, K, N], or codes with scales [E, G, N] (and offsets):
     INT8 uint8 [E, K, N] or INT4 int32 words [E, K/8, N] in groups of group_size K rows.
     Raises ValueError for shapes that do not fit or operands the kernel does not take."""
-    refusal = kernel_refusal(x, w, group_sizes, config, scales, offsets, group_size)
-    if refusal:
-        raise ValueError(refusal)
-    bits = _bits(x, w, group_sizes, scales, offsets, group_size)
+    plan = _plan(x, w, group_sizes, config, scales, offsets, group_size)
+    if plan.refusal:
+        raise ValueError(plan.refusal)
+    bits, group, cfg = plan.bits, plan.group, plan.config
     m, k = x.shape
     e, _, n = w.shape
-    group = group_rows(k, scales, group_size)
-    cfg = config or expert_gemm_config(m, e, k, n, bits, group)
     gated, indexed = isinstance(x, GatedRows), isinstance(x, IndexedRows)
     index = x.index.astype(jnp.int32) if indexed else jnp.arange(m, dtype=jnp.int32)
     source = x.partials if gated else x.x if indexed else x
