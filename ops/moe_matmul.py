@@ -10,7 +10,8 @@ zero). Nothing is padded to a capacity and no row is dropped.
                           scales and offsets [E, G, N])
     rows_matmul, rows_coded_matmul  the gathered form for rows in any order, each with its
                           expert given (decode steps need no sort)
-    IndexedRows, GatedRows  rows the decode kernel (ops/expert_gemv.py) makes as it loads them:
+    IndexedRows, GatedRows  rows the expert kernels (ops/expert_gemv.py, ops/expert_gemm.py)
+                          make as they load them:
                           a token's row read in place for each of its pairs; act(gate) * up of a
                           gate-up product's float32 split sums
 
@@ -52,8 +53,8 @@ ACTIVATIONS = {"silu": jax.nn.silu,
 
 @dataclasses.dataclass(frozen=True)
 class IndexedRows:
-    """Rows x[index] [M, K] of x [T, K] (index int32 [M]: each pair's token), which the decode
-    kernel reads in place, with no gathered copy written first."""
+    """Rows x[index] [M, K] of x [T, K] (index int32 [M]: each pair's token), which the expert
+    kernels read in place, with no gathered copy written first."""
     x: jax.Array
     index: jax.Array
 

@@ -121,7 +121,7 @@ def test_dispatch_and_bad_input():
     refuses them, naming why); shapes that do not fit raise ValueError."""
     x, norm_weight, router = operands(0, 2, 64, 8)
     assert kernel_refusal(x.astype(jnp.float32), norm_weight, router, 2)
-    assert kernel_refusal(jnp.zeros((65, 64), jnp.bfloat16), norm_weight, router, 2)
+    assert kernel_refusal(jax.ShapeDtypeStruct((65, 64), jnp.bfloat16), norm_weight, router, 2)
     assert kernel_refusal(x, norm_weight, router, 2) is None
     with pytest.raises(ValueError, match="bf16"):
         route_rows(x.astype(jnp.float32), norm_weight, 1e-6, router, top_k=2, normalize=True,

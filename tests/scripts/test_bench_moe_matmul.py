@@ -1,5 +1,5 @@
 """scripts/bench/moe_matmul.py on the CPU, the Pallas forms interpreted, on tiny-qwen3-moe's
-shapes: every form answers within bf16 roundings of the tiles form, for each of a decode
+shapes: every form answers within two bf16 roundings of the tiles form, for each of a decode
 layer's products. No timing is asserted."""
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def run_bench(tmp_path, *flags: str) -> list[dict]:
 def test_every_form_answers(tmp_path, projection, quant):
     """The gathered form and the one-row kernel up to E = 8 rows (32 rows: a clear error),
     the grouped kernel, the kernel over gated rows and the router kernel at both sizes; each
-    answer within bf16 roundings (2e-2 of the largest value) of its reference, a time and a
-    floor per row."""
+    answer within two bf16 roundings (2^-7 of the largest value) of its reference, a time and
+    a floor per row."""
     rows = run_bench(tmp_path, f"--projection={projection}", f"--quant={quant}",
                      "--forms=gathered,kernel,kernel_gated,grouped,tiles,router,router_xla")
     by = {(r["rows"], r["form"]): r for r in rows}
@@ -38,4 +38,5 @@ def test_every_form_answers(tmp_path, projection, quant):
         if n == 32 and form == "gathered":
             continue
         assert "error" not in row, (n, form, row.get("error"))
-        assert row["max_rel_err"] < 2e-2 and row["step_s"] > 0 and row["floor_s"] > 0
+        # two bf16 roundings: the output's, and the tiles form's of its dequantized experts
+        assert row["max_rel_err"] < 2.0 ** -7 and row["step_s"] > 0 and row["floor_s"] > 0
