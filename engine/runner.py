@@ -249,14 +249,19 @@ class ModelRunner:
                 self._no_samples if prev_samples is None else prev_samples, layout, num_steps,
                 mode)
 
-    def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
-        """(layout, packed int32 inputs) of the batch padded to its bucket."""
+    def step_key(self, batch: StepBatch) -> tuple[int, int, int, int, int]:
+        """The bucket (N, S, W, max_q_len, max_prefill_seqs) of the program that runs `batch`
+        (engine.step_batch.bucket_key)."""
         q_lens = np.diff(batch.query_start_loc)
         width = max(self.min_width, batch.block_tables.shape[1])
-        key = bucket_key(len(batch.token_ids), batch.num_seqs, width,
-                         int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
-                         max(self.max_seqs, batch.num_seqs), max(self.prefill_width, width),
-                         batch.verification)
+        return bucket_key(len(batch.token_ids), batch.num_seqs, width,
+                          int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
+                          max(self.max_seqs, batch.num_seqs), max(self.prefill_width, width),
+                          batch.verification)
+
+    def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
+        """(layout, packed int32 inputs) of the batch padded to its bucket."""
+        key = self.step_key(batch)
         n, s, w, max_q, max_prefill = key
         self.compiled_shapes.add(key)
         start = np.full(s + 1, batch.query_start_loc[-1], np.int32)

@@ -46,6 +46,7 @@ from quant.loader import EMBEDDED_PRESETS, load_model
 from scripts import common, parallel
 from scripts.bench import host_phases, serving_http
 from scripts.bench.startup import measure_startup, startup_table
+from scripts.bench.stub_device import forget_run, reached_programs, stub_device
 from scripts.bench.common import markdown_table, run_info, write_json
 from scripts.bench.workload import WorkloadSpec, describe, make_workload, serving_table, summarize
 
@@ -75,10 +76,13 @@ flags.DEFINE_string("compare", "", "Engine configurations also run on the same w
                     "';'-separated, each comma-separated EngineConfig fields, e.g. "
                     "'max_num_batched_tokens=4096;num_decode_steps=4,async_scheduling=true'; "
                     "the table gives each one's output tokens/s over the engine flags' own.")
-flags.DEFINE_enum("warmup", "shapes", ["shapes", "rerun"],
-                  "shapes: compile every program a run can reach at start (LLMEngine.warmup); "
-                  "rerun: run the same workload once untimed first (fewer programs compiled; "
-                  "exact with --request_rate=inf, where the schedule is deterministic).")
+flags.DEFINE_enum("warmup", "dry_run", ["dry_run", "shapes", "rerun"],
+                  "dry_run: run the workload once on a stub device, then compile the programs "
+                  "it reached side by side (exact with --request_rate=inf, where the schedule "
+                  "does not depend on time; a program it missed compiles while timed, and the "
+                  "JSON counts those); shapes: compile every program a run can reach "
+                  "(LLMEngine.warmup); rerun: run the workload once untimed first (the only "
+                  "warm-up of a --url server).")
 flags.DEFINE_bool("host_phases", False, "Time the engine's host phases (schedule, batch, "
                   "dispatch, append; and the wait for tokens) in the continuous run; ms per step.")
 flags.DEFINE_string("host_profile", None, "Profile the continuous run's Python with cProfile "
@@ -240,26 +244,6 @@ def phase_figures(stats, phases: dict, per_step: list) -> dict:
     return out
 
 
-def stub_device(engine) -> None:
-    """Replaces the runner's device work by token ids 3.. returned at once (a round: the same
-    ids at every step), so that a step times only the engine's host work."""
-    tokens = np.arange(max(engine.engine_cfg.max_num_batched_tokens, 1), dtype=np.int32)
-    tokens = tokens % 200 + 3  # never an EOS id
-
-    def execute_and_sample(batch, arrays, prev_samples=None, sample_index=None):
-        return tokens[: max(batch.num_seqs, 1)].copy(), None, None, None
-
-    def execute_multi_step(batch, arrays, steps, *args, **kwargs):
-        return np.tile(tokens[: bucket(batch.num_seqs)], (steps, 1)), None
-
-    def execute_mixed_round(batch, complete, arrays, steps, *args, **kwargs):
-        return execute_multi_step(batch, arrays, steps)
-
-    engine.runner.execute_and_sample = execute_and_sample
-    engine.runner.execute_multi_step = execute_multi_step
-    engine.runner.execute_mixed_round = execute_mixed_round
-
-
 def release(engine) -> None:
     """Frees an engine's device memory now (its KV cache deleted, the objects frozen at start-up
     unfrozen and collected), so that the next engine can take it."""
@@ -269,19 +253,18 @@ def release(engine) -> None:
     gc.collect()
 
 
-def warm_up(engine, longest: int, rerun) -> int:
-    """Compiles per --warmup; returns the number of programs compiled."""
+def warm_up(engine, longest: int, run) -> int:
+    """Compiles per --warmup before run() is timed; returns the number of programs compiled."""
     before = len(engine.runner.compiled_shapes)
+    # the workload is greedy: neither the samplers nor the rounds of sampled rows
+    progress = common.print_progress("compiling")
     if FLAGS.warmup == "shapes":
-        # the workload is greedy: neither the samplers nor the rounds of sampled rows
-        engine.warmup(max_total_len=longest, progress=common.print_progress("compiling"),
-                      samplers=False)
+        engine.warmup(max_total_len=longest, progress=progress, samplers=False)
+    elif FLAGS.warmup == "dry_run":
+        engine.warmup(programs=reached_programs(engine, run), progress=progress, samplers=False)
     else:
-        rerun()
-        engine.pool = type(engine.pool)(engine.pool.num_pages, engine.pool.page_size,
-                                        engine.pool.enable_prefix_caching)  # forget the cache
-        engine.scheduler.pool = engine.pool
-        engine.scheduler.num_preemptions = 0
+        run()
+        forget_run(engine)
     return len(engine.runner.compiled_shapes) - before
 
 
