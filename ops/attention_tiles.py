@@ -42,7 +42,7 @@ def resolve_options(name: str, impl: str | None, default: str, q_shape: tuple,
     """Validates the shared attention options; returns (implementation, softmax scale).
 
     impl None takes `default` (the KernelBackends choice) and falls back to the reference when
-    the kernel cannot take the head_dim (a power of two >= 16); an explicitly requested kernel
+    the kernel cannot take the head_dim (`kernel_takes_head_dim`); an explicitly requested kernel
     raises instead.
     """
     head_dim = q_shape[-1]
@@ -55,7 +55,7 @@ def resolve_options(name: str, impl: str | None, default: str, q_shape: tuple,
     resolved = choose_impl(name, impl, default)
     if resolved != "reference" and not kernel_ok:
         if impl is not None:
-            raise ValueError(f"{name}: the Pallas kernel needs a power-of-two head_dim >= 16, "
+            raise ValueError(f"{name}: the Pallas kernel needs an even head_dim of 16 to 256, "
                              f"got q {q_shape}")
         resolved = "reference"
     return resolved, sm_scale
@@ -115,9 +115,10 @@ def check_pages(name: str, q_dtype, num_heads: int, head_dim: int, k_pages, v_pa
 
 
 def kernel_takes_head_dim(head_dim: int) -> bool:
-    """Whether the GPU attention and RoPE + KV-write kernels take this head_dim (a power of two
-    >= 16); other head_dims run the reference (Phi-3's 96, for one)."""
-    return head_dim >= 16 and head_dim == next_pow2(head_dim)
+    """Whether the GPU attention and RoPE + KV-write kernels take this head_dim: even, 16 to
+    256. A row of another width than a power of two (Phi-3's 96) moves as the next power of
+    two, the columns past head_dim masked (`row_columns`); other head_dims run the reference."""
+    return 16 <= head_dim <= 256 and head_dim % 2 == 0
 
 
 def next_pow2(n: int) -> int:
@@ -141,13 +142,31 @@ def kv_slots(table_ref, table_base, tok, *, page_size: int, table_width: int, nu
     return page * page_size + jax.lax.rem(tok, page_size)  # [BK]
 
 
-def load_rows(ref, rows, valid=None):
-    """ref [R, D] -> rows [M] of it as [M, D]; rows where valid [M] is False read as 0."""
-    cols = jnp.arange(ref.shape[-1], dtype=jnp.int32)
-    view = ref.at[rows[:, None], cols[None, :]]
+def row_columns(width: int) -> tuple[jax.Array, jax.Array | None]:
+    """(column ids [next_pow2(width)], which of them are < width, or None when all are):
+    Triton loads and stores power-of-two shapes, so a row of 96 moves as 128 columns, the last
+    32 masked."""
+    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)
+    return cols, None if cols.shape[0] == width else cols < width
+
+
+def row_mask(valid, col_ok, shape):
+    """The [M, Dp] mask of rows where valid [M] (None: all) and columns where col_ok [Dp]
+    (None: all); None when nothing is masked."""
     if valid is None:
+        return None if col_ok is None else jnp.broadcast_to(col_ok[None, :], shape)
+    rows_ok = valid[:, None]
+    return jnp.broadcast_to(rows_ok if col_ok is None else rows_ok & col_ok[None, :], shape)
+
+
+def load_rows(ref, rows, valid=None):
+    """ref [R, D] -> rows [M] of it as [M, Dp], Dp = next_pow2(D) (the columns past D read as
+    0); rows where valid [M] is False read as 0."""
+    cols, col_ok = row_columns(ref.shape[-1])
+    view = ref.at[rows[:, None], cols[None, :]]
+    mask = row_mask(valid, col_ok, (rows.shape[0], cols.shape[0]))
+    if mask is None:
         return plgpu.load(view)
-    mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], ref.shape[-1]))
     zero = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
     return plgpu.load(view, mask=mask, other=zero)
 
@@ -160,14 +179,15 @@ def load_scales(ref, rows, valid=None):
 
 
 def store_rows(ref, rows, value, valid):
-    """ref [R, D][rows] = value [M, D] for rows where valid [M]; other rows are left alone.
+    """ref [R, D][rows] = value [M, Dp] (Dp = next_pow2(D): its first D columns) for rows where
+    valid [M]; other rows are left alone.
 
     Masked rows are sent past the end of ref (the interpreter drops such writes; the GPU never
     issues them), so they can never collide with a written row.
     """
-    cols = jnp.arange(ref.shape[-1], dtype=jnp.int32)
+    cols, col_ok = row_columns(ref.shape[-1])
     rows = jnp.where(valid, rows, ref.shape[0])
-    mask = jnp.broadcast_to(valid[:, None], value.shape)
+    mask = row_mask(valid, col_ok, value.shape)
     plgpu.store(ref.at[rows[:, None], cols[None, :]], value.astype(ref.dtype), mask=mask)
 
 

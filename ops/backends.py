@@ -65,7 +65,8 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
         KernelEntry("mesh", "any", f"{PAGES} split over (model: heads, data: sequences)",
                     "any", "any", sharded_step_attention),
         KernelEntry("pallas", "gpu", PAGES, "bf16 / f16 / f32 q; int8 / fp8 pages",
-                    "head_dim a power of two >= 16", ragged_attention._ragged_attention_pallas),
+                    "head_dim even, 16-256 (rows read as the next power of two, masked)",
+                    ragged_attention._ragged_attention_pallas),
         KernelEntry("pallas", "gpu", PAGES, "any", "other head_dim",
                     ragged_paged_attention_reference),
         KernelEntry("pallas", "tpu", f"{PAGES}, a (head, page) per DMA",
@@ -78,7 +79,7 @@ TABLES: dict[str, tuple[KernelEntry, ...]] = {
         KernelEntry("mesh", "any", f"{PAGES} split over (model: heads, data: sequences)",
                     "any", "any", sharded_write_kv),
         KernelEntry("pallas", "gpu", f"{PAGES}, q/k/v fused or three", "float pages in the "
-                    "q/k/v dtype", "head_dim a power of two >= 16, N >= 1",
+                    "q/k/v dtype", "head_dim even, 16-256, N >= 1",
                     rope_kv._rope_kv_pallas),
         KernelEntry("pallas", "gpu", f"{PAGES} + scales [KVH, P, S]", "int8 / fp8 pages "
                     "(the kernel stores no scales)", "any", rope_kv.rope_and_write_kv_reference),

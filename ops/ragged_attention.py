@@ -102,7 +102,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
     t = jax.lax.div(r, group)  # r >= 0: truncation is floor division
     row_ok = t < q_count
     q_rows = (q_start + t) * num_heads + h * group + jax.lax.rem(r, group)  # [M] (token, head)
-    q = tiles.load_rows(q_ref, jnp.where(row_ok, q_rows, 0), row_ok)  # [M, D]
+    q = tiles.load_rows(q_ref, jnp.where(row_ok, q_rows, 0), row_ok)  # [M, Dp] (next_pow2(D))
     pos = q_pos0 + t  # [M] query positions
 
     lo = 0
@@ -129,8 +129,8 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
         tok = positions(i)
         slots = slots_of(tok)
         ok = (tok < kv_end) if masked else None
-        k = tiles.load_rows(k_ref, slots, ok).astype(q.dtype)  # [BK, D]
-        v = tiles.load_rows(v_ref, slots, ok).astype(q.dtype)  # [BK, D]
+        k = tiles.load_rows(k_ref, slots, ok).astype(q.dtype)  # [BK, Dp]
+        v = tiles.load_rows(v_ref, slots, ok).astype(q.dtype)  # [BK, Dp]
         ks = vs = None
         if quantized:
             ks = tiles.load_scales(ks_ref, slots, ok)  # [BK]
@@ -147,7 +147,7 @@ def _ragged_kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, *refs, group: int,
     carry = tiles.init_carry(block_m, q.shape[-1])
     carry = jax.lax.fori_loop(first, mid, functools.partial(body, masked=False), carry)
     carry = jax.lax.fori_loop(mid, last, functools.partial(body, masked=True), carry)
-    out, lse = tiles.finish(carry)  # [M, D], [M]
+    out, lse = tiles.finish(carry)  # [M, Dp], [M]
     tiles.store_rows(out_refs[0], q_rows, out, row_ok)
     if split_out:
         tiles.store_vector(out_refs[1], q_rows, lse, row_ok)

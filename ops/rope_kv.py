@@ -91,31 +91,38 @@ def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, *refs, gro
     q_out_ref, kp_ref, vp_ref = refs[-3:]
     t, h = pl.program_id(0), pl.program_id(1)
     half = head_dim // 2
-    i = jnp.arange(head_dim, dtype=jnp.int32)  # [D]
+    # [Dp] columns, Dp = next_pow2(D); col_ok [Dp] (None: D is a power of two) masks the rest
+    i, col_ok = tiles.row_columns(head_dim)
     partner = jnp.where(i < half, i + half, i - half)  # the element i rotates with
+    partner = partner if col_ok is None else jnp.where(col_ok, partner, 0)
     sign = jnp.where(i < half, -1.0, 1.0).astype(jnp.float32)
-    angles = pos_ref[t].astype(jnp.float32) * plgpu.load(freq_ref.at[i])  # [D]
+
+    def load(view, mask=None):  # view [.., Dp]; masked elements and columns past D read as 0
+        if col_ok is not None:
+            mask = col_ok if mask is None else mask & col_ok
+        return plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0)
+
+    angles = pos_ref[t].astype(jnp.float32) * load(freq_ref.at[i])  # [Dp]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     dtype = q_out_ref.dtype
 
     def rotate(ref, cols, partner_cols, w_ref, mask=None):  # ref[cols] (normed,) rotated,
-        # float32; cols [.., D]: each row one head
-        other = None if mask is None else 0.0
-        x = plgpu.load(ref.at[cols], mask=mask, other=other).astype(jnp.float32)
-        xp = plgpu.load(ref.at[partner_cols], mask=mask, other=other).astype(jnp.float32)
+        # float32; cols [.., Dp]: each row one head
+        x = load(ref.at[cols], mask).astype(jnp.float32)
+        xp = load(ref.at[partner_cols], mask).astype(jnp.float32)
         if w_ref is not None:  # each head RMS-normed, with ops.rms_norm's roundings
             scale = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / head_dim + norm_eps)
-            x = normed_row(x, scale, plgpu.load(w_ref.at[i]), dtype)
-            xp = normed_row(xp, scale, plgpu.load(w_ref.at[partner]), dtype)
+            x = normed_row(x, scale, load(w_ref.at[i]), dtype)
+            xp = normed_row(xp, scale, load(w_ref.at[partner]), dtype)
         return x * cos + sign * xp * sin
 
     slot = slot_ref[t]
     ok = jnp.full((1,), slot >= 0)  # [1]
     row = jnp.full((1,), jnp.maximum(slot, 0))  # [1]
     base = k_col + h * head_dim
-    k = rotate(k_ref, base + i, base + partner, kw_ref)  # [D]
+    k = rotate(k_ref, base + i, base + partner, kw_ref)  # [Dp]
     tiles.store_rows(kp_ref, row, k[None, :], ok)
-    v = plgpu.load(v_ref.at[v_col + h * head_dim + i])  # [D]
+    v = load(v_ref.at[v_col + h * head_dim + i])  # [Dp]
     tiles.store_rows(vp_ref, row, v[None, :], ok)
 
     g = jnp.arange(rows, dtype=jnp.int32)  # [G'] this kv head's query heads (padded)
@@ -123,11 +130,11 @@ def _rope_kv_kernel(pos_ref, slot_ref, freq_ref, q_ref, k_ref, v_ref, *refs, gro
     # Padding rows read head 0 and are written past the end of the output (masked on the GPU,
     # dropped by the interpreter), so they never touch a real head's row.
     cols = jnp.where(head_ok, h * group + g, 0)[:, None] * head_dim  # [G', 1]
-    mask = jnp.broadcast_to(head_ok[:, None], (rows, head_dim))
+    mask = jnp.broadcast_to(head_ok[:, None], (rows, i.shape[0]))
     q = rotate(q_ref, q_col + cols + i[None, :], q_col + cols + partner[None, :], qw_ref, mask)
     out_cols = jnp.where(head_ok, h * group + g, q_out_ref.shape[0] // head_dim)[:, None]
     plgpu.store(q_out_ref.at[out_cols * head_dim + i[None, :]], q.astype(q_out_ref.dtype),
-                mask=mask)
+                mask=mask if col_ok is None else mask & col_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "columns", "norm_eps", "interpret"))
@@ -214,7 +221,7 @@ def rope_and_write_kv(qkv, positions: jax.Array, inv_freq: np.ndarray, k_pages: 
                  and positions.shape[0] > 0)
     if resolved == "reference" or not kernel_ok:
         if resolved != "reference" and impl is not None:
-            raise ValueError(f"{name}: the kernel needs a power-of-two head_dim >= 16, pages "
+            raise ValueError(f"{name}: the kernel needs an even head_dim of 16 to 256, pages "
                              f"and norm weights in the projections' dtype (not quantized "
                              f"pages) and no mesh")
         return rope_and_write_kv_reference(qkv, positions, inv_freq, k_pages, v_pages,

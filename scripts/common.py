@@ -343,8 +343,8 @@ def kernels_line(kernels: KernelBackends, head_dim: int | None = None) -> str:
         if (family in ("attention", "kv_write") and head_dim is not None
                 and getattr(kernels, family) != "reference"
                 and not kernel_takes_head_dim(head_dim)):
-            part = (f"{family} reference (head_dim {head_dim}: the kernel takes a power of two "
-                    ">= 16)")
+            part = (f"{family} reference (head_dim {head_dim}: the kernel takes an even head_dim "
+                    "of 16 to 256)")
         parts.append(part)
     return f"kernels on {kernels.platform}: {', '.join(parts)}; layers {kernels.layer_loop}"
 

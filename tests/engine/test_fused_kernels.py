@@ -95,3 +95,28 @@ def test_greedy_tokens_equal_with_the_fused_kernels(monkeypatch, fused):
     got = generate(model, cfg, prompts)
     assert calls["rope_kv"] > 0 and calls["rms_norm"] > 0  # the kernels did run
     assert_same_generations(got, want, rtol=1e-6)  # the interpreted kernels: about 5e-7 off
+
+
+def test_heads_96_wide_run_the_attention_and_rope_kernels(monkeypatch):
+    """Phi-3's 96-wide heads, fused q/k/v: the attention and RoPE + KV-write kernels
+    (interpreted) read and write rows of 128 columns, the last 32 masked, and give the greedy
+    tokens of the jnp references."""
+    import ops.ragged_attention
+    import ops.rope_kv
+    from configs.model import TINY_PHI3
+    cfg, model, prompts = model_and_prompts(
+        TINY_PHI3.replace(hidden_size=192, num_heads=2, num_kv_heads=2, head_dim=96), 3, True,
+        (9, 3, 20))
+    monkeypatch.setenv("PALLASITE_ATTENTION", "reference")
+    want = generate(model, cfg, prompts)
+    calls = []
+    for module, fn in ((ops.ragged_attention, "_ragged_attention_pallas"),
+                       (ops.rope_kv, "_rope_kv_pallas")):
+        inner = getattr(module, fn)
+        monkeypatch.setattr(module, fn, lambda *a, _inner=inner, _fn=fn, **kw: calls.append(
+            _fn) or _inner(*a, **kw))
+    monkeypatch.setenv("PALLASITE_ATTENTION", "pallas_interpret")
+    jax.clear_caches()
+    got = generate(model, cfg, prompts)
+    assert set(calls) == {"_ragged_attention_pallas", "_rope_kv_pallas"}
+    assert_same_generations(got, want, rtol=1e-5)

@@ -74,6 +74,9 @@ CASES = [
     (16, 64, 8, 2, "bfloat16", None, RaggedConfig(block_m=64, block_k=16, ptx_softmax=True)),
     (8, 32, 8, 1, "float16", "int8", RaggedConfig(block_m=16, block_k=16, num_splits=3,
                                                   ptx_softmax=True)),
+    # Phi-3's 96-wide heads: rows read as 128 columns, the last 32 masked
+    (16, 96, 4, 4, "bfloat16", None, RaggedConfig(block_m=16, block_k=16, num_splits=2)),
+    (16, 48, 4, 2, "float32", "int8", None),
 ]
 
 
@@ -138,6 +141,7 @@ def gpu_sweep_cases():
         yield page, dim, group, dtype, None
     for page, kv in itertools.product((16, 64) if full else (16,), ("int8", "float8_e4m3fn")):
         yield page, 128, 4, "bfloat16", kv
+    yield 16, 96, 1, "bfloat16", None  # Phi-3's heads (no grouping)
 
 
 @pytest.mark.gpu
@@ -171,7 +175,7 @@ def test_validation():
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
 @pytest.mark.parametrize("kv_dtype,head_dim,page_size,max_q_len,variant", [
     ("bfloat16", 128, 16, 2048, None), ("int8", 64, 128, 4, None),
-    ("float8_e4m3fn", 256, 8, 512, None),
+    ("float8_e4m3fn", 256, 8, 512, None), ("bfloat16", 96, 16, 1, None),
     ("int8", 128, 16, 1, "ptx_softmax")])
 def test_lowers_to_triton_for_h200(h200_lowering, kv_dtype, head_dim, page_size, max_q_len,
                                    variant):

@@ -45,7 +45,9 @@ CASES = [(5, 8, 2, 64, 16, jnp.float32, True, False),     # GQA 4
          (7, 4, 4, 32, 8, jnp.bfloat16, False, False),    # GQA 1, three projections
          (3, 6, 2, 128, 16, jnp.bfloat16, True, False),   # GQA 3: padded head rows
          (4, 8, 2, 64, 16, jnp.bfloat16, True, True),     # Qwen3's q/k norms
-         (3, 6, 2, 32, 8, jnp.float32, False, True)]      # norms, padded head rows
+         (3, 6, 2, 32, 8, jnp.float32, False, True),      # norms, padded head rows
+         (5, 4, 4, 96, 16, jnp.bfloat16, True, False),    # Phi-3's 96-wide heads: 128 masked
+         (4, 6, 2, 48, 8, jnp.float32, False, True)]      # 48 wide (64 masked), with norms
 
 
 @pytest.mark.gpu
@@ -127,15 +129,16 @@ def test_validation_and_fallbacks():
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
-@pytest.mark.parametrize("fused,norm", [(True, False), (False, False), (True, True)])
-def test_lowers_to_triton_for_h200(h200_lowering, fused, norm):
+@pytest.mark.parametrize("fused,norm,d", [(True, False, 128), (False, False, 128),
+                                          (True, True, 128), (True, True, 96)])
+def test_lowers_to_triton_for_h200(h200_lowering, fused, norm, d):
     spec = jax.ShapeDtypeStruct
-    h, kvh, d = 32, 8, 128
+    h, kvh = 32, 8
     qkv = (spec((1, (h + 2 * kvh) * d), jnp.bfloat16) if fused else
            (spec((1, h * d), jnp.bfloat16), spec((1, kvh * d), jnp.bfloat16),
             spec((1, kvh * d), jnp.bfloat16)))
     pages = spec((kvh, 64, 16, d), jnp.bfloat16)
-    inv_freq = rope_inv_freq(get_preset("llama3.1-8b"))
+    inv_freq = rope_inv_freq(get_preset("llama3.1-8b").replace(head_dim=d))
     weights = (spec((d,), jnp.bfloat16),) * 2 if norm else ()
 
     def f(qkv, pos, k, v, slots, *weights):
