@@ -41,7 +41,6 @@ from absl import app, flags
 from engine.llm_engine import LLMEngine
 from engine.mesh import is_main_process
 from engine.request import SamplingParams
-from engine.step_batch import bucket
 from quant.loader import EMBEDDED_PRESETS, load_model
 from scripts import common, parallel
 from scripts.bench import host_phases, serving_http
