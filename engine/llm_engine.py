@@ -404,8 +404,10 @@ class LLMEngine:
         """The programs a run can reach (engine/warmup.py): (tokens of each sequence,
         block-table width, verification?, program) of every reachable step; without `sampled`,
         no rounds of rows that sample."""
-        steps = reachable_steps(self.engine_cfg, self.pool, self.runner.min_width,
-                                self.spec_config, num_seqs, max_total_len, prompt_lens)
+        runner = self.runner
+        steps = reachable_steps(self.engine_cfg, self.pool, runner.min_width, self.spec_config,
+                                num_seqs, max_total_len, prompt_lens,
+                                runner.prefill_width if runner.prefill_widens else None)
         rounds = self.rounds
         return step_programs(steps, rounds.num_steps if rounds is not None else 1,
                              rounds is not None and rounds.mixed_rounds, sampled)

@@ -52,6 +52,9 @@ class ModelRunner:
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           self.kernels.platform)
+        # prefill tables widen with their context past prefill_width (the CPU's): the warm-up
+        # lists those widths too
+        self.prefill_widens = self.kernels.platform == "cpu"
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))

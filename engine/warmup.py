@@ -54,8 +54,8 @@ def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
 
 
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,
-                    max_total_len: int | None = None, prompt_lens: list[int] | None = None
-                    ) -> list[tuple[list[int], int, bool]]:
+                    max_total_len: int | None = None, prompt_lens: list[int] | None = None,
+                    prefill_width: int | None = None) -> list[tuple[list[int], int, bool]]:
     """The steps (tokens of each sequence, block-table width, verification?) whose programs a
     run of an engine (a resolved EngineConfig cfg, BlockPool pool) can reach, for a runner whose
     steps pad their block tables to at least min_width pages (ModelRunner.min_width).
@@ -63,16 +63,23 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
     Decode steps: every batch bucket up to num_seqs times every page-width bucket up to
     max_total_len from min_width's bucket on; with speculation, the
     same with k + 1 tokens per sequence. Prefill steps: every token bucket up to the step's
-    token budget times every bucket of the number of prefilling sequences; or, given the
+    token budget times every bucket of the number of prefilling sequences, at the runner's
+    least prefill width (width 1) and, given prefill_width (a runner whose prefill tables widen
+    with their context below the widest: the CPU's), at every wider width too (a GPU's prefill
+    step with a context past FIXED_WIDTH_TOKENS compiles when first reached); or, given the
     `prompt_lens` of a run whose prompts all start at once, that first step only.
     """
     num_seqs = min(num_seqs or cfg.max_num_seqs, cfg.max_num_seqs)
     max_total_len = min(max_total_len or cfg.max_model_len, cfg.max_model_len)
     seq_buckets = sorted({bucket(n) for n in range(1, num_seqs + 1)})
-    widths = sorted({bucket(pool.pages_needed(n), MIN_PAGE_BUCKET)
-                     for n in range(1, max_total_len + 1, pool.page_size)})
-    least = bucket(min(min_width, pool.pages_needed(max_total_len)), MIN_PAGE_BUCKET)
-    widths = [w for w in widths if w >= least] or widths[-1:]
+    every_width = sorted({bucket(pool.pages_needed(n), MIN_PAGE_BUCKET)
+                          for n in range(1, max_total_len + 1, pool.page_size)})
+
+    def from_least(least: int) -> list[int]:  # the widths from least's bucket up
+        least = bucket(min(least, pool.pages_needed(max_total_len)), MIN_PAGE_BUCKET)
+        return [w for w in every_width if w >= least] or every_width[-1:]
+
+    widths = from_least(min_width)
     shapes = [([1] * s, w, False) for s in seq_buckets for w in widths]
     if spec_config is not None:
         k1 = spec_config.num_speculative_tokens + 1
@@ -83,12 +90,13 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
         return shapes + [([min(n, budget) for n in prompt_lens], 1, False)]
     token_buckets = sorted({bucket(n, MIN_TOKEN_BUCKET)
                             for n in range(2, cfg.max_num_batched_tokens + 1)})
+    prefill_widths = [1] if prefill_width is None else [1] + from_least(prefill_width)[1:]
     for n in token_buckets:
         for p in seq_buckets:
             if 2 * p <= n:
                 q_lens = [2] * p
                 q_lens[0] = n - 2 * (p - 1)
-                shapes.append((q_lens, 1, False))
+                shapes += [(q_lens, w, False) for w in prefill_widths]
     return shapes
 
 
@@ -117,19 +125,21 @@ def split_first(programs: list[tuple[list[int], int, bool, str]], page_size: int
     requests run each near step with, greedy: decode steps whose block tables are at most the
     widest of the least width and first_context tokens' pages, as their multi-step round if
     they have one (else the single step), verification steps, and the single steps that
-    prefill at most first_prefill_seqs prompts (a mixed round needs more than half the
-    sequence slots busy). Later the rest, nearest first (by how many times wider, or how many
-    more prompts), and at each distance the usual program first, then its rounds of rows that
+    prefill at most first_prefill_seqs prompts at the least prefill width (a mixed round needs
+    more than half the sequence slots busy). Later the rest, nearest first (by how many times
+    wider, or how many more prompts), and at each distance the usual program first, then its rounds of rows that
     sample, then the rare ones (single decode steps beside rounds, mixed rounds)."""
     least = min((w for q_lens, w, verification, _ in programs
                  if max(q_lens) == 1 or verification), default=1)
+    least_prefill = min((w for q_lens, w, verification, _ in programs
+                         if max(q_lens) > 1 and not verification), default=1)
     widest_first = max(least, bucket(-(-first_context // page_size), MIN_PAGE_BUCKET))
     rounds = {(tuple(q_lens), w) for q_lens, w, _, program in programs if program == "greedy"}
 
     def place(program):  # (how far past the first ones, 0 usual / 1 sampled usual / 2 rare)
         q_lens, width, verification, kind = program
         if max(q_lens) > 1 and not verification:
-            far, usual = len(q_lens) / first_prefill_seqs, STEP
+            far, usual = max(len(q_lens) / first_prefill_seqs, width / least_prefill), STEP
         else:
             far = width / widest_first
             usual = "greedy" if (tuple(q_lens), width) in rounds else STEP

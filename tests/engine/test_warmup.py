@@ -104,8 +104,8 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
 def test_block_table_widths_on_a_gpu_and_the_cpu():
     """On a GPU (and a TPU) steps pad their tables to FIXED_WIDTH_TOKENS' pages (one width for
     every context up to it) and wider ones to their power of two; the warm-up lists those
-    widths only. On the
-    CPU decode steps take their own bucket and prefill steps the widest."""
+    widths only. On the CPU decode steps take their own bucket and prefill steps
+    CPU_PREFILL_WIDTH_TOKENS' pages or their own bucket."""
     from engine.block_pool import BlockPool
     from engine.engine_config import resolve_engine_config
     from engine.step_batch import FIXED_WIDTH_TOKENS, bucket_key, table_widths
@@ -113,7 +113,7 @@ def test_block_table_widths_on_a_gpu_and_the_cpu():
     floor = FIXED_WIDTH_TOKENS // 16
     assert table_widths(8192, 16, "gpu") == table_widths(8192, 16, "tpu") == (floor, floor)
     assert table_widths(40, 16, "gpu") == (40, 40)  # a short context: its own width
-    assert table_widths(8192, 16, "cpu") == (1, 8192)
+    assert table_widths(8192, 16, "cpu") == (1, 32) and table_widths(20, 16, "cpu") == (1, 20)
     # A decode step of 256 sequences: the floor, or the bucket of a wider table.
     assert bucket_key(256, 256, max(floor, 5), 1, 0, 256, 8192)[2] == floor
     assert bucket_key(256, 256, max(floor, 300), 1, 0, 256, 8192)[2] == 512
@@ -127,6 +127,34 @@ def test_block_table_widths_on_a_gpu_and_the_cpu():
     widths = {w for q_lens, w, _ in reachable_steps(cfg, pool, floor, max_total_len=1152)
               if max(q_lens) == 1}
     assert widths == {floor}
+
+
+def test_cpu_prefill_tables_follow_their_context_and_the_warm_up_lists_them(monkeypatch):
+    """On the CPU a prefill step pads its table to CPU_PREFILL_WIDTH_TOKENS' pages or its own
+    bucket, whichever is wider: the warm-up lists every such width (the first programs: the
+    least), so prompts whose chunks see longer contexts compile nothing after it."""
+    from engine import step_batch
+    monkeypatch.setattr(step_batch, "CPU_PREFILL_WIDTH_TOKENS", 16)
+    count_compiles()
+    cfg = TINY_LLAMA31
+    engine = LLMEngine(cfg, random_model(cfg, 7), None, EngineConfig(
+        max_model_len=96, max_num_seqs=2, max_num_batched_tokens=16, page_size=4))
+    assert (engine.runner.min_width, engine.runner.prefill_width) == (1, 4)
+    programs = engine.warmup_programs(sampled=False)
+    # 1: the least width (4 pages), then every wider bucket up to 96 tokens' 24 pages
+    assert {w for q_lens, w, _, _ in programs if max(q_lens) > 1} == {1, 8, 16, 32}
+    first, _ = split_first(programs, page_size=4, first_context=16)
+    assert {w for q_lens, w, _, _ in first if max(q_lens) > 1} == {1}
+    engine.warmup(programs=programs, samplers=False)
+    before = compile_stats()
+    rng = np.random.default_rng(10)
+    # chunks of 16 tokens: the 70-token prompt's last chunk sees 70 tokens (18 pages -> 32)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 40, 70)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True,
+                                                   temperature=0.0))
+    assert [len(o.output_ids) for o in outs] == [6, 6, 6]
+    assert {key[2] for key in engine.runner.compiled_shapes if key[3] > 1} >= {4, 32}
+    assert (compile_stats() - before).programs == 0
 
 
 def test_compile_all_runs_every_shape_once_and_raises_the_first_failure():
