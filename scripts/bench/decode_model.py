@@ -137,9 +137,10 @@ def check_cache_fits(cfg: ModelConfig, kv_dtype, tokens: int, heads_split: int =
 FILL_CHUNK_ELEMENTS = 1 << 26  # values drawn per loop step of fill_cache_random
 
 
-def _random_pages(pages: jax.Array, key: jax.Array) -> jax.Array:
-    """normal(0, 1) values of pages' shape and dtype, drawn chunk by chunk of pages into the
-    (donated) buffer, so the temporaries stay at one chunk's size however large the cache."""
+def _random_pages(pages: jax.Array, key: jax.Array, scales: bool = False) -> jax.Array:
+    """normal(0, 1) values of pages' shape and dtype (with `scales`, an int8 / fp8 cache's
+    float32 scales: 0.01 + 0.02 |normal|), drawn chunk by chunk of pages into the (donated)
+    buffer, so the temporaries stay at one chunk's size however large the cache."""
     num_pages = pages.shape[0]
     page_elements = int(np.prod(pages.shape[1:]))
     chunk = max(1, min(num_pages, FILL_CHUNK_ELEMENTS // page_elements))
@@ -150,6 +151,8 @@ def _random_pages(pages: jax.Array, key: jax.Array) -> jax.Array:
                                    jnp.float32)
         if pages.dtype == jnp.int8:  # codes of an int8 cache: spread over its range
             values = jnp.clip(jnp.round(values * 32), -127, 127)
+        if scales:
+            values = 0.01 + 0.02 * jnp.abs(values)
         values = values.astype(pages.dtype)
         return jax.lax.dynamic_update_slice_in_dim(acc, values, start, axis=0)
 
@@ -157,12 +160,12 @@ def _random_pages(pages: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def _random_layer(stacked: jax.Array, key: jax.Array, layer: jax.Array,
-                  num_layers: int) -> jax.Array:
+                  num_layers: int, scales: bool = False) -> jax.Array:
     """A stacked page array (models/kv_cache.py, every layer's pages along axis 1) with layer
     `layer`'s pages drawn as `_random_pages` draws a per-layer array's (the same values)."""
     per_layer = stacked.shape[1] // num_layers
     values = _random_pages(jnp.zeros((stacked.shape[0], per_layer) + stacked.shape[2:],
-                                     stacked.dtype), key)
+                                     stacked.dtype), key, scales)
     return jax.lax.dynamic_update_slice_in_dim(stacked, values, layer * per_layer, axis=1)
 
 
@@ -170,25 +173,30 @@ def fill_cache_random(runner: ModelRunner, seed: int) -> None:
     """Overwrites every K and V page of the runner's cache with normal(0, 1) values, in place
     (one small jitted program, donated page array by page array, drawing a bounded chunk of
     pages at a time: no second copy of the cache, even at 70 GB). An int8 / fp8 cache gets
-    random codes (its scales stay as they are: the step reads the same bytes). Layer i gets
-    the same values whether the cache is stacked (a scanned runner) or not."""
+    random codes and random positive scales (every leaf then also lies as the step's outputs
+    do, so the timed steps run the warm-up's program). Layer i gets the same values whether the
+    cache is stacked (a scanned runner) or not."""
     cache = runner.cache
-    first = cache.k_pages[0]
     num_layers = cache.num_layers
-    keys = jax.random.split(jax.random.key(seed), 2 * num_layers)
-    if cache.stacked_layers:
-        fill = jax.jit(_random_layer, donate_argnums=0, static_argnames="num_layers",
-                       out_shardings=first.sharding)
-        k, v = cache.k_pages[0], cache.v_pages[0]
-        for i in range(num_layers):
-            k = fill(k, keys[i], i, num_layers=num_layers)
-            v = fill(v, keys[num_layers + i], i, num_layers=num_layers)
-        k, v = (k,), (v,)
-    else:
-        fill = jax.jit(_random_pages, donate_argnums=0, out_shardings=first.sharding)
-        k = tuple(fill(a, keys[i]) for i, a in enumerate(cache.k_pages))
-        v = tuple(fill(a, keys[num_layers + i]) for i, a in enumerate(cache.v_pages))
-    runner.cache = dataclasses.replace(cache, k_pages=k, v_pages=v)
+    keys = iter(jax.random.split(jax.random.key(seed), 4 * num_layers))
+
+    def fill_arrays(arrays: tuple, scales: bool) -> tuple:
+        sharding = arrays[0].sharding
+        if cache.stacked_layers:
+            fill = jax.jit(_random_layer, donate_argnums=0,
+                           static_argnames=("num_layers", "scales"), out_shardings=sharding)
+            stacked = arrays[0]
+            for i in range(num_layers):
+                stacked = fill(stacked, next(keys), i, num_layers=num_layers, scales=scales)
+            return (stacked,)
+        fill = jax.jit(_random_pages, donate_argnums=0, static_argnames="scales",
+                       out_shardings=sharding)
+        return tuple(fill(a, next(keys), scales=scales) for a in arrays)
+
+    runner.cache = dataclasses.replace(
+        cache, k_pages=fill_arrays(cache.k_pages, False), v_pages=fill_arrays(cache.v_pages, False),
+        k_scales=fill_arrays(cache.k_scales, True) if cache.k_scales else (),
+        v_scales=fill_arrays(cache.v_scales, True) if cache.v_scales else ())
     jax.block_until_ready(runner.cache)
 
 

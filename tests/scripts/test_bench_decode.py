@@ -163,3 +163,27 @@ def test_quantized_random_weights_are_made_as_codes_with_the_float_spread(quant)
     batch = dm.decode_batch(np.array([5, 9]), [20, 24], dm.page_tables(2, 4, 1), 8)
     logits = np.asarray(runner.execute(batch))
     assert logits.shape == (2, cfg.vocab_size) and np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_quantized_cache_is_filled_with_random_codes_and_scales(kv_dtype):
+    """fill_cache_random draws an int8 / fp8 cache's codes and its scales (positive, not the
+    zeros it starts with), so the timed steps attend over data; every leaf then lies as the
+    step's outputs do, and the timed steps reuse the warm-up's program."""
+    import jax
+    import numpy as np
+    cfg, model = dm.build_model(get_preset("tiny-llama31"), jnp.float32, 3)
+    runner = dm.make_runner(cfg, model, max_batch=2, max_context=32, page_size=8,
+                            kv_dtype=kv_dtype)
+    dm.fill_cache_random(runner, 4)
+    cache = runner.cache
+    for scales in cache.k_scales + cache.v_scales:
+        scales = np.asarray(scales)
+        assert (scales >= 0.01).all() and scales.std() > 0.005
+    codes = np.asarray(cache.k_pages[0].astype(jnp.float32))
+    assert codes.std() > 0.5
+    batch = dm.decode_batch(np.array([5, 9]), [20, 24], dm.page_tables(2, 4, 1), 8)
+    timing = dm.time_queued(runner, batch, steps=2, runs=1)
+    assert timing["compiles_during_timing"] == 0
+    assert np.isfinite(np.asarray(runner.execute(batch))).all()
+    assert all(leaf.committed for leaf in jax.tree.leaves(runner.cache))
