@@ -320,7 +320,10 @@ def compare_table(results: dict) -> str:
 
 def main(argv):
     del argv
-    spec = workload_spec()
+    try:
+        spec = workload_spec()
+    except ValueError as e:
+        common.fail(str(e))
     if FLAGS.url:
         try:
             results = serving_http.run_http(FLAGS.url, FLAGS.api_key, spec, FLAGS.seed,

@@ -22,6 +22,13 @@ class WorkloadSpec:
     max_output_len: int
     shared_prefix_len: int = 0  # tokens of a system prompt shared by every request
 
+    def __post_init__(self):
+        for what, median, longest in (("input", self.input_len, self.max_input_len),
+                                      ("output", self.output_len, self.max_output_len)):
+            if median > longest:  # the lengths would all be cut to the longest, silently
+                raise ValueError(f"{what}_len {median} exceeds max_{what}_len {longest}: "
+                                 f"raise --max_{what}_len to at least {median}")
+
     @property
     def longest(self) -> int:
         return self.shared_prefix_len + self.max_input_len + self.max_output_len

@@ -72,6 +72,14 @@ def test_a_bad_compare_entry_is_one_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_median_length_past_its_longest_is_one_clear_error():
+    """--input_len past --max_input_len would cut every prompt to the longest without a word."""
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.serving", *WORKLOAD,
+                           "--input_len=64"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 1 and "input_len 64 exceeds max_input_len 32" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_startup_only_loads_from_the_cache_on_a_second_start(tmp_path):
     """--startup_only twice on one compilation cache: the first start compiles its first
     programs before the first token; the second finds the first of them in the cache, compiles
