@@ -127,8 +127,9 @@ def split_first(programs: list[tuple[list[int], int, bool, str]], page_size: int
     they have one (else the single step), verification steps, and the single steps that
     prefill at most first_prefill_seqs prompts at the least prefill width (a mixed round needs
     more than half the sequence slots busy). Later the rest, nearest first (by how many times
-    wider, or how many more prompts), and at each distance the usual program first, then its rounds of rows that
-    sample, then the rare ones (single decode steps beside rounds, mixed rounds)."""
+    wider, or how many more prompts), and at each distance the usual program first, then its
+    rounds of rows that sample, then the rare ones (single decode steps beside rounds, mixed
+    rounds)."""
     least = min((w for q_lens, w, verification, _ in programs
                  if max(q_lens) == 1 or verification), default=1)
     least_prefill = min((w for q_lens, w, verification, _ in programs

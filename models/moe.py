@@ -13,14 +13,15 @@ place (tests/models/test_moe.py, against torch's choices recorded by make_golden
 router is ops/moe_router.py's: given the layer's RMSNorm (`norm`), a GPU's decode rows run the
 norm, the router's logits and the top-k in one kernel.
 
-Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
-at most E pairs (decode; where the grouped kernel runs, at most half E: `sorts_pairs`) keep the
-pairs in token order and gather each pair's expert; larger steps sort the pairs by expert and the grouped products take each expert's run of rows: on a
-GPU up to ops.expert_gemm.MAX_ROWS pairs (batched decode) the grouped kernel of
-ops/expert_gemm.py, else ops/moe_matmul.py's tiles or jax.lax.ragged_dot. Weights per expert
-are [in, out] like Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]
-(on one GPU fused into gate_up_proj [E, hidden, 2 I]: one product, one kernel); float, or the
-expert-stacked QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
+Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of at
+most E pairs (decode; where the grouped kernel runs, at most half E: `sorts_pairs`) keep the pairs
+in token order and gather each pair's expert; larger steps sort the pairs by expert and the grouped
+products take each expert's run of rows: on a GPU up to ops.expert_gemm.MAX_ROWS pairs (batched
+decode) the grouped kernel of ops/expert_gemm.py, else ops/moe_matmul.py's tiles or
+jax.lax.ragged_dot. Weights per expert are [in, out] like Linear's: gate_proj and up_proj [E,
+hidden, I], down_proj [E, I, hidden] (on one GPU fused into gate_up_proj [E, hidden, 2 I]: one
+product, one kernel); float, or the expert-stacked QuantizedWeight of quant/ (arrays with a leading
+expert axis, read by field).
 
 On a mesh (kernels.mesh has the `expert` axis) the layer runs per shard under shard_map:
     expert  each shard holds E / ep experts; every shard sees all of its data shard's tokens
@@ -220,11 +221,11 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
     expert shard those from first_expert on): float32 [N, hidden], the shard's part. norm:
     (weight, eps) of an RMSNorm applied to x first, with the router (ops.moe_router.route_rows).
 
-    Steps that do not sort their N * k pairs (`sorts_pairs`: decode) keep them in token order, each with its expert: no sort, and the combine is a sum over
-    each token's k rows; their products take the kernel of ops/expert_gemv.py where `kernels`
-    choose it. Larger steps sort the pairs by expert first and take the grouped kernel of
-    ops/expert_gemm.py where it runs (up to MAX_ROWS_PER_EXPERT pairs per expert, the one-row
-    kernel where only it does)."""
+    Steps that do not sort their N * k pairs (`sorts_pairs`: decode) keep them in token order, each
+    with its expert, and the combine is a sum over each token's k rows; their products take the
+    kernel of ops/expert_gemv.py where `kernels` choose it. Larger steps sort the pairs by expert
+    first and take the grouped kernel of ops/expert_gemm.py where it runs (up to MAX_ROWS_PER_EXPERT
+    pairs per expert, the one-row kernel where only it does)."""
     n = x.shape[0]
     if norm is None:
         probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
