@@ -52,9 +52,6 @@ class ModelRunner:
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           self.kernels.platform)
-        # prefill tables widen with their context past prefill_width (the CPU's): the warm-up
-        # lists those widths too
-        self.prefill_widens = self.kernels.platform == "cpu"
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
@@ -251,6 +248,12 @@ class ModelRunner:
         return (self._weights, self.cache, packed, floats, ints,
                 self._no_samples if prev_samples is None else prev_samples, layout, num_steps,
                 mode)
+
+    @property
+    def prefill_widens(self) -> bool:
+        """Whether prefill tables widen with their context past prefill_width (the CPU's,
+        engine.step_batch.table_widths), so that the warm-up lists those widths too."""
+        return self.kernels.platform == "cpu"
 
     def step_key(self, batch: StepBatch) -> tuple[int, int, int, int, int]:
         """The bucket (N, S, W, max_q_len, max_prefill_seqs) of the program that runs `batch`

@@ -102,9 +102,6 @@ class ShardedModelRunner(ModelRunner):
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           self.kernels.platform)
-        # prefill tables widen with their context past prefill_width (the CPU's): the warm-up
-        # lists those widths too
-        self.prefill_widens = self.kernels.platform == "cpu"
         self.graphdef, state = nnx.split(model)
         self.state, self.cfg = shard_state(state, cfg, mesh)
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))  # as ModelRunner's
