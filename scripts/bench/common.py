@@ -2,6 +2,7 @@
 measured in the same run, rows that record their error, and the printed table."""
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -13,8 +14,14 @@ from ops.tpu_chips import chip_of_device_kind
 from scripts.bench.profile import device_time_per_call
 from scripts.common import write_json
 
-__all__ = ["calibrate", "dispatch_hold", "error_text", "markdown_table", "published_floor",
-           "queued_seconds", "run_info", "time_per_call", "write_json"]
+__all__ = ["calibrate", "dispatch_hold", "error_text", "floor_TBps", "markdown_table",
+           "published_floor", "queued_seconds", "run_info", "time_per_call", "write_json"]
+
+# On the CPU the read floor is a matrix-vector product over this many bytes of float32 at most
+# (far past the caches): XLA's elementwise copy into a fresh buffer runs there at about a
+# quarter of the rate the cores read memory (2-core machine: 8.8 against 35 GB/s), so a
+# decode step, which reads its weights through such products, would beat its "floor".
+CPU_READ_BYTES = 1 << 30
 
 
 def queued_seconds(run, calls: int, runs: int, warm: bool = True) -> list[float]:
@@ -57,28 +64,46 @@ def calibrate(copy_bytes: int = 4 << 30, matmul: int = 8192, runs: int = 3, queu
               device_times: bool = False) -> dict:
     """The card's ceilings measured now: copy bandwidth (bytes read + written by one elementwise
     pass over `copy_bytes` of uint32), read bandwidth (a max over them) and the bf16 matrix
-    rate (a matmul^3 product of random values), in TB/s and TFLOP/s. With `device_times` also
+    rate (a matmul^3 product of random values), in TB/s and TFLOP/s; on the CPU also the read
+    rate of a float32 matrix-vector product (gemv_read_TBps, see CPU_READ_BYTES). With
+    `device_times` also
     the copy and matmul rates from the profiler's device time (dev_copy_TBps,
     dev_matmul_TFLOPs), which rows timed the same way are compared against."""
     x = jax.random.bits(jax.random.key(0), (copy_bytes // 4,), jnp.uint32)
     a, b = (jax.random.normal(k, (matmul, matmul), jnp.bfloat16)
             for k in jax.random.split(jax.random.key(1)))
     calib = {"copy_bytes": copy_bytes, "matmul_size": matmul}
-    for name, fn, args, work in (
-            ("copy_TBps", lambda x: x ^ jnp.uint32(1), (x,), 2 * copy_bytes),
-            ("read_TBps", jnp.max, (x,), copy_bytes),
-            ("matmul_TFLOPs", lambda a, b: a @ b, (a, b), 2 * matmul ** 3)):
+    rates = [("copy_TBps", lambda x: x ^ jnp.uint32(1), (x,), 2 * copy_bytes),
+             ("read_TBps", jnp.max, (x,), copy_bytes),
+             ("matmul_TFLOPs", lambda a, b: a @ b, (a, b), 2 * matmul ** 3)]
+    if jax.default_backend() == "cpu":
+        n = math.isqrt(min(copy_bytes, CPU_READ_BYTES) // 4)
+        m = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)  # [n, n]
+        v = jax.random.normal(jax.random.key(3), (n,), jnp.float32)  # [n]
+        rates.append(("gemv_read_TBps", lambda m, v: m @ v, (m, v), 4 * n * n))
+    for name, fn, args, work in rates:
         calib[name] = work / time_per_call(fn, args, 1, runs, queue) / 1e12
-        if device_times and name != "read_TBps":
+        if device_times and name in ("copy_TBps", "matmul_TFLOPs"):
             dev = device_time_per_call(fn, args, 1, queue)
             if "dev_us" in dev:
                 calib["dev_" + name] = work / (dev["dev_us"] * 1e-6) / 1e12
     print(f"calib: copy {calib['copy_TBps']:.2f} TB/s (read + write), read "
           f"{calib['read_TBps']:.2f} TB/s, bf16 matmul {calib['matmul_TFLOPs']:.0f} TFLOP/s"
+          + (f", matrix-vector read {calib['gemv_read_TBps']:.3f} TB/s"
+             if "gemv_read_TBps" in calib else "")
           + (f"; device time: copy {calib['dev_copy_TBps']:.2f} TB/s, matmul "
              f"{calib['dev_matmul_TFLOPs']:.0f} TFLOP/s" if "dev_copy_TBps" in calib else ""),
           flush=True)
     return calib
+
+
+def floor_TBps(calib: dict) -> float:
+    """The bandwidth, TB/s, that a memory floor divides bytes by: a TPU's published figure
+    (`published_floor`), else the fastest plain read calibrate measured (the copy; on the CPU
+    the matrix-vector product's read where faster)."""
+    if "published_TBps" in calib:
+        return calib["published_TBps"]
+    return max(calib["copy_TBps"], calib.get("gemv_read_TBps", 0.0))
 
 
 def published_floor(device_kind: str | None = None) -> dict:

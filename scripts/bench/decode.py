@@ -14,7 +14,8 @@ ModelRunner holds a paged KV cache of random values for the largest batch and co
   + dispatch) queued --steps times with one sync, median of --runs; tokens/s = B / step. The
   floor is the bytes a step must read (the weights it multiplies by + K/V of B x C tokens) over
   the copy bandwidth measured in the same run (on a TPU: the chip's published HBM bandwidth,
-  ops/tpu_chips.py); MBU = floor / step. A mixture of experts counts only the experts the
+  ops/tpu_chips.py; on the CPU a matrix-vector product's read where faster:
+  scripts.bench.common.floor_TBps); MBU = floor / step. A mixture of experts counts only the experts the
   step's B tokens are expected to touch (uniform routing, as random weights give): its
   touched-bytes floor. `loop`: the engine's loop
   without its scheduler (batch built on the host, step and argmax, tokens back every step).
@@ -54,8 +55,8 @@ from ops import moe_matmul
 from ops.backends import device_kernels
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
-from scripts.bench.common import (calibrate, error_text, markdown_table, published_floor,
-                                  run_info, write_json)
+from scripts.bench.common import (calibrate, error_text, floor_TBps, markdown_table,
+                                  published_floor, run_info, write_json)
 from scripts.common import fail, kernels_line, setup_jax
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
@@ -218,8 +219,8 @@ def decode_row(row: dict, name: str, variant: str, cfg, model, runner, rng, cali
     w = dm.weight_bytes_per_step(cfg, model, b)
     kv = dm.kv_bytes_per_step(cfg, runner.cache.k_pages[0].dtype, b, c)
     # a mesh reads its bytes with every device: the floor is the bytes over all of them
-    # on a TPU the chip's published bandwidth (scripts.bench.common.published_floor)
-    floor = (w + kv) / (calib.get("published_TBps", calib["copy_TBps"]) * 1e12) / devices
+    # on a TPU the chip's published bandwidth, on the CPU its matrix-vector read (floor_TBps)
+    floor = (w + kv) / (floor_TBps(calib) * 1e12) / devices
     row |= {"weight_bytes": w, "kv_bytes": kv, "floor_s": floor,
             "tokens_per_s": b / row["step_s"], "mbu": floor / row["step_s"],
             "roofline_tokens_per_s": b / floor}
@@ -420,7 +421,7 @@ def main(argv):
     save(results)
     calib = results["calibration"]
     print(f"\ncopy {calib['copy_TBps']:.2f} TB/s, read {calib['read_TBps']:.2f} TB/s, bf16 "
-          f"matmul {calib['matmul_TFLOPs']:.0f} TFLOP/s")
+          f"matmul {calib['matmul_TFLOPs']:.0f} TFLOP/s; floors at {floor_TBps(calib):.3f} TB/s")
     print(decode_table(results))
     print("greedy check:", json.dumps(results["greedy_check"]))
 

@@ -12,6 +12,7 @@ import pytest
 
 from configs.model import get_preset
 from models.kv_cache import kv_bytes_per_token
+from scripts.bench import common
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
 
@@ -187,3 +188,14 @@ def test_a_quantized_cache_is_filled_with_random_codes_and_scales(kv_dtype):
     assert timing["compiles_during_timing"] == 0
     assert np.isfinite(np.asarray(runner.execute(batch))).all()
     assert all(leaf.committed for leaf in jax.tree.leaves(runner.cache))
+
+
+def test_cpu_floors_divide_by_the_fastest_plain_read_measured():
+    # on the CPU calibrate also times a matrix-vector product's read, which XLA runs near the
+    # memory's rate where its elementwise copy does not; a floor takes the faster of the two,
+    # and a TPU's published bandwidth over either
+    calib = common.calibrate(copy_bytes=16 << 20, matmul=64, runs=1, queue=2)
+    assert calib["gemv_read_TBps"] > 0 and calib["copy_TBps"] > 0
+    assert common.floor_TBps(calib) == max(calib["copy_TBps"], calib["gemv_read_TBps"])
+    assert common.floor_TBps({"copy_TBps": 2.0, "gemv_read_TBps": 1.0}) == 2.0
+    assert common.floor_TBps({"copy_TBps": 2.0, "published_TBps": 0.8}) == 0.8
