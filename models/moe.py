@@ -13,15 +13,14 @@ place (tests/models/test_moe.py, against torch's choices recorded by make_golden
 router is ops/moe_router.py's: given the layer's RMSNorm (`norm`), a GPU's decode rows run the
 norm, the router's logits and the top-k in one kernel.
 
-Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of at
-most E pairs (decode; where the grouped kernel runs, at most half E: `sorts_pairs`) keep the pairs
-in token order and gather each pair's expert; larger steps sort the pairs by expert and the grouped
-products take each expert's run of rows: on a GPU up to ops.expert_gemm.MAX_ROWS pairs (batched
-decode) the grouped kernel of ops/expert_gemm.py, else ops/moe_matmul.py's tiles or
-jax.lax.ragged_dot. Weights per expert are [in, out] like Linear's: gate_proj and up_proj [E,
-hidden, I], down_proj [E, I, hidden] (on one GPU fused into gate_up_proj [E, hidden, 2 I]: one
-product, one kernel); float, or the expert-stacked QuantizedWeight of quant/ (arrays with a leading
-expert axis, read by field).
+Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
+at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
+steps sort the pairs by expert and the grouped products take each expert's run of rows: on a
+GPU up to ops.expert_gemm.MAX_ROWS pairs (batched decode) the grouped kernel of
+ops/expert_gemm.py, else ops/moe_matmul.py's tiles or jax.lax.ragged_dot. Weights per expert
+are [in, out] like Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]
+(on one GPU fused into gate_up_proj [E, hidden, 2 I]: one product, one kernel); float, or the
+expert-stacked QuantizedWeight of quant/ (arrays with a leading expert axis, read by field).
 
 On a mesh (kernels.mesh has the `expert` axis) the layer runs per shard under shard_map:
     expert  each shard holds E / ep experts; every shard sees all of its data shard's tokens
@@ -56,12 +55,6 @@ from ops.rms_norm import rms_norm
 # Steps of more tokens per data shard than this dispatch by all-to-all; the rest (decode
 # batches) by all-gather. One place: `dispatch_mode`.
 ALL_TO_ALL_MIN_TOKENS = 1024
-# Where the grouped kernel runs, a decode step sorts its pairs by expert once they are more than
-# this fraction of the experts: then many pairs share an expert, which the grouped kernel reads
-# once and the one-row kernel once per pair. qwen3-30b-a3b INT4, H100, device us of the one-row
-# against the grouped kernel (gate_up, down): 128 pairs (batch 16, 85 experts touched) 147 / 111
-# and 77 / 61; 64 pairs 77 / 72 and 41 / 38, which the sort's own kernels take back.
-SORT_PAIRS_PAST = 0.5
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # after models.llama.fuse_projections (one device): gate and up as one [E, hidden, 2 I] product
 FUSED_PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -221,11 +214,12 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
     expert shard those from first_expert on): float32 [N, hidden], the shard's part. norm:
     (weight, eps) of an RMSNorm applied to x first, with the router (ops.moe_router.route_rows).
 
-    Steps that do not sort their N * k pairs (`sorts_pairs`: decode) keep them in token order, each
-    with its expert, and the combine is a sum over each token's k rows; their products take the
-    kernel of ops/expert_gemv.py where `kernels` choose it. Larger steps sort the pairs by expert
-    first and take the grouped kernel of ops/expert_gemm.py where it runs (up to MAX_ROWS_PER_EXPERT
-    pairs per expert, the one-row kernel where only it does)."""
+    Steps whose N * k pairs take the gathered product (ops.moe_matmul.product_form: decode)
+    keep the pairs in token order, each with its expert: no sort, and the combine is a sum over
+    each token's k rows; their products take the kernel of ops/expert_gemv.py where `kernels`
+    choose it. Larger steps sort the pairs by expert first and take the grouped kernel of
+    ops/expert_gemm.py where it runs (up to MAX_ROWS_PER_EXPERT pairs per expert, the one-row
+    kernel where only it does)."""
     n = x.shape[0]
     if norm is None:
         probs, experts = route(jnp.dot(x, router.astype(x.dtype)), top_k, normalize)
@@ -233,7 +227,10 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
         x, probs, experts = route_rows(x, *norm, router, top_k=top_k, normalize=normalize,
                                        kernels=kernels)
     num_groups = jax.tree.leaves(weights["down_proj"])[0].shape[0]
-    if not sorts_pairs(x, weights, n * top_k, num_groups, kernels):
+    # Sorting a decode step's pairs for the grouped kernel, which reads a shared expert once,
+    # measured slower end to end: qwen3-30b-a3b INT4 batch 16 (128 pairs) took 19.7 ms a step
+    # sorted against 13.6 ms in token order (H100, 2026-12-06).
+    if product_form(n * top_k, num_groups) == "gathered":
         local = experts.reshape(-1) - first_expert  # [N*k] in pair order
         kept = (local >= 0) & (local < num_groups)
         every_expert = (isinstance(first_expert, int) and first_expert == 0
@@ -249,24 +246,6 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
     y = experts_mlp(IndexedRows(x, order // top_k), weights, hidden_act, kernels,
                     group_sizes=group_sizes, expert=sorted_expert)
     return combine(y, order, kept, probs, n, top_k)
-
-
-def sorts_pairs(x: jax.Array, weights: dict, num_pairs: int, num_groups: int,
-                kernels: KernelBackends | None) -> bool:
-    """Whether moe_mlp sorts a step's num_pairs (token, expert) pairs by expert over num_groups
-    experts: past ops.moe_matmul.product_form's gathered size, or where the grouped kernel takes
-    the first product, past SORT_PAIRS_PAST of the experts."""
-    if product_form(num_pairs, num_groups) != "gathered":
-        return True
-    if num_pairs <= SORT_PAIRS_PAST * num_groups:
-        return False
-    first = weights.get("gate_up_proj", weights.get("gate_proj"))
-    rows = jax.ShapeDtypeStruct((num_pairs, x.shape[1]), x.dtype)
-    sizes = jax.ShapeDtypeStruct((num_groups,), jnp.int32)
-    if isinstance(first, jax.Array):
-        return grouped_kernel_runs(rows, first, sizes, kernels)
-    return grouped_kernel_runs(rows, first.packed, sizes, kernels, first.scales, first.offsets,
-                               first.group_size)
 
 
 def dispatch_mode(tokens_per_shard: int) -> str:

@@ -271,17 +271,16 @@ def test_wgmma_steps_give_the_tokens_of_the_triton_paths(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: the kernels compiled")
 def test_a_mixture_decode_through_the_gpu_kernels_gives_the_reference_tokens(monkeypatch):
-    """bf16 tiny-qwen3-moe at shapes the GPU kernels take (hidden 256, head_dim 64, 16 experts
+    """bf16 tiny-qwen3-moe at shapes the GPU kernels take (hidden 256, head_dim 64, 8 experts
     [256, 128]), INT4 codes in groups of 128, prepared as a GPU prepares it (fused, attention
     transposed): its decode steps run the q/k norms inside the RoPE kernel, q/k/v and o in
     ops/gemv.py, the norm and router in ops/moe_router.py and the one-row expert kernel over
-    IndexedRows and GatedRows (6 pairs: at most half the experts); its prefill (11 tokens, 33
-    pairs) the grouped
+    IndexedRows and GatedRows; its prefill (11 tokens, 33 pairs over 8 experts) the grouped
     expert kernel (ops/expert_gemm.py). They give the greedy tokens of every op's reference
     path (PALLASITE_ATTENTION/GEMV/MOE/MATMUL=reference) up to a near-tie, log-probabilities
     within bf16 rounding."""
     cfg = TINY_QWEN3_MOE.replace(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                                 moe_intermediate_size=128, num_experts=16)
+                                 moe_intermediate_size=128)
     model = model_from_pure_dict(cfg, unit_scale_pure_dict(cfg, 24), jnp.bfloat16)
     model = quantize_model(cfg, model, QuantConfig("int4_rtn", group_size=128), progress=False)
     cfg, model = transpose_for_gemv(*fuse_projections(cfg, model))

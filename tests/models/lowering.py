@@ -14,9 +14,9 @@ from models.weights import abstract_model
 def lowered_step_text(cfg, kernels, *, num_pages: int, page_size: int, tokens: int, seqs: int,
                       width: int, stacked: bool = False, fused: bool = False) -> str:
     """The StableHLO text of forward(...) for `tokens` tokens of `seqs` sequences (block tables
-    [seqs, width], up to tokens / 2 a sequence (at least 1), up to two of them prefills), bf16
-    weights and pages (with `fused`, as models.llama.fuse_projections leaves them), with
-    `kernels`, lowered for CUDA (the caller holds the h200_lowering fixture)."""
+    [seqs, width], up to tokens / 2 a sequence, two of them prefills), bf16 weights and pages
+    (with `fused`, as models.llama.fuse_projections leaves them), with `kernels`, lowered for
+    CUDA (the caller holds the h200_lowering fixture)."""
     if fused:
         cfg, model = cfg.replace(fused_projections=True), nnx.eval_shape(
             lambda: fuse_projections(cfg, LlamaForCausalLM(cfg, nnx.Rngs(0), jnp.bfloat16))[1])
@@ -30,7 +30,7 @@ def lowered_step_text(cfg, kernels, *, num_pages: int, page_size: int, tokens: i
         positions=spec((tokens,), jnp.int32), slot_mapping=spec((tokens,), jnp.int32),
         block_tables=spec((seqs, width), jnp.int32),
         query_start_loc=spec((seqs + 1,), jnp.int32), kv_lens=spec((seqs,), jnp.int32),
-        max_q_len=max(1, tokens // 2), max_prefill_seqs=min(2, seqs))
+        max_q_len=tokens // 2, max_prefill_seqs=2)
 
     def step(state, cache, tokens, meta):
         return forward(nnx.merge(graphdef, state), cache, tokens, meta, cfg, kernels=kernels)

@@ -23,7 +23,7 @@ from engine.runner import full_sequence_logits
 from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
 from models.kv_cache import init_kv_cache
 from models.llama import AttentionMetadata, forward
-from models.moe import SORT_PAIRS_PAST, moe_mlp, sorts_pairs
+from models.moe import moe_mlp
 from models.prepare import prepare_for_device
 from models.weights import abstract_model, random_model
 from ops.moe_router import route
@@ -125,21 +125,6 @@ def test_moe_layer_matches_float64(n, normalize, dtype, tol):
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < tol
 
 
-def test_decode_steps_sort_their_pairs_past_half_the_experts_where_the_grouped_kernel_runs():
-    """Past E / 2 pairs many share an expert, which the grouped kernel reads once: a GPU step
-    sorts them; the reference sorts only past E (its gathered form), as does a GPU step whose
-    experts the grouped kernel refuses (float32)."""
-    x = jnp.ones((1, 256), jnp.bfloat16)
-    bf16 = {"gate_up_proj": jnp.ones((8, 256, 256), jnp.bfloat16)}
-    f32 = {"gate_up_proj": jnp.ones((8, 256, 256), jnp.float32)}
-    gpu, cpu = select_kernels("gpu", hopper=True), select_kernels("cpu")
-    assert [sorts_pairs(x, bf16, pairs, 8, gpu) for pairs in (4, 5, 8, 9)] == [
-        False, True, True, True]
-    assert [sorts_pairs(x, bf16, pairs, 8, cpu) for pairs in (4, 5, 8, 9)] == [
-        False, False, False, True]
-    assert not sorts_pairs(x.astype(jnp.float32), f32, 6, 8, gpu)
-
-
 @pytest.mark.parametrize("form", moe_matmul.FORMS)
 def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
     monkeypatch.setattr(moe_matmul, "TILE_ROWS", 2)  # groups of 3 and 4 rows: 2 tiles each
@@ -211,7 +196,7 @@ def test_hf_loader_reads_every_expert_layout():
                          ids=["decode", "batched decode", "prefill"])
 def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: F811
     """Two layers of the real shapes, bf16, lowered for an H200 with the GPU kernels: the
-    one-row kernel (ops/expert_gemv.py) for up to E / 2 pairs in token order, the grouped kernel
+    one-row kernel (ops/expert_gemv.py) for up to E pairs in token order, the grouped kernel
     (ops/expert_gemm.py) for the pairs sorted by expert of batched decode and prefill steps;
     no XLA expert product."""
     cfg = get_preset(name).replace(num_layers=2)
@@ -232,5 +217,5 @@ def test_preset_lowers_for_the_gpu(h200_lowering, name, tokens, seqs):  # noqa: 
     assert h200_lowering  # the attention kernel lowered too
     assert "ragged_dot" not in text
     pairs = tokens * cfg.num_experts_per_tok
-    one_row = pairs <= SORT_PAIRS_PAST * cfg.num_experts
+    one_row = pairs <= cfg.num_experts
     assert ('"expert_gemv"' in text) == one_row and ('"expert_gemm"' in text) != one_row

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs.model import get_preset
-from models.moe import SORT_PAIRS_PAST, moe_mlp
+from models.moe import moe_mlp
 from ops import expert_gemm as expert_gemm_module
 from ops import expert_gemv as expert_gemv_module
 from ops.backends import select_kernels
@@ -268,21 +268,20 @@ def test_bad_input_raises():
         expert_gemv(x, w.astype(jnp.int32), expert, **kw, interpret=True)
 
 
-@pytest.mark.parametrize("tokens,kernels_taking", [(1, ("gemv", "gemv")), (2, ("gemm", "gemv")),
-                                                   (8, ("gemm", "gemv")), (16, ("gemm", None))],
-                         ids=["decode", "decode past E / 2", "batched decode", "prefill"])
+@pytest.mark.parametrize("tokens,kernels_taking", [(2, ("gemv", "gemv")), (8, ("gemm", "gemv")),
+                                                   (16, ("gemm", None))],
+                         ids=["decode", "batched decode", "prefill"])
 @pytest.mark.parametrize("bits", [16, 4])
 @pytest.mark.parametrize("fused", [False, True], ids=["gate, up", "gate_up"])
 def test_a_mixture_step_through_the_kernel(monkeypatch, bits, tokens, kernels_taking, fused):
     """models.moe.moe_mlp of 8 experts, 3 per token, bf16 experts or asymmetric RTN INT4 codes
     in groups of 32, with the kernels chosen (interpreted) against the reference path: equal up
-    to bf16 roundings of the rows between the products. 1 token (3 rows <= half the 8
-    experts) keeps its rows in token order and takes the one-row kernel for its three products
-    (two with gate and up fused into one [E, hidden, 2 I]). 2 tokens (6 rows), 8 (24 rows, 3
-    per expert) and 16 (6 per expert) sort them by expert and take the grouped kernel
-    (ops/expert_gemm.py); INT4 groups of 32 are not whole K tiles of it, so there 2 and 8
-    tokens take the one-row kernel over the sorted rows and 16 tokens XLA's grouped
-    products."""
+    to bf16 roundings of the rows between the products. 2 tokens (6 rows <= 8 experts) keep
+    their rows in token order and take the one-row kernel for their three products (two with
+    gate and up fused into one [E, hidden, 2 I]). 8 tokens (24 rows, 3 per expert) and 16 (6
+    per expert) sort them by expert and take the grouped kernel (ops/expert_gemm.py); INT4
+    groups of 32 are not whole K tiles of it, so there 8 tokens take the one-row kernel over
+    the sorted rows and 16 tokens XLA's grouped products."""
     e, h, i, k = 8, 64, 32, 3
     keys = jax.random.split(jax.random.key(bits), 5)
     x = jax.random.normal(keys[0], (tokens, h), jnp.bfloat16)
@@ -356,12 +355,11 @@ def test_gated_rows_lower_to_triton_for_h200(h200_lowering, act):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the `gpu` tests compile the kernel for real")
-@pytest.mark.parametrize("tokens", [1, 2, 8], ids=["decode", "decode past E / 2", "batched decode"])
+@pytest.mark.parametrize("tokens", [2, 8], ids=["decode", "batched decode"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_decode_step_of_a_tiny_mixture_reaches_the_kernel(h200_lowering, tokens, fused):
-    """tiny-qwen3-moe's decode step (1 token x 3 experts: 3 rows <= half the 8 experts, in
-    token order; 2 and 8 tokens: 6 and 24 rows sorted by expert) with the GPU's kernel choice
-    runs its three
+    """tiny-qwen3-moe's decode step (2 tokens x 3 experts: 6 rows <= 8 experts, in token
+    order; 8 tokens: 24 rows sorted by expert) with the GPU's kernel choice runs its three
     expert products per layer (two with gate and up fused) through the one-row kernel, or for
     sorted rows the grouped kernel (ops/expert_gemm.py); with the reference choice, neither."""
     cfg = get_preset("tiny-qwen3-moe")
@@ -369,8 +367,8 @@ def test_decode_step_of_a_tiny_mixture_reaches_the_kernel(h200_lowering, tokens,
     gpu = select_kernels("gpu", hopper=True)
     assert gpu.moe == "pallas"
     text = lowered_step_text(cfg, gpu, **shapes)
-    one_row = tokens * cfg.num_experts_per_tok <= SORT_PAIRS_PAST * cfg.num_experts
-    name = '"expert_gemv"' if one_row else '"expert_gemm"'
+    name = '"expert_gemv"' if tokens * cfg.num_experts_per_tok <= cfg.num_experts else (
+        '"expert_gemm"')
     assert text.count(name) == (2 if fused else 3) * cfg.num_layers and h200_lowering
     text = lowered_step_text(cfg, dataclasses.replace(gpu, moe="reference"), **shapes)
     assert '"expert_gemv"' not in text and '"expert_gemm"' not in text
