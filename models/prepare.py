@@ -3,7 +3,8 @@
 Two preparations change how a step runs, not what it computes:
   * fused projections (models.llama.fuse_projections): each layer's q/k/v and gate/up kernels
     concatenated into one product each; fewer, larger matmuls in a decode step. Auto: on a GPU
-    without a mesh (the sharding rules know only the unfused weights).
+    or the CPU without a mesh (the sharding rules know only the unfused weights; on the CPU
+    SmolLM2 decodes 1.2x faster fused, FUSED_PLATFORMS).
   * layers transposed for the GEMV kernel (models.llama.transpose_for_gemv): the four fused
     products stored [out, in], so that steps of few rows run each one as a kernel with its
     RMSNorm, SiLU x up and residual add inside (ops/gemv.py), and quantized products of more
@@ -32,13 +33,18 @@ class Prepared:
     notes: tuple[str, ...]
 
 
+# Platforms whose steps measured faster with fused projections (docs/PERFORMANCE.md); a TPU's
+# are not measured yet.
+FUSED_PLATFORMS = ("gpu", "cpu")
+
+
 def fusion_wanted(requested: bool | None, platform: str, mesh) -> bool:
-    """Whether to fuse projections: `requested`, or when None auto (a GPU and no mesh).
+    """Whether to fuse projections: `requested`, or when None auto (FUSED_PLATFORMS, no mesh).
 
     ValueError when fusion is requested with a mesh.
     """
     if requested is None:
-        return platform == "gpu" and mesh is None
+        return platform in FUSED_PLATFORMS and mesh is None
     if requested and mesh is not None:
         raise ValueError("fuse_projections=True (--fuse_projections=true) needs one device: the "
                          "sharding rules of a --tp/--dp mesh know only the unfused q/k/v and "
@@ -94,8 +100,8 @@ def transpose_as_wanted(cfg: ModelConfig, model: LlamaForCausalLM, requested: bo
         return cfg, model, []
     if not cfg.fused_projections:
         if requested:
-            raise ValueError("gemv_layers needs fused projections (auto fusion is off on the "
-                             "CPU: add fuse_projections=True / --fuse_projections)")
+            raise ValueError("gemv_layers needs fused projections (auto fusion is off on this "
+                             "platform: add fuse_projections=True / --fuse_projections)")
         return cfg, model, [f"note: {label} layers left in [in, out] (projections unfused)"]
     try:
         cfg, model = transpose_for_gemv(cfg, model)

@@ -39,10 +39,12 @@ def test_load_engine_generates_what_the_command_generates():
 
 
 def test_defaults_on_the_cpu():
-    """On the CPU: float32 weights, projections left unfused (auto), and an engine config built
+    """On the CPU: float32 weights, projections fused (auto, logged), and an engine config built
     from the loaded config."""
-    loaded, settings = load_prepared(TINY_DIR, log=pytest.fail)  # no note: nothing to change
-    assert settings is None and not loaded.cfg.fused_projections
+    notes = []
+    loaded, settings = load_prepared(TINY_DIR, log=notes.append)
+    assert settings is None and loaded.cfg.fused_projections
+    assert notes == ["model: q/k/v and gate/up projections fused"]
     assert loaded.model.embed_tokens.embedding.get_value().dtype == jnp.float32
     seen = []
     engine = load_engine(TINY_DIR, engine_config=lambda c: seen.append(c) or EngineConfig(

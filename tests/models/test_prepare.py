@@ -18,7 +18,8 @@ def fresh(method=None):
 
 
 @pytest.mark.parametrize("platform,hopper,fuse,gemv,method,want_fused,want_gemv", [
-    ("cpu", False, None, None, None, False, False),    # the CPU: as loaded
+    ("cpu", False, None, None, None, True, False),     # the CPU: fused
+    ("tpu", False, None, None, None, False, False),    # a TPU: as loaded
     ("gpu", False, None, None, None, True, False),     # a GPU: fused
     ("gpu", True, None, None, None, True, False),      # float on Hopper: not transposed
     ("gpu", True, None, None, "int8", True, True),     # INT8 on Hopper: fused and transposed
@@ -33,6 +34,14 @@ def test_layout_per_device(platform, hopper, fuse, gemv, method, want_fused, wan
     assert prepared.cfg.gemv_layers == want_gemv
     assert len(prepared.notes) == want_fused + want_gemv
     assert hasattr(prepared.model.layers[0].self_attn, "qkv_proj") == want_fused
+
+
+def test_gemv_layers_where_auto_fusion_is_off_is_one_clear_error():
+    cfg, model = fresh()
+    with pytest.raises(ValueError, match=r"gemv_layers needs fused projections \(auto fusion is "
+                                         r"off on this platform: add fuse_projections=True"):
+        prepare_for_device(cfg, model, platform="tpu", hopper=False, gemv_layers=True)
+    assert not hasattr(model.layers[0].self_attn, "qkv_proj")  # untouched
 
 
 def test_a_mesh_keeps_the_unfused_layout_and_refuses_forced_fusion():

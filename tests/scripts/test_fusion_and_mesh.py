@@ -59,14 +59,10 @@ def test_gemv_layers_give_the_same_greedy_tokens(unfused):
     assert [o["token_ids"] for o in gemv] == [o["token_ids"] for o in plain]
 
 
-@pytest.mark.parametrize("flags,named", [
-    (("--fuse_projections=false",), "(--gemv_layers) needs fused projections on one device"),
-    ((), "gemv_layers needs fused projections (auto fusion is off on the CPU"),
-])
-def test_gemv_layers_without_fusion_is_one_clear_error(flags, named):
+def test_gemv_layers_without_fusion_is_one_clear_error():
     result = run_script("generate", f"--model={TINY_DIR}", "--prompt=hi", "--nowarmup",
-                        "--gemv_layers", *flags)
-    assert_one_clear_error(result, named)
+                        "--gemv_layers", "--fuse_projections=false")
+    assert_one_clear_error(result, "(--gemv_layers) needs fused projections on one device")
 
 
 def test_fused_target_and_draft_give_the_same_greedy_tokens(unfused):
@@ -86,8 +82,10 @@ def test_generate_rejects_forced_fusion_on_a_mesh():
 def test_fusion_decision():
     from models.prepare import fusion_wanted
     mesh = object()  # any mesh
-    assert fusion_wanted(None, "gpu", None) is True  # auto: a GPU without a mesh
-    assert fusion_wanted(None, "cpu", None) is False
+    assert fusion_wanted(None, "gpu", None) is True  # auto: a GPU or the CPU without a mesh
+    assert fusion_wanted(None, "cpu", None) is True
+    assert fusion_wanted(None, "tpu", None) is False
+    assert fusion_wanted(None, "cpu", mesh) is False
     assert fusion_wanted(None, "gpu", mesh) is False
     assert fusion_wanted(False, "gpu", None) is False
     assert fusion_wanted(True, "cpu", None) is True
