@@ -193,7 +193,8 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryErro
 
 
 flags.DEFINE_string("compilation_cache_dir", os.path.expanduser("~/.cache/pallasite/jax"),
-                    "jax persistent compilation cache ('' disables): a second start is faster.")
+                    "jax persistent compilation cache: a second start is faster ('': jax's own "
+                    "setting, off unless JAX_COMPILATION_CACHE_DIR names a directory).")
 
 
 flags.DEFINE_bool("exhaustive_gemm_search", False,
@@ -238,7 +239,7 @@ def startup_summary(seconds: float, since: CompileStats | None = None) -> str:
     """'ready in S s; N programs: C compiled, L loaded from the compilation cache (T s of
     compiling)': the programs counted since the snapshot `since` (default: since start-up)."""
     stats = compile_stats() - (since or CompileStats())
-    cache = "" if flags.FLAGS.compilation_cache_dir else " (--compilation_cache_dir='': off)"
+    cache = "" if jax.config.jax_compilation_cache_dir else " (compilation cache off)"
     return f"ready in {seconds:.1f}s; {stats.describe()}{cache}"
 
 

@@ -197,3 +197,20 @@ def test_write_json_replaces_the_file_whole(tmp_path):
         write_json(path, {"rows": rows + [{"bad": Unwritable()}]})
     assert json.loads(open(path).read()) == {"rows": rows}  # the last whole file stands
     assert os.listdir(tmp_path) == ["rows.json"]
+
+
+def test_the_start_up_line_says_the_compilation_cache_is_off_only_when_it_is():
+    # the line reads jax's own setting: --compilation_cache_dir='' leaves a cache that
+    # JAX_COMPILATION_CACHE_DIR names (as this test run's) on
+    import jax
+
+    from scripts.common import startup_summary
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", "/tmp/some-cache")
+        assert startup_summary(1.25).startswith("ready in 1.2s; ")
+        assert "off" not in startup_summary(1.25)
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert startup_summary(1.25).endswith(" (compilation cache off)")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
