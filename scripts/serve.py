@@ -17,6 +17,7 @@ from absl import app, flags
 
 from configs.switches import Switches
 from engine.api import load_engine
+from engine.compile_stats import report_serving_compiles
 from engine.server.app import Server
 from engine.server.serving import run_until_signal
 from scripts import common, parallel
@@ -95,6 +96,7 @@ def main(argv):
         print(f"serving {server.model_name!r} on http://{host}:{port} (OpenAI API under /v1)",
               flush=True)
         engine.compile_in_background(later, log=common.log_line)
+        report_serving_compiles(common.log_line)
 
     try:
         run_until_signal(server, FLAGS.host, FLAGS.port, listening)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs.model import TINY_LLAMA31
-from engine.compile_stats import compile_stats, count_compiles
+from engine.compile_stats import compile_stats, count_compiles, report_serving_compiles
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.sampling import sample_packed
@@ -182,3 +184,24 @@ def test_compile_all_runs_every_shape_once_and_raises_the_first_failure():
         with pytest.raises(ValueError, match="shape 3"):
             compile_all(failing, shapes, threads)
         assert sorted(seen) == list(range(1, 9)) if threads > 1 else seen == [1, 2, 3]
+
+
+def test_a_server_hears_of_compiles_on_its_serving_path_only():
+    """After report_serving_compiles a compile on a step's thread is logged with its time; the
+    ahead-of-time compile threads' (warm-up's pool, the background compile) are not."""
+    lines = []
+    x = jnp.arange(7, dtype=jnp.float32)
+    report_serving_compiles(lines.append, min_seconds=0.0)
+    try:
+        jax.jit(lambda v: v * 3.5 + 0.25)(x).block_until_ready()  # this thread: reported
+        assert len(lines) == 1 and lines[0].startswith(
+            "a step compiled a program on the serving path in ")
+        aside = threading.Thread(target=lambda: jax.jit(lambda v: v - 1.75)(x).block_until_ready(),
+                                 name="compile-in-background")
+        aside.start()
+        aside.join()
+        assert len(lines) == 1
+    finally:
+        report_serving_compiles(None)
+    jax.jit(lambda v: v / 2.5)(x).block_until_ready()
+    assert len(lines) == 1
