@@ -66,9 +66,8 @@ def calibrate(copy_bytes: int = 4 << 30, matmul: int = 8192, runs: int = 3, queu
     pass over `copy_bytes` of uint32), read bandwidth (a max over them) and the bf16 matrix
     rate (a matmul^3 product of random values), in TB/s and TFLOP/s; on the CPU also the read
     rate of a float32 matrix-vector product (gemv_read_TBps, see CPU_READ_BYTES). With
-    `device_times` also
-    the copy and matmul rates from the profiler's device time (dev_copy_TBps,
-    dev_matmul_TFLOPs), which rows timed the same way are compared against."""
+    `device_times` also the copy and matmul rates from the profiler's device time
+    (dev_copy_TBps, dev_matmul_TFLOPs), which rows timed the same way are compared against."""
     x = jax.random.bits(jax.random.key(0), (copy_bytes // 4,), jnp.uint32)
     a, b = (jax.random.normal(k, (matmul, matmul), jnp.bfloat16)
             for k in jax.random.split(jax.random.key(1)))
