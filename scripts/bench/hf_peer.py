@@ -3,13 +3,14 @@
     python -m scripts.bench.hf_peer --model=llama3.1-8b --batch=1,8 --context=512 \
         --json_out=hf.json [--static_compile]
 
-A random-weight bf16 LlamaForCausalLM of the preset's shapes, prompts of `context - 1` random
-token ids (so the decode steps attend to about `context` tokens), greedy `generate` of
---new_tokens tokens. A streamer stamps when each new token reaches the host: decode seconds per
-step = (last stamp - second stamp) / (new_tokens - 2). Eager mode (sdpa attention, dynamic
-cache), or with --static_compile a static cache compiled by torch.compile. scripts.bench.decode
-runs it in a subprocess before jax takes the GPU; a failing row is recorded and the next runs.
-torch and transformers are imported in main: they are optional.
+A random-weight bf16 transformers model of the preset's family and shapes (scripts/bench/hf_configs.py),
+prompts of `context - 1` random token ids (so the decode steps attend to about `context`
+tokens), greedy `generate` of --new_tokens tokens. A streamer stamps when each new token
+reaches the host: decode seconds per step = (last stamp - second stamp) / (new_tokens - 2).
+Eager mode (sdpa attention, dynamic cache), or with --static_compile a static cache compiled by
+torch.compile. scripts.bench.decode runs it in a subprocess before jax takes the GPU; a failing
+row is recorded and the next runs. torch and transformers are imported in main: they are
+optional.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 from absl import app, flags
 
 from configs.model import get_preset
+from scripts.bench.hf_configs import hf_config
 
 flags.DEFINE_string("model", "llama3.2-1b", "Preset name.")
 flags.DEFINE_list("batch", ["1"], "Batch sizes.")
@@ -45,18 +47,12 @@ class _Stamps:
 
 
 def hf_model(cfg, torch, transformers):
-    """A random bf16 LlamaForCausalLM of cfg's shapes, created on the GPU."""
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=cfg.attention_bias)
+    """A random bf16 transformers model of cfg's family and shapes (`hf_config`), created on
+    the GPU."""
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(hf_cfg)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg, transformers))
     torch.set_default_dtype(torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None

@@ -6,15 +6,19 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
 
-from configs.model import get_preset
+from configs.model import PRESETS, get_preset
+from models.hf_loader import config_from_hf
 from models.kv_cache import kv_bytes_per_token
 from scripts.bench import common
 from scripts.bench import decode_model as dm
 from scripts.bench import profile
+from scripts.bench.hf_configs import hf_model_type
+from tests.conftest import GOLDEN_DIR
 
 # a bare environment (no PALLASITE_* switch of the caller's), with the run's XLA flags
 ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
@@ -199,3 +203,24 @@ def test_cpu_floors_divide_by_the_fastest_plain_read_measured():
     assert common.floor_TBps(calib) == max(calib["copy_TBps"], calib["gemv_read_TBps"])
     assert common.floor_TBps({"copy_TBps": 2.0, "gemv_read_TBps": 1.0}) == 2.0
     assert common.floor_TBps({"copy_TBps": 2.0, "published_TBps": 0.8}) == 0.8
+
+
+@pytest.mark.parametrize("tiny", sorted(p.name for p in Path(GOLDEN_DIR).glob("tiny-*")))
+def test_the_hf_peer_runs_each_family_as_transformers_writes_it(tiny):
+    # the peer's transformers family, from the config fields alone, is the model_type of the
+    # directory transformers wrote for the tiny golden (Phi-3 computes Mistral's math, or
+    # Llama's without a sliding window; RoPE aside)
+    raw = json.loads((Path(GOLDEN_DIR) / tiny / "config.json").read_text())
+    want = raw["model_type"]
+    if want == "phi3":
+        want = "mistral" if raw.get("sliding_window") else "llama"
+    assert hf_model_type(config_from_hf(raw, tiny)) == want
+
+
+def test_the_hf_peer_knows_every_preset_family():
+    kinds = {name: hf_model_type(cfg) for name, cfg in PRESETS.items() if "tiny" not in name}
+    assert kinds == {
+        "smollm2-135m": "llama", "llama3.2-1b": "llama", "llama3.1-8b": "llama",
+        "qwen2.5-0.5b": "qwen2", "qwen3-8b": "qwen3", "mistral-7b": "mistral",
+        "gemma-2-9b": "gemma2", "gemma-3-12b": "gemma3_text", "phi-3-mini": "mistral",
+        "mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3_moe"}
