@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from configs.model import PRESETS, get_preset
@@ -150,8 +152,6 @@ def test_quantized_random_weights_are_made_as_codes_with_the_float_spread(quant)
     """--quant on one device makes the decoder linears as random codes (never float weights
     first), dequantizing to about the float weights' spread (std 0.02, mean 0), experts too;
     the model then runs a step with finite logits."""
-    import jax
-    import numpy as np
     from flax import nnx
     from quant.calibration import linear_modules
     from quant.qtensor import QuantizedWeight, dequantize
@@ -175,8 +175,6 @@ def test_a_quantized_cache_is_filled_with_random_codes_and_scales(kv_dtype):
     """fill_cache_random draws an int8 / fp8 cache's codes and its scales (positive, not the
     zeros it starts with), so the timed steps attend over data; every leaf then lies as the
     step's outputs do, and the timed steps reuse the warm-up's program."""
-    import jax
-    import numpy as np
     cfg, model = dm.build_model(get_preset("tiny-llama31"), jnp.float32, 3)
     runner = dm.make_runner(cfg, model, max_batch=2, max_context=32, page_size=8,
                             kv_dtype=kv_dtype)
