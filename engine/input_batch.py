@@ -208,10 +208,12 @@ class InputBatch:
         """The StepBatch of rows `slots` computing `counts` tokens each from positions
         `firsts` (tokens: all rows' token ids, concatenated)."""
         num_pages = self.num_pages[slots]  # [S]
-        return step_batch_from_arrays(
+        batch = step_batch_from_arrays(
             np.asarray(tokens, np.int32), np.asarray(counts, np.int32),
             np.asarray(firsts, np.int32), self.tables[slots, : max(int(num_pages.max()), 1)],
             num_pages, self.page_size)
+        batch.slots = slots
+        return batch
 
     def _sampling_arrays(self, requests: list[Request], slots: np.ndarray,
                          penalized: bool) -> SamplingArrays:

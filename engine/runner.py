@@ -9,9 +9,11 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache, init_kv_cache
+from engine.device_tables import DeviceTables, tables_on_device
 from engine.sampling import (SAMPLED_MODES, SamplingArrays, first_rows, pack_sampling,
                              sample_from_packed, sample_packed, sample_step, with_logprobs)
-from engine.step_batch import StepBatch, bucket, bucket_key, pad_to, padding_batch, table_widths
+from engine.step_batch import (MIN_PAGE_BUCKET, StepBatch, bucket, bucket_key, pad_to,
+                               padding_batch, table_widths)
 from engine.step_inputs import StepLayout, pack, unpack
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from models.layer_scan import scannable
@@ -33,6 +35,16 @@ def input_tokens(fields: dict, prev_samples: jax.Array) -> jax.Array:
     return jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], fields["tokens"])
 
 
+def step_fields(packed, layout: StepLayout, tables) -> dict:
+    """The step's unpacked inputs (engine/step_inputs.py) inside its program; with resident
+    tables (layout.resident), block_tables [S, W] are the rows of the device's `tables` [R, W]
+    that the packed inputs name."""
+    x = unpack(packed, layout)
+    if layout.resident:
+        x["block_tables"] = tables[x["block_tables"]]  # [S] rows -> [S, W]
+    return x
+
+
 class ModelRunner:
     """Owns the weights and the KV cache on the device, and the jitted step and sampler."""
 
@@ -41,10 +53,13 @@ class ModelRunner:
     # warm-up compiles its programs ahead of time, without running them (`warmup`)
     compiles_ahead = True
     layer_loop = "unrolled"  # set per runner: "scan" where kernels.layer_loop and the model allow
+    tables: DeviceTables | None = None  # the block tables on the device, where a runner keeps them
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
-                 kernels: KernelBackends | None = None):
+                 kernels: KernelBackends | None = None, resident_tables: bool | None = None):
+        """resident_tables: keep the block tables on the device (engine/device_tables.py;
+        None: where engine.device_tables.tables_on_device says so for these kernels)."""
         self.cfg = cfg
         # The kernel of every op family, chosen once for this device and the switches (None:
         # ops.backends.device_kernels) and passed to every traced step.
@@ -52,6 +67,11 @@ class ModelRunner:
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           self.kernels.platform)
+        if resident_tables is None:
+            resident_tables = tables_on_device(self.kernels, cfg.head_dim)
+        # Every step reads its rows of these tables: one width, the longest context's.
+        self.tables = (DeviceTables(bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET))
+                       if resident_tables else None)
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
@@ -81,14 +101,14 @@ class ModelRunner:
         self._mixed_round = jax.jit(self._mixed_round_impl, donate_argnums=(1,),
                                     static_argnames=("layout", "num_steps", "mode"))
 
-    def _step_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
+    def _step_impl(self, weights, cache, tables, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
         """One model step over the inputs packed by engine/step_inputs.py.
 
         A token whose sample_index is >= 0 is prev_samples[sample_index] instead of the host's
         id (a token the previous step sampled, whose id the host has not read yet).
         """
-        x = unpack(packed, layout)
+        x = step_fields(packed, layout, tables)
         tokens = input_tokens(x, prev_samples)
         meta = AttentionMetadata(
             positions=x["positions"], slot_mapping=x["slot_mapping"],
@@ -106,16 +126,16 @@ class ModelRunner:
         self._step, self._step_and_argmax = other._step, other._step_and_argmax
         self._multi_step, self._mixed_round = other._multi_step, other._mixed_round
 
-    def _step_and_argmax_impl(self, weights, cache, packed, prev_samples, layout: StepLayout,
-                              out_rows: int):
+    def _step_and_argmax_impl(self, weights, cache, tables, packed, prev_samples,
+                              layout: StepLayout, out_rows: int):
         """`_step_impl` and each row's greedy token in one program: (logits [S, V], greedy
         tokens int32 [out_rows] zero-padded, cache). The engine's every step runs it; batches
         with sampled rows or penalties sample its logits in a second, small program."""
-        logits, cache = self._step_impl(weights, cache, packed, prev_samples, layout)
+        logits, cache = self._step_impl(weights, cache, tables, packed, prev_samples, layout)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
 
-    def _multi_step_impl(self, weights, cache, packed, floats, ints, prev_samples,
+    def _multi_step_impl(self, weights, cache, tables, packed, floats, ints, prev_samples,
                          layout: StepLayout, num_steps: int, mode: str):
         """`num_steps` decode steps of one token per sequence in one program (a device loop):
         each step's tokens are the previous step's samples, its positions, cache slots and
@@ -126,7 +146,7 @@ class ModelRunner:
         Returns (tokens int32 [num_steps, S], the last step's tokens int32 [sample_rows]
         zero-padded (what the next step reads its in-flight tokens from), cache).
         """
-        x = unpack(packed, layout)
+        x = step_fields(packed, layout, tables)
         first_tokens = input_tokens(x, prev_samples)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return self._decode_loop(model, cache, first_tokens, x["positions"], x["kv_lens"] > 0,
@@ -170,7 +190,7 @@ class ModelRunner:
         draw = jnp.asarray(draw).astype(ints.dtype)
         return sample_from_packed(logits, floats, ints.at[2].add(draw), mode=mode)
 
-    def _mixed_round_impl(self, weights, cache, packed, floats, ints, prev_samples,
+    def _mixed_round_impl(self, weights, cache, tables, packed, floats, ints, prev_samples,
                           layout: StepLayout, num_steps: int, mode: str):
         """A step of any kind (prefill chunks and decodes mixed, `_step_impl`) and then
         num_steps - 1 decode steps of its rows, in one program. packed: the step's inputs
@@ -181,9 +201,10 @@ class ModelRunner:
         the last step's tokens [sample_rows]; cache)."""
         num_seqs = layout.num_seqs
         step_packed, complete = packed[:-num_seqs], packed[-num_seqs:] > 0
-        logits, cache = self._step_impl(weights, cache, step_packed, prev_samples, layout)
+        logits, cache = self._step_impl(weights, cache, tables, step_packed, prev_samples,
+                                        layout)
         first = self._draw(logits, floats, ints, 0, mode)  # [S]
-        x = unpack(step_packed, layout)
+        x = step_fields(step_packed, layout, tables)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         rest, last, cache = self._decode_loop(model, cache, first, x["kv_lens"], complete,
                                               x["block_tables"], floats, ints, num_steps - 1,
@@ -245,7 +266,7 @@ class ModelRunner:
             packed = np.concatenate([packed, pad_to(np.asarray(complete, np.int32),
                                                   (layout.num_seqs,), 0)])
         floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
-        return (self._weights, self.cache, packed, floats, ints,
+        return (self._weights, self.cache, self._device_tables(), packed, floats, ints,
                 self._no_samples if prev_samples is None else prev_samples, layout, num_steps,
                 mode)
 
@@ -253,31 +274,49 @@ class ModelRunner:
     def prefill_widens(self) -> bool:
         """Whether prefill tables widen with their context past prefill_width (the CPU's,
         engine.step_batch.table_widths), so that the warm-up lists those widths too."""
-        return self.kernels.platform == "cpu"
+        return self.kernels.platform == "cpu" and self.tables is None
+
+    @property
+    def fixed_width(self) -> int | None:
+        """The one table width of every step when the tables live on the device, else None."""
+        return None if self.tables is None else self.tables.width
+
+    def _device_tables(self):
+        """The device's tables, the steps' argument (None when steps send their own)."""
+        return None if self.tables is None else self.tables.device
 
     def step_key(self, batch: StepBatch) -> tuple[int, int, int, int, int]:
         """The bucket (N, S, W, max_q_len, max_prefill_seqs) of the program that runs `batch`
         (engine.step_batch.bucket_key)."""
         q_lens = np.diff(batch.query_start_loc)
         width = max(self.min_width, batch.block_tables.shape[1])
+        prefill_width = max(self.prefill_width, width)
+        if self.tables is not None:  # the device's width (a wider batch widens it: `_padded`)
+            width = prefill_width = max(self.tables.width, width)
         return bucket_key(len(batch.token_ids), batch.num_seqs, width,
                           int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
-                          max(self.max_seqs, batch.num_seqs), max(self.prefill_width, width),
+                          max(self.max_seqs, batch.num_seqs), prefill_width,
                           batch.verification)
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
-        """(layout, packed int32 inputs) of the batch padded to its bucket."""
+        """(layout, packed int32 inputs) of the batch padded to its bucket; with resident
+        tables, the batch's rows of them brought up to date on the device first."""
         key = self.step_key(batch)
         n, s, w, max_q, max_prefill = key
         self.compiled_shapes.add(key)
         start = np.full(s + 1, batch.query_start_loc[-1], np.int32)
         start[: batch.num_seqs + 1] = batch.query_start_loc
-        layout = StepLayout(n, s, w, max_q, max_prefill)
+        layout = StepLayout(n, s, w, max_q, max_prefill, resident=self.tables is not None)
+        if self.tables is None:
+            tables = pad_to(batch.block_tables, (s, w), 0)
+        else:
+            tables = pad_to(self.tables.sync(batch.block_tables, batch.kv_lens, batch.slots),
+                            (s,), 0)
         packed = pack(layout, {
             "tokens": pad_to(batch.token_ids, (n,), 0),
             "positions": pad_to(batch.positions, (n,), 0),
             "slot_mapping": pad_to(batch.slot_mapping, (n,), -1),
-            "block_tables": pad_to(batch.block_tables, (s, w), 0),
+            "block_tables": tables,
             "query_start_loc": start,
             "kv_lens": pad_to(batch.kv_lens, (s,), 0),
             "logits_indices": pad_to(batch.logits_indices, (s,), 0),
@@ -291,10 +330,10 @@ class ModelRunner:
 
     def _step_args(self, batch: StepBatch, prev_samples: jax.Array | None = None,
                    sample_index: np.ndarray | None = None) -> tuple:
-        """Every argument of the jitted step for this batch: (weights, cache, packed inputs,
-        prev_samples, layout)."""
+        """Every argument of the jitted step for this batch: (weights, cache, device tables,
+        packed inputs, prev_samples, layout)."""
         layout, packed = self._padded(batch, sample_index)
-        return (self._weights, self.cache, packed,
+        return (self._weights, self.cache, self._device_tables(), packed,
                 self._no_samples if prev_samples is None else prev_samples, layout)
 
     def execute_padded(self, batch: StepBatch, prev_samples: jax.Array | None = None,

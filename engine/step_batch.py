@@ -18,9 +18,11 @@ MIN_PAGE_BUCKET = 4
 MAX_SHORT_Q = 16  # speculative verification steps: at most this many tokens per sequence
 # On a GPU or TPU the attention kernels read only each sequence's own pages (the TPU kernel
 # copies only its sequence's table row to SMEM), so a block table wider than its sequences costs
-# only its copy to the device: steps pad their tables to at least this many tokens' pages (one
-# width, few programs, for every context up to it) and wider ones to a power of two (a step of
-# 256 sequences with a 128k-token context's full table would copy 8 MB).
+# only its copy to the device. A runner that keeps its tables on the device (one GPU:
+# engine/device_tables.py) copies none and runs every step at the longest context's width; one
+# that sends them (a TPU, a mesh) pads its steps' tables to at least this many tokens' pages
+# (one width, few programs, for every context up to it) and wider ones to a power of two (a
+# step of 256 sequences with a 128k-token context's full table would copy 8 MB).
 FIXED_WIDTH_TOKENS = 2048
 # On the CPU the jnp attention gathers and scores every key a step's table holds: prefill steps
 # pad their tables to at least this many tokens' pages (the first chunk of any prompt up to it
@@ -46,6 +48,10 @@ class StepBatch:
     kv_lens: np.ndarray
     logits_indices: np.ndarray
     verification: bool = False  # a speculative verification step (see bucket_key)
+    # int32 [S]: each sequence's row of the persistent tables (engine.input_batch's slots),
+    # which a runner with tables on the device keeps there (engine/device_tables.py); None:
+    # rows 0..S-1.
+    slots: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -21,7 +21,9 @@ class StepLayout:
     """The padded sizes of a step (static: one compiled program per layout).
 
     num_tokens N, num_seqs S, width W (block-table columns), and the attention bounds max_q_len
-    and max_prefill_seqs (see models.llama.AttentionMetadata).
+    and max_prefill_seqs (see models.llama.AttentionMetadata). resident: the step's tables are
+    rows of the device's (engine/device_tables.py); block_tables packs each sequence's row [S]
+    instead of the tables [S, W].
     """
 
     num_tokens: int
@@ -29,11 +31,12 @@ class StepLayout:
     width: int
     max_q_len: int
     max_prefill_seqs: int
+    resident: bool = False
 
     def sizes(self) -> tuple[int, ...]:
         """Lengths of the FIELDS in the packed array."""
         n, s = self.num_tokens, self.num_seqs
-        return (n, n, n, s * self.width, s + 1, s, s, n)
+        return (n, n, n, s if self.resident else s * self.width, s + 1, s, s, n)
 
     def offsets(self) -> list[int]:
         return list(np.cumsum((0,) + self.sizes()))
@@ -54,10 +57,12 @@ def pack(layout: StepLayout, arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 def unpack(packed, layout: StepLayout) -> dict:
     """The FIELDS sliced out of a packed array (jax or numpy) along its last axis, so
-    [..., L] gives [..., size] fields; block_tables as [..., S, W]."""
+    [..., L] gives [..., size] fields; block_tables as [..., S, W] (resident: the rows [..., S])."""
     fields = {}
     for name, start, size in zip(FIELDS, layout.offsets(), layout.sizes()):
         fields[name] = packed[..., start:start + size]
-    tables = fields["block_tables"]
-    fields["block_tables"] = tables.reshape(tables.shape[:-1] + (layout.num_seqs, layout.width))
+    if not layout.resident:
+        tables = fields["block_tables"]
+        fields["block_tables"] = tables.reshape(tables.shape[:-1]
+                                                + (layout.num_seqs, layout.width))
     return fields

@@ -57,7 +57,8 @@ def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
 
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,
                     max_total_len: int | None = None, prompt_lens: list[int] | None = None,
-                    prefill_width: int | None = None) -> list[tuple[list[int], int, bool]]:
+                    prefill_width: int | None = None,
+                    fixed_width: int | None = None) -> list[tuple[list[int], int, bool]]:
     """The steps (tokens of each sequence, block-table width, verification?) whose programs a
     run of an engine (a resolved EngineConfig cfg, BlockPool pool) can reach, for a runner whose
     steps pad their block tables to at least min_width pages (ModelRunner.min_width).
@@ -67,9 +68,12 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
     same with k + 1 tokens per sequence. Prefill steps: every token bucket up to the step's
     token budget times every bucket of the number of prefilling sequences, at the runner's
     least prefill width (width 1) and, given prefill_width (a runner whose prefill tables widen
-    with their context below the widest: the CPU's), at every wider width too (a GPU's prefill
-    step with a context past FIXED_WIDTH_TOKENS compiles when first reached); or, given the
-    `prompt_lens` of a run whose prompts all start at once, that first step only.
+    with their context below the widest: the CPU's), at every wider width too (on a runner that sends
+    its tables from the host, a TPU's or a mesh's, a prefill step with a context past
+    FIXED_WIDTH_TOKENS compiles when first reached); or, given the
+    `prompt_lens` of a run whose prompts all start at once, that first step only. Given
+    fixed_width (a runner whose every step has one table width: tables on the device), every
+    step has that width.
     """
     num_seqs = min(num_seqs or cfg.max_num_seqs, cfg.max_num_seqs)
     max_total_len = min(max_total_len or cfg.max_model_len, cfg.max_model_len)
@@ -81,7 +85,7 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
         least = bucket(min(least, pool.pages_needed(max_total_len)), MIN_PAGE_BUCKET)
         return [w for w in every_width if w >= least] or every_width[-1:]
 
-    widths = from_least(min_width)
+    widths = [fixed_width] if fixed_width is not None else from_least(min_width)
     shapes = [([1] * s, w, False) for s in seq_buckets for w in widths]
     if spec_config is not None:
         k1 = spec_config.num_speculative_tokens + 1

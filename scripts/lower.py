@@ -251,7 +251,8 @@ def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
                          limit=max_programs, on_program=on_program)
     # The engine's warm-up walk (engine/warmup.py) over this runner.
     num_steps = engine_cfg.num_decode_steps if runner.supports_multi_step else 1
-    shapes = reachable_steps(engine_cfg, pool, runner.min_width)
+    shapes = reachable_steps(engine_cfg, pool, runner.min_width,
+                             fixed_width=runner.fixed_width)
     try:
         for shape in shapes:
             compile_step(runner, *shape, num_steps=num_steps,

@@ -62,6 +62,9 @@ from scripts.common import fail, kernels_line, setup_jax
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
 flags.DEFINE_list("context", ["512", "4096"], "Decode contexts (tokens attended per sequence).")
+flags.DEFINE_integer("max_model_len", None, "Block tables as wide as an engine of this context "
+                     "holds (a runner keeping its tables on the device reads rows this wide); "
+                     "default: the longest --context.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and KV.")
 flags.DEFINE_enum("matmul_precision", "default", ["default", "high", "highest"],
                   "jax's default matmul precision: on a GPU 'default' lets float32 products "
@@ -193,7 +196,8 @@ def variant_setup(name: str, variant: str, dtype, mesh):
     kernels = None  # this device's choice; scan / unrolled: its layer loop forced
     if variant in ("scan", "unrolled"):
         kernels = dataclasses.replace(device_kernels(), layer_loop=variant)
-    runner = dm.make_runner(cfg, model, max(b for b, _ in shapes), max(t for _, t in shapes),
+    runner = dm.make_runner(cfg, model, max(b for b, _ in shapes),
+                            max([t for _, t in shapes] + [FLAGS.max_model_len or 0]),
                             FLAGS.page_size, mesh if variant == "mesh" else None,
                             FLAGS.kv_cache_dtype, kernels,
                             max_pages=max(b * pages(t) for b, t in shapes))

@@ -1,0 +1,116 @@
+"""Block tables kept on the device (engine/device_tables.py): the device's rows always equal the
+tables the steps were given, and an engine whose runner keeps them there (forced on the CPU,
+where the choice is off) gives the tokens of one that sends its tables with every step, through
+preemption, prefix caching, chunked prefill, asynchronous scheduling, multi-step and mixed
+rounds, and speculative verification steps (whose batches name no rows)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import engine.runner
+from engine.device_tables import DeviceTables, tables_on_device
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from engine.speculative import SpecConfig
+from ops.kernel_choice import KernelBackends
+from tests.engine.test_continuous_batching import CFG, STRESS
+from tests.engine.weights import unit_scale_model
+
+
+def random_tables(rng, num_seqs: int, width: int, num_pages: int):
+    """(tables [S, width] zero past each row's pages, pages per row, kv_lens): random rows."""
+    held = rng.integers(0, width + 1, num_seqs)
+    tables = np.zeros((num_seqs, width), np.int32)
+    for i, n in enumerate(held):
+        tables[i, :n] = rng.integers(1, num_pages, n)
+    kv_lens = np.where(held > 0, held * 16 - rng.integers(0, 16, num_seqs), 0).astype(np.int32)
+    return tables, kv_lens
+
+
+def test_the_device_rows_follow_every_sync():
+    """Random steps over random rows (sequences that gain and lose pages, rows that change
+    hands, padding rows, a wider step and a row past the table): after each, the device equals
+    the mirror, each live row equals its step's table zero-padded, padding rows are untouched,
+    and a step that changes nothing sends nothing."""
+    rng = np.random.default_rng(7)
+    tables = DeviceTables(rows=4, width=8)
+    for step in range(40):
+        num_seqs = int(rng.integers(1, 5))
+        width = 16 if step == 25 else int(rng.integers(1, 9))
+        step_tables, kv_lens = random_tables(rng, num_seqs, width, num_pages=50)
+        slots = rng.choice(4, num_seqs, replace=False).astype(np.int32)
+        if step == 30:  # a row past the table's
+            slots[0], kv_lens[0], step_tables[0, 0] = 8, 3, 9
+        idle = slots[(kv_lens == 0) & (slots < tables.host.shape[0])]
+        untouched = tables.host[idle].copy()
+        rows = tables.sync(step_tables, kv_lens, slots)
+        device = np.asarray(tables.device)
+        np.testing.assert_array_equal(device, tables.host)
+        live = kv_lens > 0
+        np.testing.assert_array_equal(rows, np.where(live, slots, 0))
+        expect = np.zeros((num_seqs, tables.width), np.int32)
+        expect[:, :width] = step_tables
+        np.testing.assert_array_equal(device[slots[live]], expect[live])
+        np.testing.assert_array_equal(tables.host[idle, : untouched.shape[1]], untouched)
+        sent = tables.entries_sent
+        tables.sync(step_tables, kv_lens, slots)
+        assert tables.entries_sent == sent
+    assert tables.width == 16 and tables.host.shape[0] >= 9
+
+
+def test_more_changes_than_one_scatter_block_all_arrive():
+    tables = DeviceTables(rows=2, width=2048)
+    step_tables = np.arange(1, 2 * 2048 + 1, dtype=np.int32).reshape(2, 2048)
+    tables.sync(step_tables, np.array([5, 7], np.int32))
+    np.testing.assert_array_equal(np.asarray(tables.device), step_tables)
+    assert tables.entries_sent == 4096
+
+
+def test_tables_live_on_the_device_only_under_the_gpu_attention_kernel():
+    gpu = KernelBackends(platform="gpu", attention="pallas")
+    assert tables_on_device(gpu, 128)
+    assert not tables_on_device(gpu, 15)  # the jnp attention of an odd head_dim
+    assert not tables_on_device(KernelBackends(platform="gpu", attention="reference"), 128)
+    assert not tables_on_device(dataclasses.replace(gpu, mesh=(("data", 2),)), 128)
+    assert not tables_on_device(KernelBackends(platform="cpu"), 64)
+    assert not tables_on_device(KernelBackends(platform="tpu", attention="pallas"), 128)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return unit_scale_model(CFG, 3)
+
+
+def run(model, engine_cfg, resident: bool, monkeypatch, spec=None):
+    """Greedy and seeded outputs of a fixed request mix on an engine whose runner keeps its
+    tables on the device or not (and the runner)."""
+    monkeypatch.setattr(engine.runner, "tables_on_device", lambda kernels, head_dim: resident)
+    llm = LLMEngine(CFG, model, None, engine_cfg=engine_cfg, spec_config=spec)
+    assert (llm.runner.tables is not None) == resident
+    rng = np.random.default_rng(3)
+    shared = rng.integers(1, CFG.vocab_size, 32).tolist()
+    prompts = [(shared[: int(rng.choice([0, 16, 32]))]
+                + rng.integers(1, CFG.vocab_size, 40).tolist())[: int(n)]
+               for n in rng.integers(2, 41, 8)]
+    params = [SamplingParams(max_tokens=int(rng.integers(4, 14)), ignore_eos=True,
+                             **({"temperature": 0.8, "seed": i} if i % 3 == 2 else {}))
+              for i in range(len(prompts))]
+    return [out.output_ids for out in llm.generate(prompts, params)], llm.runner
+
+
+@pytest.mark.parametrize("engine_cfg, spec", [
+    (STRESS, None),
+    (dataclasses.replace(STRESS, async_scheduling=True, num_decode_steps=3, mixed_rounds=True),
+     None),
+    (dataclasses.replace(STRESS, num_pages=12), SpecConfig("ngram", num_speculative_tokens=3)),
+], ids=["preempting", "async-rounds", "speculative"])
+def test_an_engine_with_device_tables_gives_the_same_tokens(model, engine_cfg, spec,
+                                                            monkeypatch):
+    sent, _ = run(model, engine_cfg, False, monkeypatch, spec)
+    kept, runner = run(model, engine_cfg, True, monkeypatch, spec)
+    assert kept == sent
+    assert runner.fixed_width == runner.tables.width
+    assert {key[2] for key in runner.compiled_shapes if len(key) == 5} == {runner.fixed_width}
