@@ -11,7 +11,10 @@ index of each sequence's row and the entries that changed.
 `DeviceTables.sync` compares a step's tables with a host mirror of the device's rows and sends
 the differences as a scatter: pages a sequence gained, a row taken over by another request,
 columns a row no longer holds (cleared, so every row is zero past its pages as on the host).
-Rows of sequences that read no keys (kv_len 0: padding) are neither synced nor read.
+Rows of sequences that read no keys (kv_len 0: padding) are neither synced nor read. The
+engine's rows carry the version of their row in engine.input_batch (bumped at each change): a
+row whose version the device already holds is not compared again, so a step's host cost grows
+with the rows that changed, not with S x W.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class DeviceTables:
     def __init__(self, rows: int, width: int):
         self.host = np.zeros((max(rows, 1), max(width, 1)), np.int32)  # [R, W] the mirror
         self.filled = np.zeros(self.host.shape[0], np.int32)  # [R] columns that may be nonzero
+        self.versions = np.full(self.host.shape[0], -1, np.int64)  # [R] synced version (-1: none)
         self.device = jnp.asarray(self.host)
         self.entries_sent = 0  # table entries written to the device so far
 
@@ -59,33 +63,51 @@ class DeviceTables:
     def width(self) -> int:
         return self.host.shape[1]
 
-    def sync(self, tables: np.ndarray, kv_lens: np.ndarray,
-             slots: np.ndarray | None = None) -> np.ndarray:
+    def sync(self, tables: np.ndarray, kv_lens: np.ndarray, slots: np.ndarray | None = None,
+             versions: np.ndarray | None = None) -> np.ndarray:
         """Brings the device rows of a step's sequences to their tables; returns int32 [S], the
         row each sequence reads (0 for a sequence with kv_len 0, which reads none).
 
         tables int32 [S, W'] (zero past each sequence's pages); kv_lens int32 [S]; slots int32
-        [S]: each sequence's row (engine.input_batch's slots; None: rows 0..S-1). A table wider
-        than the device's or a row past its rows grows it (a new width: new programs).
+        [S]: each sequence's row (engine.input_batch's slots; None: rows 0..S-1); versions
+        int64 [S]: with slots, each row's version there (None: every row is compared). A table
+        wider than the device's or a row past its rows grows it (a new width: new programs).
         """
         num_seqs, width = tables.shape
         slots = (np.arange(num_seqs, dtype=np.int32) if slots is None
                  else np.asarray(slots, np.int32))
-        live = np.flatnonzero(np.asarray(kv_lens) > 0)  # [L]
-        if not len(live):
-            return np.zeros(num_seqs, np.int32)
-        rows = slots[live]  # [L]
-        self._grow(int(rows.max()) + 1, width)
-        span = max(width, int(self.filled[rows].max()))
-        new = np.zeros((len(live), span), np.int32)  # [L, span]: zero past each row's pages
-        new[:, :width] = tables[live]
-        at_row, at_col = np.nonzero(self.host[rows, :span] != new)  # [C] each
-        if len(at_row):
-            r, c, pages = rows[at_row], at_col.astype(np.int32), new[at_row, at_col]
+        live = np.asarray(kv_lens) > 0  # [S]
+        rows_read = np.where(live, slots, 0).astype(np.int32)
+        if not live.any():
+            return rows_read
+        self._grow(int(slots[live].max()) + 1, width)
+        if versions is None:
+            stale, versions = live, np.full(num_seqs, -1, np.int64)
+        else:
+            stale = live & (self.versions[np.where(live, slots, 0)] != versions)
+        if not stale.any():
+            return rows_read
+        rows, step = slots[stale], tables[stale]  # [L], [L, W']
+        at_row, at_col = np.nonzero(self.host[rows, :width] != step)  # [C] each
+        writes = [(rows[at_row], at_col.astype(np.int32), step[at_row, at_col])]
+        for row in rows[self.filled[rows] > width].tolist():  # columns this row no longer holds
+            cols = width + np.flatnonzero(self.host[row, width:self.filled[row]])
+            writes.append((np.full(len(cols), row, np.int32), cols.astype(np.int32),
+                           np.zeros(len(cols), np.int32)))
+        r, c, pages = (np.concatenate(parts) for parts in zip(*writes))
+        if len(r):
             self.host[r, c] = pages
             self._send(r, c, pages)
         self.filled[rows] = width
-        return np.where(np.asarray(kv_lens) > 0, slots, 0).astype(np.int32)
+        self.versions[rows] = versions[stale]
+        return rows_read
+
+    def compile(self) -> None:
+        """Compiles the scatter ahead of time, from shapes alone (safe beside running steps,
+        which donate the table)."""
+        block = jax.ShapeDtypeStruct((WRITE_BLOCK,), jnp.int32)
+        _write.lower(jax.ShapeDtypeStruct(self.host.shape, jnp.int32), block, block,
+                     block).compile()
 
     def _send(self, rows: np.ndarray, cols: np.ndarray, pages: np.ndarray) -> None:
         """Scatters the entries to the device, WRITE_BLOCK at a time."""
@@ -109,4 +131,5 @@ class DeviceTables:
         new_width = old_width if width <= old_width else bucket(width)
         self.host = np.pad(self.host, ((0, new_rows - old_rows), (0, new_width - old_width)))
         self.filled = np.pad(self.filled, (0, new_rows - old_rows))
+        self.versions = np.pad(self.versions, (0, new_rows - old_rows), constant_values=-1)
         self.device = jnp.asarray(self.host)

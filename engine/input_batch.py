@@ -52,6 +52,9 @@ class InputBatch:
         self.page_size = page_size
         self.tables = np.zeros((capacity, width), np.int32)  # [slots, W] page ids
         self.num_pages = np.zeros(capacity, np.int32)  # [slots] pages written in each row
+        # [slots] a count of each row's changes: a runner that keeps the tables on the device
+        # (engine/device_tables.py) rewrites only rows whose version it has not seen
+        self.versions = np.zeros(capacity, np.int64)
         # [slots, 5] float64 (exact for every column: seeds are below 2**53)
         self.sampling = np.zeros((capacity, len(SAMPLING_COLUMNS)), np.float64)
         self.logprobs = np.zeros(capacity, np.bool_)  # [slots] the request wants logprobs
@@ -81,6 +84,7 @@ class InputBatch:
         if request.slot >= 0:
             self.tables[request.slot, : self.num_pages[request.slot]] = 0
             self.num_pages[request.slot] = 0
+            self.versions[request.slot] += 1
             self._free.append(request.slot)
             request.slot = -1
 
@@ -117,6 +121,7 @@ class InputBatch:
             pages += requests[i].pages[start:end]
         self.tables[np.repeat(rows, new), cols] = pages
         self.num_pages[rows] = ends
+        self.versions[rows] += 1
         return slots
 
     def _assign(self, request: Request) -> int:
@@ -136,6 +141,7 @@ class InputBatch:
         if rows:
             self._free = list(range(self.capacity + rows - 1, self.capacity - 1, -1)) + self._free
             self.num_pages = np.pad(self.num_pages, (0, rows))
+            self.versions = np.pad(self.versions, (0, rows))
             self.sampling = np.pad(self.sampling, ((0, rows), (0, 0)))
             self.logprobs = np.pad(self.logprobs, (0, rows))
             self.prompt_lens = np.pad(self.prompt_lens, (0, rows))
@@ -212,7 +218,7 @@ class InputBatch:
             np.asarray(tokens, np.int32), np.asarray(counts, np.int32),
             np.asarray(firsts, np.int32), self.tables[slots, : max(int(num_pages.max()), 1)],
             num_pages, self.page_size)
-        batch.slots = slots
+        batch.slots, batch.table_versions = slots, self.versions[slots]
         return batch
 
     def _sampling_arrays(self, requests: list[Request], slots: np.ndarray,

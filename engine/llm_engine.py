@@ -418,7 +418,8 @@ class LLMEngine:
                programs: list | None = None, samplers: bool = True) -> int:
         """Compiles the programs of `warmup_programs` (or `programs`, some of them: a server's
         engine.warmup.split_first) and, with `samplers`, the sampler programs of sampled rows
-        (a greedy run needs none, nor `warmup_programs`' sampled rounds); returns how many step
+        (a greedy run needs none, nor `warmup_programs`' sampled rounds), and the scatter of
+        tables kept on the device; returns how many step
         programs were new. A runner that compiles ahead of time compiles
         engine.warmup.compile_threads() programs at once."""
         if programs is None:
@@ -428,6 +429,8 @@ class LLMEngine:
         jobs = [(self._compile_program, program) for program in programs]
         if samplers:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
+        if self.runner.tables is not None:  # the scatter that keeps the device's tables
+            jobs.append((self.runner.tables.compile, ()))
         threads = compile_threads() if self.runner.compiles_ahead else 1
         compile_all(lambda compile_one, shape: compile_one(*shape), jobs, threads, progress)
         return len(self.runner.compiled_shapes) - before

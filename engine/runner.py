@@ -310,8 +310,8 @@ class ModelRunner:
         if self.tables is None:
             tables = pad_to(batch.block_tables, (s, w), 0)
         else:
-            tables = pad_to(self.tables.sync(batch.block_tables, batch.kv_lens, batch.slots),
-                            (s,), 0)
+            tables = pad_to(self.tables.sync(batch.block_tables, batch.kv_lens, batch.slots,
+                                             batch.table_versions), (s,), 0)
         packed = pack(layout, {
             "tokens": pad_to(batch.token_ids, (n,), 0),
             "positions": pad_to(batch.positions, (n,), 0),

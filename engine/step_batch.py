@@ -52,6 +52,9 @@ class StepBatch:
     # which a runner with tables on the device keeps there (engine/device_tables.py); None:
     # rows 0..S-1.
     slots: np.ndarray | None = None
+    # int64 [S]: with slots, each row's version (engine.input_batch.InputBatch.versions): a row
+    # whose version the device has already synced is not compared again.
+    table_versions: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -96,7 +96,8 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
         return shapes + [([min(n, budget) for n in prompt_lens], 1, False)]
     token_buckets = sorted({bucket(n, MIN_TOKEN_BUCKET)
                             for n in range(2, cfg.max_num_batched_tokens + 1)})
-    prefill_widths = [1] if prefill_width is None else [1] + from_least(prefill_width)[1:]
+    prefill_widths = ([fixed_width] if fixed_width is not None else
+                      [1] if prefill_width is None else [1] + from_least(prefill_width)[1:])
     for n in token_buckets:
         for p in seq_buckets:
             if 2 * p <= n:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import engine.runner
+from engine.compile_stats import compile_stats, count_compiles
 from engine.device_tables import DeviceTables, tables_on_device
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
@@ -61,12 +62,44 @@ def test_the_device_rows_follow_every_sync():
     assert tables.width == 16 and tables.host.shape[0] >= 9
 
 
+def test_rows_of_a_version_already_synced_are_not_compared_again():
+    """A row named with the version it was synced at is taken as it is (the input batch bumps
+    the version at every change); a new version is compared and written; a sync that names no
+    versions (another caller of the same rows) makes the next versioned one compare again."""
+    tables = DeviceTables(rows=4, width=8)
+    first = np.array([[1, 2, 0], [3, 0, 0]], np.int32)
+    kv_lens, slots = np.array([20, 5], np.int32), np.array([2, 0], np.int32)
+    tables.sync(first, kv_lens, slots, np.array([1, 1]))
+    sent = tables.entries_sent
+    tables.sync(first + 5, kv_lens, slots, np.array([1, 1]))  # same versions: trusted
+    assert tables.entries_sent == sent
+    grown = np.array([[1, 2, 4], [3, 0, 0]], np.int32)
+    tables.sync(grown, kv_lens, slots, np.array([2, 1]))  # row 2 changed: one page written
+    assert tables.entries_sent == sent + 1
+    np.testing.assert_array_equal(np.asarray(tables.device)[[2, 0], :3], grown)
+    tables.sync(np.array([[7]], np.int32), np.array([3], np.int32))  # row 0, no versions
+    tables.sync(grown, kv_lens, slots, np.array([2, 1]))
+    np.testing.assert_array_equal(np.asarray(tables.device)[[2, 0], :3], grown)
+
+
 def test_more_changes_than_one_scatter_block_all_arrive():
     tables = DeviceTables(rows=2, width=2048)
     step_tables = np.arange(1, 2 * 2048 + 1, dtype=np.int32).reshape(2, 2048)
     tables.sync(step_tables, np.array([5, 7], np.int32))
     np.testing.assert_array_equal(np.asarray(tables.device), step_tables)
     assert tables.entries_sent == 4096
+
+
+def test_the_scatter_compiled_ahead_is_the_one_a_step_runs():
+    """Warm-up compiles the scatter from shapes; the first step that changes a table compiles
+    nothing more (its program is the warmed one)."""
+    count_compiles()
+    tables = DeviceTables(rows=8, width=64)
+    tables.compile()
+    before = compile_stats()
+    tables.sync(np.arange(1, 9, dtype=np.int32).reshape(2, 4), np.array([3, 4], np.int32))
+    assert (compile_stats() - before).programs == 0
+    assert tables.entries_sent == 8
 
 
 def test_tables_live_on_the_device_only_under_the_gpu_attention_kernel():
@@ -90,6 +123,8 @@ def run(model, engine_cfg, resident: bool, monkeypatch, spec=None):
     monkeypatch.setattr(engine.runner, "tables_on_device", lambda kernels, head_dim: resident)
     llm = LLMEngine(CFG, model, None, engine_cfg=engine_cfg, spec_config=spec)
     assert (llm.runner.tables is not None) == resident
+    if resident:  # the warm-up lists the one width every step runs
+        assert {width for _, width, _, _ in llm.warmup_programs()} == {llm.runner.fixed_width}
     rng = np.random.default_rng(3)
     shared = rng.integers(1, CFG.vocab_size, 32).tolist()
     prompts = [(shared[: int(rng.choice([0, 16, 32]))]
