@@ -408,7 +408,7 @@ class LLMEngine:
         steps = reachable_steps(self.engine_cfg, self.pool, runner.min_width, self.spec_config,
                                 num_seqs, max_total_len, prompt_lens,
                                 runner.prefill_width if runner.prefill_widens else None,
-                                runner.fixed_width)
+                                runner.fixed_width, runner.counts_prefill_seqs)
         rounds = self.rounds
         return step_programs(steps, rounds.num_steps if rounds is not None else 1,
                              rounds is not None and rounds.mixed_rounds, sampled)

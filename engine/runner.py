@@ -20,6 +20,7 @@ from models.layer_scan import scannable
 from ops.backends import device_kernels
 from ops.kernel_choice import KernelBackends
 from ops.kv_quant import kv_cache_dtype
+from ops.paged_attention import bounds_prefill_seqs
 
 
 def model_dtype(model: LlamaForCausalLM):
@@ -54,6 +55,7 @@ class ModelRunner:
     compiles_ahead = True
     layer_loop = "unrolled"  # set per runner: "scan" where kernels.layer_loop and the model allow
     tables: DeviceTables | None = None  # the block tables on the device, where a runner keeps them
+    counts_prefill_seqs = True  # prefill programs keyed by the count of prefilling sequences
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
@@ -72,6 +74,9 @@ class ModelRunner:
         # Every step reads its rows of these tables: one width, the longest context's.
         self.tables = (DeviceTables(bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET))
                        if resident_tables else None)
+        # Whether prefill programs are keyed by how many sequences prefill at once (only the
+        # jnp attention's prefill group is sized by it).
+        self.counts_prefill_seqs = bounds_prefill_seqs(self.kernels)
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
@@ -296,7 +301,7 @@ class ModelRunner:
         return bucket_key(len(batch.token_ids), batch.num_seqs, width,
                           int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
                           max(self.max_seqs, batch.num_seqs), prefill_width,
-                          batch.verification)
+                          batch.verification, self.counts_prefill_seqs)
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket; with resident

@@ -113,14 +113,17 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
                num_prefill_seqs: int, max_seqs: int, max_width: int,
-               verification: bool = False) -> tuple[int, int, int, int, int]:
+               verification: bool = False,
+               count_prefill_seqs: bool = True) -> tuple[int, int, int, int, int]:
     """(N, S, W, max_q_len, max_prefill_seqs) of the program that runs such a batch.
 
     Decode-only steps (max_q_len 1) are keyed by the buckets of S and W. Speculative verification
     steps whose sequences each compute at most MAX_SHORT_Q tokens by S, W and the bucket q of
     max_q_len (N = S * q). Longer prefill steps pad S and W to their maxima (max_seqs,
     max_width) and the query bound to N, so they are keyed by N and the number of prefilling
-    sequences alone: few programs, all compiled at start-up.
+    sequences alone: few programs, all compiled at start-up. Without count_prefill_seqs (an
+    attention that reads the ragged batch as it is and takes no bound on them,
+    ops.paged_attention.bounds_prefill_seqs) by N alone, the bound at its most.
     """
     if max_q_len <= 1:
         s = bucket(num_seqs)
@@ -130,7 +133,7 @@ def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
         return s * q, s, bucket(width, MIN_PAGE_BUCKET), q, s
     n = bucket(num_tokens, MIN_TOKEN_BUCKET)
     return (n, bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET), n,
-            bucket(num_prefill_seqs))
+            bucket(num_prefill_seqs) if count_prefill_seqs else bucket(max_seqs))
 
 
 def table_widths(max_width: int, page_size: int, platform: str) -> tuple[int, int]:

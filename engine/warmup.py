@@ -58,7 +58,8 @@ def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,
                     max_total_len: int | None = None, prompt_lens: list[int] | None = None,
                     prefill_width: int | None = None,
-                    fixed_width: int | None = None) -> list[tuple[list[int], int, bool]]:
+                    fixed_width: int | None = None,
+                    count_prefill_seqs: bool = True) -> list[tuple[list[int], int, bool]]:
     """The steps (tokens of each sequence, block-table width, verification?) whose programs a
     run of an engine (a resolved EngineConfig cfg, BlockPool pool) can reach, for a runner whose
     steps pad their block tables to at least min_width pages (ModelRunner.min_width).
@@ -73,7 +74,8 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
     FIXED_WIDTH_TOKENS compiles when first reached); or, given the
     `prompt_lens` of a run whose prompts all start at once, that first step only. Given
     fixed_width (a runner whose every step has one table width: tables on the device), every
-    step has that width.
+    step has that width. Without count_prefill_seqs (a runner whose prefill programs are keyed
+    by the token bucket alone, engine.step_batch.bucket_key), one prefill step per token bucket.
     """
     num_seqs = min(num_seqs or cfg.max_num_seqs, cfg.max_num_seqs)
     max_total_len = min(max_total_len or cfg.max_model_len, cfg.max_model_len)
@@ -98,8 +100,9 @@ def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int |
                             for n in range(2, cfg.max_num_batched_tokens + 1)})
     prefill_widths = ([fixed_width] if fixed_width is not None else
                       [1] if prefill_width is None else [1] + from_least(prefill_width)[1:])
+    prefill_seqs = seq_buckets if count_prefill_seqs else [1]
     for n in token_buckets:
-        for p in seq_buckets:
+        for p in prefill_seqs:
             if 2 * p <= n:
                 q_lens = [2] * p
                 q_lens[0] = n - 2 * (p - 1)

@@ -160,6 +160,13 @@ def ragged_attention_by_groups(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     return out
 
 
+def bounds_prefill_seqs(kernels: KernelBackends | None) -> bool:
+    """Whether `step_attention` under these kernels sizes its work by max_prefill_seqs: only the
+    grouped jnp reference does (its prefill group); the kernels read the ragged batch as it
+    is, so a runner of theirs need not compile a program per count of prefilling sequences."""
+    return or_reference(kernels).attention == "reference"
+
+
 def step_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                    block_tables: jax.Array, query_start_loc: jax.Array, kv_lens: jax.Array, *,
                    max_q_len: int, max_prefill_seqs: int, scale: float | None = None,

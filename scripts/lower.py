@@ -252,7 +252,8 @@ def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
     # The engine's warm-up walk (engine/warmup.py) over this runner.
     num_steps = engine_cfg.num_decode_steps if runner.supports_multi_step else 1
     shapes = reachable_steps(engine_cfg, pool, runner.min_width,
-                             fixed_width=runner.fixed_width)
+                             fixed_width=runner.fixed_width,
+                             count_prefill_seqs=runner.counts_prefill_seqs)
     try:
         for shape in shapes:
             compile_step(runner, *shape, num_steps=num_steps,

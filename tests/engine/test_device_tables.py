@@ -1,8 +1,9 @@
 """Block tables kept on the device (engine/device_tables.py): the device's rows always equal the
-tables the steps were given, and an engine whose runner keeps them there (forced on the CPU,
-where the choice is off) gives the tokens of one that sends its tables with every step, through
-preemption, prefix caching, chunked prefill, asynchronous scheduling, multi-step and mixed
-rounds, and speculative verification steps (whose batches name no rows)."""
+tables the steps were given, and an engine keyed as on one GPU (forced on the CPU, where both
+choices are off: tables on the device, and prefill programs keyed by their token count alone)
+gives the tokens of one that sends its tables with every step and counts prefilling sequences,
+through preemption, prefix caching, chunked prefill, asynchronous scheduling, multi-step and
+mixed rounds, and speculative verification steps (whose batches name no rows)."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,19 +113,49 @@ def test_tables_live_on_the_device_only_under_the_gpu_attention_kernel():
     assert not tables_on_device(KernelBackends(platform="tpu", attention="pallas"), 128)
 
 
+def test_a_gpu_runner_reaches_one_width_and_one_prefill_step_per_token_bucket():
+    """A GPU engine of a 128k context and 256 sequences: every step at the one table width and
+    prefill steps keyed by their token bucket alone, 9 decode and 8 prefill steps in all
+    (sending tables and counting prefilling sequences it reached 120 steps at 7 widths, and
+    prefill steps beside longer contexts at 6 more). Only the jnp attention needs the count."""
+    from engine.block_pool import BlockPool
+    from engine.engine_config import EngineConfig, resolve_engine_config
+    from engine.step_batch import bucket_key
+    from engine.warmup import reachable_steps
+    from ops.paged_attention import bounds_prefill_seqs
+    cfg = resolve_engine_config(EngineConfig(max_model_len=131072, num_pages=9000), 131072,
+                                "gpu")
+    pool = BlockPool(9000, 16, False)
+    width = pool.pages_needed(cfg.max_model_len)
+    steps = reachable_steps(cfg, pool, width, fixed_width=width, count_prefill_seqs=False)
+    assert {w for _, w, _ in steps} == {width}
+    decodes = [q for q, _, _ in steps if max(q) == 1]
+    prefills = [q for q, _, _ in steps if max(q) > 1]
+    assert (len(decodes), len(prefills)) == (9, 8) and all(len(q) == 1 for q in prefills)
+    assert len(reachable_steps(cfg, pool, 128)) == 120
+    assert bucket_key(2048, 3, width, 2000, 2, 256, width, count_prefill_seqs=False)[4] == 256
+    assert bucket_key(2048, 3, width, 2000, 2, 256, width)[4] == 2
+    assert bounds_prefill_seqs(None) and bounds_prefill_seqs(KernelBackends(platform="gpu"))
+    assert not bounds_prefill_seqs(KernelBackends(platform="gpu", attention="pallas"))
+
+
 @pytest.fixture(scope="module")
 def model():
     return unit_scale_model(CFG, 3)
 
 
-def run(model, engine_cfg, resident: bool, monkeypatch, spec=None):
-    """Greedy and seeded outputs of a fixed request mix on an engine whose runner keeps its
-    tables on the device or not (and the runner)."""
-    monkeypatch.setattr(engine.runner, "tables_on_device", lambda kernels, head_dim: resident)
+def run(model, engine_cfg, gpu_keys: bool, monkeypatch, spec=None):
+    """Greedy and seeded outputs of a fixed request mix on an engine keyed as on one GPU or as
+    on the CPU (and the runner)."""
+    monkeypatch.setattr(engine.runner, "tables_on_device", lambda kernels, head_dim: gpu_keys)
+    monkeypatch.setattr(engine.runner, "bounds_prefill_seqs", lambda kernels: not gpu_keys)
     llm = LLMEngine(CFG, model, None, engine_cfg=engine_cfg, spec_config=spec)
-    assert (llm.runner.tables is not None) == resident
-    if resident:  # the warm-up lists the one width every step runs
-        assert {width for _, width, _, _ in llm.warmup_programs()} == {llm.runner.fixed_width}
+    assert (llm.runner.tables is not None) == gpu_keys
+    if gpu_keys:  # the warm-up lists the one width every step runs, one prefill per bucket
+        programs = llm.warmup_programs()
+        assert {width for _, width, _, _ in programs} == {llm.runner.fixed_width}
+        prefills = [q for q, _, verification, _ in programs if max(q) > 1 and not verification]
+        assert all(len(q) == 1 for q in prefills)
     rng = np.random.default_rng(3)
     shared = rng.integers(1, CFG.vocab_size, 32).tolist()
     prompts = [(shared[: int(rng.choice([0, 16, 32]))]
@@ -142,10 +173,13 @@ def run(model, engine_cfg, resident: bool, monkeypatch, spec=None):
      None),
     (dataclasses.replace(STRESS, num_pages=12), SpecConfig("ngram", num_speculative_tokens=3)),
 ], ids=["preempting", "async-rounds", "speculative"])
-def test_an_engine_with_device_tables_gives_the_same_tokens(model, engine_cfg, spec,
-                                                            monkeypatch):
-    sent, _ = run(model, engine_cfg, False, monkeypatch, spec)
-    kept, runner = run(model, engine_cfg, True, monkeypatch, spec)
-    assert kept == sent
-    assert runner.fixed_width == runner.tables.width
-    assert {key[2] for key in runner.compiled_shapes if len(key) == 5} == {runner.fixed_width}
+def test_an_engine_keyed_as_on_a_gpu_gives_the_same_tokens(model, engine_cfg, spec,
+                                                           monkeypatch):
+    cpu, _ = run(model, engine_cfg, False, monkeypatch, spec)
+    gpu, runner = run(model, engine_cfg, True, monkeypatch, spec)
+    assert gpu == cpu
+    keys = [key for key in runner.compiled_shapes if len(key) == 5]
+    assert {key[2] for key in keys} == {runner.fixed_width}
+    # prefill keys (N, max_seqs, W, N, P): every P at its most
+    prefill_bounds = {key[4] for key in keys if 1 < key[3] == key[0] and key[1] == runner.max_seqs}
+    assert prefill_bounds == {runner.max_seqs}
