@@ -3,6 +3,7 @@
     python -m scripts.bench.serving --model=llama3.1-8b --random_weights --num_requests=1000 \
         --input_len=1024 --output_len=128 --len_sigma=0 --json_out=serving.json
     python -m scripts.bench.serving ... --compare='max_num_batched_tokens=4096;num_decode_steps=4'
+    python -m scripts.bench.serving --model=qwen3-30b-a3b --random_weights --quant=int4 ...
     python -m scripts.bench.serving --url=http://127.0.0.1:8000 --num_requests=100   # a server
     python -m scripts.bench.serving --model=tiny-llama --random_weights --stub_device \
         --max_num_seqs=256 --host_phases                                  # host work only
@@ -41,9 +42,10 @@ from absl import app, flags
 from engine.llm_engine import LLMEngine
 from engine.mesh import is_main_process
 from engine.request import SamplingParams
-from quant.loader import EMBEDDED_PRESETS, load_model
+from configs.model import get_preset
+from quant.loader import EMBEDDED_PRESETS, LoadedModel, load_model
 from scripts import common, parallel
-from scripts.bench import host_phases, serving_http
+from scripts.bench import decode_model, host_phases, serving_http
 from scripts.bench.startup import measure_startup, startup_table
 from scripts.bench.stub_device import forget_run, reached_programs, stub_device
 from scripts.bench.common import markdown_table, run_info, write_json
@@ -52,6 +54,9 @@ from scripts.bench.workload import WorkloadSpec, describe, make_workload, servin
 common.define_model_flags()
 common.define_engine_flags()
 common.define_fusion_flags()
+flags.DEFINE_enum("quant", "none", list(decode_model.QUANT_METHODS), "With --random_weights of "
+                  "a preset: the decoder's linears as random INT8 / INT4 codes (groups of 128), "
+                  "made as codes, so a model too large for the device in bf16 still runs.")
 flags.DEFINE_integer("num_requests", 200, "Requests in the workload.")
 flags.DEFINE_float("request_rate", math.inf, "Poisson arrival rate, requests/s (inf: all at once).")
 flags.DEFINE_integer("input_len", 200, "Median prompt length (tokens).")
@@ -100,6 +105,20 @@ def workload_spec() -> WorkloadSpec:
     return WorkloadSpec(FLAGS.num_requests, FLAGS.request_rate, FLAGS.input_len,
                         FLAGS.output_len, FLAGS.len_sigma, FLAGS.max_input_len,
                         FLAGS.max_output_len, FLAGS.shared_prefix_len)
+
+
+def load_served_model(FLAGS, mesh) -> LoadedModel:
+    """The model of --model (random weights of a preset, with --quant as random codes)."""
+    random = FLAGS.random_weights or FLAGS.model not in EMBEDDED_PRESETS
+    dtype = common.resolve_dtype(FLAGS.dtype)
+    if FLAGS.quant == "none":
+        return load_model(FLAGS.model, dtype, random, FLAGS.seed, mesh=mesh)
+    if not random:
+        raise ValueError("--quant makes random codes of a preset's shapes (with "
+                         "--random_weights); quantize a checkpoint with scripts.quantize")
+    cfg, model = decode_model.build_model(get_preset(FLAGS.model), dtype, FLAGS.seed,
+                                          FLAGS.quant, mesh=mesh)
+    return LoadedModel(cfg, model, None, f"random:{FLAGS.model}:{FLAGS.quant}")
 
 
 def parse_compare(text: str, base) -> list[tuple[str, object]]:
@@ -352,9 +371,7 @@ def main(argv):
         if jax.process_count() > 1 and not math.isinf(FLAGS.request_rate):
             raise ValueError("with several processes --request_rate must be inf: arrivals timed "
                              "by each process's clock would give the processes different steps")
-        random = FLAGS.random_weights or FLAGS.model not in EMBEDDED_PRESETS
-        loaded = load_model(FLAGS.model, common.resolve_dtype(FLAGS.dtype), random, FLAGS.seed,
-                            mesh=mesh)
+        loaded = load_served_model(FLAGS, mesh)
         loaded = common.prepare_model(loaded, mesh)  # --fuse_projections
         engine_cfg = common.engine_config_from_flags(FLAGS, loaded.cfg)
         compare = parse_compare(FLAGS.compare, engine_cfg)
@@ -365,7 +382,7 @@ def main(argv):
     except common.USER_ERRORS as e:
         common.fail(str(e))
     results = run_info() | {"mode": "stub_device" if FLAGS.stub_device else "engine",
-                            "model": FLAGS.model} | describe(spec, work) | {
+                            "model": FLAGS.model, "quant": FLAGS.quant} | describe(spec, work) | {
         "engine": dataclasses.asdict(engine_cfg),
         "mesh": None if mesh is None else dict(mesh.shape),
         "fused_projections": loaded.cfg.fused_projections}

@@ -51,6 +51,21 @@ def test_engine_against_static_batching_and_a_compared_configuration(tmp_path):
     assert "| num_decode_steps=4 |" in stdout and "| engine flags |" in stdout
 
 
+def test_random_int4_codes_serve(tmp_path):
+    """--quant=int4: the preset's decoder linears as random INT4 codes, served as usual."""
+    stdout, result = run_bench(tmp_path, "--quant=int4", "--nostatic_baseline")
+    assert result["quant"] == "int4" and result["continuous"]["output_tokens_per_s"] > 0
+    assert result["continuous"]["programs_compiled_during_run"] == 0
+
+
+def test_quant_without_random_weights_is_one_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.serving", "--model=smollm2-135m",
+                           "--quant=int8", "--num_requests=1"], capture_output=True, text=True,
+                          timeout=300, env=ENV)
+    assert proc.returncode != 0 and "--quant makes random codes" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_stub_device_times_the_host_alone(tmp_path):
     stdout, result = run_bench(tmp_path, "--stub_device", "--num_decode_steps=4",
                                "--host_profile=" + str(tmp_path / "profile.txt"))
