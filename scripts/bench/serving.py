@@ -75,7 +75,7 @@ flags.DEFINE_bool("startup_only", False, "Measure only the start-up, as scripts.
                   "(run twice on one directory: cold, then warm).")
 flags.DEFINE_bool("startup_background", False, "With --startup_only: then also wait for the "
                   "programs compiled in the background and time them (on a GPU with default "
-                  "flags, hundreds of programs).")
+                  "flags, dozens of programs).")
 flags.DEFINE_string("compare", "", "Engine configurations also run on the same workload, "
                     "';'-separated, each comma-separated EngineConfig fields, e.g. "
                     "'max_num_batched_tokens=4096;num_decode_steps=4,async_scheduling=true'; "
