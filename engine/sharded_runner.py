@@ -49,6 +49,7 @@ from models.llama import AttentionMetadata, forward
 from models.sharding import attention_plan, put, shard_state
 from ops.backends import device_kernels
 from ops.kv_quant import kv_cache_dtype
+from ops.paged_attention import bounds_prefill_seqs
 
 
 class InBatchOrder:
@@ -102,6 +103,7 @@ class ShardedModelRunner(ModelRunner):
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           self.kernels.platform)
+        self.counts_prefill_seqs = bounds_prefill_seqs(self.kernels)  # as ModelRunner's
         self.graphdef, state = nnx.split(model)
         self.state, self.cfg = shard_state(state, cfg, mesh)
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))  # as ModelRunner's
@@ -168,7 +170,8 @@ class ShardedModelRunner(ModelRunner):
         max_q = int(q_lens.max(initial=1))
         max_seqs = max(self.max_seqs, batch.num_seqs)
         key = bucket_key(tokens, seqs, width, max_q, prefill, max_seqs,
-                         max(self.prefill_width, width))
+                         max(self.prefill_width, width),
+                         count_prefill_seqs=self.counts_prefill_seqs)
         n, s, w, q, p = key
         if n >= tokens and s >= seqs and w >= width and q >= max_q and p >= prefill:
             return key

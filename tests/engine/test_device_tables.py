@@ -3,7 +3,8 @@ tables the steps were given, and an engine keyed as on one GPU (forced on the CP
 choices are off: tables on the device, and prefill programs keyed by their token count alone)
 gives the tokens of one that sends its tables with every step and counts prefilling sequences,
 through preemption, prefix caching, chunked prefill, asynchronous scheduling, multi-step and
-mixed rounds, and speculative verification steps (whose batches name no rows)."""
+mixed rounds, and speculative verification steps (whose batches name no rows); the sharded
+runner keys its prefill programs the same way."""
 from __future__ import annotations
 
 import dataclasses
@@ -183,3 +184,22 @@ def test_an_engine_keyed_as_on_a_gpu_gives_the_same_tokens(model, engine_cfg, sp
     # prefill keys (N, max_seqs, W, N, P): every P at its most
     prefill_bounds = {key[4] for key in keys if 1 < key[3] == key[0] and key[1] == runner.max_seqs}
     assert prefill_bounds == {runner.max_seqs}
+
+
+def test_a_sharded_engine_keyed_as_on_gpus_gives_the_same_tokens(model, monkeypatch):
+    """The sharded runner (here on a one-device mesh) keys prefill programs by their token
+    bucket alone where its attention is a kernel (forced): the same tokens, one program."""
+    import engine.sharded_runner
+    from engine.mesh import make_mesh
+    outputs, keys = [], []
+    for counts in (True, False):
+        monkeypatch.setattr(engine.sharded_runner, "bounds_prefill_seqs", lambda k, c=counts: c)
+        llm = LLMEngine(CFG, model, None, engine_cfg=STRESS, mesh=make_mesh(1, 1))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(1, CFG.vocab_size, int(n)).tolist()
+                   for n in rng.integers(5, 45, 6)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        outputs.append([out.output_ids for out in outs])
+        keys.append({key for key in llm.runner.compiled_shapes if key[3] > 1})
+    assert outputs[0] == outputs[1]
+    assert len(keys[0]) > 1 and {key[4] for key in keys[1]} == {STRESS.max_num_seqs}
