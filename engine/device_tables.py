@@ -25,10 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.step_batch import bucket
+from ops.attention_tiles import kernel_takes_head_dim
 
-# The head dims ops/ragged_attention.py's GPU kernel takes (others run the jnp attention, which
-# gathers every page a table holds).
-KERNEL_HEAD_DIMS = range(16, 257, 2)
 # Entries per scatter program: one program shape; a step that changes more sends several.
 WRITE_BLOCK = 1024
 
@@ -44,9 +42,10 @@ def tables_on_device(kernels, head_dim: int) -> bool:
     on the device: where attention is the GPU kernel on one device, which reads only each
     sequence's pages. Not the jnp attention (the CPU's), which gathers the whole table; not a
     mesh, whose data shards split the tables (engine/sharded_runner.py); not yet the TPU
-    kernel, which copies its sequence's table row to SMEM (unmeasured with full-width rows)."""
+    kernel, which copies its sequence's table row to SMEM (unmeasured with full-width rows).
+    A head_dim the kernel does not take runs the jnp attention too."""
     return (kernels.platform == "gpu" and kernels.attention == "pallas" and not kernels.mesh
-            and head_dim in KERNEL_HEAD_DIMS)
+            and kernel_takes_head_dim(head_dim))
 
 
 class DeviceTables:
