@@ -16,6 +16,7 @@ from absl import flags
 
 from engine.api import default_dtype, load_prepared
 from engine.compile_stats import CompileStats, compile_stats, count_compiles
+from engine.device_tables import tables_on_device
 from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve_engine_config
 from engine.speculative import SpecConfig
 from engine.warmup import split_first
@@ -334,7 +335,8 @@ def kernels_line(kernels: KernelBackends, head_dim: int | None = None) -> str:
     """One line of the start-up summary: the platform, what each op family runs (the
     KernelEntry.backend tags of ops/backends.py; "xla" for the float products) and the layer
     loop (scan or unrolled). With the model's head_dim, attention and the KV write say so when
-    their kernel cannot take it."""
+    their kernel cannot take it, and the line says when the block tables stay on the device
+    (engine.device_tables.tables_on_device)."""
     parts = []
     for family in TABLES:
         interpreted = getattr(kernels, family, "") == "pallas_interpret"
@@ -347,7 +349,10 @@ def kernels_line(kernels: KernelBackends, head_dim: int | None = None) -> str:
             part = (f"{family} reference (head_dim {head_dim}: the kernel takes an even head_dim "
                     "of 16 to 256)")
         parts.append(part)
-    return f"kernels on {kernels.platform}: {', '.join(parts)}; layers {kernels.layer_loop}"
+    line = f"kernels on {kernels.platform}: {', '.join(parts)}; layers {kernels.layer_loop}"
+    if head_dim is not None and tables_on_device(kernels, head_dim):
+        line += "; block tables on the device"
+    return line
 
 
 def print_kernels(kernels: KernelBackends, head_dim: int | None = None, file=None) -> None:

@@ -87,12 +87,17 @@ def test_kernels_line_names_each_family_choice():
     assert "attention mesh+pallas, kv_write mesh+reference, norm reference" in sharded
     interpreted = kernels_line(select_kernels("cpu", switches=Switches(gemv="pallas_interpret")))
     assert "gemv pallas_interpret, quant_matmul reference" in interpreted
+    tables = "; block tables on the device"  # one GPU, a head_dim the kernel takes
     phi3 = kernels_line(select_kernels("gpu"), head_dim=96)  # Phi-3's heads: masked to 128
-    assert phi3 == kernels_line(select_kernels("gpu"))
+    assert phi3 == kernels_line(select_kernels("gpu")) + tables
     wide = kernels_line(select_kernels("gpu"), head_dim=512)
     assert ("attention reference (head_dim 512: the kernel takes an even head_dim of 16 to "
             "256), kv_write reference (head_dim 512") in wide
-    assert kernels_line(select_kernels("gpu"), head_dim=128) == kernels_line(select_kernels("gpu"))
+    assert not wide.endswith(tables)
+    assert (kernels_line(select_kernels("gpu"), head_dim=128)
+            == kernels_line(select_kernels("gpu")) + tables)
+    assert not kernels_line(select_kernels("cpu"), head_dim=128).endswith(tables)
+    assert not sharded.endswith(tables)
 
 
 @pytest.mark.parametrize("flag, fragments", [
