@@ -24,7 +24,7 @@ from tests.engine.weights import unit_scale_model
 
 
 def random_tables(rng, num_seqs: int, width: int, num_pages: int):
-    """(tables [S, width] zero past each row's pages, pages per row, kv_lens): random rows."""
+    """(tables [S, width] zero past each row's pages, kv_lens [S]): random rows."""
     held = rng.integers(0, width + 1, num_seqs)
     tables = np.zeros((num_seqs, width), np.int32)
     for i, n in enumerate(held):
