@@ -76,14 +76,14 @@ class DeviceTables:
         slots = (np.arange(num_seqs, dtype=np.int32) if slots is None
                  else np.asarray(slots, np.int32))
         live = np.asarray(kv_lens) > 0  # [S]
-        rows_read = np.where(live, slots, 0).astype(np.int32)
+        rows_read = np.where(live, slots, 0).astype(np.int32)  # [S]
         if not live.any():
             return rows_read
-        self._grow(int(slots[live].max()) + 1, width)
+        self._grow(int(rows_read.max()) + 1, width)
         if versions is None:
             stale, versions = live, np.full(num_seqs, -1, np.int64)
         else:
-            stale = live & (self.versions[np.where(live, slots, 0)] != versions)
+            stale = live & (self.versions[rows_read] != versions)
         if not stale.any():
             return rows_read
         rows, step = slots[stale], tables[stale]  # [L], [L, W']

@@ -55,13 +55,10 @@ class ModelRunner:
     compiles_ahead = True
     layer_loop = "unrolled"  # set per runner: "scan" where kernels.layer_loop and the model allow
     tables: DeviceTables | None = None  # the block tables on the device, where a runner keeps them
-    counts_prefill_seqs = True  # prefill programs keyed by the count of prefilling sequences
 
     def __init__(self, cfg: ModelConfig, model: LlamaForCausalLM, num_pages: int,
                  page_size: int, kv_dtype=None, max_seqs: int = 1, max_width: int = 1,
-                 kernels: KernelBackends | None = None, resident_tables: bool | None = None):
-        """resident_tables: keep the block tables on the device (engine/device_tables.py;
-        None: where engine.device_tables.tables_on_device says so for these kernels)."""
+                 kernels: KernelBackends | None = None):
         self.cfg = cfg
         # The kernel of every op family, chosen once for this device and the switches (None:
         # ops.backends.device_kernels) and passed to every traced step.
@@ -69,14 +66,10 @@ class ModelRunner:
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           self.kernels.platform)
-        if resident_tables is None:
-            resident_tables = tables_on_device(self.kernels, cfg.head_dim)
-        # Every step reads its rows of these tables: one width, the longest context's.
+        # Where the kernels allow it, every step reads its rows of tables kept on the device:
+        # one width, the longest context's (engine.device_tables.tables_on_device).
         self.tables = (DeviceTables(bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET))
-                       if resident_tables else None)
-        # Whether prefill programs are keyed by how many sequences prefill at once (only the
-        # jnp attention's prefill group is sized by it).
-        self.counts_prefill_seqs = bounds_prefill_seqs(self.kernels)
+                       if tables_on_device(self.kernels, cfg.head_dim) else None)
         self.graphdef, self.state = nnx.split(model)
         # The pages' storage: the model's dtype, or int8 / fp8 pages with float32 scales.
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))
@@ -280,6 +273,12 @@ class ModelRunner:
         """Whether prefill tables widen with their context past prefill_width (the CPU's,
         engine.step_batch.table_widths), so that the warm-up lists those widths too."""
         return self.kernels.platform == "cpu" and self.tables is None
+
+    @property
+    def counts_prefill_seqs(self) -> bool:
+        """Whether prefill programs are keyed by how many sequences prefill at once: only the
+        jnp attention's prefill group is sized by it (ops.paged_attention.bounds_prefill_seqs)."""
+        return bounds_prefill_seqs(self.kernels)
 
     @property
     def fixed_width(self) -> int | None:

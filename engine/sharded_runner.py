@@ -49,7 +49,6 @@ from models.llama import AttentionMetadata, forward
 from models.sharding import attention_plan, put, shard_state
 from ops.backends import device_kernels
 from ops.kv_quant import kv_cache_dtype
-from ops.paged_attention import bounds_prefill_seqs
 
 
 class InBatchOrder:
@@ -103,7 +102,6 @@ class ShardedModelRunner(ModelRunner):
         self.max_seqs, self.max_width = max_seqs, max_width
         self.min_width, self.prefill_width = table_widths(max_width, page_size,
                                                           self.kernels.platform)
-        self.counts_prefill_seqs = bounds_prefill_seqs(self.kernels)  # as ModelRunner's
         self.graphdef, state = nnx.split(model)
         self.state, self.cfg = shard_state(state, cfg, mesh)
         self.kv_dtype = kv_cache_dtype(kv_dtype, model_dtype(model))  # as ModelRunner's

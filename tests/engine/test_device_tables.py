@@ -189,11 +189,10 @@ def test_an_engine_keyed_as_on_a_gpu_gives_the_same_tokens(model, engine_cfg, sp
 def test_a_sharded_engine_keyed_as_on_gpus_gives_the_same_tokens(model, monkeypatch):
     """The sharded runner (here on a one-device mesh) keys prefill programs by their token
     bucket alone where its attention is a kernel (forced): the same tokens, one program."""
-    import engine.sharded_runner
     from engine.mesh import make_mesh
     outputs, keys = [], []
     for counts in (True, False):
-        monkeypatch.setattr(engine.sharded_runner, "bounds_prefill_seqs", lambda k, c=counts: c)
+        monkeypatch.setattr(engine.runner, "bounds_prefill_seqs", lambda k, c=counts: c)
         llm = LLMEngine(CFG, model, None, engine_cfg=STRESS, mesh=make_mesh(1, 1))
         rng = np.random.default_rng(0)
         prompts = [rng.integers(1, CFG.vocab_size, int(n)).tolist()
