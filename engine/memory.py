@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from configs.model import ModelConfig
 from models.kv_cache import kv_bytes_per_token
+from ops.moe_matmul import TILE_ROWS, tile_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,21 @@ def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_
     per_token = 4 * (3 * cfg.hidden_size + 2 * cfg.intermediate_size
                      + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
     logits = 4 * cfg.vocab_size * max_num_seqs * 3
-    return 2 * per_token * max_num_batched_tokens + logits + (256 << 20)
+    return (2 * per_token * max_num_batched_tokens + logits + (256 << 20)
+            + moe_reserve_bytes(cfg, max_num_batched_tokens))
+
+
+def moe_reserve_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """A mixture layer's temporaries beyond a dense MLP's, for a step of `tokens`: each
+    (token, expert) pair's row, gate-up and down products and their combine at float32 width
+    (with the tiles form's padding), and one batched product's gathered experts in the tiles
+    form (ops.moe_matmul.tile_chunk); 0 for a dense model."""
+    if not cfg.is_moe:
+        return 0
+    hidden, gate_up = cfg.hidden_size, 2 * cfg.moe_intermediate_size
+    rows = tokens * cfg.num_experts_per_tok + TILE_ROWS * cfg.num_experts
+    chunk = tile_chunk(hidden, gate_up, -(-rows // TILE_ROWS))
+    return 4 * rows * (3 * hidden + gate_up) + 4 * chunk * hidden * gate_up
 
 
 def plan_kv_cache(cfg: ModelConfig, kv_dtype, page_size: int, max_model_len: int,

@@ -16,7 +16,7 @@ norm, the router's logits and the top-k in one kernel.
 Dropless: every one of the N * k (token, expert) pairs is computed, with no capacity. Steps of
 at most E pairs (decode) keep the pairs in token order and gather each pair's expert; larger
 steps sort the pairs by expert and the grouped products take each expert's run of rows: on a
-GPU up to ops.expert_gemm.MAX_ROWS pairs (batched decode) the grouped kernel of
+GPU up to ops.expert_gemm.MAX_ROWS pairs (batched decode and prefill) the grouped kernel of
 ops/expert_gemm.py, else ops/moe_matmul.py's tiles or jax.lax.ragged_dot. Weights per expert
 are [in, out] like Linear's: gate_proj and up_proj [E, hidden, I], down_proj [E, I, hidden]
 (on one GPU fused into gate_up_proj [E, hidden, 2 I]: one product, one kernel); float, or the

@@ -44,8 +44,9 @@ BLOCK_NS = (128, 64, 32, 16)  # output columns per program, the largest that div
 # a dot's K is block_k / (codes per stored element), at least 16
 BLOCK_KS = {16: (64, 32, 16), 8: (64, 32, 16), 4: (128,)}
 BLOCK_MS = (16, 32, 64)  # rows per chunk: the smallest that holds the average run
-MAX_ROWS = 4096  # sorted rows the kernel takes: decode steps of up to 512 tokens (k = 8);
-# larger (prefill) steps keep XLA's tiles form and its large batched dots
+# sorted rows the kernel takes: steps of up to 8192 tokens at k = 8, prefill included (XLA's
+# tiles form gathers a copy of an expert per tile of 64 rows, and reads it back)
+MAX_ROWS = 65536
 MAX_ELEMENTS = 2 ** 31  # stored expert elements: the kernel's element offsets are int32
 
 

@@ -21,9 +21,9 @@ XLA forms, by rows (`product_form`):
               its rows chose. Codes are gathered as codes and enter the product as they are,
               their scales applied after it per group of K.
     tiles     more rows (LARGE_FORM "tiles"): each expert's rows padded to whole tiles of
-              TILE_ROWS, each tile multiplied by its expert's gathered weight in one batched
-              product; at most ceil(M / TILE_ROWS) + E tiles, so the work grows with M, not
-              with M x E.
+              TILE_ROWS, each tile multiplied by its expert's gathered weight in batched
+              products of at most TILE_CHUNK_BYTES of weights; at most ceil(M / TILE_ROWS) + E
+              tiles, so the work grows with M, not with M x E, and the memory does not.
     ragged    (LARGE_FORM "ragged") `jax.lax.ragged_dot`: a grouped GEMM where XLA has one (on
               a GPU behind --xla_gpu_experimental_use_ragged_dot_fusion); XLA's default GPU
               and CPU lowering expands it into a dense product over every expert.
@@ -39,6 +39,10 @@ import jax.numpy as jnp
 INT4_PER_WORD = 8
 CODE_ZEROS = {8: 128, 4: 8}  # bits -> the zero point of symmetric codes
 TILE_ROWS = 64  # rows per tile of the "tiles" form
+# bytes of gathered weights (at float32 width, as codes dequantize) per batched product of the
+# "tiles" form, at least one tile's: without a bound they are one expert per tile (qwen3-30b-a3b's
+# gate-up at a 2048-token step: 384 tiles, 2.4 GB in bf16)
+TILE_CHUNK_BYTES = 256 << 20
 LARGE_FORM = "tiles"  # the form of products of more rows than experts: "tiles" or "ragged"
 FORMS = ("gathered", "tiles", "ragged")
 # jnp.searchsorted's method: its default ("scan") is a while loop, which a GPU runs with a
@@ -142,7 +146,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         y = jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
                                preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
-    return _tiled(x, group_sizes, w.shape[0], lambda tile_expert: w[tile_expert])
+    return _tiled(x, group_sizes, w.shape[2], lambda tile_expert: w[tile_expert])
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, expert: jax.Array) -> jax.Array:
@@ -188,16 +192,35 @@ def tile_layout(group_sizes: jax.Array, rows: int, tile: int):
     return position.astype(jnp.int32), jnp.minimum(tile_expert, e - 1).astype(jnp.int32)
 
 
-def _tiled(x: jax.Array, group_sizes: jax.Array, num_experts: int, tile_weights) -> jax.Array:
-    """The "tiles" form: tile_weights(tile_expert int32 [T]) -> the tiles' weights [T, K, N]."""
+def tile_chunk(k: int, n: int, num_tiles: int) -> int:
+    """Tiles per batched product of the "tiles" form for K x N experts: as many as
+    TILE_CHUNK_BYTES of float32 weights hold, at least 1, at most num_tiles."""
+    return max(1, min(num_tiles, TILE_CHUNK_BYTES // (4 * k * n)))
+
+
+def _tiled(x: jax.Array, group_sizes: jax.Array, n: int, tile_weights) -> jax.Array:
+    """The "tiles" form of K x n experts: tile_weights(tile_expert int32 [T]) -> the tiles'
+    weights [T, K, n], called on `tile_chunk` tiles at a time (padding tiles take expert 0 and
+    rows of zeros)."""
     m, k = x.shape
     position, tile_expert = tile_layout(group_sizes, m, TILE_ROWS)
-    t = tile_expert.shape[0]
-    xp = jnp.zeros((t * TILE_ROWS, k), x.dtype).at[position].set(x, mode="drop")
-    y = jnp.einsum("tik,tkn->tin", xp.reshape(t, TILE_ROWS, k),
-                   tile_weights(tile_expert).astype(x.dtype),
-                   preferred_element_type=jnp.float32)  # [T, TILE_ROWS, N]
-    y = y.reshape(t * TILE_ROWS, -1)
+    num_tiles = tile_expert.shape[0]
+    chunk = tile_chunk(k, n, num_tiles)
+    chunks = -(-num_tiles // chunk)
+    tile_expert = jnp.pad(tile_expert, (0, chunks * chunk - num_tiles))
+    padded_rows = chunks * chunk * TILE_ROWS
+    # rows in no group (tile_layout puts them just past its tiles): past the padding tiles too
+    position = jnp.where(position < num_tiles * TILE_ROWS, position, padded_rows)
+    xp = jnp.zeros((padded_rows, k), x.dtype).at[position].set(x, mode="drop")
+
+    def product(tiles):  # ([C, TILE_ROWS, K], [C]) -> float32 [C, TILE_ROWS, N]
+        xs, experts = tiles
+        return jnp.einsum("tik,tkn->tin", xs, tile_weights(experts).astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+    tiles = xp.reshape(chunks, chunk, TILE_ROWS, k), tile_expert.reshape(chunks, chunk)
+    y = (product(jax.tree.map(lambda a: a[0], tiles)) if chunks == 1
+         else jax.lax.map(product, tiles))
+    y = y.reshape(padded_rows, -1)
     return jnp.take(y, position, axis=0, mode="fill", fill_value=0).astype(x.dtype)
 
 
@@ -258,7 +281,7 @@ def grouped_coded_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
         return dequantize_experts(packed[idx], scales[idx],
                                   None if offsets is None else offsets[idx], bits, size, x.dtype)
     if form == "tiles":
-        return _tiled(x, group_sizes, e, dequantized)
+        return _tiled(x, group_sizes, n, dequantized)
     if form == "ragged":
         y = jax.lax.ragged_dot(x, dequantized(jnp.arange(e)), group_sizes,
                                preferred_element_type=jnp.float32)

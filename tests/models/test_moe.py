@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from configs.model import get_preset
+from engine.memory import moe_reserve_bytes
 from engine.runner import full_sequence_logits
 from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
 from models.kv_cache import init_kv_cache
@@ -125,9 +126,15 @@ def test_moe_layer_matches_float64(n, normalize, dtype, tol):
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < tol
 
 
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 3 * 16 * 8 * 4], ids=["one_product", "chunks"])
 @pytest.mark.parametrize("form", moe_matmul.FORMS)
-def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
+def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form, chunk_bytes):
+    """Every form, and the tiles form in one product or in chunks of 3 of its 10 tiles (the
+    last chunk padded)."""
+    if form != "tiles" and chunk_bytes != 1 << 20:
+        pytest.skip("only the tiles form is chunked")
     monkeypatch.setattr(moe_matmul, "TILE_ROWS", 2)  # groups of 3 and 4 rows: 2 tiles each
+    monkeypatch.setattr(moe_matmul, "TILE_CHUNK_BYTES", chunk_bytes)  # 3 [16, 8] float32
     rng = np.random.default_rng(3)
     x = rng.standard_normal((10, 16)).astype(np.float32)
     w = rng.standard_normal((5, 16, 8)).astype(np.float32)
@@ -141,6 +148,24 @@ def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes[:3]), form)
+
+
+@pytest.mark.parametrize("model,tokens", [("qwen3-30b-a3b", 2048), ("mixtral-8x7b", 512)])
+def test_the_activation_reserve_holds_a_mixture_steps_temporaries(model, tokens):
+    """The XLA forms of a mixture layer at a prefill step of real shapes (compiled, not run)
+    need no more temporary memory than the engine's reserve counts for it beyond a dense
+    MLP's (engine.memory.moe_reserve_bytes): the tiles form gathers its experts in bounded
+    chunks, not one expert per tile (qwen3-30b-a3b, 2048 tokens: 3.7 GB unchunked)."""
+    cfg = get_preset(model)
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    shape = jax.ShapeDtypeStruct
+    weights = {"gate_up_proj": shape((e, h, 2 * i), jnp.bfloat16),
+               "down_proj": shape((e, i, h), jnp.bfloat16)}
+    layer = jax.jit(lambda x, r, w: moe_mlp(x, r, w, top_k=cfg.num_experts_per_tok,
+                                            normalize=True, hidden_act="silu"))
+    compiled = layer.lower(shape((tokens, h), jnp.bfloat16), shape((h, e), jnp.bfloat16),
+                           weights).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= moe_reserve_bytes(cfg, tokens)
 
 
 @pytest.mark.parametrize("quant", [None, "int4_rtn"])

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ops.expert_gemm import (ExpertGemmConfig, expert_gemm_config, expert_group_matmul,
-                             grouped_rows_coded_matmul, grouped_rows_matmul, kernel_refusal)
+from ops.expert_gemm import (MAX_ROWS, ExpertGemmConfig, expert_gemm_config,
+                             expert_group_matmul, grouped_rows_coded_matmul, grouped_rows_matmul,
+                             kernel_refusal)
 from ops.kernel_choice import KernelBackends
 from ops.moe_matmul import ACTIVATIONS, GatedRows, IndexedRows
 from tests.ops.test_expert_gemv import check, float64_want, operands
@@ -103,7 +104,8 @@ def test_dispatch_and_refusals():
     check(grouped_rows_matmul(xb, wb, gb, partials=True)[0], want_rows(xb, wb, eb, {}))
     assert "bf16" in kernel_refusal(xb.astype(jnp.float32), wb, gb)
     assert "whole tiles" in kernel_refusal(xb, wb[:, :, :40], gb)
-    assert "rows" in kernel_refusal(jax.ShapeDtypeStruct((4100, 64), jnp.bfloat16), wb, gb)
+    assert "rows" in kernel_refusal(jax.ShapeDtypeStruct((MAX_ROWS + 4, 64), jnp.bfloat16),
+                                    wb, gb)
     assert kernel_refusal(xb, wb, gb) is None
     with pytest.raises(ValueError, match="group sizes"):
         expert_group_matmul(xb, wb, gb[:1])
