@@ -155,7 +155,7 @@ def test_the_activation_reserve_holds_a_mixture_steps_temporaries(model, tokens)
     """The XLA forms of a mixture layer at a prefill step of real shapes (compiled, not run)
     need no more temporary memory than the engine's reserve counts for it beyond a dense
     MLP's (engine.memory.moe_reserve_bytes): the tiles form gathers its experts in bounded
-    chunks, not one expert per tile (qwen3-30b-a3b, 2048 tokens: 3.7 GB unchunked)."""
+    chunks, not one expert per tile (qwen3-30b-a3b, 2048 tokens: 3.65 GiB unchunked)."""
     cfg = get_preset(model)
     h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     shape = jax.ShapeDtypeStruct
