@@ -126,15 +126,14 @@ def test_moe_layer_matches_float64(n, normalize, dtype, tol):
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < tol
 
 
-@pytest.mark.parametrize("chunk_bytes", [1 << 20, 3 * 16 * 8 * 4], ids=["one_product", "chunks"])
-@pytest.mark.parametrize("form", moe_matmul.FORMS)
+@pytest.mark.parametrize("form,chunk_bytes",
+                         [(form, 1 << 20) for form in moe_matmul.FORMS]
+                         + [("tiles", 3 * 16 * 8 * 4)])  # 3 [16, 8] float32 experts
 def test_grouped_matmul_empty_groups_and_spare_rows(monkeypatch, form, chunk_bytes):
     """Every form, and the tiles form in one product or in chunks of 3 of its 10 tiles (the
     last chunk padded)."""
-    if form != "tiles" and chunk_bytes != 1 << 20:
-        pytest.skip("only the tiles form is chunked")
     monkeypatch.setattr(moe_matmul, "TILE_ROWS", 2)  # groups of 3 and 4 rows: 2 tiles each
-    monkeypatch.setattr(moe_matmul, "TILE_CHUNK_BYTES", chunk_bytes)  # 3 [16, 8] float32
+    monkeypatch.setattr(moe_matmul, "TILE_CHUNK_BYTES", chunk_bytes)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((10, 16)).astype(np.float32)
     w = rng.standard_normal((5, 16, 8)).astype(np.float32)
