@@ -84,10 +84,14 @@ class EngineConfig:
     # while requests wait, fewer than 1/16 of the slots are free. It halves the engine's Python
     # per model step (measured faster on the H200: docs/PERFORMANCE.md).
     mixed_rounds: bool = True
+    # Programs compiled at once ahead of time (engine/warmup.py). Default: the host's cores, at
+    # most 16. Side by side, the 48-layer programs of a large mixture compile slower than one at
+    # a time (docs/PERFORMANCE.md, Start-up): 1 suits them, and a host short of memory.
+    compile_threads: int | None = None
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
-                     "num_decode_steps", "kv_cache_memory"):
+                     "num_decode_steps", "kv_cache_memory", "compile_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -421,7 +421,8 @@ class LLMEngine:
         (a greedy run needs none, nor `warmup_programs`' sampled rounds), and the scatter of
         tables kept on the device; returns how many step
         programs were new. A runner that compiles ahead of time compiles
-        engine.warmup.compile_threads() programs at once."""
+        EngineConfig.compile_threads (default engine.warmup.compile_threads()) programs at
+        once."""
         if programs is None:
             programs = self.warmup_programs(num_seqs, max_total_len, prompt_lens,
                                             sampled=samplers)
@@ -431,7 +432,8 @@ class LLMEngine:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
         if self.runner.tables is not None:  # the scatter that keeps the device's tables
             jobs.append((self.runner.tables.compile, ()))
-        threads = compile_threads() if self.runner.compiles_ahead else 1
+        threads = ((self.engine_cfg.compile_threads or compile_threads())
+                   if self.runner.compiles_ahead else 1)
         compile_all(lambda compile_one, shape: compile_one(*shape), jobs, threads, progress)
         return len(self.runner.compiled_shapes) - before
 

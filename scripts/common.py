@@ -98,6 +98,10 @@ def define_engine_flags() -> None:
                       "num_decode_steps - 1 decode steps of its rows in one program, when more "
                       "than half of the sequence slots are scheduled (--nomixed_rounds: such "
                       "steps run alone).")
+    flags.DEFINE_integer("compile_threads", None,
+                         "Programs compiled at once at start-up (default: the host's cores, at "
+                         "most 16; 1 for a large mixture of experts, whose programs compile "
+                         "slower side by side, or a host short of memory).")
 
 
 def define_kv_cache_dtype_flag() -> None:
@@ -177,7 +181,8 @@ def engine_config_from_flags(FLAGS, cfg):
                              enable_chunked_prefill=FLAGS.enable_chunked_prefill, seed=FLAGS.seed,
                              async_scheduling=FLAGS.async_scheduling,
                              num_decode_steps=FLAGS.num_decode_steps,
-                             mixed_rounds=FLAGS.mixed_rounds)
+                             mixed_rounds=FLAGS.mixed_rounds,
+                             compile_threads=FLAGS.compile_threads)
     resolved = resolve_engine_config(requested, cfg.max_position_embeddings,
                                      jax.default_backend())
     return dataclasses.replace(resolved, max_model_len=FLAGS.max_model_len)

@@ -14,7 +14,8 @@ from engine.compile_stats import compile_stats, count_compiles, report_serving_c
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.sampling import sample_packed
-from engine.warmup import compile_all, split_first
+from engine import llm_engine
+from engine.warmup import compile_all, compile_threads, split_first
 from models.weights import random_model
 
 
@@ -50,6 +51,28 @@ def test_a_run_after_warmup_compiles_nothing():
     assert [len(o.output_ids) for o in outs] == [p.max_tokens for p in params]
     assert engine.runner.compiled_shapes == compiled
     assert (compile_stats() - before).programs == 0  # the samplers' too (compiled ahead)
+
+
+@pytest.mark.parametrize("threads", [None, 1, 3])
+def test_warm_up_compiles_as_many_programs_at_once_as_the_config_says(monkeypatch, threads):
+    """EngineConfig.compile_threads: how many programs warm-up compiles side by side (None: the
+    host's cores, at most 16); every program is still compiled once. Below 1 it is refused."""
+    seen = []
+    real = llm_engine.compile_all
+
+    def recording(compile_one, jobs, count, progress=None):
+        seen.append(count)
+        real(compile_one, jobs, count, progress)
+
+    monkeypatch.setattr(llm_engine, "compile_all", recording)
+    cfg = TINY_LLAMA31
+    engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
+        max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, compile_threads=threads))
+    programs = engine.warmup_programs()[:3]
+    assert engine.warmup(programs=programs, samplers=False) == len(programs)
+    assert seen == [threads or compile_threads()]
+    with pytest.raises(ValueError, match="compile_threads must be an integer >= 1"):
+        EngineConfig(compile_threads=0)
 
 
 def test_sampled_rounds_are_warm_too():
