@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from configs.model import TINY_LLAMA31
+from engine import llm_engine
 from engine.compile_stats import compile_stats, count_compiles, report_serving_compiles
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from engine.sampling import sample_packed
-from engine import llm_engine
 from engine.warmup import compile_all, compile_threads, split_first
 from models.weights import random_model
 
