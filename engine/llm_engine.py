@@ -420,9 +420,7 @@ class LLMEngine:
         engine.warmup.split_first) and, with `samplers`, the sampler programs of sampled rows
         (a greedy run needs none, nor `warmup_programs`' sampled rounds), and the scatter of
         tables kept on the device; returns how many step
-        programs were new. A runner that compiles ahead of time compiles
-        EngineConfig.compile_threads (default engine.warmup.compile_threads()) programs at
-        once."""
+        programs were new, `warmup_threads` at once."""
         if programs is None:
             programs = self.warmup_programs(num_seqs, max_total_len, prompt_lens,
                                             sampled=samplers)
@@ -432,10 +430,17 @@ class LLMEngine:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
         if self.runner.tables is not None:  # the scatter that keeps the device's tables
             jobs.append((self.runner.tables.compile, ()))
-        threads = ((self.engine_cfg.compile_threads or compile_threads())
-                   if self.runner.compiles_ahead else 1)
-        compile_all(lambda compile_one, shape: compile_one(*shape), jobs, threads, progress)
+        compile_all(lambda compile_one, shape: compile_one(*shape), jobs, self.warmup_threads,
+                    progress)
         return len(self.runner.compiled_shapes) - before
+
+    @property
+    def warmup_threads(self) -> int:
+        """How many programs `warmup` compiles at once: EngineConfig.compile_threads, by default
+        engine.warmup.compile_threads(); 1 for a runner that warms up by running steps."""
+        if not self.runner.compiles_ahead:
+            return 1
+        return self.engine_cfg.compile_threads or compile_threads()
 
     def _compile_program(self, q_lens, width: int, verification: bool, program: str) -> None:
         """One of `warmup_programs`' programs (engine.warmup.compile_program)."""

@@ -271,7 +271,7 @@ def warmup_for_serving(engine, background: bool) -> list:
             print(f"compilation cache warm: {len(first)} first programs load in the "
                   "background", file=sys.stderr, flush=True)
             first, later = [], first + later
-    engine.warmup(programs=first, progress=print_progress("compiling"))
+    engine.warmup(programs=first, progress=print_progress("compiling", engine.warmup_threads))
     return later
 
 
@@ -284,17 +284,26 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def print_progress(label: str):
-    """A progress callback (done, total) that rewrites one line on stderr: done/total, the
-    time so far and, until the end, the time left if the rest go at the average pace."""
+def progress_line(label: str, done: int, total: int, elapsed: float,
+                  at_once: int = 1) -> str:
+    """'label done/total (elapsed s, ...)': until the end, the time left if the rest go at the
+    average pace; with `at_once` jobs side by side, only once that many have finished (the
+    first to finish are the cheapest, and the rest end together), else how many run at once."""
+    if done >= total or done < 1:
+        return f"{label} {done}/{total} ({elapsed:.1f}s)"
+    if done < at_once:
+        return f"{label} {done}/{total} ({elapsed:.1f}s, {min(at_once, total)} at once)"
+    left = elapsed / done * (total - done)
+    return f"{label} {done}/{total} ({elapsed:.1f}s, about {left:.0f}s left)"
+
+
+def print_progress(label: str, at_once: int = 1):
+    """A progress callback (done, total) that rewrites one line on stderr (`progress_line`)."""
     start = time.perf_counter()
 
     def report(done: int, total: int) -> None:
-        elapsed = time.perf_counter() - start
-        left = f", about {elapsed / done * (total - done):.0f}s left" if 0 < done < total else ""
-        end = "\n" if done == total else ""
-        line = f"{label} {done}/{total} ({elapsed:.1f}s{left})"
-        print(f"\r{line:<60}", end=end, file=sys.stderr, flush=True)
+        line = progress_line(label, done, total, time.perf_counter() - start, at_once)
+        print(f"\r{line:<60}", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
     return report
 

@@ -95,8 +95,8 @@ def main(argv):
         if FLAGS.warmup:
             longest = max(len(p) for p in prompt_ids)
             engine.warmup(len(prompt_ids), longest + FLAGS.max_tokens,
-                          [len(p) for p in prompt_ids], progress=common.print_progress("compiling"),
-                          samplers=FLAGS.temperature > 0)
+                          [len(p) for p in prompt_ids], samplers=FLAGS.temperature > 0,
+                          progress=common.print_progress("compiling", engine.warmup_threads))
         common.freeze_startup_objects()
         print(common.startup_summary(time.perf_counter() - started), file=sys.stderr)
         start = time.perf_counter()

@@ -275,7 +275,7 @@ def warm_up(engine, longest: int, run) -> int:
     """Compiles per --warmup before run() is timed; returns the number of programs compiled."""
     before = len(engine.runner.compiled_shapes)
     # the workload is greedy: neither the samplers nor the rounds of sampled rows
-    progress = common.print_progress("compiling")
+    progress = common.print_progress("compiling", engine.warmup_threads)
     if FLAGS.warmup == "shapes":
         engine.warmup(max_total_len=longest, progress=progress, samplers=False)
     elif FLAGS.warmup == "dry_run":

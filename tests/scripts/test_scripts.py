@@ -11,7 +11,7 @@ import pytest
 
 from configs.switches import Switches
 from ops.backends import TABLES, select_kernels
-from scripts.common import kernels_line
+from scripts.common import kernels_line, progress_line
 from tests.conftest import GOLDEN_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -219,3 +219,15 @@ def test_the_start_up_line_says_the_compilation_cache_is_off_only_when_it_is():
         assert startup_summary(1.25).endswith(" (compilation cache off)")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_the_compile_progress_gives_a_time_left_only_once_it_means_something():
+    """One job at a time: the average pace times the jobs left. Side by side, the first jobs to
+    finish are the cheap ones, so no time left until as many have finished as run at once."""
+    assert progress_line("compiling", 2, 10, 4.0) == "compiling 2/10 (4.0s, about 16s left)"
+    assert progress_line("compiling", 1, 13, 1.7, at_once=16) == "compiling 1/13 (1.7s, 13 at once)"
+    assert progress_line("compiling", 15, 40, 30.0, at_once=16) == \
+        "compiling 15/40 (30.0s, 16 at once)"
+    assert progress_line("compiling", 16, 40, 32.0, at_once=16) == \
+        "compiling 16/40 (32.0s, about 48s left)"
+    assert progress_line("compiling", 40, 40, 80.0, at_once=16) == "compiling 40/40 (80.0s)"
