@@ -453,7 +453,7 @@ class LLMEngine:
         beside the engine's steps (the runner lowers them from shapes alone, never touching the
         weights' or cache's buffers) and returns it; log(line) hears when it starts and ends. A
         step that reaches one of them before the thread does compiles it on the spot. ValueError
-        when programs are given to a runner that warms up by running steps (the sharded runner).
+        when programs are given to a runner that warms up by running steps (scripts/lower.py's).
         A process must not exit while the thread is inside XLA's compiler (it crashes): join it,
         or leave by os._exit as scripts.serve does."""
         if programs and not self.runner.compiles_ahead:

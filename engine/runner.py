@@ -426,17 +426,23 @@ class ModelRunner:
         of a step's sample_rows padded rows down to `rows` (`sample_device`): ahead of time
         (from shapes alone, so it may run on a compile thread), or by running them where
         `compiles_ahead` is off."""
+        if not self.compiles_ahead:
+            return self.run_sampler(rows, mode)
+        cut = mode == "cuts" and rows < self.sample_rows
+        vocab = self.cfg.vocab_size
+        floats, ints = pack_sampling(SamplingArrays.of_mode(rows, mode))
+        sample_packed.lower(jax.ShapeDtypeStruct((rows, vocab), jnp.float32), floats, ints,
+                            None, out_rows=self.sample_rows, mode=mode).compile()
+        if cut:
+            first_rows.lower(jax.ShapeDtypeStruct((self.sample_rows, vocab), jnp.float32),
+                             rows, rows=rows).compile()
+
+    def run_sampler(self, rows: int, mode: str) -> None:
+        """Runs `warmup_sampler`'s programs on zero logits placed as a step places its logits
+        (`_placed`), which compiles them as a run reaches them."""
         arrays = SamplingArrays.of_mode(rows, mode)
         cut = mode == "cuts" and rows < self.sample_rows
         vocab = self.cfg.vocab_size
-        if self.compiles_ahead:
-            floats, ints = pack_sampling(arrays)
-            sample_packed.lower(jax.ShapeDtypeStruct((rows, vocab), jnp.float32), floats, ints,
-                                None, out_rows=self.sample_rows, mode=mode).compile()
-            if cut:
-                first_rows.lower(jax.ShapeDtypeStruct((self.sample_rows, vocab), jnp.float32),
-                                 rows, rows=rows).compile()
-            return
         for logits_rows in (rows, self.sample_rows) if cut else (rows,):
             logits = self._placed(np.zeros((logits_rows, vocab), np.float32))
             fetch_samples(self.sample_device(logits, arrays), rows)

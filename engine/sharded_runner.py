@@ -38,9 +38,10 @@ from jax.sharding import PartitionSpec as P
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
 from configs.mesh import DATA, mesh_shape
-from engine.runner import ModelRunner, input_tokens, model_dtype, start_copies
+from engine.runner import (ModelRunner, abstract_arrays, input_tokens, model_dtype,
+                           start_copies)
 from engine.step_batch import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, StepBatch, bucket, bucket_key,
-                               table_widths)
+                               padding_batch, table_widths)
 from engine.sampling import SamplingArrays, sample_step
 from engine.sharded_pool import ShardedBlockPool
 from engine.sharding import init_sharded_kv_cache, kv_local_config, replicated
@@ -88,7 +89,6 @@ class ShardedModelRunner(ModelRunner):
 
     supports_async_scheduling = True
     supports_multi_step = False
-    compiles_ahead = False  # its steps place their inputs per shard: warm-up runs them
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
                  max_seqs: int = 1, max_width: int = 1, *, mesh, kernels=None):
@@ -150,6 +150,24 @@ class ShardedModelRunner(ModelRunner):
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [rows]
         greedy = jnp.pad(greedy, (0, max(self.sample_rows - greedy.shape[0], 0)))
         return logits, greedy, cache
+
+    def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
+               verification: bool = False):
+        """Compiles the program of a step whose sequences compute q_lens tokens each, ahead of
+        time as ModelRunner.warmup does: lowered for the mesh from the shapes and shardings of
+        the weights, the cache and a padding batch's packed inputs, not run. Returns it (where
+        `compiles_ahead` is off, runs the step as ModelRunner.warmup does)."""
+        if not self.compiles_ahead:
+            return super().warmup(q_lens, num_pages, all_logits, verification)
+        step = self._layout(padding_batch(q_lens, num_pages, verification))
+        args = abstract_arrays((self._weights, self.cache, step.packed, self._no_samples))
+        with jax.set_mesh(self.mesh):
+            return self._step.lower(*args, StepLayout(*step.key), all_logits).compile()
+
+    def warmup_sampler(self, rows: int, mode: str) -> None:
+        """Runs the sampler's programs (ModelRunner.run_sampler): their inputs are replicated
+        over the mesh, which lowering from plain shapes would not reproduce."""
+        self.run_sampler(rows, mode)
 
     # ---- layout ------------------------------------------------------------------------------
 

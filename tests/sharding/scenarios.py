@@ -145,6 +145,34 @@ def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
             "plan": None if mesh is None else engine.runner.plan.reason}
 
 
+def warm_greedy(cfg, model, prompts, mesh) -> dict:
+    """Greedy tokens of a mesh engine whose warm-up compiled its step programs ahead of time
+    (lowered for the mesh, not run), and what the run then compiled, from jax's compile log."""
+    import logging
+
+    import jax
+
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+    engine = LLMEngine(cfg, model, None, engine_config(), mesh=mesh)
+    warmed = engine.warmup()
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+    compiles = [m.split(" with ")[0] for m in messages if m.startswith("Compiling ")]
+    return {"tokens": [o.output_ids for o in outs], "warmed": warmed,
+            "plan": engine.runner.plan.reason, "compiled_ahead": engine.runner.compiles_ahead,
+            "step_compiles_in_run": [c for c in compiles if "_sharded_step" in c]}
+
+
 # ---- scenarios ----------------------------------------------------------------------------------
 
 # (config, weights: None for float32, "bfloat16" or a quantization method, meshes) of the tiny
@@ -177,6 +205,8 @@ def scenario_tiny(args) -> dict:
         results[key] = {"one_device": greedy(cfg, model, prompts)}
         for tp, dp in meshes:
             results[key][mesh_name(tp, dp)] = greedy(cfg, model, prompts, make_mesh(tp, dp))
+        if (cfg_name, quant) == ("tiny-llama31", None):  # warm-up compiled ahead on a mesh
+            results[key]["2x2/warm"] = warm_greedy(cfg, model, prompts, make_mesh(2, 2))
         if (cfg_name, quant) == ("tiny-llama31", None):  # asynchronous scheduling on a mesh
             for tp, dp in ASYNC_MESHES:
                 for logprobs in (True, False):
