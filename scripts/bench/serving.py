@@ -358,13 +358,15 @@ def main(argv):
         mesh = parallel.setup_parallel()  # --tp / --dp / multi-process; None: one device
         common.check_fusion(mesh)
         if FLAGS.startup_only:
-            info = run_info() | {"mode": "startup", "model": FLAGS.model}
+            info = run_info() | {"mode": "startup", "model": FLAGS.model, "quant": FLAGS.quant}
 
             def save(figures):  # at the first token, and again after the background compiles
                 if FLAGS.json_out and is_main_process():
                     write_json(FLAGS.json_out, info | figures)
 
-            results = info | measure_startup(FLAGS, mesh, on_ready=save)
+            results = info | measure_startup(
+                FLAGS, lambda: common.prepare_model(load_served_model(FLAGS, mesh), mesh), mesh,
+                on_ready=save)
             save(results)
             print(startup_table(results))
             return

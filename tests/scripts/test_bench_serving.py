@@ -6,6 +6,13 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.model import get_preset
+from models.weights import abstract_model
+
 WORKLOAD = ["--model=tiny-llama", "--random_weights", "--num_requests=8", "--max_num_seqs=4",
             "--max_num_batched_tokens=64", "--max_model_len=128", "--max_input_len=32",
             "--max_output_len=12", "--input_len=12", "--output_len=6"]
@@ -119,3 +126,21 @@ def test_startup_only_loads_from_the_cache_on_a_second_start(tmp_path):
         assert 0 < r["main_at_s"] < r["ready_s"] and r["first_token_s"] > 0
         assert r["ready_without_weights_s"] == r["ready_s"] - r["weights_s"]
         assert r["layer_loop"] == "scan"  # the CPU's default
+
+
+def test_startup_only_starts_the_random_codes_of_quant(tmp_path):
+    """--startup_only --quant=int4 starts the preset as random INT4 codes, as the serving run
+    does, rather than a float model (which for a large preset may not fit the device)."""
+    out = tmp_path / "int4.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.serving", "--model=tiny-llama",
+                           "--random_weights", "--quant=int4", "--max_num_seqs=2",
+                           "--max_num_batched_tokens=32", "--max_model_len=64", "--startup_only",
+                           f"--json_out={out}"],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    float_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(nnx.state(
+        abstract_model(get_preset("tiny-llama"), jnp.float32))))
+    assert result["quant"] == "int4" and result["programs"] > 0
+    # the embedding stays float; the decoder linears, most of the rest, take 4 of 32 bits
+    assert result["weights_bytes"] < 0.6 * float_bytes
