@@ -182,6 +182,27 @@ def test_setup_jax_asks_xla_for_the_exhaustive_gemm_search_unless_told_not_to():
         assert result.stdout.strip() == want, result.stdout
 
 
+def test_setup_jax_gives_jax_most_of_a_gpu_unless_the_user_chose_the_pool():
+    """The scripts ask jax's GPU allocator for GPU_MEMORY_POOL_FRACTION of the card (jax's own
+    default leaves a quarter unused); a pool the user set (its fraction, preallocation or
+    allocator) is left as it is."""
+    code = ("import os, sys; from absl import flags; from scripts import common; "
+            "flags.FLAGS(sys.argv); common.setup_jax(); "
+            "print({k: os.environ[k] for k in common.POOL_VARIABLES if k in os.environ})")
+    cases = [({}, {"XLA_CLIENT_MEM_FRACTION": "0.95"}),
+             ({"XLA_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_CLIENT_MEM_FRACTION": "0.5"}),
+             ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}),
+             ({"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+              {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})]
+    for before, want in cases:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+        env.update(JAX_PLATFORMS="cpu", **before)
+        result = subprocess.run([sys.executable, "-c", code, "--compilation_cache_dir="],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == repr(want), (before, result.stdout)
+
+
 def test_write_json_replaces_the_file_whole(tmp_path):
     """scripts.common.write_json: each call leaves the complete latest object and no temporary
     file; a dump that fails half-way (an object JSON cannot hold) leaves the previous file as
