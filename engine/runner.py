@@ -10,8 +10,10 @@ from flax import nnx
 from configs.model import ModelConfig
 from models.kv_cache import KVCache, init_kv_cache
 from engine.device_tables import DeviceTables, tables_on_device
-from engine.sampling import (SAMPLED_MODES, SamplingArrays, first_rows, pack_sampling,
-                             sample_from_packed, sample_packed, sample_step, with_logprobs)
+from engine.request import MAX_LOGPROBS
+from engine.sampling import (SAMPLED_MODES, SamplingArrays, first_rows, logprobs_of,
+                             pack_sampling, sample_from_packed, sample_packed, sample_step,
+                             with_logprobs)
 from engine.step_batch import (MIN_PAGE_BUCKET, StepBatch, bucket, bucket_key, pad_to,
                                padding_batch, table_widths)
 from engine.step_inputs import StepLayout, pack, unpack
@@ -422,25 +424,33 @@ class ModelRunner:
         return [(r, mode) for r in rows for mode in SAMPLED_MODES]
 
     def warmup_sampler(self, rows: int, mode: str) -> None:
-        """Compiles the sampler program of `rows` logits rows in `mode` and, with cuts, the cut
-        of a step's sample_rows padded rows down to `rows` (`sample_device`): ahead of time
-        (from shapes alone, so it may run on a compile thread), or by running them where
-        `compiles_ahead` is off."""
+        """Compiles the sampler program of `rows` logits rows in `mode`; with cuts, the cut of
+        a step's sample_rows padded rows down to `rows` (`sample_device`); and once per row
+        count (with mode "plain") the logprobs of `rows` rows: ahead of time (from shapes
+        alone, so it may run on a compile thread), or by running them where `compiles_ahead`
+        is off."""
         if not self.compiles_ahead:
             return self.run_sampler(rows, mode)
         cut = mode == "cuts" and rows < self.sample_rows
         vocab = self.cfg.vocab_size
+        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
         floats, ints = pack_sampling(SamplingArrays.of_mode(rows, mode))
-        sample_packed.lower(jax.ShapeDtypeStruct((rows, vocab), jnp.float32), floats, ints,
-                            None, out_rows=self.sample_rows, mode=mode).compile()
+        sample_packed.lower(logits, floats, ints, None, out_rows=self.sample_rows,
+                            mode=mode).compile()
         if cut:
             first_rows.lower(jax.ShapeDtypeStruct((self.sample_rows, vocab), jnp.float32),
                              rows, rows=rows).compile()
+        if mode == "plain":
+            # positional, as with_logprobs calls it: jit keys a keyword apart
+            logprobs_of.lower(logits, jax.ShapeDtypeStruct((self.sample_rows,), jnp.int32),
+                              MAX_LOGPROBS).compile()
 
     def run_sampler(self, rows: int, mode: str) -> None:
         """Runs `warmup_sampler`'s programs on zero logits placed as a step places its logits
         (`_placed`), which compiles them as a run reaches them."""
         arrays = SamplingArrays.of_mode(rows, mode)
+        if mode != "cuts":
+            arrays.num_logprobs = MAX_LOGPROBS
         cut = mode == "cuts" and rows < self.sample_rows
         vocab = self.cfg.vocab_size
         for logits_rows in (rows, self.sample_rows) if cut else (rows,):

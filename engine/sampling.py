@@ -43,23 +43,22 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def apply_penalties(logits: jax.Array, prompt_tokens: jax.Array, output_tokens: jax.Array,
-                    repetition: jax.Array, presence: jax.Array,
-                    frequency: jax.Array) -> jax.Array:
+def apply_penalties(logits: jax.Array, history: jax.Array, repetition: jax.Array,
+                    presence: jax.Array, frequency: jax.Array) -> jax.Array:
     """Repetition (HF style: divide positive, multiply negative logits of every token seen in the
     prompt or output), presence and frequency penalties (OpenAI style: subtract per output token).
 
-    logits [S, V]; prompt_tokens, output_tokens int32 [S, L] padded with -1; penalties [S].
+    logits [S, V]; history int32 [S, L] (`token_history`): prompt token t as t, output token t
+    as -2 - t, padding -1; penalties [S].
     """
     rows, vocab = logits.shape
     row_ids = jnp.arange(rows)[:, None]
 
-    def counts(tokens):  # [S, L] -> [S, V]
-        safe = jnp.where(tokens < 0, vocab, tokens)
-        return jnp.zeros((rows, vocab), jnp.float32).at[row_ids, safe].add(1.0, mode="drop")
+    def counts(tokens):  # [S, L] of ids, `vocab` where none -> [S, V]
+        return jnp.zeros((rows, vocab), jnp.float32).at[row_ids, tokens].add(1.0, mode="drop")
 
-    output_counts = counts(output_tokens)
-    seen = (counts(prompt_tokens) + output_counts) > 0
+    output_counts = counts(jnp.where(history <= -2, -2 - history, vocab))
+    seen = (counts(jnp.where(history >= 0, history, vocab)) + output_counts) > 0
     penalized = jnp.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None])
     logits = jnp.where(seen, penalized, logits)
     return (logits - frequency[:, None] * output_counts
@@ -68,11 +67,13 @@ def apply_penalties(logits: jax.Array, prompt_tokens: jax.Array, output_tokens: 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def logprobs_of(logits: jax.Array, tokens: jax.Array, num_logprobs: int):
-    """Log-probabilities of the model (raw logits) for the chosen tokens and the top-k.
+    """Log-probabilities of the model (raw logits [S, V]) for the chosen tokens (the first S
+    of tokens [>= S], which may be padded) and the top-k.
 
     Returns (chosen [S], top ids int32 [S, k], top logprobs [S, k]).
     """
     log_probs = jax.nn.log_softmax(logits, axis=-1)
+    tokens = tokens[: logits.shape[0]]
     chosen = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(log_probs, num_logprobs)
     return chosen, top_ids.astype(jnp.int32), top_values
@@ -170,7 +171,7 @@ class SamplingArrays:
     min_p: np.ndarray  # float32 [S]
     seeds: np.ndarray  # uint32 [S]
     steps: np.ndarray  # int32 [S]
-    penalties: tuple | None = None  # (prompt [S, L], output [S, L], rep, pres, freq) or None
+    penalties: tuple | None = None  # (token_history [S, L], rep, pres, freq) or None
     num_logprobs: int = 0
 
     @classmethod
@@ -205,8 +206,8 @@ class SamplingArrays:
                                draw_steps(requests))
         if any(p.uses_penalties for p in params):
             arrays.penalties = (
-                _token_matrix([r.prompt_ids for r in requests]),
-                _token_matrix([r.output_ids for r in requests]),
+                token_history([r.prompt_ids for r in requests],
+                              [r.output_ids for r in requests]),
                 np.asarray([p.repetition_penalty for p in params], np.float32),
                 np.asarray([p.presence_penalty for p in params], np.float32),
                 np.asarray([p.frequency_penalty for p in params], np.float32))
@@ -231,10 +232,9 @@ class SamplingArrays:
                   for f in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
         penalties = None
         if self.penalties is not None:
-            prompt, output, rep, pres, freq = self.penalties
-            penalties = (_pad_rows(prompt, rows, -1), _pad_rows(output, rows, -1),
-                         _pad_rows(rep, rows, 1.0), _pad_rows(pres, rows, 0.0),
-                         _pad_rows(freq, rows, 0.0))
+            history, rep, pres, freq = self.penalties
+            penalties = (_pad_rows(history, rows, -1), _pad_rows(rep, rows, 1.0),
+                         _pad_rows(pres, rows, 0.0), _pad_rows(freq, rows, 0.0))
         return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
 
 
@@ -245,13 +245,21 @@ def draw_steps(requests) -> np.ndarray:
                        len(requests))
 
 
-def _token_matrix(token_lists) -> np.ndarray:
-    """Token id lists as int32 [S, L] padded with -1, L a power of two (bounded compiles)."""
-    longest = max(max((len(t) for t in token_lists), default=1), 1)
-    width = 1 << (longest - 1).bit_length()
-    out = np.full((len(token_lists), width), -1, np.int32)
-    for i, tokens in enumerate(token_lists):
-        out[i, : len(tokens)] = tokens
+# The narrowest token history a penalties step sends: the sampler compiles once per width, so
+# short requests share one program and a long one reaches a new width rarely.
+MIN_HISTORY_WIDTH = 256
+
+
+def token_history(prompts, outputs) -> np.ndarray:
+    """Each row's prompt tokens t as t and then its output tokens t as -2 - t, padded with -1:
+    int32 [S, L], L a power of two of at least MIN_HISTORY_WIDTH (one sampler program per
+    width, whatever the split between prompt and output)."""
+    longest = max((len(p) + len(o) for p, o in zip(prompts, outputs)), default=1)
+    width = max(MIN_HISTORY_WIDTH, 1 << (max(longest, 1) - 1).bit_length())
+    out = np.full((len(prompts), width), -1, np.int32)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        out[i, : len(prompt)] = prompt
+        out[i, len(prompt): len(prompt) + len(output)] = -2 - np.asarray(output, np.int32)
     return out
 
 
@@ -285,4 +293,4 @@ def with_logprobs(logits: jax.Array, tokens: jax.Array, num_logprobs: int) -> tu
     logits' rows or not); the last three None when num_logprobs is 0."""
     if not num_logprobs:
         return tokens, None, None, None
-    return (tokens,) + logprobs_of(logits, tokens[: logits.shape[0]], num_logprobs)
+    return (tokens,) + logprobs_of(logits, tokens, num_logprobs)

@@ -164,10 +164,30 @@ class ShardedModelRunner(ModelRunner):
         with jax.set_mesh(self.mesh):
             return self._step.lower(*args, StepLayout(*step.key), all_logits).compile()
 
+    def sampler_shapes(self) -> list[tuple[int, str]]:
+        """ModelRunner's, and greedy for each row count: greedy rows that want logprobs take
+        the sampler on a mesh (the step's own argmax is in shard order)."""
+        shapes = super().sampler_shapes()
+        return shapes + [(rows, "greedy") for rows, mode in shapes if mode == "plain"]
+
     def warmup_sampler(self, rows: int, mode: str) -> None:
         """Runs the sampler's programs (ModelRunner.run_sampler): their inputs are replicated
-        over the mesh, which lowering from plain shapes would not reproduce."""
+        over the mesh, which lowering from plain shapes would not reproduce. With mode "plain",
+        also the gathers that put a step's logits rows in batch order for `rows` sequences
+        (`_rows`), from each step logits row count that can hold them."""
         self.run_sampler(rows, mode)
+        if mode != "plain":
+            return
+        vocab = self.cfg.vocab_size
+        for logits_rows in self.logits_row_counts():
+            if logits_rows >= rows:
+                self._rows(self._placed(np.zeros((logits_rows, vocab), np.float32)),
+                           np.zeros(rows, np.int32)).block_until_ready()
+
+    def logits_row_counts(self) -> list[int]:
+        """The row counts of a step's logits: dp shards of a power-of-two bucket of sequences
+        (`bucket_key`), up to the bucket of max_seqs."""
+        return [self.dp << i for i in range(bucket(self.max_seqs).bit_length())]
 
     # ---- layout ------------------------------------------------------------------------------
 
@@ -275,9 +295,8 @@ class ShardedModelRunner(ModelRunner):
         return put(host, self._replicated)  # as the step's logits
 
     def _rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:
-        """logits[rows] (rows: host ints), replicated."""
-        if np.array_equal(rows, np.arange(len(rows))):
-            return logits[: len(rows)]
+        """logits[rows] (rows: host ints), replicated: one program per (logits rows, len(rows)),
+        compiled at warm-up (`warmup_sampler`)."""
         return self._take_rows(logits, put(rows.astype(np.int32), self._replicated))
 
     # ---- the ModelRunner interface -----------------------------------------------------------

@@ -70,6 +70,33 @@ def numpy_penalized(logits, prompt, output, rep, presence, frequency):
     return x
 
 
+def test_penalties_of_a_token_history_match_numpy():
+    """apply_penalties over `token_history` rows (prompt and output tokens in one matrix) on
+    fresh random logits: float32 against the float64 reference within 1e-5 relative, for rows
+    whose tokens repeat, appear in both prompt and output, or are absent."""
+    import jax
+
+    from engine.sampling import MIN_HISTORY_WIDTH, apply_penalties, token_history
+    rng = np.random.default_rng()
+    vocab, rows = 50, 6
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 7, 30, 0, 12, 3)]
+    outputs = [rng.integers(0, vocab, n).tolist() for n in (0, 9, 40, 5, 1, 300)]
+    outputs[1] += prompts[1][:3]  # output tokens the prompt has too
+    history = token_history(prompts, outputs)
+    assert history.shape == (rows, 512)  # the longest row, 303 tokens, in a power of two
+    rep, pres, freq = (rng.uniform(lo, hi, rows).astype(np.float32)
+                       for lo, hi in ((0.5, 3.0), (-2, 2), (-2, 2)))
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    got = np.asarray(jax.jit(apply_penalties)(logits, history, rep, pres, freq))
+    for i in range(rows):
+        want = numpy_penalized(logits[i], prompts[i], outputs[i], float(rep[i]), float(pres[i]),
+                               float(freq[i]))
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    # a request's history keeps one width, hence one sampler program, while it is short
+    widths = {token_history([[1] * 20], [[2] * n]).shape[1] for n in range(200)}
+    assert widths == {MIN_HISTORY_WIDTH}
+
+
 def test_penalties_match_numpy_and_push_the_expected_way(make_engine, model):
     """Every generated token is the argmax of the numpy-penalized model logits; where it differs
     from the unpenalized argmax g, it moved the way the penalty pushes. The prompt repeats a few

@@ -14,7 +14,6 @@ from engine import llm_engine
 from engine.compile_stats import compile_stats, count_compiles, report_serving_compiles
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from engine.sampling import sample_packed
 from engine.warmup import compile_all, compile_threads, split_first
 from models.weights import random_model
 
@@ -43,14 +42,19 @@ def test_a_run_after_warmup_compiles_nothing():
     # up to 4 sequences beside prefill chunks, sequences up to the 64-token context.
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (1, 40, 7, 23, 33, 2, 15)]
-    # Greedy, plainly sampled and top-p rows: the sampler programs are warm too.
+    # Greedy, plainly sampled and top-p rows, some with logprobs (greedy ones too): the sampler
+    # and logprobs programs are warm too.
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=[0.0, 0.8, 1.0][i % 3],
-                             top_p=0.9 if i % 3 == 2 else 1.0, seed=i)
+                             top_p=0.9 if i % 3 == 2 else 1.0, seed=i,
+                             logprobs=3 if i % 2 else None)
               for i, m in enumerate(rng.integers(1, 24, len(prompts)))]
     outs = engine.generate(prompts, params)
     assert [len(o.output_ids) for o in outs] == [p.max_tokens for p in params]
     assert engine.runner.compiled_shapes == compiled
     assert (compile_stats() - before).programs == 0  # the samplers' too (compiled ahead)
+    assert all(len(o.outputs[0].logprobs) == len(o.output_ids)
+               and len(o.outputs[0].logprobs[0][1]) == 3
+               for o in outs[1::2])
 
 
 @pytest.mark.parametrize("threads", [None, 1, 3])
@@ -110,20 +114,24 @@ def test_sampled_rounds_are_warm_too():
 
 
 def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
-    """The sharded runner (a one-device mesh here) warms its steps and samplers too."""
+    """The sharded runner (a one-device mesh here) warms its steps, samplers, logprobs and
+    the gathers that put logits in batch order too: sampled and logprob requests then compile
+    nothing."""
     from engine.mesh import make_mesh
+    count_compiles()
     cfg = TINY_LLAMA31
     engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
         max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=16),
         mesh=make_mesh(1, 1))
     assert engine.warmup() == len(engine.warmup_programs())
-    compiled, samplers = set(engine.runner.compiled_shapes), sample_packed._cache_size()
-    params = [SamplingParams(max_tokens=6, ignore_eos=True),
+    compiled, before = set(engine.runner.compiled_shapes), compile_stats()
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.9, top_k=5, seed=1)]
-    outs = engine.generate([[1, 2, 3], list(range(4, 30))], params)
-    assert [len(o.output_ids) for o in outs] == [6, 5]
+    for prompts in ([[1, 2, 3], list(range(4, 30))], [[5, 6]]):
+        outs = engine.generate(prompts, params[:len(prompts)])
+        assert [len(o.output_ids) for o in outs] == [6, 5][:len(prompts)]
     assert engine.runner.compiled_shapes == compiled
-    assert sample_packed._cache_size() == samplers
+    assert (compile_stats() - before).programs == 0
 
 
 def test_block_table_widths_on_a_gpu_and_the_cpu():

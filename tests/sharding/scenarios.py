@@ -147,7 +147,8 @@ def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
 
 def warm_greedy(cfg, model, prompts, mesh) -> dict:
     """Greedy tokens of a mesh engine whose warm-up compiled its step programs ahead of time
-    (lowered for the mesh, not run), and what the run then compiled, from jax's compile log."""
+    (lowered for the mesh, not run), and what the run then compiled, from jax's compile log;
+    then what runs of sampled and logprob requests compiled."""
     import logging
 
     import jax
@@ -162,15 +163,25 @@ def warm_greedy(cfg, model, prompts, mesh) -> dict:
     logger = logging.getLogger("jax")
     logger.addHandler(handler)
     jax.config.update("jax_log_compiles", True)
+    sampled = [SamplingParams(max_tokens=4, temperature=0.8, seed=1),
+               SamplingParams(max_tokens=4, logprobs=2),
+               SamplingParams(max_tokens=4, temperature=0.9, top_p=0.8, seed=2, logprobs=1)]
+
+    def compiles():
+        return [m.split(" with ")[0] for m in messages if m.startswith("Compiling ")]
     try:
         outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        greedy_compiles = compiles()
+        for params in sampled:  # all prompts, then one
+            engine.generate(prompts, params)
+            engine.generate(prompts[:1], params)
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(handler)
-    compiles = [m.split(" with ")[0] for m in messages if m.startswith("Compiling ")]
     return {"tokens": [o.output_ids for o in outs], "warmed": warmed,
             "plan": engine.runner.plan.reason, "compiled_ahead": engine.runner.compiles_ahead,
-            "step_compiles_in_run": [c for c in compiles if "_sharded_step" in c]}
+            "step_compiles_in_run": [c for c in greedy_compiles if "_sharded_step" in c],
+            "compiles_in_sampled_runs": compiles()[len(greedy_compiles):]}
 
 
 # ---- scenarios ----------------------------------------------------------------------------------

@@ -63,9 +63,12 @@ def test_async_scheduling_on_a_mesh_equals_one_device(scenario, mesh, logprobs):
 def test_a_mesh_warm_up_compiles_ahead_the_steps_a_run_reaches(scenario):
     """The sharded runner's warm-up lowers and compiles its steps for the mesh from shapes and
     shardings, without running them (so on compile threads, and in a server's background);
-    the run then compiles no step program and gives one device's tokens."""
+    the run then compiles no step program and gives one device's tokens, and sampled and
+    logprob requests compile nothing."""
     runs = scenario("tiny")["cases"][case_key("tiny-llama31", None)]
     warm = runs["2x2/warm"]
     assert warm["compiled_ahead"] and warm["warmed"] > 0
     assert warm["step_compiles_in_run"] == []
+    # sampled and logprob requests: the samplers, logprobs and batch-order gathers are warm
+    assert warm["compiles_in_sampled_runs"] == []
     assert warm["tokens"] == runs["one_device"]["tokens"]
