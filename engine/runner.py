@@ -447,7 +447,8 @@ class ModelRunner:
 
     def run_sampler(self, rows: int, mode: str) -> None:
         """Runs `warmup_sampler`'s programs on zero logits placed as a step places its logits
-        (`_placed`), which compiles them as a run reaches them."""
+        (`_placed`), which compiles them as a run reaches them; greedy and plain rows with
+        logprobs, so that their logprobs program compiles too."""
         arrays = SamplingArrays.of_mode(rows, mode)
         if mode != "cuts":
             arrays.num_logprobs = MAX_LOGPROBS

@@ -174,15 +174,17 @@ class ShardedModelRunner(ModelRunner):
         """Runs the sampler's programs (ModelRunner.run_sampler): their inputs are replicated
         over the mesh, which lowering from plain shapes would not reproduce. With mode "plain",
         also the gathers that put a step's logits rows in batch order for `rows` sequences
-        (`_rows`), from each step logits row count that can hold them."""
+        (`_rows`), from each step logits row count that can hold them: lowered from replicated
+        shapes, so no logits are allocated."""
         self.run_sampler(rows, mode)
         if mode != "plain":
             return
-        vocab = self.cfg.vocab_size
+        placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, dtype, sharding=self._replicated)  # as the step's logits and `_rows`' rows
         for logits_rows in self.logits_row_counts():
             if logits_rows >= rows:
-                self._rows(self._placed(np.zeros((logits_rows, vocab), np.float32)),
-                           np.zeros(rows, np.int32)).block_until_ready()
+                self._take_rows.lower(placed((logits_rows, self.cfg.vocab_size), jnp.float32),
+                                      placed((rows,), jnp.int32)).compile()
 
     def logits_row_counts(self) -> list[int]:
         """The row counts of a step's logits: dp shards of a power-of-two bucket of sequences
