@@ -85,8 +85,8 @@ class EngineConfig:
     # per model step (measured faster on the H200: docs/PERFORMANCE.md).
     mixed_rounds: bool = True
     # Programs compiled at once ahead of time (engine/warmup.py). Default: the host's cores, at
-    # most 16. Side by side, the 48-layer programs of a large mixture compiled slower than one
-    # at a time would (docs/PERFORMANCE.md, Start-up): try 1 there, or on a host short of memory.
+    # most 16; fewer on a host short of memory. A large mixture starts no faster with 1
+    # (docs/PERFORMANCE.md, Start-up).
     compile_threads: int | None = None
 
     def __post_init__(self):

@@ -100,8 +100,7 @@ def define_engine_flags() -> None:
                       "steps run alone).")
     flags.DEFINE_integer("compile_threads", None,
                          "Programs compiled at once at start-up (default: the host's cores, at "
-                         "most 16). A large mixture of experts, whose programs compile slower "
-                         "side by side, or a host short of memory may start faster with 1.")
+                         "most 16). Fewer on a host short of memory.")
 
 
 def define_kv_cache_dtype_flag() -> None:
