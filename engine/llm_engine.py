@@ -16,6 +16,7 @@ internals. A None field of EngineConfig takes the device's default (engine/engin
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from typing import Iterator, Sequence
@@ -29,7 +30,7 @@ from engine.draft import DraftProposer
 from engine.engine_config import EngineConfig, resolve_engine_config
 from engine.engine_types import EngineStats, InFlight, StreamDelta
 from engine.input_batch import InputBatch, PreparedStep
-from engine.memory import plan_kv_cache
+from engine.memory import memory_pool_hint, plan_kv_cache
 from engine.multi_step import MultiStepRounds
 from engine.output_processor import OutputProcessor, stop_ids_of
 from engine.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -143,7 +144,10 @@ class LLMEngine:
         """The KV cache's line of the start-up summary (of the resolved context)."""
         page_size, max_len = self.engine_cfg.page_size, self.engine_cfg.max_model_len
         if self.cache_plan is not None:
-            return dataclasses.replace(self.cache_plan, max_model_len=max_len).summary()
+            summary = dataclasses.replace(self.cache_plan, max_model_len=max_len).summary()
+            hint = (memory_pool_hint(jax.default_backend(), os.environ)
+                    if self.cache_plan.fixed_bytes is None else None)
+            return summary if hint is None else f"{summary}; {hint}"
         return (f"KV cache ({self.runner.kv_dtype.name}): {num_pages} pages x {page_size} "
                 f"tokens = {num_pages * page_size} tokens; at most "
                 f"{num_pages // -(-max_len // page_size)} sequences of {max_len} tokens at once")

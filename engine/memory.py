@@ -18,6 +18,32 @@ from models.kv_cache import kv_bytes_per_token
 from ops.moe_matmul import TILE_ROWS, tile_chunk
 
 
+# Share of a GPU's memory that jax's allocator takes at start (jax's own default, 0.75, leaves
+# a quarter of the card to nothing); the KV cache then fills memory_fraction of this pool.
+# The rest of the card holds the CUDA context, library handles and NCCL's buffers.
+GPU_MEMORY_POOL_FRACTION = "0.95"
+POOL_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                  "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def memory_pool_environment(environ) -> dict[str, str]:
+    """The variables to add to `environ` so that jax's GPU allocator takes
+    GPU_MEMORY_POOL_FRACTION of the card: none when the user already chose the pool (its
+    fraction, preallocation or allocator)."""
+    if any(name in environ for name in POOL_VARIABLES):
+        return {}
+    return {"XLA_CLIENT_MEM_FRACTION": GPU_MEMORY_POOL_FRACTION}
+
+
+def memory_pool_hint(platform: str, environ) -> str | None:
+    """A line for a GPU process whose jax allocator keeps its own default pool (the Python API:
+    the scripts set GPU_MEMORY_POOL_FRACTION before jax starts), else None."""
+    if platform != "gpu" or memory_pool_environment(environ) == {}:
+        return None
+    return (f"jax holds its default 75% of the GPU; set XLA_CLIENT_MEM_FRACTION="
+            f"{GPU_MEMORY_POOL_FRACTION} before jax starts for a larger KV cache")
+
+
 @dataclasses.dataclass(frozen=True)
 class CachePlan:
     num_pages: int

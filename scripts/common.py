@@ -18,6 +18,7 @@ from engine.api import default_dtype, load_prepared
 from engine.compile_stats import CompileStats, compile_stats, count_compiles
 from engine.device_tables import tables_on_device
 from engine.engine_config import KV_CACHE_DTYPES, EngineConfig, resolve_engine_config
+from engine.memory import memory_pool_environment
 from engine.speculative import SpecConfig
 from engine.warmup import split_first
 from models.prepare import check_preparation, prepare_for_device
@@ -216,23 +217,6 @@ def add_xla_flag(name: str, value) -> None:
     current = os.environ.get("XLA_FLAGS", "")
     if name not in current:
         os.environ["XLA_FLAGS"] = f"{current} {name}={value}".strip()
-
-
-# Share of a GPU's memory that jax's allocator takes at start (jax's own default, 0.75, leaves
-# a quarter of the card to nothing); the KV cache then fills --memory_fraction of this pool.
-# The rest of the card holds the CUDA context, library handles and NCCL's buffers.
-GPU_MEMORY_POOL_FRACTION = "0.95"
-POOL_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                  "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
-
-
-def memory_pool_environment(environ) -> dict[str, str]:
-    """The variables to add to `environ` so that jax's GPU allocator takes
-    GPU_MEMORY_POOL_FRACTION of the card: none when the user already chose the pool (its
-    fraction, preallocation or allocator)."""
-    if any(name in environ for name in POOL_VARIABLES):
-        return {}
-    return {"XLA_CLIENT_MEM_FRACTION": GPU_MEMORY_POOL_FRACTION}
 
 
 def set_xla_flags() -> None:

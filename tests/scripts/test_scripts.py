@@ -188,7 +188,8 @@ def test_setup_jax_gives_jax_most_of_a_gpu_unless_the_user_chose_the_pool():
     allocator) is left as it is."""
     code = ("import os, sys; from absl import flags; from scripts import common; "
             "flags.FLAGS(sys.argv); common.setup_jax(); "
-            "print({k: os.environ[k] for k in common.POOL_VARIABLES if k in os.environ})")
+            "from engine.memory import POOL_VARIABLES; "
+            "print({k: os.environ[k] for k in POOL_VARIABLES if k in os.environ})")
     cases = [({}, {"XLA_CLIENT_MEM_FRACTION": "0.95"}),
              ({"XLA_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_CLIENT_MEM_FRACTION": "0.5"}),
              ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"}),
@@ -201,6 +202,17 @@ def test_setup_jax_gives_jax_most_of_a_gpu_unless_the_user_chose_the_pool():
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == repr(want), (before, result.stdout)
+
+
+def test_a_gpu_engine_on_jax_s_default_pool_says_how_to_enlarge_it():
+    """The KV summary's hint (engine.memory.memory_pool_hint): only on a GPU, and only while no
+    pool variable is set (the scripts set one; a Python API user may not have)."""
+    from engine.memory import memory_pool_hint
+    hint = memory_pool_hint("gpu", {})
+    assert hint is not None and "XLA_CLIENT_MEM_FRACTION=0.95" in hint
+    assert memory_pool_hint("cpu", {}) is None
+    assert memory_pool_hint("gpu", {"XLA_CLIENT_MEM_FRACTION": "0.8"}) is None
+    assert memory_pool_hint("gpu", {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}) is None
 
 
 def test_write_json_replaces_the_file_whole(tmp_path):
