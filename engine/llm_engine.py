@@ -453,9 +453,11 @@ class LLMEngine:
                         rounds.num_steps if rounds is not None else 1)
 
     def compile_in_background(self, programs: list, log=None) -> threading.Thread:
-        """Starts a daemon thread that compiles `programs` (of `warmup_programs`) ahead of time
-        beside the engine's steps (the runner lowers them from shapes alone, never touching the
-        weights' or cache's buffers) and returns it; log(line) hears when it starts and ends. A
+        """Starts a daemon thread that compiles `programs` (of `warmup_programs`), then the
+        samplers of penalties over short histories (`penalty_sampler_shapes`), ahead of time
+        beside the engine's steps (the runner lowers them from shapes alone, or on a mesh runs
+        the samplers on zero logits; never touching the weights' or cache's buffers) and
+        returns it; log(line) hears when it starts and ends. A
         step that reaches one of them before the thread does compiles it on the spot. ValueError
         when programs are given to a runner that warms up by running steps (scripts/lower.py's).
         A process must not exit while the thread is inside XLA's compiler (it crashes): join it,
@@ -465,17 +467,22 @@ class LLMEngine:
                              "which cannot run beside the engine's")
         log = log or (lambda line: None)
 
+        penalties = self.runner.penalty_sampler_shapes() if programs else []
+
         def run():
             start = time.perf_counter()
             for program in programs:
                 self._compile_program(*program)
+            for shape in penalties:
+                self.runner.warmup_penalty_sampler(*shape)
             if programs:
-                log(f"compiled {len(programs)} more programs in the background in "
-                    f"{time.perf_counter() - start:.1f}s")
+                log(f"compiled {len(programs) + len(penalties)} more programs in the background "
+                    f"in {time.perf_counter() - start:.1f}s")
 
         if programs:
-            log(f"compiling {len(programs)} more programs in the background (longer contexts, "
-                "several prompts per step, rounds of rows that sample)")
+            log(f"compiling {len(programs) + len(penalties)} more programs in the background "
+                "(longer contexts, several prompts per step, rounds of rows that sample, "
+                "penalties)")
         thread = threading.Thread(target=run, name="compile-in-background", daemon=True)
         thread.start()
         return thread

@@ -13,7 +13,7 @@ from engine.device_tables import DeviceTables, tables_on_device
 from engine.request import MAX_LOGPROBS
 from engine.sampling import (SAMPLED_MODES, SamplingArrays, first_rows, logprobs_of,
                              pack_sampling, sample_from_packed, sample_packed, sample_step,
-                             with_logprobs)
+                             token_history, with_logprobs)
 from engine.step_batch import (MIN_PAGE_BUCKET, StepBatch, bucket, bucket_key, pad_to,
                                padding_batch, table_widths)
 from engine.step_inputs import StepLayout, pack, unpack
@@ -422,6 +422,29 @@ class ModelRunner:
         power-of-two row count up to the step's, without and with top-k / top-p / min-p cuts."""
         rows = [1 << i for i in range(bucket(self.max_seqs).bit_length())]
         return [(r, mode) for r in rows for mode in SAMPLED_MODES]
+
+    def penalty_sampler_shapes(self) -> list[tuple[int, str]]:
+        """(rows, mode) of the sampler programs that steps with penalties reach while every
+        token history is short (MIN_HISTORY_WIDTH): `sampler_shapes`' row counts, in every
+        mode, greedy too."""
+        rows = sorted({r for r, _ in self.sampler_shapes()})
+        return [(r, mode) for r in rows for mode in ("greedy",) + SAMPLED_MODES]
+
+    def warmup_penalty_sampler(self, rows: int, mode: str, run: bool | None = None) -> None:
+        """Compiles a `penalty_sampler_shapes` program: ahead of time, or by running it on zero
+        logits (`run`; default: where `compiles_ahead` is off)."""
+        arrays = SamplingArrays.of_mode(rows, mode)
+        no_tokens = [[]] * rows
+        arrays.penalties = (token_history(no_tokens, no_tokens), np.ones(rows, np.float32),
+                            np.zeros(rows, np.float32), np.zeros(rows, np.float32))
+        vocab = self.cfg.vocab_size
+        if not self.compiles_ahead if run is None else run:
+            logits = self._placed(np.zeros((rows, vocab), np.float32))
+            fetch_samples(self.sample_device(logits, arrays), rows)
+            return
+        floats, ints = pack_sampling(arrays)
+        sample_packed.lower(jax.ShapeDtypeStruct((rows, vocab), jnp.float32), floats, ints,
+                            arrays.penalties, out_rows=self.sample_rows, mode=mode).compile()
 
     def warmup_sampler(self, rows: int, mode: str) -> None:
         """Compiles the sampler program of `rows` logits rows in `mode`; with cuts, the cut of

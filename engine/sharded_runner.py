@@ -186,6 +186,10 @@ class ShardedModelRunner(ModelRunner):
                 self._take_rows.lower(placed((logits_rows, self.cfg.vocab_size), jnp.float32),
                                       placed((rows,), jnp.int32)).compile()
 
+    def warmup_penalty_sampler(self, rows: int, mode: str, run: bool | None = None) -> None:
+        """Runs the program, as `warmup_sampler` does: its inputs are replicated."""
+        super().warmup_penalty_sampler(rows, mode, run=True)
+
     def logits_row_counts(self) -> list[int]:
         """The row counts of a step's logits: dp shards of a power-of-two bucket of sequences
         (`bucket_key`), up to the bucket of max_seqs."""

@@ -42,11 +42,12 @@ def test_a_run_after_warmup_compiles_nothing():
     # up to 4 sequences beside prefill chunks, sequences up to the 64-token context.
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (1, 40, 7, 23, 33, 2, 15)]
-    # Greedy, plainly sampled and top-p rows, some with logprobs (greedy ones too): the sampler
-    # and logprobs programs are warm too.
+    # Greedy, plainly sampled and top-p rows, some with logprobs (greedy ones too), some with
+    # penalties: the sampler, logprobs and (from the background) penalties programs are warm.
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=[0.0, 0.8, 1.0][i % 3],
                              top_p=0.9 if i % 3 == 2 else 1.0, seed=i,
-                             logprobs=3 if i % 2 else None)
+                             logprobs=3 if i % 2 else None,
+                             repetition_penalty=1.3 if i % 4 == 2 else 1.0)
               for i, m in enumerate(rng.integers(1, 24, len(prompts)))]
     outs = engine.generate(prompts, params)
     assert [len(o.output_ids) for o in outs] == [p.max_tokens for p in params]
