@@ -430,42 +430,51 @@ class ModelRunner:
         rows = sorted({r for r, _ in self.sampler_shapes()})
         return [(r, mode) for r in rows for mode in ("greedy",) + SAMPLED_MODES]
 
-    def warmup_penalty_sampler(self, rows: int, mode: str, run: bool | None = None) -> None:
-        """Compiles a `penalty_sampler_shapes` program: ahead of time, or by running it on zero
-        logits (`run`; default: where `compiles_ahead` is off)."""
+    @property
+    def runs_samplers(self) -> bool:
+        """Whether warm-up compiles the sampler programs by running them on zero logits
+        (`_placed`) rather than ahead of time from shapes: where steps do not compile ahead."""
+        return not self.compiles_ahead
+
+    def _compile_sampler(self, arrays: SamplingArrays, logits_rows: int) -> None:
+        """Compiles the sampler program that `sample_device` runs for `arrays` on logits of
+        `logits_rows` rows (with their penalties and logprobs, if any): by running it
+        (`runs_samplers`), else ahead of time (only the sampler itself)."""
+        vocab = self.cfg.vocab_size
+        if self.runs_samplers:
+            logits = self._placed(np.zeros((logits_rows, vocab), np.float32))
+            fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+            return
+        floats, ints = pack_sampling(arrays)
+        sample_packed.lower(jax.ShapeDtypeStruct((logits_rows, vocab), jnp.float32), floats,
+                            ints, arrays.penalties, out_rows=self.sample_rows,
+                            mode=arrays.mode()).compile()
+
+    def warmup_penalty_sampler(self, rows: int, mode: str) -> None:
+        """Compiles a `penalty_sampler_shapes` program (`_compile_sampler`)."""
         arrays = SamplingArrays.of_mode(rows, mode)
         no_tokens = [[]] * rows
         arrays.penalties = (token_history(no_tokens, no_tokens), np.ones(rows, np.float32),
                             np.zeros(rows, np.float32), np.zeros(rows, np.float32))
-        vocab = self.cfg.vocab_size
-        if not self.compiles_ahead if run is None else run:
-            logits = self._placed(np.zeros((rows, vocab), np.float32))
-            fetch_samples(self.sample_device(logits, arrays), rows)
-            return
-        floats, ints = pack_sampling(arrays)
-        sample_packed.lower(jax.ShapeDtypeStruct((rows, vocab), jnp.float32), floats, ints,
-                            arrays.penalties, out_rows=self.sample_rows, mode=mode).compile()
+        self._compile_sampler(arrays, rows)
 
     def warmup_sampler(self, rows: int, mode: str) -> None:
         """Compiles the sampler program of `rows` logits rows in `mode`; with cuts, the cut of
         a step's sample_rows padded rows down to `rows` (`sample_device`); and once per row
         count (with mode "plain") the logprobs of `rows` rows: ahead of time (from shapes
-        alone, so it may run on a compile thread), or by running them where `compiles_ahead`
-        is off."""
-        if not self.compiles_ahead:
+        alone, so it may run on a compile thread), or by running them (`runs_samplers`)."""
+        if self.runs_samplers:
             return self.run_sampler(rows, mode)
         cut = mode == "cuts" and rows < self.sample_rows
         vocab = self.cfg.vocab_size
-        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
-        floats, ints = pack_sampling(SamplingArrays.of_mode(rows, mode))
-        sample_packed.lower(logits, floats, ints, None, out_rows=self.sample_rows,
-                            mode=mode).compile()
+        self._compile_sampler(SamplingArrays.of_mode(rows, mode), rows)
         if cut:
             first_rows.lower(jax.ShapeDtypeStruct((self.sample_rows, vocab), jnp.float32),
                              rows, rows=rows).compile()
         if mode == "plain":
             # positional, as with_logprobs calls it: jit keys a keyword apart
-            logprobs_of.lower(logits, jax.ShapeDtypeStruct((self.sample_rows,), jnp.int32),
+            logprobs_of.lower(jax.ShapeDtypeStruct((rows, vocab), jnp.float32),
+                              jax.ShapeDtypeStruct((self.sample_rows,), jnp.int32),
                               MAX_LOGPROBS).compile()
 
     def run_sampler(self, rows: int, mode: str) -> None:
@@ -476,10 +485,8 @@ class ModelRunner:
         if mode != "cuts":
             arrays.num_logprobs = MAX_LOGPROBS
         cut = mode == "cuts" and rows < self.sample_rows
-        vocab = self.cfg.vocab_size
         for logits_rows in (rows, self.sample_rows) if cut else (rows,):
-            logits = self._placed(np.zeros((logits_rows, vocab), np.float32))
-            fetch_samples(self.sample_device(logits, arrays), rows)
+            self._compile_sampler(arrays, logits_rows)
 
     def _placed(self, host: np.ndarray) -> jax.Array:
         """A host array where the step puts its logits (the sampler's programs are keyed by

@@ -170,13 +170,16 @@ class ShardedModelRunner(ModelRunner):
         shapes = super().sampler_shapes()
         return shapes + [(rows, "greedy") for rows, mode in shapes if mode == "plain"]
 
+    # The samplers' inputs are replicated over the mesh (`sample_device` places them), which
+    # lowering from host arrays would not reproduce: warm-up runs them.
+    runs_samplers = True
+
     def warmup_sampler(self, rows: int, mode: str) -> None:
-        """Runs the sampler's programs (ModelRunner.run_sampler): their inputs are replicated
-        over the mesh, which lowering from plain shapes would not reproduce. With mode "plain",
-        also the gathers that put a step's logits rows in batch order for `rows` sequences
-        (`_rows`), from each step logits row count that can hold them: lowered from replicated
-        shapes, so no logits are allocated."""
-        self.run_sampler(rows, mode)
+        """ModelRunner's (run: `runs_samplers`) and, with mode "plain", the gathers that put a
+        step's logits rows in batch order for `rows` sequences (`_rows`), from each step logits
+        row count that can hold them: lowered from replicated shapes, so no logits are
+        allocated."""
+        super().warmup_sampler(rows, mode)
         if mode != "plain":
             return
         placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
@@ -185,10 +188,6 @@ class ShardedModelRunner(ModelRunner):
             if logits_rows >= rows:
                 self._take_rows.lower(placed((logits_rows, self.cfg.vocab_size), jnp.float32),
                                       placed((rows,), jnp.int32)).compile()
-
-    def warmup_penalty_sampler(self, rows: int, mode: str, run: bool | None = None) -> None:
-        """Runs the program, as `warmup_sampler` does: its inputs are replicated."""
-        super().warmup_penalty_sampler(rows, mode, run=True)
 
     def logits_row_counts(self) -> list[int]:
         """The row counts of a step's logits: dp shards of a power-of-two bucket of sequences
