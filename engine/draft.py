@@ -60,8 +60,9 @@ class DraftProposer:
                                   max_seqs=max_seqs, max_width=max_width, kernels=kernels)
         self.page_size = page_size
 
-    def propose(self, requests: list, k: int):
-        """Proposes up to request.lookahead tokens for each request (k = the largest).
+    def propose(self, requests: list, k: int, verify_len: int):
+        """Proposes up to request.lookahead tokens for each request (k = the largest), catching
+        up first on at most verify_len tokens a sequence (the target's verification steps').
 
         Returns (proposals: list of token lists, q: device float32 [S, k, V]).
         """
@@ -74,10 +75,11 @@ class DraftProposer:
         padded = arrays.padded(bucket(num))
         tokens_so_far, probs = [], []
         batch = make_step_batch(rows, self.page_size)
-        # Catching up on the tokens verified last round (at most k + 1 per sequence) is a short
-        # multi-token step like a verification: keyed by (S, W, q), not padded to max_seqs
-        # (engine.step_batch.bucket_key; a first, long catch-up over a whole prompt still is).
-        batch.verification = True
+        # Catching up on the tokens verified last round (at most verify_len per sequence) is a
+        # short multi-token step like a verification: keyed by (S, W, q), not padded to
+        # max_seqs (engine.step_batch.bucket_key; a first, long catch-up over a whole prompt
+        # still is).
+        batch.verify_len = verify_len
         for i in range(k):
             # A long catch-up step pads the batch to the runner's max_seqs: keep bucket(num) rows.
             logits = self.runner.execute_padded(batch)[: bucket(num)]  # [bucket(num), V]

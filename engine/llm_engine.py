@@ -430,6 +430,10 @@ class LLMEngine:
                                             sampled=samplers)
         before = len(self.runner.compiled_shapes)
         jobs = [(self._compile_program, program) for program in programs]
+        if self.spec is not None:  # the acceptance of each verification step's rows
+            jobs += [(self.spec.warmup, (rows,))
+                     for rows in sorted({len(q_lens) for q_lens, _, verification, _ in programs
+                                         if verification})]
         if samplers:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
         if self.runner.tables is not None:  # the scatter that keeps the device's tables

@@ -100,6 +100,7 @@ class ModelRunner:
                                    static_argnames=("layout", "num_steps", "mode"))
         self._mixed_round = jax.jit(self._mixed_round_impl, donate_argnums=(1,),
                                     static_argnames=("layout", "num_steps", "mode"))
+        self._gather_rows = jax.jit(gather_rows)
 
     def _step_impl(self, weights, cache, tables, packed, prev_samples, layout: StepLayout,
                    all_logits=False):
@@ -302,7 +303,7 @@ class ModelRunner:
         return bucket_key(len(batch.token_ids), batch.num_seqs, width,
                           int(q_lens.max(initial=1)), int((q_lens > 1).sum()),
                           max(self.max_seqs, batch.num_seqs), prefill_width,
-                          batch.verification, self.counts_prefill_seqs)
+                          batch.verify_len, self.counts_prefill_seqs)
 
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket; with resident
@@ -367,28 +368,40 @@ class ModelRunner:
             return start_copies(with_logprobs(logits, tokens, arrays.num_logprobs))
         return self.sample_device(logits, arrays)
 
+    def execute_logits_at(self, batch: StepBatch, *token_indices: np.ndarray) -> tuple:
+        """Runs one step; for each host int32 array of flat token indices, the logits of those
+        tokens, float32 [*index.shape, V] (on the device). One gather program per step program
+        and index shapes: a verification step's (`verification_indices`) compile at warm-up."""
+        logits, self.cache = self._step(*self._step_args(batch), all_logits=True)
+        return self._gather_rows(logits, *token_indices)
+
     def execute_all_logits(self, batch: StepBatch) -> jax.Array:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
-        logits, self.cache = self._step(*self._step_args(batch), all_logits=True)
-        return logits[: len(batch.token_ids)]
+        return self.execute_logits_at(batch, np.arange(len(batch.token_ids), dtype=np.int32))[0]
 
-    def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
-               verification: bool = False):
-        """Compiles the program of a step whose sequences compute q_lens tokens each: ahead of
-        time (lowered and compiled for a padding step's argument shapes, not run: a large
-        prefill program would take seconds to run; the weights and cache are not touched, so
-        this may run in a thread beside the engine's steps), or where `compiles_ahead` is off by
-        running it on padding (nothing is written). Returns the compiled program when compiled
-        ahead (its memory_analysis() tells the step's temporary bytes), else None."""
+    def warmup(self, q_lens, num_pages: int, verification: bool = False):
+        """Compiles the program of a step whose sequences compute q_lens tokens each (with
+        `verification`, the step of every token's logits and the gathers of
+        `verification_indices`): ahead of time (lowered and compiled for a padding step's
+        argument shapes, not run: a large prefill program would take seconds to run; the
+        weights and cache are not touched, so this may run in a thread beside the engine's
+        steps), or where `compiles_ahead` is off by running it on padding (nothing is
+        written). Returns the compiled step when compiled ahead (its memory_analysis() tells
+        the step's temporary bytes), else None."""
         dummy = padding_batch(q_lens, num_pages, verification)
         num_seqs = dummy.num_seqs
+        indices = verification_indices(num_seqs, dummy.verify_len)
         if self.compiles_ahead:
             args = abstract_arrays(self._step_args(dummy))
-            if all_logits:
-                return self._step.lower(*args, all_logits=True).compile()
-            return self._step_and_argmax.lower(*args, self.sample_rows).compile()
-        if all_logits:
-            self.execute_all_logits(dummy).block_until_ready()
+            if not verification:
+                return self._step_and_argmax.lower(*args, self.sample_rows).compile()
+            step = self._step.lower(*args, all_logits=True).compile()
+            logits = step.out_info[0]
+            self._gather_rows.lower(jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+                                    *indices).compile()
+            return step
+        if verification:
+            jax.block_until_ready(self.execute_logits_at(dummy, *indices))
         else:  # the program the engine runs: the step and its argmax
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),
                           num_seqs)
@@ -514,6 +527,19 @@ class ModelRunner:
         """`sample_device`, then waits: host numpy (token ids [S], chosen logprobs [S], top ids
         [S, K], top logprobs [S, K]), only the first len(arrays.temperature) rows."""
         return fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+
+
+def gather_rows(logits: jax.Array, *indices: jax.Array) -> tuple:
+    """logits[index] for each index array: [*index.shape, V] each, of logits [N, V]."""
+    return tuple(logits[index] for index in indices)
+
+
+def verification_indices(num_seqs: int, verify_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shapes of the token indices a verification step's logits are gathered at (zeros):
+    int32 [s, verify_len] (each row's window: its last token and the proposals before it) and
+    int32 [s] (each row's last token), s = bucket(num_seqs) (engine/spec_rounds.py)."""
+    s = bucket(num_seqs)
+    return np.zeros((s, verify_len), np.int32), np.zeros(s, np.int32)
 
 
 def abstract_arrays(args: tuple) -> tuple:

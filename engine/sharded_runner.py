@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 from configs.model import ModelConfig
 from engine.block_pool import BlockPool
 from configs.mesh import DATA, mesh_shape
-from engine.runner import (ModelRunner, abstract_arrays, input_tokens, model_dtype,
-                           start_copies)
+from engine.runner import (ModelRunner, abstract_arrays, gather_rows, input_tokens, model_dtype,
+                           start_copies, verification_indices)
 from engine.step_batch import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, StepBatch, bucket, bucket_key,
                                padding_batch, table_widths)
 from engine.sampling import SamplingArrays, sample_step
@@ -124,7 +124,7 @@ class ShardedModelRunner(ModelRunner):
             in_shardings=(shardings(self._weights), shardings(self.cache), self._per_shard,
                           self._replicated),
             out_shardings=(self._replicated, self._replicated, shardings(self.cache)))
-        self._take_rows = jax.jit(lambda a, rows: a[rows], out_shardings=self._replicated)
+        self._take_rows = jax.jit(gather_rows, out_shardings=self._replicated)
 
     def _sharded_step(self, weights, cache, packed, prev_samples, layout: StepLayout,
                       all_logits: bool):
@@ -151,18 +151,25 @@ class ShardedModelRunner(ModelRunner):
         greedy = jnp.pad(greedy, (0, max(self.sample_rows - greedy.shape[0], 0)))
         return logits, greedy, cache
 
-    def warmup(self, q_lens, num_pages: int, all_logits: bool = False,
-               verification: bool = False):
-        """Compiles the program of a step whose sequences compute q_lens tokens each, ahead of
-        time as ModelRunner.warmup does: lowered for the mesh from the shapes and shardings of
-        the weights, the cache and a padding batch's packed inputs, not run. Returns it (where
-        `compiles_ahead` is off, runs the step as ModelRunner.warmup does)."""
+    def warmup(self, q_lens, num_pages: int, verification: bool = False):
+        """Compiles the program of a step whose sequences compute q_lens tokens each (and a
+        verification step's gathers), ahead of time as ModelRunner.warmup does: lowered for the
+        mesh from the shapes and shardings of the weights, the cache and a padding batch's
+        packed inputs, not run. Returns the step (where `compiles_ahead` is off, runs it as
+        ModelRunner.warmup does)."""
         if not self.compiles_ahead:
-            return super().warmup(q_lens, num_pages, all_logits, verification)
-        step = self._layout(padding_batch(q_lens, num_pages, verification))
+            return super().warmup(q_lens, num_pages, verification)
+        dummy = padding_batch(q_lens, num_pages, verification)
+        step = self._layout(dummy)
         args = abstract_arrays((self._weights, self.cache, step.packed, self._no_samples))
         with jax.set_mesh(self.mesh):
-            return self._step.lower(*args, StepLayout(*step.key), all_logits).compile()
+            compiled = self._step.lower(*args, StepLayout(*step.key), verification).compile()
+        if verification:
+            logits = compiled.out_info[0]
+            self._take_rows.lower(self._replicated_shape(logits.shape, logits.dtype), *(
+                self._replicated_shape(i.shape, i.dtype)
+                for i in verification_indices(dummy.num_seqs, dummy.verify_len))).compile()
+        return compiled
 
     def sampler_shapes(self) -> list[tuple[int, str]]:
         """ModelRunner's, and greedy for each row count: greedy rows that want logprobs take
@@ -182,12 +189,14 @@ class ShardedModelRunner(ModelRunner):
         super().warmup_sampler(rows, mode)
         if mode != "plain":
             return
-        placed = lambda shape, dtype: jax.ShapeDtypeStruct(  # noqa: E731
-            shape, dtype, sharding=self._replicated)  # as the step's logits and `_rows`' rows
+        placed = self._replicated_shape  # as the step's logits and `_rows`' rows
         for logits_rows in self.logits_row_counts():
             if logits_rows >= rows:
                 self._take_rows.lower(placed((logits_rows, self.cfg.vocab_size), jnp.float32),
                                       placed((rows,), jnp.int32)).compile()
+
+    def _replicated_shape(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
     def logits_row_counts(self) -> list[int]:
         """The row counts of a step's logits: dp shards of a power-of-two bucket of sequences
@@ -302,7 +311,7 @@ class ShardedModelRunner(ModelRunner):
     def _rows(self, logits: jax.Array, rows: np.ndarray) -> jax.Array:
         """logits[rows] (rows: host ints), replicated: one program per (logits rows, len(rows)),
         compiled at warm-up (`warmup_sampler`)."""
-        return self._take_rows(logits, put(rows.astype(np.int32), self._replicated))
+        return self._take_rows(logits, put(rows.astype(np.int32), self._replicated))[0]
 
     # ---- the ModelRunner interface -----------------------------------------------------------
 
@@ -338,10 +347,13 @@ class ShardedModelRunner(ModelRunner):
             return start_copies((InBatchOrder(tokens, rows), None, None, None))
         return self.sample_device(self._rows(logits, rows), arrays)
 
-    def execute_all_logits(self, batch: StepBatch) -> jax.Array:
-        """One step; the logits of every token, float32 [N, V], replicated."""
+    def execute_logits_at(self, batch: StepBatch, *token_indices: np.ndarray) -> tuple:
+        """As ModelRunner.execute_logits_at, replicated: the indices, of the batch's tokens, are
+        mapped to the step's rows of logits on the host, so one gather takes them."""
         step = self._layout(batch)
-        return self._rows(self._run(step, all_logits=True)[0], step.token_rows)
+        logits = self._run(step, all_logits=True)[0]
+        return self._take_rows(logits, *(put(step.token_rows[i].astype(np.int32),
+                                             self._replicated) for i in token_indices))
 
     def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
         """As ModelRunner.sample_device (logits [S, V] or padded), with the per-row parameters

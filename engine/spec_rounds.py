@@ -11,13 +11,14 @@ import dataclasses
 import math
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from engine.draft import DraftProposer
 from engine.request import Request
 from engine.runner import ModelRunner, fetch_samples
-from engine.step_batch import StepBatch, bucket, make_step_batch
+from engine.step_batch import StepBatch, bucket, make_step_batch, pad_to
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import SpecConfig, SpecStats, propose_ngram, verify
@@ -62,15 +63,19 @@ class SpeculativeRounds:
         requests = output.requests
         for r in requests:  # the scheduler may have cut the lookahead to the token budget, or
             r.spec_tokens = r.spec_tokens[: r.lookahead]  # to 0 (a preempted, readmitted request)
+        if max(output.counts) > self.spec_config.num_speculative_tokens + 1:
+            self.withdraw_proposals(output)
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
         draft_probs = self.propose(output, spec_rows) if spec_rows else None
         batch = self._build_batch(output)
-        batch.verification = bool(spec_rows)
         arrays = SamplingArrays.from_requests(requests)
         if spec_rows:
-            all_logits = self.runner.execute_all_logits(batch)  # [N, V]
-            logits = all_logits[jnp.asarray(batch.logits_indices)]
-            accepted, spec_tokens = self.accept(all_logits, batch, requests, draft_probs)
+            batch.verify_len = self.spec_config.num_speculative_tokens + 1
+            num_draft = pad_to(np.array([len(r.spec_tokens) for r in requests]),
+                               (bucket(len(requests)),), 0)
+            window_logits, logits = self.runner.execute_logits_at(  # [s, k + 1, V], [s, V]
+                batch, *self.verification_indices(batch, num_draft))
+            accepted, spec_tokens = self.accept(window_logits, num_draft, requests, draft_probs)
             results = self.runner.sample_device(logits, arrays)
         else:
             results = self.runner.execute_and_sample(batch, arrays)
@@ -130,7 +135,8 @@ class SpeculativeRounds:
         if self.draft is None:
             return None
         requests = [output.requests[i] for i in spec_rows]
-        proposals, q = self.draft.propose(requests, max(r.lookahead for r in requests))
+        proposals, q = self.draft.propose(requests, max(r.lookahead for r in requests),
+                                          self.spec_config.num_speculative_tokens + 1)
         for r, proposal in zip(requests, proposals):
             r.spec_tokens = proposal
         rows = bucket(len(output.entries))
@@ -138,25 +144,63 @@ class SpeculativeRounds:
         full = jnp.zeros((rows, k, q.shape[-1]), q.dtype)
         return full.at[jnp.asarray(spec_rows), : q.shape[1]].set(q)
 
-    def accept(self, all_logits, batch: StepBatch, requests: list[Request], draft_probs):
-        """Exact acceptance of every speculating row's proposal (engine/speculative.py)."""
+    def withdraw_proposals(self, output: SchedulerOutput) -> None:
+        """Takes every row's proposals out of a step that prefills a chunk longer than a
+        verification step holds (k + 1 tokens a sequence): it runs as a plain step, whose
+        programs are warm, where verifying would run a prefill program of every token's logits,
+        compiled on first use (and [N, V] of them)."""
+        counts = output.counts
+        for i, r in enumerate(output.requests):
+            counts[i] -= r.lookahead  # the scheduled proposals (a draft's are not drawn yet)
+            r.spec_tokens, r.lookahead = [], 0
+
+    def warmup(self, rows: int) -> None:
+        """Compiles the acceptance (`verify`) of a verification step of `rows` rows (a bucket),
+        greedy and sampled, and the sampler of its rows when all are greedy (a round samples
+        every row's token by the sampler): ahead of time from shapes, or where the runner runs
+        its samplers (a mesh's logits are replicated) by running them on zero logits."""
+        self.runner.warmup_sampler(rows, "greedy")
+        k, vocab = self.spec_config.num_speculative_tokens, self.runner.cfg.vocab_size
+        arrays = SamplingArrays.defaults(rows)
+        floats = (jax.ShapeDtypeStruct if not self.runner.runs_samplers else
+                  lambda shape, dtype: self.runner._placed(np.zeros(shape, dtype)))
+        logits = floats((rows, k + 1, vocab), np.float32)
+        draft_probs = floats((rows, k, vocab), np.float32) if self.draft is not None else None
+        args = (logits, np.zeros((rows, k), np.int32), np.zeros(rows, np.int32), draft_probs,
+                arrays.temperature, arrays.top_k, arrays.top_p, arrays.min_p, arrays.seeds,
+                arrays.steps)
+        for all_greedy in (True, False):
+            if self.runner.runs_samplers:
+                jax.block_until_ready(verify(*args, all_greedy=all_greedy))
+            else:
+                verify.lower(*args, all_greedy=all_greedy).compile()
+
+    def verification_indices(self, batch: StepBatch, num_draft: np.ndarray) -> tuple:
+        """The flat indices of the tokens whose logits a verification step keeps, over
+        bucket(S) rows (padding rows: token 0), as engine.runner.verification_indices shapes
+        them: int32 [s, k + 1], each row's window (the token before its first proposal, each
+        proposal, then its last token repeated), and int32 [s], each row's last token."""
+        k1 = self.spec_config.num_speculative_tokens + 1
+        rows, num_seqs = len(num_draft), batch.num_seqs
+        ends = batch.query_start_loc[1:] - 1  # [S]
+        windows = np.minimum((ends - num_draft[:num_seqs])[:, None] + np.arange(k1),
+                             ends[:, None])
+        return pad_to(windows, (rows, k1), 0), pad_to(ends, (rows,), 0)
+
+    def accept(self, window_logits: jax.Array, num_draft: np.ndarray, requests: list[Request],
+               draft_probs):
+        """Exact acceptance of every speculating row's proposal (engine/speculative.py), from
+        the logits of each row's window (`verification_indices`) and its number of proposals
+        (int32 [s], bucket(S) rows)."""
         k = self.spec_config.num_speculative_tokens
-        rows = bucket(len(requests))
-        ends = batch.query_start_loc[1:] - 1  # each row's last token
-        num_draft = np.zeros(rows, np.int32)
+        rows = len(num_draft)
         draft_tokens = np.zeros((rows, k), np.int32)
         for i, r in enumerate(requests):
-            num_draft[i] = len(r.spec_tokens)
             draft_tokens[i, : len(r.spec_tokens)] = r.spec_tokens
-        index = np.zeros((rows, k + 1), np.int32)
-        index[: len(requests)] = np.minimum(
-            (ends - num_draft[: len(requests)])[:, None] + np.arange(k + 1), ends[:, None])
         arrays = SamplingArrays.from_requests(requests).padded(rows)
         accepted, tokens = verify(
-            all_logits[jnp.asarray(index)], jnp.asarray(draft_tokens), jnp.asarray(num_draft),
-            draft_probs, *(jnp.asarray(a) for a in (arrays.temperature, arrays.top_k,
-                                                    arrays.top_p, arrays.min_p, arrays.seeds,
-                                                    arrays.steps)),
+            window_logits, draft_tokens, num_draft, draft_probs, arrays.temperature,
+            arrays.top_k, arrays.top_p, arrays.min_p, arrays.seeds, arrays.steps,
             all_greedy=arrays.mode() == "greedy")
         return np.asarray(accepted), np.asarray(tokens)
 

@@ -47,7 +47,10 @@ class StepBatch:
     query_start_loc: np.ndarray
     kv_lens: np.ndarray
     logits_indices: np.ndarray
-    verification: bool = False  # a speculative verification step (see bucket_key)
+    # A speculative verification step: the tokens per sequence its program holds (k + 1 of the
+    # speculation, whatever each row proposed this time: one program per k, see bucket_key);
+    # 0 for any other step.
+    verify_len: int = 0
     # int32 [S]: each sequence's row of the persistent tables (engine.input_batch's slots),
     # which a runner with tables on the device keeps there (engine/device_tables.py); None:
     # rows 0..S-1.
@@ -113,13 +116,14 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
                num_prefill_seqs: int, max_seqs: int, max_width: int,
-               verification: bool = False,
+               verify_len: int = 0,
                count_prefill_seqs: bool = True) -> tuple[int, int, int, int, int]:
     """(N, S, W, max_q_len, max_prefill_seqs) of the program that runs such a batch.
 
     Decode-only steps (max_q_len 1) are keyed by the buckets of S and W. Speculative verification
-    steps whose sequences each compute at most MAX_SHORT_Q tokens by S, W and the bucket q of
-    max_q_len (N = S * q). Longer prefill steps pad S and W to their maxima (max_seqs,
+    steps (verify_len k + 1, at most MAX_SHORT_Q, and no sequence computing more) by S, W and
+    the bucket q of verify_len (N = S * q): rows that propose fewer tokens pad to it, so one
+    program serves every round. Longer prefill steps pad S and W to their maxima (max_seqs,
     max_width) and the query bound to N, so they are keyed by N and the number of prefilling
     sequences alone: few programs, all compiled at start-up. Without count_prefill_seqs (an
     attention that reads the ragged batch as it is and takes no bound on them,
@@ -128,8 +132,8 @@ def bucket_key(num_tokens: int, num_seqs: int, width: int, max_q_len: int,
     if max_q_len <= 1:
         s = bucket(num_seqs)
         return s, s, bucket(width, MIN_PAGE_BUCKET), 1, 0
-    if verification and max_q_len <= MAX_SHORT_Q:
-        s, q = bucket(num_seqs), bucket(max_q_len)
+    if max_q_len <= verify_len <= MAX_SHORT_Q:
+        s, q = bucket(num_seqs), bucket(verify_len)
         return s * q, s, bucket(width, MIN_PAGE_BUCKET), q, s
     n = bucket(num_tokens, MIN_TOKEN_BUCKET)
     return (n, bucket(max_seqs), bucket(max_width, MIN_PAGE_BUCKET), n,
@@ -156,7 +160,8 @@ def pad_to(a: np.ndarray, shape: tuple[int, ...], value: int) -> np.ndarray:
 
 def padding_batch(q_lens, num_pages: int, verification: bool = False) -> StepBatch:
     """A step of sequences computing q_lens tokens each that reads and writes nothing (every
-    length 0, every slot -1): it runs a program without touching the cache's contents."""
+    length 0, every slot -1): it runs a program without touching the cache's contents. A
+    verification step's verify_len is the longest of q_lens."""
     q_lens = np.asarray(q_lens, np.int32)
     num_seqs, num_tokens = len(q_lens), int(q_lens.sum())
     start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -165,4 +170,5 @@ def padding_batch(q_lens, num_pages: int, verification: bool = False) -> StepBat
                      slot_mapping=np.full(num_tokens, -1, np.int32),
                      block_tables=np.zeros((num_seqs, num_pages), np.int32),
                      query_start_loc=start, kv_lens=np.zeros(num_seqs, np.int32),
-                     logits_indices=np.maximum(start[1:] - 1, 0), verification=verification)
+                     logits_indices=np.maximum(start[1:] - 1, 0),
+                     verify_len=int(q_lens.max()) if verification else 0)

@@ -170,7 +170,7 @@ def compile_program(runner, q_lens: list[int], width: int, verification: bool, p
     num_steps steps (a multi-step round for a decode step, else a mixed round) whose rows
     sample in mode `program`."""
     if program == STEP:
-        runner.warmup(q_lens, width, all_logits=verification, verification=verification)
+        runner.warmup(q_lens, width, verification)
     elif max(q_lens) == 1:
         runner.warmup_multi_step(len(q_lens), width, num_steps, program)
     else:

@@ -44,7 +44,7 @@ def step_batch(num_seqs: int, q: int, context: int, page_size: int, vocab: int, 
     _, pages = seq_pages(num_seqs, pages_per_seq, dp)
     rows = [(rng.integers(0, vocab, q).tolist(), context, pages[s]) for s in range(num_seqs)]
     batch = make_step_batch(rows, page_size)
-    batch.verification = q > 1
+    batch.verify_len = q if q > 1 else 0
     return batch
 
 

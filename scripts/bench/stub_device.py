@@ -25,7 +25,7 @@ def stub_device(engine, reached: dict | None = None) -> None:
         if reached is not None:
             reached.setdefault((runner.step_key(batch), program), (
                 np.diff(batch.query_start_loc).tolist(), batch.block_tables.shape[1],
-                bool(batch.verification), program))
+                batch.verify_len > 0, program))
 
     def execute_and_sample(batch, arrays, prev_samples=None, sample_index=None):
         note(batch, STEP)

@@ -13,6 +13,7 @@ from configs.model import TINY_LLAMA31
 from engine import llm_engine
 from engine.compile_stats import compile_stats, count_compiles, report_serving_compiles
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.step_batch import bucket_key
 from engine.request import SamplingParams
 from engine.warmup import compile_all, compile_threads, split_first
 from models.weights import random_model
@@ -135,6 +136,47 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
     assert (compile_stats() - before).programs == 0
 
 
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_speculative_rounds_after_warmup_compile_nothing(on_mesh):
+    """A speculative engine's warm-up also compiles its rounds' acceptance, the gathers of the
+    verified tokens' logits and the samplers of greedy rows; every verification step runs the
+    program of k + 1 tokens a sequence, however few each row proposes (engine.step_batch.
+    bucket_key's verify_len): greedy and sampled n-gram rounds, some beside prompts, then
+    compile nothing, on one device and on a (one-device) mesh."""
+    from engine.mesh import make_mesh
+    from engine.speculative import SpecConfig
+    count_compiles()
+    cfg = TINY_LLAMA31
+    engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
+        max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=16),
+        spec_config=SpecConfig(num_speculative_tokens=3),
+        mesh=make_mesh(1, 1) if on_mesh else None)
+    engine.warmup()
+    before = compile_stats()
+    rng = np.random.default_rng(3)
+    # Repeated 6-grams: the n-gram proposer proposes 1 to 3 tokens a row. Requests end apart,
+    # so prompts of up to 30 tokens are admitted beside speculating rows (such a step runs
+    # without proposals: SpeculativeRounds.withdraw_proposals).
+    prompts = [(rng.integers(0, 50, 6).tolist() * 5)[:n] for n in (12, 25, 30, 9, 18, 27, 14)]
+    max_tokens = [5, 20, 30, 12, 25, 9, 17]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=[0.0, 0.8][i % 2],
+                             seed=i) for i, m in enumerate(max_tokens)]
+    outs = engine.generate(prompts, params)
+    assert [len(o.output_ids) for o in outs] == max_tokens
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.drafted_per_position[0] > stats.drafted_per_position[-1]
+    assert (compile_stats() - before).programs == 0
+
+
+def test_verification_steps_pad_to_the_speculation_length():
+    """A verification step's program holds k + 1 tokens a sequence whatever the longest row
+    computes; a step with a longer row is keyed as a prefill step."""
+    assert bucket_key(6, 3, 4, 2, 3, 8, 8, verify_len=5) == (32, 4, 4, 8, 4)
+    assert bucket_key(13, 3, 4, 5, 3, 8, 8, verify_len=5) == (32, 4, 4, 8, 4)
+    assert bucket_key(13, 3, 4, 6, 3, 8, 8, verify_len=5) == (16, 8, 8, 16, 4)
+    assert bucket_key(13, 3, 4, 6, 3, 8, 8) == (16, 8, 8, 16, 4)
+
+
 def test_block_table_widths_on_a_gpu_and_the_cpu():
     """On a GPU (and a TPU) steps pad their tables to FIXED_WIDTH_TOKENS' pages (one width for
     every context up to it) and wider ones to their power of two; the warm-up lists those
@@ -142,7 +184,7 @@ def test_block_table_widths_on_a_gpu_and_the_cpu():
     CPU_PREFILL_WIDTH_TOKENS' pages or their own bucket."""
     from engine.block_pool import BlockPool
     from engine.engine_config import resolve_engine_config
-    from engine.step_batch import FIXED_WIDTH_TOKENS, bucket_key, table_widths
+    from engine.step_batch import FIXED_WIDTH_TOKENS, table_widths
     from engine.warmup import reachable_steps
     floor = FIXED_WIDTH_TOKENS // 16
     assert table_widths(8192, 16, "gpu") == table_widths(8192, 16, "tpu") == (floor, floor)
