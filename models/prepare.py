@@ -8,7 +8,10 @@ Two preparations change how a step runs, not what it computes:
   * layers transposed for the GEMV kernel (models.llama.transpose_for_gemv): the four fused
     products stored [out, in], so that steps of few rows run each one as a kernel with its
     RMSNorm, SiLU x up and residual add inside (ops/gemv.py), and quantized products of more
-    rows the Hopper kernel. Auto: an INT8 / INT4 model on one Hopper GPU.
+    rows the Hopper kernel. Auto: a dense INT8 / INT4 model on one Hopper GPU. Not a mixture:
+    its experts take their own kernels, its decode measured the same fraction of its floor
+    either way, and its transposed programs compiled an order of magnitude slower
+    (docs/PERFORMANCE.md).
 
 `prepare_for_device` is what scripts.generate, scripts.serve and engine.api.load_engine run, so a
 Python user gets the model the command line gets. Its arguments are explicit: the platform, whether
@@ -52,12 +55,13 @@ def fusion_wanted(requested: bool | None, platform: str, mesh) -> bool:
     return requested
 
 
-def gemv_wanted(requested: bool | None, quantized: bool, hopper: bool, mesh) -> bool:
-    """Whether to store the layers transposed: `requested`, or when None auto: a quantized model
-    (INT8 / INT4 codes) on a Hopper GPU without a mesh, where the Hopper kernel runs every
-    quantized product faster than the [in, out] codes' path."""
+def gemv_wanted(requested: bool | None, quantized: bool, hopper: bool, mesh,
+                mixture: bool = False) -> bool:
+    """Whether to store the layers transposed: `requested`, or when None auto: a quantized dense
+    model (INT8 / INT4 codes, not a mixture of experts) on a Hopper GPU without a mesh, where
+    the Hopper kernel runs every quantized product faster than the [in, out] codes' path."""
     if requested is None:
-        return quantized and hopper and mesh is None
+        return quantized and hopper and mesh is None and not mixture
     return requested
 
 
@@ -96,7 +100,8 @@ def transpose_as_wanted(cfg: ModelConfig, model: LlamaForCausalLM, requested: bo
     """(cfg, model, notes), the layers transposed (models.llama.transpose_for_gemv) when
     `gemv_wanted` says so. Requested and impossible: ValueError; wanted by auto and impossible
     (unfused or act-order): a note, the model whole."""
-    if cfg.gemv_layers or not gemv_wanted(requested, has_quantized_layers(model), hopper, mesh):
+    if cfg.gemv_layers or not gemv_wanted(requested, has_quantized_layers(model), hopper, mesh,
+                                          mixture=cfg.num_experts > 0):
         return cfg, model, []
     if not cfg.fused_projections:
         if requested:

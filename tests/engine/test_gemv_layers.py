@@ -312,8 +312,8 @@ def test_a_mixture_decode_through_the_gpu_kernels_gives_the_reference_tokens(mon
 
 def test_auto_transposes_quantized_models_on_hopper():
     """gemv_layers None (auto, models.prepare.transpose_as_wanted): a quantized model on a
-    Hopper GPU is stored transposed; a float model, another device, a mesh or an explicit
-    False leave it as it is; an act-order model that auto cannot transpose stays whole with a
+    Hopper GPU is stored transposed; a float model, a mixture of experts, another device, a
+    mesh or an explicit False leave it as it is; an act-order model that auto cannot transpose stays whole with a
     note, where gemv_layers=True asked for it is an error."""
     from models.llama import has_quantized_layers
     from models.prepare import gemv_wanted, transpose_as_wanted
@@ -321,6 +321,8 @@ def test_auto_transposes_quantized_models_on_hopper():
     assert not gemv_wanted(None, True, True, object())  # a mesh
     assert not gemv_wanted(None, True, False, None) and not gemv_wanted(None, False, True, None)
     assert gemv_wanted(True, False, False, None) and not gemv_wanted(False, True, True, None)
+    assert not gemv_wanted(None, True, True, None, mixture=True)
+    assert gemv_wanted(True, True, True, None, mixture=True)
 
     def fused(method=None):  # a fresh fused model, quantized by `method`
         cfg, model, _ = model_and_prompts(TINY_LLAMA31, 3, False, ())
@@ -340,6 +342,9 @@ def test_auto_transposes_quantized_models_on_hopper():
                                            TransposedWeight)
     assert notes == ["model: layers transposed for the batch-1 gemv kernel (auto: quantized, "
                      "Hopper GPU)"]
+    mcfg, mmodel, _, _ = fused_case(TINY_QWEN3_MOE, 4, "int4_rtn", 0)
+    assert has_quantized_layers(mmodel)
+    assert transpose_as_wanted(mcfg, mmodel, None, True) == (mcfg, mmodel, [])  # a mixture
     acfg, amodel = fused("int4_rtn")
     act_order_last_down(amodel, np.random.default_rng(int(np.random.randint(1 << 30))))
     out_cfg, _, notes = transpose_as_wanted(acfg, amodel, None, True)
