@@ -5,8 +5,10 @@ same number and size of pages and the same --kv_cache_dtype, indexed by the same
 the target (a request's pages hold the target's K/V in the target's cache and the draft's in the
 draft's). Each engine step it
 runs, for all speculating requests at once: one ragged catch-up step over the tokens its cache
-lacks (the newest token, plus any accepted since), then k - 1 single-token steps, sampling each
-proposal from its own filtered distribution q (greedy for greedy requests). `num_draft_computed`
+lacks (the newest token, plus any accepted since: at most k + 1; a request new to speculation
+first catches up on its prompt in chunks of the step's token budget), then k - 1 single-token
+steps, sampling each proposal from its own filtered distribution q (greedy for greedy
+requests). Every program it runs compiles at the engine's warm-up (`warmup`). `num_draft_computed`
 of a request counts the tokens in the draft cache; after verification it is cut back to the
 accepted prefix, which is the draft's whole rollback.
 """
@@ -60,12 +62,16 @@ class DraftProposer:
                                   max_seqs=max_seqs, max_width=max_width, kernels=kernels)
         self.page_size = page_size
 
-    def propose(self, requests: list, k: int, verify_len: int):
+    def propose(self, requests: list, k: int, verify_len: int, budget: int):
         """Proposes up to request.lookahead tokens for each request (k = the largest), catching
-        up first on at most verify_len tokens a sequence (the target's verification steps').
+        up first on the tokens its cache lacks: at most verify_len tokens a sequence in the step
+        that proposes (the target's verification steps' length), any before them in steps of
+        at most `budget` tokens (`catch_up`).
 
-        Returns (proposals: list of token lists, q: device float32 [S, k, V]).
+        Returns (proposals: list of token lists, q: device float32 [bucket(S), K, V] with K =
+        verify_len - 1, each row's first k entries its proposals' distributions).
         """
+        self.catch_up(requests, verify_len, budget)
         rows = []
         for r in requests:
             first = min(r.num_draft_computed, r.num_tokens - 1)
@@ -75,20 +81,15 @@ class DraftProposer:
         padded = arrays.padded(bucket(num))
         tokens_so_far, probs = [], []
         batch = make_step_batch(rows, self.page_size)
-        # Catching up on the tokens verified last round (at most verify_len per sequence) is a
-        # short multi-token step like a verification: keyed by (S, W, q), not padded to
-        # max_seqs (engine.step_batch.bucket_key; a first, long catch-up over a whole prompt
-        # still is).
+        # A short multi-token step like a verification: keyed by (S, W, q), not padded to
+        # max_seqs (engine.step_batch.bucket_key).
         batch.verify_len = verify_len
         for i in range(k):
-            # A long catch-up step pads the batch to the runner's max_seqs: keep bucket(num) rows.
-            logits = self.runner.execute_padded(batch)[: bucket(num)]  # [bucket(num), V]
-            steps = padded.steps + i
-            token, q = draft_sample(logits, *(jnp.asarray(a) for a in (
-                padded.temperature, padded.top_k, padded.top_p, padded.min_p, padded.seeds,
-                steps)))
+            logits = self.runner.execute_padded(batch)  # [bucket(num), V]
+            token, q = draft_sample(logits, padded.temperature, padded.top_k, padded.top_p,
+                                    padded.min_p, padded.seeds, padded.steps + i)
             tokens_so_far.append(token)
-            probs.append(q[:num])
+            probs.append(q)
             if i + 1 < k:
                 host = np.asarray(token)[:num]
                 batch = make_step_batch(
@@ -97,5 +98,45 @@ class DraftProposer:
         proposals = np.stack([np.asarray(t)[:num] for t in tokens_so_far], axis=1)  # [S, k]
         for r in requests:
             r.num_draft_computed = r.num_tokens + k - 1
-        return [proposals[j, : r.lookahead].tolist() for j, r in enumerate(requests)], \
-            jnp.stack(probs, axis=1)
+        # K entries whatever k (the last repeated; only the first num_draft are read): one
+        # stacking program per row count
+        probs += probs[-1:] * (verify_len - 1 - k)
+        return ([proposals[j, : r.lookahead].tolist() for j, r in enumerate(requests)],
+                stack_probs(tuple(probs)))
+
+    def catch_up(self, requests: list, verify_len: int, budget: int) -> None:
+        """Computes each request's draft K/V up to its last verify_len tokens, in steps of at
+        most `budget` tokens (as the target's chunked prefill: bounded memory, and the target's
+        prefill programs' shapes): a request new to speculation has its whole prompt to catch
+        up on."""
+        while True:
+            rows, used = [], 0
+            for r in requests:
+                first = min(r.num_draft_computed, r.num_tokens - 1)
+                take = min(r.num_tokens - verify_len - first, budget - used)
+                if take > 0:
+                    rows.append((r.token_ids[first: first + take], first, r.pages))
+                    r.num_draft_computed, used = first + take, used + take
+            if not rows:
+                return
+            self.runner.execute_padded(make_step_batch(rows, self.page_size))
+
+    def warmup(self, q_lens, num_pages: int, verification: bool, num_proposed: int) -> None:
+        """Compiles the draft's step of q_lens tokens a sequence (the logits of each one's last
+        token: `execute_padded`) and, for a verification-shaped catch-up, the proposals'
+        sampling and stacking over its rows (num_proposed = K), as ModelRunner.warmup does."""
+        self.runner.warmup(q_lens, num_pages, verification, last_logits=True)
+        if not verification:
+            return
+        rows, vocab = bucket(len(q_lens)), self.cfg.vocab_size
+        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
+        arrays = SamplingArrays.defaults(rows)
+        draft_sample.lower(logits, arrays.temperature, arrays.top_k, arrays.top_p,
+                           arrays.min_p, arrays.seeds, arrays.steps).compile()
+        stack_probs.lower((logits,) * num_proposed).compile()
+
+
+@jax.jit
+def stack_probs(probs: tuple) -> jax.Array:
+    """[S, K, V] of K distributions [S, V]."""
+    return jnp.stack(probs, axis=1)

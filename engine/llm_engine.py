@@ -417,6 +417,19 @@ class LLMEngine:
         return step_programs(steps, rounds.num_steps if rounds is not None else 1,
                              rounds is not None and rounds.mixed_rounds, sampled)
 
+    def draft_steps(self, max_total_len: int | None = None,
+                    without_prefill: bool = False) -> list[tuple[list[int], int, bool]]:
+        """The steps a draft model runs (as `reachable_steps`): decode steps and catch-ups of
+        the target's verification length for up to spec max_batch sequences and, unless
+        `without_prefill`, the chunks of a long catch-up (DraftProposer.catch_up)."""
+        draft = self.draft.runner
+        steps = reachable_steps(self.engine_cfg, self.pool, draft.min_width, self.spec_config,
+                                self.spec_config.max_batch, max_total_len, None,
+                                draft.prefill_width if draft.prefill_widens else None,
+                                draft.fixed_width, draft.counts_prefill_seqs)
+        return [step for step in steps
+                if not without_prefill or step[2] or max(step[0]) == 1]
+
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
                prompt_lens: list[int] | None = None, progress=None,
                programs: list | None = None, samplers: bool = True) -> int:
@@ -430,10 +443,15 @@ class LLMEngine:
                                             sampled=samplers)
         before = len(self.runner.compiled_shapes)
         jobs = [(self._compile_program, program) for program in programs]
+        verification_rows = sorted({len(q_lens) for q_lens, _, verification, _ in programs
+                                    if verification})
         if self.spec is not None:  # the acceptance of each verification step's rows
-            jobs += [(self.spec.warmup, (rows,))
-                     for rows in sorted({len(q_lens) for q_lens, _, verification, _ in programs
-                                         if verification})]
+            jobs += [(self.spec.warmup, (rows,)) for rows in verification_rows]
+        if self.draft is not None and verification_rows:
+            jobs += [(self.draft.warmup, step + (self.spec_config.num_speculative_tokens,))
+                     for step in self.draft_steps(max_total_len, prompt_lens is not None)]
+            if self.draft.runner.tables is not None:
+                jobs.append((self.draft.runner.tables.compile, ()))
         if samplers:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
         if self.runner.tables is not None:  # the scatter that keeps the device's tables

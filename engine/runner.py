@@ -379,10 +379,12 @@ class ModelRunner:
         """Runs one step; returns the logits of every token, float32 [N, V] (on the device)."""
         return self.execute_logits_at(batch, np.arange(len(batch.token_ids), dtype=np.int32))[0]
 
-    def warmup(self, q_lens, num_pages: int, verification: bool = False):
+    def warmup(self, q_lens, num_pages: int, verification: bool = False,
+               last_logits: bool = False):
         """Compiles the program of a step whose sequences compute q_lens tokens each (with
         `verification`, the step of every token's logits and the gathers of
-        `verification_indices`): ahead of time (lowered and compiled for a padding step's
+        `verification_indices`; with `last_logits`, the step of `execute_padded`, a draft
+        model's, whatever `verification` says of its shape): ahead of time (lowered and compiled for a padding step's
         argument shapes, not run: a large prefill program would take seconds to run; the
         weights and cache are not touched, so this may run in a thread beside the engine's
         steps), or where `compiles_ahead` is off by running it on padding (nothing is
@@ -393,6 +395,8 @@ class ModelRunner:
         indices = verification_indices(num_seqs, dummy.verify_len)
         if self.compiles_ahead:
             args = abstract_arrays(self._step_args(dummy))
+            if last_logits:
+                return self._step.lower(*args).compile()
             if not verification:
                 return self._step_and_argmax.lower(*args, self.sample_rows).compile()
             step = self._step.lower(*args, all_logits=True).compile()
@@ -400,7 +404,9 @@ class ModelRunner:
             self._gather_rows.lower(jax.ShapeDtypeStruct(logits.shape, logits.dtype),
                                     *indices).compile()
             return step
-        if verification:
+        if last_logits:
+            self.execute_padded(dummy).block_until_ready()
+        elif verification:
             jax.block_until_ready(self.execute_logits_at(dummy, *indices))
         else:  # the program the engine runs: the step and its argmax
             fetch_samples(self.execute_and_sample(dummy, SamplingArrays.defaults(num_seqs)),

@@ -8,6 +8,7 @@ the proposals need the last token of every request on the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -36,6 +37,13 @@ class SpecRound:
     logprobs: tuple
     wait_s: float  # the host's wait for the device
     now: float  # when the tokens arrived
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def place_rows(q: jax.Array, index: jax.Array, rows: int) -> jax.Array:
+    """[rows, ...] zeros with q's rows [n, ...] at `index` [n] (an index of rows or more: that
+    row dropped): the speculating rows' draft distributions among a step's rows."""
+    return jnp.zeros((rows,) + q.shape[1:], q.dtype).at[index].set(q, mode="drop")
 
 
 class SpeculativeRounds:
@@ -135,14 +143,14 @@ class SpeculativeRounds:
         if self.draft is None:
             return None
         requests = [output.requests[i] for i in spec_rows]
-        proposals, q = self.draft.propose(requests, max(r.lookahead for r in requests),
-                                          self.spec_config.num_speculative_tokens + 1)
+        proposals, q = self.draft.propose(  # q [bucket(len(spec_rows)), K, V]
+            requests, max(r.lookahead for r in requests),
+            self.spec_config.num_speculative_tokens + 1,
+            self.scheduler.config.max_num_batched_tokens)
         for r, proposal in zip(requests, proposals):
             r.spec_tokens = proposal
         rows = bucket(len(output.entries))
-        k = self.spec_config.num_speculative_tokens
-        full = jnp.zeros((rows, k, q.shape[-1]), q.dtype)
-        return full.at[jnp.asarray(spec_rows), : q.shape[1]].set(q)
+        return place_rows(q, pad_to(np.asarray(spec_rows), (len(q),), rows), rows=rows)
 
     def withdraw_proposals(self, output: SchedulerOutput) -> None:
         """Takes every row's proposals out of a step that prefills a chunk longer than a
@@ -156,9 +164,11 @@ class SpeculativeRounds:
 
     def warmup(self, rows: int) -> None:
         """Compiles the acceptance (`verify`) of a verification step of `rows` rows (a bucket),
-        greedy and sampled, and the sampler of its rows when all are greedy (a round samples
-        every row's token by the sampler): ahead of time from shapes, or where the runner runs
-        its samplers (a mesh's logits are replicated) by running them on zero logits."""
+        greedy and sampled, the sampler of its rows when all are greedy (a round samples every
+        row's token by the sampler) and, with a draft model, the placing of its proposals'
+        distributions among the rows: ahead of time from shapes, or where the runner runs its
+        samplers (a mesh's logits are replicated) by running them on zero logits. (The draft's
+        own programs: DraftProposer.warmup.)"""
         self.runner.warmup_sampler(rows, "greedy")
         k, vocab = self.spec_config.num_speculative_tokens, self.runner.cfg.vocab_size
         arrays = SamplingArrays.defaults(rows)
@@ -174,6 +184,10 @@ class SpeculativeRounds:
                 jax.block_until_ready(verify(*args, all_greedy=all_greedy))
             else:
                 verify.lower(*args, all_greedy=all_greedy).compile()
+        if self.draft is not None:  # the draft runs on one device: from shapes
+            for num in (1 << i for i in range(rows.bit_length())):
+                place_rows.lower(jax.ShapeDtypeStruct((num, k, vocab), jnp.float32),
+                                 np.zeros(num, np.int32), rows=rows).compile()
 
     def verification_indices(self, batch: StepBatch, num_draft: np.ndarray) -> tuple:
         """The flat indices of the tokens whose logits a verification step keeps, over

@@ -136,28 +136,34 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
     assert (compile_stats() - before).programs == 0
 
 
-@pytest.mark.parametrize("on_mesh", [False, True])
-def test_speculative_rounds_after_warmup_compile_nothing(on_mesh):
+@pytest.mark.parametrize("method", ["ngram", "ngram on a mesh", "draft"])
+def test_speculative_rounds_after_warmup_compile_nothing(method):
     """A speculative engine's warm-up also compiles its rounds' acceptance, the gathers of the
-    verified tokens' logits and the samplers of greedy rows; every verification step runs the
-    program of k + 1 tokens a sequence, however few each row proposes (engine.step_batch.
-    bucket_key's verify_len): greedy and sampled n-gram rounds, some beside prompts, then
-    compile nothing, on one device and on a (one-device) mesh."""
+    verified tokens' logits and the samplers of greedy rows, and a draft model's steps, its
+    sampling and the placing of its distributions; every verification step (and a draft's
+    catch-up) runs the program of k + 1 tokens a sequence, however few each row proposes
+    (engine.step_batch.bucket_key's verify_len), and a draft catches up on a long prompt in
+    chunks of the token budget: greedy and sampled rounds, some beside prompts, then compile
+    nothing, by n-grams on one device and on a (one-device) mesh, and by a draft model."""
     from engine.mesh import make_mesh
     from engine.speculative import SpecConfig
     count_compiles()
     cfg = TINY_LLAMA31
     engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
         max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=16),
-        spec_config=SpecConfig(num_speculative_tokens=3),
-        mesh=make_mesh(1, 1) if on_mesh else None)
+        spec_config=SpecConfig("draft" if method == "draft" else "ngram",
+                               num_speculative_tokens=3),
+        mesh=make_mesh(1, 1) if method == "ngram on a mesh" else None,
+        draft=(cfg, random_model(cfg, 6)) if method == "draft" else None)
     engine.warmup()
+    if method == "draft":
+        assert engine.draft.runner.compiled_shapes
     before = compile_stats()
     rng = np.random.default_rng(3)
     # Repeated 6-grams: the n-gram proposer proposes 1 to 3 tokens a row. Requests end apart,
     # so prompts of up to 30 tokens are admitted beside speculating rows (such a step runs
     # without proposals: SpeculativeRounds.withdraw_proposals).
-    prompts = [(rng.integers(0, 50, 6).tolist() * 5)[:n] for n in (12, 25, 30, 9, 18, 27, 14)]
+    prompts = [(rng.integers(0, 50, 6).tolist() * 8)[:n] for n in (12, 25, 30, 9, 18, 44, 14)]
     max_tokens = [5, 20, 30, 12, 25, 9, 17]
     params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=[0.0, 0.8][i % 2],
                              seed=i) for i, m in enumerate(max_tokens)]
