@@ -384,11 +384,11 @@ class ModelRunner:
         """Compiles the program of a step whose sequences compute q_lens tokens each (with
         `verification`, the step of every token's logits and the gathers of
         `verification_indices`; with `last_logits`, the step of `execute_padded`, a draft
-        model's, whatever `verification` says of its shape): ahead of time (lowered and compiled for a padding step's
-        argument shapes, not run: a large prefill program would take seconds to run; the
-        weights and cache are not touched, so this may run in a thread beside the engine's
-        steps), or where `compiles_ahead` is off by running it on padding (nothing is
-        written). Returns the compiled step when compiled ahead (its memory_analysis() tells
+        model's, whatever `verification` says of its shape): ahead of time (lowered and
+        compiled for a padding step's argument shapes, not run: a large prefill program would
+        take seconds to run; the weights and cache are not touched, so this may run in a thread
+        beside the engine's steps), or where `compiles_ahead` is off by running it on padding
+        (nothing is written). Returns the compiled step when compiled ahead (its memory_analysis() tells
         the step's temporary bytes), else None."""
         dummy = padding_batch(q_lens, num_pages, verification)
         num_seqs = dummy.num_seqs

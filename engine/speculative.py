@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.sampling import filtered_logits
+from engine.step_batch import MAX_SHORT_Q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +40,10 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in ("ngram", "draft"):
             raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got "
-                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.num_speculative_tokens < MAX_SHORT_Q:
+            raise ValueError(f"num_speculative_tokens must be 1 to {MAX_SHORT_Q - 1} (a "
+                             f"verification step's program holds at most {MAX_SHORT_Q} tokens a "
+                             f"sequence), got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max "
                              f"({self.ngram_max})")

@@ -509,6 +509,12 @@ def test_lookahead_adapts_to_acceptance(make_engine):
     assert any(accepted == 0 for _, _, accepted in verified)
 
 
+@pytest.mark.parametrize("k", [0, 16])
+def test_speculation_lengths_beyond_a_verification_program_are_refused(k):
+    with pytest.raises(ValueError, match="num_speculative_tokens must be 1 to 15"):
+        SpecConfig("ngram", k)
+
+
 def test_spec_stats_counts():
     stats_ = SpecStats()
     for drafted, accepted in [(4, 4), (4, 0), (2, 1), (0, 0), (3, 3)]:
