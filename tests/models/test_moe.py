@@ -170,16 +170,17 @@ def test_the_activation_reserve_holds_a_mixture_steps_temporaries(model, tokens)
 @pytest.mark.parametrize("quant", [None, "int4_rtn"])
 def test_prepare_for_a_gpu_fuses_attention_and_the_experts_gate_and_up(quant):
     """The fused model (q/k/v as one product, each layer's experts' gate and up as one
-    [E, hidden, 2 I]) computes the unfused model's logits, float32 or INT4 experts; quantized,
-    its attention products are stored transposed for the one-token kernel (as a dense quantized
-    model's layers are on a Hopper GPU) and its experts keep their layout."""
+    [E, hidden, 2 I]) computes the unfused model's logits, float32 or INT4 experts; quantized
+    and asked for (gemv_layers=True: auto leaves a mixture in [in, out]), its attention products
+    are stored transposed for the one-token kernel and its experts keep their layout."""
     cfg = get_preset("tiny-qwen3-moe")
     model = random_model(cfg, seed=1)
     if quant:
         quantize_model(cfg, model, QuantConfig(quant, group_size=16), progress=False)
     ids = (np.arange(12)[None] * 37 + 5) % cfg.vocab_size
     unfused = np.asarray(full_sequence_logits(cfg, model, ids, page_size=4))
-    prepared = prepare_for_device(cfg, model, platform="gpu", hopper=True)
+    prepared = prepare_for_device(cfg, model, platform="gpu", hopper=True,
+                                  gemv_layers=True if quant else None)
     layer = prepared.model.layers[0]
     assert prepared.cfg.fused_projections and hasattr(layer.self_attn, "qkv_proj")
     assert not hasattr(layer.mlp, "gate_proj") and not hasattr(layer.mlp, "up_proj")
