@@ -388,11 +388,11 @@ class ModelRunner:
         compiled for a padding step's argument shapes, not run: a large prefill program would
         take seconds to run; the weights and cache are not touched, so this may run in a thread
         beside the engine's steps), or where `compiles_ahead` is off by running it on padding
-        (nothing is written). Returns the compiled step when compiled ahead (its memory_analysis() tells
-        the step's temporary bytes), else None."""
+        (nothing is written). Returns the compiled step when compiled ahead (its
+        memory_analysis() tells the step's temporary bytes), else None."""
         dummy = padding_batch(q_lens, num_pages, verification)
         num_seqs = dummy.num_seqs
-        indices = verification_indices(num_seqs, dummy.verify_len)
+        indices = verification_indices(num_seqs, dummy.verify_len) if verification else ()
         if self.compiles_ahead:
             args = abstract_arrays(self._step_args(dummy))
             if last_logits:

@@ -313,8 +313,8 @@ def test_a_mixture_decode_through_the_gpu_kernels_gives_the_reference_tokens(mon
 def test_auto_transposes_quantized_models_on_hopper():
     """gemv_layers None (auto, models.prepare.transpose_as_wanted): a quantized model on a
     Hopper GPU is stored transposed; a float model, a mixture of experts, another device, a
-    mesh or an explicit False leave it as it is; an act-order model that auto cannot transpose stays whole with a
-    note, where gemv_layers=True asked for it is an error."""
+    mesh or an explicit False leave it as it is; an act-order model that auto cannot transpose
+    stays whole with a note, where gemv_layers=True asked for it is an error."""
     from models.llama import has_quantized_layers
     from models.prepare import gemv_wanted, transpose_as_wanted
     assert gemv_wanted(None, True, True, None)
