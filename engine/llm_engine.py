@@ -39,8 +39,8 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
-from engine.warmup import (compile_all, compile_program, compile_threads, reachable_steps,
-                           step_programs)
+from engine.warmup import (compile_all, compile_program, compile_threads, in_callers_context,
+                           reachable_steps, step_programs)
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -505,6 +505,7 @@ class LLMEngine:
             log(f"compiling {len(programs) + len(penalties)} more programs in the background "
                 "(longer contexts, several prompts per step, rounds of rows that sample, "
                 "penalties)")
-        thread = threading.Thread(target=run, name="compile-in-background", daemon=True)
+        thread = threading.Thread(target=in_callers_context(run), name="compile-in-background",
+                                  daemon=True)
         thread.start()
         return thread

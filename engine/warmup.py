@@ -9,8 +9,11 @@ multi-step rounds, its round for greedy rows and for each sampled mode ("greedy"
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import jax
 
 from engine.sampling import SAMPLED_MODES
 from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
@@ -35,6 +38,28 @@ def compile_threads() -> int:
     return max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
 
 
+# jax's context managers that set a thread-local value which is part of a program's cache key.
+THREAD_LOCAL_CONTEXTS = (("jax_default_matmul_precision", jax.default_matmul_precision),
+                         ("jax_default_device", jax.default_device),
+                         ("jax_numpy_dtype_promotion", jax.numpy_dtype_promotion),
+                         ("jax_numpy_rank_promotion", jax.numpy_rank_promotion))
+
+
+def in_callers_context(fn):
+    """fn, to run on another thread under the calling thread's jax settings (a step called
+    inside `with jax.default_matmul_precision(...)` looks up the program compiled with that
+    precision, and a thread starts without the caller's context managers)."""
+    values = [(enter, getattr(jax.config, name)) for name, enter in THREAD_LOCAL_CONTEXTS]
+
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for enter, value in values:
+                stack.enter_context(enter(value))
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
     """compile_one(*shape) for every shape, `threads` at a time; progress(done, total) after
     each. On threads the first failure (in the shapes' order) is raised once the others finish;
@@ -46,7 +71,8 @@ def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
                 progress(i + 1, len(shapes))
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compile") as pool:
-        futures = [pool.submit(compile_one, *shape) for shape in shapes]
+        compile_here = in_callers_context(compile_one)
+        futures = [pool.submit(compile_here, *shape) for shape in shapes]
         for done, future in enumerate(as_completed(futures), start=1):
             future.exception()  # wait; failures are raised below, in the shapes' order
             if progress is not None:

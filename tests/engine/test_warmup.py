@@ -136,6 +136,26 @@ def test_warmup_on_a_mesh_compiles_what_a_run_reaches():
     assert (compile_stats() - before).programs == 0
 
 
+def test_threads_compile_under_the_callers_jax_settings():
+    """Warm-up threads (and the background thread) compile under the caller's thread-local jax
+    settings, which are part of a program's cache key: an engine warmed and run inside
+    `jax.default_matmul_precision("highest")` then compiles nothing."""
+    count_compiles()
+    cfg = TINY_LLAMA31
+    engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
+        max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, page_size=16,
+        compile_threads=2))
+    with jax.default_matmul_precision("highest"):
+        first, later = split_first(engine.warmup_programs(), page_size=16, first_context=16)
+        engine.warmup(programs=first)
+        engine.compile_in_background(later).join()
+        before = compile_stats()
+        outs = engine.generate([[1, 2, 3], list(range(4, 44))],
+                               SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.output_ids) for o in outs] == [6, 6]
+    assert (compile_stats() - before).programs == 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "ngram on a mesh", "draft"])
 def test_speculative_rounds_after_warmup_compile_nothing(method):
     """A speculative engine's warm-up also compiles its rounds' acceptance, the gathers of the
