@@ -20,6 +20,7 @@ import traceback
 import weakref
 
 from engine.request import RequestOutput, SamplingParams
+from engine.warmup import in_callers_context
 
 log = logging.getLogger("pallasite.server")
 
@@ -84,7 +85,10 @@ class AsyncEngine:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="pallasite-engine", daemon=True)
+        # The engine's steps run under the starting thread's jax settings, those its warm-up
+        # compiled with.
+        self._thread = threading.Thread(target=in_callers_context(self._run),
+                                        name="pallasite-engine", daemon=True)
         self._thread.start()
 
     @property
