@@ -6,7 +6,8 @@ the target (a request's pages hold the target's K/V in the target's cache and th
 draft's). Each engine step it
 runs, for all speculating requests at once: one ragged catch-up step over the tokens its cache
 lacks (the newest token, plus any accepted since: at most k + 1; a request new to speculation
-first catches up on its prompt in chunks of the step's token budget), then k - 1 single-token
+first catches up on its prompt, one chunk of the step's token budget an engine step, proposing
+nothing until it has), then k - 1 single-token
 steps, sampling each proposal from its own filtered distribution q (greedy for greedy
 requests). Every program it runs compiles at the engine's warm-up (`warmup`). `num_draft_computed`
 of a request counts the tokens in the draft cache; after verification it is cut back to the
@@ -65,19 +66,24 @@ class DraftProposer:
     def propose(self, requests: list, k: int, verify_len: int, budget: int):
         """Proposes up to request.lookahead tokens for each request (k = the largest), catching
         up first on the tokens its cache lacks: at most verify_len tokens a sequence in the step
-        that proposes (the target's verification steps' length), any before them in steps of
-        at most `budget` tokens (`catch_up`).
+        that proposes (the target's verification steps' length), any before them in one step of
+        at most `budget` tokens (`catch_up`). A request still further behind (a prompt longer
+        than the budget, caught up over several engine steps) proposes nothing this step.
 
-        Returns (proposals: list of token lists, q: device float32 [bucket(S), K, V] with K =
-        verify_len - 1, each row's first k entries its proposals' distributions).
+        Returns (proposals: a token list per request, empty for one behind; q: device float32
+        [bucket(P), K, V] over the P proposing requests in order, K = verify_len - 1, each row's
+        first k entries its proposals' distributions; None when none proposes).
         """
-        self.catch_up(requests, verify_len, budget)
+        behind = self.catch_up(requests, verify_len, budget)
+        proposing = [r for r, late in zip(requests, behind) if not late]
+        if not proposing:
+            return [[] for _ in requests], None
         rows = []
-        for r in requests:
+        for r in proposing:
             first = min(r.num_draft_computed, r.num_tokens - 1)
             rows.append((r.token_ids[first:], first, r.pages))
-        arrays = SamplingArrays.from_requests(requests)
-        num = len(requests)
+        arrays = SamplingArrays.from_requests(proposing)
+        num = len(proposing)
         padded = arrays.padded(bucket(num))
         tokens_so_far, probs = [], []
         batch = make_step_batch(rows, self.page_size)
@@ -93,33 +99,35 @@ class DraftProposer:
             if i + 1 < k:
                 host = np.asarray(token)[:num]
                 batch = make_step_batch(
-                    [([int(host[j])], r.num_tokens + i, r.pages) for j, r in enumerate(requests)],
+                    [([int(host[j])], r.num_tokens + i, r.pages) for j, r in enumerate(proposing)],
                     self.page_size)
-        proposals = np.stack([np.asarray(t)[:num] for t in tokens_so_far], axis=1)  # [S, k]
-        for r in requests:
+        proposals = np.stack([np.asarray(t)[:num] for t in tokens_so_far], axis=1)  # [P, k]
+        for r in proposing:
             r.num_draft_computed = r.num_tokens + k - 1
         # K entries whatever k (the last repeated; only the first num_draft are read): one
         # stacking program per row count
         probs += probs[-1:] * (verify_len - 1 - k)
-        return ([proposals[j, : r.lookahead].tolist() for j, r in enumerate(requests)],
-                stack_probs(tuple(probs)))
+        by_request = {id(r): proposals[j, : r.lookahead].tolist()
+                      for j, r in enumerate(proposing)}
+        return [by_request.get(id(r), []) for r in requests], stack_probs(tuple(probs))
 
-    def catch_up(self, requests: list, verify_len: int, budget: int) -> None:
-        """Computes each request's draft K/V up to its last verify_len tokens, in steps of at
-        most `budget` tokens (as the target's chunked prefill: bounded memory, and the target's
-        prefill programs' shapes): a request new to speculation has its whole prompt to catch
-        up on."""
-        while True:
-            rows, used = [], 0
-            for r in requests:
-                first = min(r.num_draft_computed, r.num_tokens - 1)
-                take = min(r.num_tokens - verify_len - first, budget - used)
-                if take > 0:
-                    rows.append((r.token_ids[first: first + take], first, r.pages))
-                    r.num_draft_computed, used = first + take, used + take
-            if not rows:
-                return
+    def catch_up(self, requests: list, verify_len: int, budget: int) -> list[bool]:
+        """Computes draft K/V toward each request's last verify_len tokens in one step of at
+        most `budget` tokens (as the target's chunked prefill: bounded memory and time, and the
+        target's prefill programs' shapes). Returns whether each request is still behind: a
+        request new to speculation has its whole prompt to catch up on, over as many engine
+        steps as its length needs, so that no step stalls the others for a long prompt."""
+        rows, used = [], 0
+        for r in requests:
+            first = min(r.num_draft_computed, r.num_tokens - 1)
+            take = min(r.num_tokens - verify_len - first, budget - used)
+            if take > 0:
+                rows.append((r.token_ids[first: first + take], first, r.pages))
+                r.num_draft_computed, used = first + take, used + take
+        if rows:
             self.runner.execute_padded(make_step_batch(rows, self.page_size))
+        return [min(r.num_draft_computed, r.num_tokens - 1) < r.num_tokens - verify_len
+                for r in requests]
 
     def warmup(self, q_lens, num_pages: int, verification: bool, num_proposed: int) -> None:
         """Compiles the draft's step of q_lens tokens a sequence (the logits of each one's last

@@ -75,6 +75,7 @@ class SpeculativeRounds:
             self.withdraw_proposals(output)
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
         draft_probs = self.propose(output, spec_rows) if spec_rows else None
+        spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]  # a draft may lag
         batch = self._build_batch(output)
         arrays = SamplingArrays.from_requests(requests)
         if spec_rows:
@@ -143,14 +144,20 @@ class SpeculativeRounds:
         if self.draft is None:
             return None
         requests = [output.requests[i] for i in spec_rows]
-        proposals, q = self.draft.propose(  # q [bucket(len(spec_rows)), K, V]
+        proposals, q = self.draft.propose(  # q [bucket(proposing rows), K, V]
             requests, max(r.lookahead for r in requests),
             self.spec_config.num_speculative_tokens + 1,
             self.scheduler.config.max_num_batched_tokens)
-        for r, proposal in zip(requests, proposals):
+        for i, r, proposal in zip(spec_rows, requests, proposals):
             r.spec_tokens = proposal
+            if not proposal:  # its draft is still catching up: a plain decode this step
+                output.counts[i] -= r.lookahead
+                r.lookahead = 0
+        if q is None:
+            return None
+        proposing = [i for i, proposal in zip(spec_rows, proposals) if proposal]
         rows = bucket(len(output.entries))
-        return place_rows(q, pad_to(np.asarray(spec_rows), (len(q),), rows), rows=rows)
+        return place_rows(q, pad_to(np.asarray(proposing), (len(q),), rows), rows=rows)
 
     def withdraw_proposals(self, output: SchedulerOutput) -> None:
         """Takes every row's proposals out of a step that prefills a chunk longer than a

@@ -198,6 +198,37 @@ def test_speculation_stops_at_the_end_of_a_small_pool(make_engine):
     check_all_free(engine)
 
 
+def test_a_draft_catches_up_on_a_long_prompt_one_chunk_a_step(make_engine):
+    """A draft new to a prompt longer than the step's token budget catches up one budget's
+    chunk an engine step (the row decodes plainly meanwhile, then speculates), so no step runs
+    the draft over the whole prompt; the tokens stay plain greedy's."""
+    budget = 32
+    engine_cfg = dataclasses.replace(ENGINE, max_model_len=192, max_num_batched_tokens=budget)
+    prompt = np.random.default_rng(1).integers(3, CFG.vocab_size, 4 * budget + 5).tolist()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    [want] = make_engine(engine_cfg).generate([prompt], params)
+    engine = make_engine(engine_cfg, "draft-self")
+    runner = engine.draft.runner
+    run, draft_tokens = runner.execute_padded, []
+
+    def counting(batch):
+        draft_tokens[-1] += len(batch.token_ids)
+        return run(batch)
+
+    runner.execute_padded = counting
+    request_id = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        draft_tokens.append(0)
+        engine.step()
+    got = engine.output_of(request_id)
+    assert got.output_ids == want.output_ids
+    # A step's draft work: one catch-up chunk, then K proposing steps (K + 1 tokens, then one
+    # each). The whole prompt at once would be 4 chunks.
+    assert max(draft_tokens) <= budget + 2 * K
+    assert engine.spec_stats.num_drafts > 0
+    check_all_free(engine)
+
+
 def test_smollm2_ngram_repeat_paragraph_equals_plain_greedy(smollm2):
     """The real model repeating a paragraph: n-gram speculation gives the plain greedy tokens
     with well over one token per verification step."""
