@@ -3,15 +3,14 @@
 The draft is any smaller model with the target's tokenizer. It has its own paged KV cache of the
 same number and size of pages and the same --kv_cache_dtype, indexed by the same block tables as
 the target (a request's pages hold the target's K/V in the target's cache and the draft's in the
-draft's). Each engine step it
-runs, for all speculating requests at once: one ragged catch-up step over the tokens its cache
-lacks (the newest token, plus any accepted since: at most k + 1; a request new to speculation
-first catches up on its prompt, one chunk of the step's token budget an engine step, proposing
-nothing until it has), then k - 1 single-token
-steps, sampling each proposal from its own filtered distribution q (greedy for greedy
-requests). Every program it runs compiles at the engine's warm-up (`warmup`). `num_draft_computed`
-of a request counts the tokens in the draft cache; after verification it is cut back to the
-accepted prefix, which is the draft's whole rollback.
+draft's). Each engine step it runs, for all speculating requests at once: one ragged catch-up
+step over the tokens its cache lacks (the newest token, plus any accepted since: at most k + 1; a
+request new to speculation first catches up on its prompt, one chunk of the step's token budget
+an engine step, proposing nothing until it has), then k - 1 single-token steps, sampling each
+proposal from its own filtered distribution q (greedy for greedy requests). Every program it runs
+compiles at the engine's warm-up (`warmup`). `num_draft_computed` of a request counts the tokens
+in the draft cache; after verification it is cut back to the accepted prefix, which is the
+draft's whole rollback.
 """
 from __future__ import annotations
 
