@@ -148,25 +148,25 @@ class SpeculativeRounds:
             requests, max(r.lookahead for r in requests),
             self.spec_config.num_speculative_tokens + 1,
             self.scheduler.config.max_num_batched_tokens)
-        for i, r, proposal in zip(spec_rows, requests, proposals):
+        for r, proposal in zip(requests, proposals):
             r.spec_tokens = proposal
-            if not proposal:  # its draft is still catching up: a plain decode this step
-                output.counts[i] -= r.lookahead
-                r.lookahead = 0
+        # rows whose draft is still catching up: a plain decode this step
+        self.withdraw_proposals(output, [i for i, p in zip(spec_rows, proposals) if not p])
         if q is None:
             return None
         proposing = [i for i, proposal in zip(spec_rows, proposals) if proposal]
         rows = bucket(len(output.entries))
         return place_rows(q, pad_to(np.asarray(proposing), (len(q),), rows), rows=rows)
 
-    def withdraw_proposals(self, output: SchedulerOutput) -> None:
-        """Takes every row's proposals out of a step that prefills a chunk longer than a
-        verification step holds (k + 1 tokens a sequence): it runs as a plain step, whose
-        programs are warm, where verifying would run a prefill program of every token's logits,
-        compiled on first use (and [N, V] of them)."""
-        counts = output.counts
-        for i, r in enumerate(output.requests):
-            counts[i] -= r.lookahead  # the scheduled proposals (a draft's are not drawn yet)
+    def withdraw_proposals(self, output: SchedulerOutput, rows: list[int] | None = None) -> None:
+        """Takes the proposals of `rows` (default: every row) out of the step and its scheduled
+        counts. Every row's, in a step that prefills a chunk longer than a verification step
+        holds (k + 1 tokens a sequence): it runs as a plain step, whose programs are warm, where
+        verifying would run a prefill program of every token's logits, compiled on first use
+        (and [N, V] of them)."""
+        for i in range(len(output.requests)) if rows is None else rows:
+            r = output.requests[i]
+            output.counts[i] -= r.lookahead  # the scheduled proposals (a draft's: not drawn yet)
             r.spec_tokens, r.lookahead = [], 0
 
     def warmup(self, rows: int) -> None:
