@@ -12,6 +12,8 @@ scheduled row's counters, and `update` / `prepare` bring the rows up to date fro
 A slot is taken when a request is first prepared and given back when its release is reported:
 a request that comes back gets a fresh slot and writes all its pages again. A row is zero past
 its request's pages (a released row is cleared), so a step's gathered tables need no masking.
+A penalized request's slot is also its row of the penalties' count table on the device
+(engine/penalty_counts.py): its prompt and outputs are written there when it takes the slot.
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import dataclasses
 
 import numpy as np
 
-from engine.request import Request
+from engine.request import MAX_LOGPROBS, Request
 from engine.step_batch import StepBatch, step_batch_from_arrays
-from engine.sampling import SamplingArrays, draw_steps
+from engine.sampling import PenaltyRows, SamplingArrays, draw_steps
 from engine.scheduler import SchedulerOutput
 
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed")
@@ -58,6 +60,12 @@ class InputBatch:
         # [slots, 5] float64 (exact for every column: seeds are below 2**53)
         self.sampling = np.zeros((capacity, len(SAMPLING_COLUMNS)), np.float64)
         self.logprobs = np.zeros(capacity, np.bool_)  # [slots] the request wants logprobs
+        self.penalized = np.zeros(capacity, np.bool_)  # [slots] the request has penalties
+        # [slots, 3] repetition, presence, frequency
+        self.penalty_strengths = np.zeros((capacity, 3), np.float32)
+        # (slot, request) of penalized requests that took their slot since the last step's
+        # sampling arrays: their histories go to the count table before that step samples
+        self._new_histories: list[tuple[int, Request]] = []
         # [slots] prompt tokens, and prompt + max_tokens (where it ends by length)
         self.prompt_lens = np.zeros(capacity, np.int64)
         self.token_limits = np.zeros(capacity, np.int64)
@@ -132,6 +140,12 @@ class InputBatch:
         self.num_pages[slot] = 0
         self.sampling[slot] = request.sampling_row
         self.logprobs[slot] = request.params.logprobs is not None
+        params = request.params
+        self.penalized[slot] = params.uses_penalties
+        self.penalty_strengths[slot] = (params.repetition_penalty, params.presence_penalty,
+                                        params.frequency_penalty)
+        if params.uses_penalties:
+            self._new_histories.append((slot, request))
         self.prompt_lens[slot] = len(request.prompt_ids)
         self.token_limits[slot] = len(request.prompt_ids) + request.params.max_tokens
         return slot
@@ -144,15 +158,15 @@ class InputBatch:
             self.versions = np.pad(self.versions, (0, rows))
             self.sampling = np.pad(self.sampling, ((0, rows), (0, 0)))
             self.logprobs = np.pad(self.logprobs, (0, rows))
+            self.penalized = np.pad(self.penalized, (0, rows))
+            self.penalty_strengths = np.pad(self.penalty_strengths, ((0, rows), (0, 0)))
             self.prompt_lens = np.pad(self.prompt_lens, (0, rows))
             self.token_limits = np.pad(self.token_limits, (0, rows))
 
     # ---- step inputs -------------------------------------------------------------------------
 
-    def prepare(self, output: SchedulerOutput, penalized: bool) -> PreparedStep:
-        """The inputs of a scheduled step of any kind (prefill chunks and decodes mixed).
-        penalized: some unfinished request has penalties (sampling arrays then come from the
-        requests, which hold the tokens the penalties count)."""
+    def prepare(self, output: SchedulerOutput) -> PreparedStep:
+        """The inputs of a scheduled step of any kind (prefill chunks and decodes mixed)."""
         requests = output.requests
         # Per row, as the scheduler recorded them (no Python pass over the rows): tokens
         # computed this step, first position, tokens in all and in flight.
@@ -178,9 +192,10 @@ class InputBatch:
         return PreparedStep(requests, completes, slots,
                             self._step_batch(slots, tokens, counts, firsts),
                             _sample_index(num_tokens, placeholders, sources),
-                            self._sampling_arrays(requests, slots, penalized), len(placeholders))
+                            self.sampling_arrays(requests, slots, np.asarray(completes)),
+                            len(placeholders))
 
-    def prepare_decode(self, output: SchedulerOutput, penalized: bool) -> PreparedStep:
+    def prepare_decode(self, output: SchedulerOutput) -> PreparedStep:
         """The inputs of a step in which every scheduled row decodes one token: the row's
         newest token, in flight (read on the device from the previous step: a placeholder 0
         here) or the request's last known one."""
@@ -200,7 +215,8 @@ class InputBatch:
                                  output.columns()[1])
         return PreparedStep(requests, [True] * len(requests), slots, batch,
                             _sample_index(len(requests), placeholders, sources),
-                            self._sampling_arrays(requests, slots, penalized), len(placeholders))
+                            self.sampling_arrays(requests, slots, np.ones(len(requests), bool)),
+                            len(placeholders))
 
     def may_end(self, slots: np.ndarray, totals: np.ndarray, steps: int,
                 context_limit: int) -> np.ndarray:
@@ -221,16 +237,25 @@ class InputBatch:
         batch.slots, batch.table_versions = slots, self.versions[slots]
         return batch
 
-    def _sampling_arrays(self, requests: list[Request], slots: np.ndarray,
-                         penalized: bool) -> SamplingArrays:
-        """The step's sampling arrays, gathered from the rows (per request only when a request
-        has penalties or logprobs, which need its tokens or more outputs)."""
-        if penalized or self.logprobs[slots].any():
-            return SamplingArrays.from_requests(requests)
+    def sampling_arrays(self, requests: list[Request], slots: np.ndarray,
+                        completes: np.ndarray) -> SamplingArrays:
+        """A step's sampling arrays, gathered from the rows at `slots`; with penalties, where
+        each row's counts live (completes bool [S]: the row draws its request's next token,
+        which the count table then counts) and the histories new slots need written."""
         table = self.sampling[slots]  # [S, 5]
         sampled = (table[:, 0] > 0).any()  # greedy rows need no step index
-        return SamplingArrays.from_rows(table, draw_steps(requests) if sampled
-                                        else np.zeros(len(requests), np.int32))
+        arrays = SamplingArrays.from_rows(table, draw_steps(requests) if sampled
+                                          else np.zeros(len(requests), np.int32))
+        if self.logprobs[slots].any():
+            arrays.num_logprobs = MAX_LOGPROBS
+        penalized = self.penalized[slots]  # [S]
+        if penalized.any():
+            histories = [(slot, r.prompt_ids, list(r.output_ids))
+                         for slot, r in self._new_histories]
+            self._new_histories = []
+            arrays.penalties = PenaltyRows(slots.astype(np.int32), completes & penalized,
+                                           self.penalty_strengths[slots].T.copy(), histories)
+        return arrays
 
 
 def _sample_index(num_tokens: int, placeholders, sources: list[int]) -> np.ndarray | None:

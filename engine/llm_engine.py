@@ -100,7 +100,7 @@ class LLMEngine:
                                            max_width, kernels=self.runner.kernels.per_shard(),
                                            kv_dtype=engine_cfg.kv_cache_dtype)
             self.spec = SpeculativeRounds(spec_config, self.runner, self.scheduler,
-                                          engine_cfg.page_size, self.draft)
+                                          self.input_batch, engine_cfg.page_size, self.draft)
         self.rounds: MultiStepRounds | None = None
         if (engine_cfg.num_decode_steps > 1 and spec_config is None
                 and self.runner.supports_multi_step):
@@ -118,7 +118,8 @@ class LLMEngine:
         # The postprocess side: appends, stop conditions, detokenization, request outputs.
         self.output_processor = OutputProcessor(tokenizer, self._on_finish)
         self._in_flight: InFlight | None = None  # the launched step not read yet
-        self._penalized: set[int] = set()  # unfinished requests with penalties (synchronous)
+        # unfinished requests with penalties: single steps (a round counts no penalties)
+        self._penalized: set[int] = set()
         self._with_logprobs: set[int] = set()  # unfinished requests that want logprobs
         self._wait_s = 0.0
         self._round_steps = 1
@@ -265,10 +266,10 @@ class LLMEngine:
         return deltas
 
     def _can_overlap(self) -> bool:
-        """Asynchronous scheduling needs every token id on the host only for speculation and
-        penalties (which count the output tokens)."""
+        """Asynchronous scheduling needs every token id on the host only for speculation
+        (penalties count the output tokens on the device: engine/penalty_counts.py)."""
         return (self.engine_cfg.async_scheduling and self.spec is None
-                and self.runner.supports_async_scheduling and not self._penalized)
+                and self.runner.supports_async_scheduling)
 
     def _round(self, overlap: bool) -> tuple[int, list[StreamDelta]]:
         """(sequences running after this round's scheduling, deltas) of one round; see
@@ -309,7 +310,7 @@ class LLMEngine:
             step, results, next_inputs = self.rounds.launch(kind, output, prev_inputs)
             steps = self.rounds.num_steps
         else:
-            step = self.input_batch.prepare(output, bool(self._penalized))
+            step = self.input_batch.prepare(output)
             results = self.runner.execute_and_sample(step.batch, step.arrays, prev_inputs,
                                                      step.sample_index)
             next_inputs, steps = results[0], 1
@@ -432,12 +433,14 @@ class LLMEngine:
 
     def warmup(self, num_seqs: int | None = None, max_total_len: int | None = None,
                prompt_lens: list[int] | None = None, progress=None,
-               programs: list | None = None, samplers: bool = True) -> int:
+               programs: list | None = None, samplers: bool = True,
+               penalties: bool = False) -> int:
         """Compiles the programs of `warmup_programs` (or `programs`, some of them: a server's
         engine.warmup.split_first) and, with `samplers`, the sampler programs of sampled rows
-        (a greedy run needs none, nor `warmup_programs`' sampled rounds), and the scatter of
-        tables kept on the device; returns how many step
-        programs were new, `warmup_threads` at once."""
+        (a greedy run needs none, nor `warmup_programs`' sampled rounds), with `penalties`
+        those of penalized rows (a server compiles them in the background:
+        `compile_in_background`), and the scatter of tables kept on the device; returns how
+        many step programs were new, `warmup_threads` at once."""
         if programs is None:
             programs = self.warmup_programs(num_seqs, max_total_len, prompt_lens,
                                             sampled=samplers)
@@ -454,6 +457,9 @@ class LLMEngine:
                 jobs.append((self.draft.runner.tables.compile, ()))
         if samplers:
             jobs += [(self.runner.warmup_sampler, shape) for shape in self.runner.sampler_shapes()]
+        if penalties:
+            jobs += [(self.runner.warmup_penalty_sampler, shape)
+                     for shape in self.runner.penalty_sampler_shapes()]
         if self.runner.tables is not None:  # the scatter that keeps the device's tables
             jobs.append((self.runner.tables.compile, ()))
         compile_all(lambda compile_one, shape: compile_one(*shape), jobs, self.warmup_threads,

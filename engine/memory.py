@@ -106,11 +106,13 @@ def activation_reserve_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_
                              dtype) -> int:
     """A generous bound of one step's temporaries: per-token hidden/MLP/qkv activations at
     float32 width, twice (XLA keeps a few alive at once), plus float32 logits and their sort for
-    sampling."""
+    sampling, and the penalties' int32 count table (engine/penalty_counts.py) and a step's rows
+    of it."""
     per_token = 4 * (3 * cfg.hidden_size + 2 * cfg.intermediate_size
                      + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
     logits = 4 * cfg.vocab_size * max_num_seqs * 3
-    return (2 * per_token * max_num_batched_tokens + logits + (256 << 20)
+    penalty_counts = 4 * cfg.vocab_size * max_num_seqs * 2
+    return (2 * per_token * max_num_batched_tokens + logits + penalty_counts + (256 << 20)
             + moe_reserve_bytes(cfg, max_num_batched_tokens))
 
 

@@ -50,11 +50,11 @@ class MultiStepRounds:
         (tokens [num_steps, bucket(S)],), the last step's tokens [sample_rows]). prev_inputs:
         the in-flight step's next_inputs (asynchronous scheduling), or None."""
         if kind == DECODE:
-            step = self.input_batch.prepare_decode(output, penalized=False)
+            step = self.input_batch.prepare_decode(output)
             tokens, last = self.runner.execute_multi_step(
                 step.batch, step.arrays, self.num_steps, prev_inputs, step.sample_index)
         elif kind == MIXED:
-            step = self.input_batch.prepare(output, penalized=False)
+            step = self.input_batch.prepare(output)
             tokens, last = self.runner.execute_mixed_round(
                 step.batch, np.asarray(step.completes, np.bool_), step.arrays, self.num_steps,
                 prev_inputs, step.sample_index)

@@ -11,9 +11,10 @@ from configs.model import ModelConfig
 from models.kv_cache import KVCache, init_kv_cache
 from engine.device_tables import DeviceTables, tables_on_device
 from engine.request import MAX_LOGPROBS
-from engine.sampling import (SAMPLED_MODES, SamplingArrays, first_rows, logprobs_of,
-                             pack_sampling, sample_from_packed, sample_packed, sample_step,
-                             token_history, with_logprobs)
+from engine.penalty_counts import PenaltyCounts
+from engine.sampling import (NO_SLOT, SAMPLED_MODES, PenaltyRows, SamplingArrays, first_rows,
+                             logprobs_of, pack_sampling, sample_from_packed, sample_packed,
+                             sample_penalized, sample_step, with_logprobs)
 from engine.step_batch import (MIN_PAGE_BUCKET, StepBatch, bucket, bucket_key, pad_to,
                                padding_batch, table_widths)
 from engine.step_inputs import StepLayout, pack, unpack
@@ -88,6 +89,9 @@ class ModelRunner:
         # tokens from the previous step's samples on the device (asynchronous scheduling).
         self.sample_rows = bucket(max_seqs)
         self._no_samples = jnp.zeros((self.sample_rows,), jnp.int32)
+        # The penalties' token counts per input-batch slot (the activation reserve of
+        # engine/memory.py counts their bytes).
+        self.penalty_counts = self._new_penalty_counts()
         # The weights go to the jitted step as a flat tuple of arrays: jax flattens a tuple in
         # C++, an nnx.State through Python callbacks on every call.
         self._weights, self._weights_def = jax.tree.flatten(self.state)
@@ -443,9 +447,8 @@ class ModelRunner:
         return [(r, mode) for r in rows for mode in SAMPLED_MODES]
 
     def penalty_sampler_shapes(self) -> list[tuple[int, str]]:
-        """(rows, mode) of the sampler programs that steps with penalties reach while every
-        token history is short (MIN_HISTORY_WIDTH): `sampler_shapes`' row counts, in every
-        mode, greedy too."""
+        """(rows, mode) of the sampler programs that steps with penalties reach:
+        `sampler_shapes`' row counts, in every mode, greedy too."""
         rows = sorted({r for r, _ in self.sampler_shapes()})
         return [(r, mode) for r in rows for mode in ("greedy",) + SAMPLED_MODES]
 
@@ -458,24 +461,40 @@ class ModelRunner:
     def _compile_sampler(self, arrays: SamplingArrays, logits_rows: int) -> None:
         """Compiles the sampler program that `sample_device` runs for `arrays` on logits of
         `logits_rows` rows (with their penalties and logprobs, if any): by running it
-        (`runs_samplers`), else ahead of time (only the sampler itself)."""
+        (`runs_samplers`; penalties on a scratch count table, since a step may be donating
+        the engine's), else ahead of time (only the sampler itself)."""
         vocab = self.cfg.vocab_size
         if self.runs_samplers:
             logits = self._placed(np.zeros((logits_rows, vocab), np.float32))
-            fetch_samples(self.sample_device(logits, arrays), len(arrays.temperature))
+            counts = (None if arrays.penalties is None else
+                      PenaltyCounts(self.penalty_counts.rows, vocab, self._placed))
+            fetch_samples(self.sample_device(logits, arrays, counts), len(arrays.temperature))
             return
         floats, ints = pack_sampling(arrays)
-        sample_packed.lower(jax.ShapeDtypeStruct((logits_rows, vocab), jnp.float32), floats,
-                            ints, arrays.penalties, out_rows=self.sample_rows,
-                            mode=arrays.mode()).compile()
+        logits = jax.ShapeDtypeStruct((logits_rows, vocab), jnp.float32)
+        if arrays.penalties is None:
+            sample_packed.lower(logits, floats, ints, out_rows=self.sample_rows,
+                                mode=arrays.mode()).compile()
+            return
+        counts = self.penalty_counts.abstract
+        sample_penalized.lower(logits, floats, ints, counts, arrays.penalties.packed(),
+                               arrays.penalties.strengths, out_rows=self.sample_rows,
+                               mode=arrays.mode()).compile()
 
     def warmup_penalty_sampler(self, rows: int, mode: str) -> None:
-        """Compiles a `penalty_sampler_shapes` program (`_compile_sampler`)."""
+        """Compiles a `penalty_sampler_shapes` program (`_compile_sampler`) and, ahead of time,
+        the count table's history write."""
         arrays = SamplingArrays.of_mode(rows, mode)
-        no_tokens = [[]] * rows
-        arrays.penalties = (token_history(no_tokens, no_tokens), np.ones(rows, np.float32),
-                            np.zeros(rows, np.float32), np.zeros(rows, np.float32))
+        arrays.penalties = PenaltyRows(np.full(rows, NO_SLOT, np.int32), np.zeros(rows, bool),
+                                       np.ones((3, rows), np.float32))
         self._compile_sampler(arrays, rows)
+        self.penalty_counts.compile()
+
+    def _new_penalty_counts(self) -> PenaltyCounts:
+        """A zero count table (engine/penalty_counts.py), a row per sequence, placed as the
+        step's logits."""
+        return PenaltyCounts(self.sample_rows, self.cfg.vocab_size, self._placed,
+                             abstract_arrays)
 
     def warmup_sampler(self, rows: int, mode: str) -> None:
         """Compiles the sampler program of `rows` logits rows in `mode`; with cuts, the cut of
@@ -512,9 +531,11 @@ class ModelRunner:
         their inputs' placement)."""
         return jnp.asarray(host)
 
-    def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
+    def sample_device(self, logits: jax.Array, arrays: SamplingArrays,
+                      counts: PenaltyCounts | None = None) -> tuple:
         """Samples one token per row of `logits` [S, V] (or of the padded logits of
-        `execute_padded`), without waiting for the device.
+        `execute_padded`), without waiting for the device; penalties read `counts` (default:
+        the engine's table, `_sample_padded`).
 
         Returns device arrays (token ids [sample_rows] zero-padded, chosen logprobs, top ids,
         top logprobs), the last three None unless arrays.num_logprobs > 0; their copy to the
@@ -527,7 +548,20 @@ class ModelRunner:
         if rows != bucket(rows) or (rows > bucket(s) and arrays.mode() == "cuts"):
             rows = bucket(s)
             logits = first_rows(logits, s, rows=rows)
-        return start_copies(sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows))
+        return start_copies(self._sample_padded(logits, arrays.padded(rows), counts))
+
+    def _sample_padded(self, logits: jax.Array, arrays: SamplingArrays,
+                       counts: PenaltyCounts | None = None, place=None) -> tuple:
+        """`sample_step` of arrays padded to the logits' rows, with penalties read from and
+        counted in `counts` (default: the engine's table, where the histories of requests new
+        to their slots are written first)."""
+        if arrays.penalties is not None and counts is None:
+            counts = self.penalty_counts
+            for slot, prompt, output in arrays.penalties.histories:
+                counts.write(slot, prompt, output)
+            arrays.penalties.histories.clear()
+        return sample_step(logits, arrays, out_rows=self.sample_rows, place=place,
+                           counts=counts)
 
     def sample(self, logits: jax.Array, arrays: SamplingArrays):
         """`sample_device`, then waits: host numpy (token ids [S], chosen logprobs [S], top ids

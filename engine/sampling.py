@@ -43,24 +43,24 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def apply_penalties(logits: jax.Array, history: jax.Array, repetition: jax.Array,
+# A count-table entry (engine/penalty_counts.py): the output count of a token, plus PROMPT_FLAG
+# where the request's prompt holds it (no request reaches 2**24 output tokens).
+PROMPT_FLAG = 1 << 24
+# The count-table slot of a padding row: its gather reads zeros and its count is dropped.
+NO_SLOT = 1 << 30
+
+
+def apply_penalties(logits: jax.Array, counts: jax.Array, repetition: jax.Array,
                     presence: jax.Array, frequency: jax.Array) -> jax.Array:
     """Repetition (HF style: divide positive, multiply negative logits of every token seen in the
     prompt or output), presence and frequency penalties (OpenAI style: subtract per output token).
 
-    logits [S, V]; history int32 [S, L] (`token_history`): prompt token t as t, output token t
-    as -2 - t, padding -1; penalties [S].
+    logits [S, V]; counts int32 [S, V]: each row's count-table row (output count, plus
+    PROMPT_FLAG for a prompt token); penalties [S].
     """
-    rows, vocab = logits.shape
-    row_ids = jnp.arange(rows)[:, None]
-
-    def counts(tokens):  # [S, L] of ids, `vocab` where none -> [S, V]
-        return jnp.zeros((rows, vocab), jnp.float32).at[row_ids, tokens].add(1.0, mode="drop")
-
-    output_counts = counts(jnp.where(history <= -2, -2 - history, vocab))
-    seen = (counts(jnp.where(history >= 0, history, vocab)) + output_counts) > 0
+    output_counts = (counts & (PROMPT_FLAG - 1)).astype(jnp.float32)  # [S, V]
     penalized = jnp.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None])
-    logits = jnp.where(seen, penalized, logits)
+    logits = jnp.where(counts > 0, penalized, logits)
     return (logits - frequency[:, None] * output_counts
             - presence[:, None] * (output_counts > 0).astype(jnp.float32))
 
@@ -88,7 +88,8 @@ def _sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: 
     logits [B, V] float32; temperature float32 [B] (0 = greedy); top_k int32 [B]; top_p float32
     [B]; seeds uint32 [B]; steps int32 [B] (the index of the token being sampled in its request);
     min_p float32 [B] or None; penalties None or the arguments of `apply_penalties` after the
-    logits (applied before greedy and sampling alike). Returns int32 [B].
+    logits (applied before greedy and sampling alike; `sample_penalized` gathers them). Returns
+    int32 [B].
 
     mode (static; `sampling_mode` picks it on the host): "greedy" when no row samples (argmax
     only), "plain" when no sampling row has a top-k / top-p / min-p cut (no sort over the
@@ -146,6 +147,30 @@ def sample_from_packed(logits: jax.Array, floats: jax.Array, ints: jax.Array,
 sample_packed = jax.jit(sample_from_packed, static_argnames=("out_rows", "mode"))
 
 
+def _sample_penalized(logits: jax.Array, floats: jax.Array, ints: jax.Array, counts: jax.Array,
+                      rows: jax.Array, strengths: jax.Array, out_rows: int | None = None,
+                      mode: str = "cuts") -> tuple[jax.Array, jax.Array]:
+    """`sample_from_packed` with penalties read from the count table, and each drawn token
+    counted there in the same program.
+
+    counts int32 [R, V] (engine/penalty_counts.py; donated); rows int32 [2, B]: each row's slot
+    in it (NO_SLOT: none) and 1 where its token is counted (its request's next token);
+    strengths float32 [3, B]: repetition, presence, frequency. Returns (tokens int32 [B], or
+    [out_rows] zero-padded; the updated counts).
+    """
+    slots, counted = rows[0], rows[1]
+    seen = jnp.take(counts, slots, axis=0, mode="fill", fill_value=0)  # [B, V]
+    tokens = sample_from_packed(logits, floats, ints, (seen, *strengths), mode=mode)  # [B]
+    counts = counts.at[slots, tokens].add(counted, mode="drop")
+    if out_rows is not None and out_rows > tokens.shape[0]:
+        tokens = jnp.pad(tokens, (0, out_rows - tokens.shape[0]))
+    return tokens, counts
+
+
+sample_penalized = jax.jit(_sample_penalized, donate_argnums=3,
+                           static_argnames=("out_rows", "mode"))
+
+
 def pack_sampling(arrays: "SamplingArrays") -> tuple[np.ndarray, np.ndarray]:
     """(floats float32 [3, S], ints uint32 [3, S]) of host sampling arrays (see
     `sample_from_packed`)."""
@@ -162,6 +187,28 @@ def _pad_rows(a: np.ndarray, rows: int, value) -> np.ndarray:
 
 
 @dataclasses.dataclass
+class PenaltyRows:
+    """The penalty inputs of a step's rows: where their counts live and how strong they are."""
+
+    slots: np.ndarray  # int32 [S]: each row's count-table slot (NO_SLOT: a padding row)
+    counted: np.ndarray  # bool [S]: the row draws its request's next token (counted)
+    strengths: np.ndarray  # float32 [3, S]: repetition, presence, frequency
+    # (slot, prompt ids, output ids) of requests new to their slot: written before sampling
+    histories: list = dataclasses.field(default_factory=list)
+
+    def padded(self, rows: int) -> "PenaltyRows":
+        """Padding rows up to `rows`: no slot, not counted, neutral strengths."""
+        strengths = np.tile(np.array([[1.0], [0.0], [0.0]], np.float32), (1, rows))
+        strengths[:, : self.strengths.shape[1]] = self.strengths
+        return PenaltyRows(_pad_rows(self.slots, rows, NO_SLOT),
+                           _pad_rows(self.counted, rows, False), strengths, self.histories)
+
+    def packed(self) -> np.ndarray:
+        """int32 [2, S]: slots and counted (`_sample_penalized`'s rows)."""
+        return np.stack([self.slots.astype(np.int32), self.counted.astype(np.int32)])
+
+
+@dataclasses.dataclass
 class SamplingArrays:
     """Per-row sampling parameters of one step, host numpy (one row per sequence)."""
 
@@ -171,7 +218,7 @@ class SamplingArrays:
     min_p: np.ndarray  # float32 [S]
     seeds: np.ndarray  # uint32 [S]
     steps: np.ndarray  # int32 [S]
-    penalties: tuple | None = None  # (token_history [S, L], rep, pres, freq) or None
+    penalties: PenaltyRows | None = None
     num_logprobs: int = 0
 
     @classmethod
@@ -200,18 +247,11 @@ class SamplingArrays:
 
     @classmethod
     def from_requests(cls, requests) -> "SamplingArrays":
-        """The arrays of a list of engine Requests (their params, seeds and output counts)."""
-        params = [r.params for r in requests]
+        """The arrays of a list of engine Requests (their params, seeds and output counts),
+        without penalties (engine/input_batch.py adds those: they live in slots)."""
         arrays = cls.from_rows(np.array([r.sampling_row for r in requests], np.float64),
                                draw_steps(requests))
-        if any(p.uses_penalties for p in params):
-            arrays.penalties = (
-                token_history([r.prompt_ids for r in requests],
-                              [r.output_ids for r in requests]),
-                np.asarray([p.repetition_penalty for p in params], np.float32),
-                np.asarray([p.presence_penalty for p in params], np.float32),
-                np.asarray([p.frequency_penalty for p in params], np.float32))
-        if any(p.logprobs is not None for p in params):
+        if any(r.params.logprobs is not None for r in requests):
             arrays.num_logprobs = MAX_LOGPROBS
         return arrays
 
@@ -230,11 +270,7 @@ class SamplingArrays:
         pad = SamplingArrays.defaults(rows)
         fields = {f: _pad_rows(getattr(self, f), rows, getattr(pad, f)[0])
                   for f in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
-        penalties = None
-        if self.penalties is not None:
-            history, rep, pres, freq = self.penalties
-            penalties = (_pad_rows(history, rows, -1), _pad_rows(rep, rows, 1.0),
-                         _pad_rows(pres, rows, 0.0), _pad_rows(freq, rows, 0.0))
+        penalties = None if self.penalties is None else self.penalties.padded(rows)
         return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
 
 
@@ -243,24 +279,6 @@ def draw_steps(requests) -> np.ndarray:
     (asynchronous scheduling), so a seeded request draws the same tokens either way."""
     return np.fromiter((len(r.output_ids) + r.num_pending for r in requests), np.int32,
                        len(requests))
-
-
-# The narrowest token history a penalties step sends: the sampler compiles once per width, so
-# short requests share one program and a long one reaches a new width rarely.
-MIN_HISTORY_WIDTH = 256
-
-
-def token_history(prompts, outputs) -> np.ndarray:
-    """Each row's prompt tokens t as t and then its output tokens t as -2 - t, padded with -1:
-    int32 [S, L], L a power of two of at least MIN_HISTORY_WIDTH (one sampler program per
-    width, whatever the split between prompt and output)."""
-    longest = max((len(p) + len(o) for p, o in zip(prompts, outputs)), default=1)
-    width = max(MIN_HISTORY_WIDTH, 1 << (max(longest, 1) - 1).bit_length())
-    out = np.full((len(prompts), width), -1, np.int32)
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        out[i, : len(prompt)] = prompt
-        out[i, len(prompt): len(prompt) + len(output)] = -2 - np.asarray(output, np.int32)
-    return out
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
@@ -273,18 +291,27 @@ def first_rows(logits: jax.Array, num_rows, rows: int) -> jax.Array:
 
 
 def sample_step(logits: jax.Array, arrays: SamplingArrays, out_rows: int | None = None,
-                place=None):
+                place=None, counts=None):
     """Samples a padded batch: (tokens [S], chosen logprobs, top ids, top logprobs) on device.
 
     The logprob entries are None when arrays.num_logprobs is 0. With `out_rows`, tokens are
     padded to [out_rows] (see `sample`). `place`, if given, puts each host array on the devices
     first (a sharded runner replicates them over its mesh); else the jitted sampler transfers
-    them itself.
+    them itself. counts: with penalties, the runner's count table (engine/penalty_counts.py),
+    whose device array the step updates.
     """
-    inputs = (*pack_sampling(arrays), arrays.penalties)
+    inputs = pack_sampling(arrays)
+    if arrays.penalties is not None:
+        inputs += (arrays.penalties.packed(), arrays.penalties.strengths)
     if place is not None:
         inputs = jax.tree.map(lambda a: place(np.asarray(a)), inputs)
-    tokens = sample_packed(logits, *inputs, out_rows=out_rows, mode=arrays.mode())
+    mode = arrays.mode()
+    if arrays.penalties is None:
+        tokens = sample_packed(logits, *inputs, out_rows=out_rows, mode=mode)
+    else:
+        floats, ints, rows, strengths = inputs
+        tokens, counts.device = sample_penalized(logits, floats, ints, counts.device, rows,
+                                                 strengths, out_rows=out_rows, mode=mode)
     return with_logprobs(logits, tokens, arrays.num_logprobs)
 
 

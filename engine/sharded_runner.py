@@ -42,7 +42,7 @@ from engine.runner import (ModelRunner, abstract_arrays, gather_rows, input_toke
                            start_copies, verification_indices)
 from engine.step_batch import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, StepBatch, bucket, bucket_key,
                                padding_batch, table_widths)
-from engine.sampling import SamplingArrays, sample_step
+from engine.sampling import SamplingArrays
 from engine.sharded_pool import ShardedBlockPool
 from engine.sharding import init_sharded_kv_cache, kv_local_config, replicated
 from engine.step_inputs import StepLayout, pack, unpack
@@ -118,6 +118,7 @@ class ShardedModelRunner(ModelRunner):
         # read its input tokens from the previous step's without a new program per bucket.
         self.sample_rows = self.dp * bucket(max_seqs)
         self._no_samples = put(np.zeros(self.sample_rows, np.int32), self._replicated)
+        self.penalty_counts = self._new_penalty_counts()  # replicated
         shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
         self._step = jax.jit(
             self._sharded_step, donate_argnums=(1,), static_argnums=(4, 5),
@@ -355,15 +356,16 @@ class ShardedModelRunner(ModelRunner):
         return self._take_rows(logits, *(put(step.token_rows[i].astype(np.int32),
                                              self._replicated) for i in token_indices))
 
-    def sample_device(self, logits: jax.Array, arrays: SamplingArrays) -> tuple:
+    def sample_device(self, logits: jax.Array, arrays: SamplingArrays,
+                      counts=None) -> tuple:
         """As ModelRunner.sample_device (logits [S, V] or padded), with the per-row parameters
         placed on the mesh (replicated); tokens are not padded past bucket(S)."""
         s = len(arrays.temperature)
         rows = bucket(s)
         if logits.shape[0] != rows:
             logits = self._rows(logits, np.minimum(np.arange(rows), s - 1))
-        return sample_step(logits, arrays.padded(rows), out_rows=self.sample_rows,
-                           place=lambda a: put(a, self._replicated))
+        return self._sample_padded(logits, arrays.padded(rows), counts,
+                                   place=lambda a: put(a, self._replicated))
 
 def sharded_engine_parts(mesh, cfg: ModelConfig, engine_cfg, num_pages_for):
     """(pages per data shard, page pool, runner factory) of an LLMEngine sharded over `mesh`.

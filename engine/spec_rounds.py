@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.draft import DraftProposer
+from engine.input_batch import InputBatch
 from engine.request import Request
 from engine.runner import ModelRunner, fetch_samples
 from engine.step_batch import StepBatch, bucket, make_step_batch, pad_to
@@ -50,10 +51,12 @@ class SpeculativeRounds:
     """Runs each engine step as a speculative round (see the module docstring)."""
 
     def __init__(self, spec_config: SpecConfig, runner: ModelRunner, scheduler: Scheduler,
-                 page_size: int, draft: DraftProposer | None = None):
+                 input_batch: InputBatch, page_size: int, draft: DraftProposer | None = None):
         if spec_config.method == "draft" and draft is None:
             raise ValueError("speculative method 'draft' needs a draft model (--draft_model)")
         self.spec_config, self.runner, self.scheduler = spec_config, runner, scheduler
+        # the rows' sampling parameters and their slots in the penalties' count table
+        self.input_batch = input_batch
         self.page_size, self.draft = page_size, draft
 
     def admit(self, request: Request) -> None:
@@ -66,6 +69,7 @@ class SpeculativeRounds:
         drafted and accepted tokens are counted."""
         self.plan(context_limit)
         output = self.scheduler.schedule()
+        self.input_batch.update(output)
         if not output.entries:
             return None
         requests = output.requests
@@ -77,7 +81,10 @@ class SpeculativeRounds:
         draft_probs = self.propose(output, spec_rows) if spec_rows else None
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]  # a draft may lag
         batch = self._build_batch(output)
-        arrays = SamplingArrays.from_requests(requests)
+        completes = np.array([r.num_computed_tokens + count >= r.num_tokens + len(r.spec_tokens)
+                              for r, count in zip(requests, output.counts)])
+        arrays = self.input_batch.sampling_arrays(requests, self.input_batch.slots(requests),
+                                                  completes)
         if spec_rows:
             batch.verify_len = self.spec_config.num_speculative_tokens + 1
             num_draft = pad_to(np.array([len(r.spec_tokens) for r in requests]),
@@ -92,9 +99,8 @@ class SpeculativeRounds:
         tokens, chosen, top_ids, top_logprobs = fetch_samples(results, len(requests))
         now = time.perf_counter()
         new_tokens = []
-        for i, (r, count) in enumerate(zip(requests, output.counts)):
-            complete = r.num_computed_tokens + count >= r.num_tokens + len(r.spec_tokens)
-            if not complete:
+        for i, r in enumerate(requests):
+            if not completes[i]:
                 new_tokens.append([])  # a prefill chunk short of the prompt's end
             elif r.spec_tokens:
                 a = int(accepted[i])

@@ -66,6 +66,9 @@ flags.DEFINE_float("len_sigma", 0.8, "Sigma of the log-normal lengths (0: every 
 flags.DEFINE_integer("max_input_len", 1024, "Longest prompt drawn.")
 flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
+flags.DEFINE_float("penalized_fraction", 0.0, "Fraction of the requests (evenly spread) that "
+                   "send repetition (1.1), presence (0.5) and frequency (0.5) penalties, as chat "
+                   "clients often do; the continuous run only.")
 flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
 flags.DEFINE_bool("compile_in_background", True, "With --startup_only: as scripts.serve's flag.")
@@ -102,6 +105,9 @@ FLAGS = flags.FLAGS
 
 
 def workload_spec() -> WorkloadSpec:
+    if not 0.0 <= FLAGS.penalized_fraction <= 1.0:
+        raise ValueError(f"--penalized_fraction must be in [0, 1], got "
+                         f"{FLAGS.penalized_fraction}")
     return WorkloadSpec(FLAGS.num_requests, FLAGS.request_rate, FLAGS.input_len,
                         FLAGS.output_len, FLAGS.len_sigma, FLAGS.max_input_len,
                         FLAGS.max_output_len, FLAGS.shared_prefix_len)
@@ -155,6 +161,16 @@ def parse_compare(text: str, base) -> list[tuple[str, object]]:
     return out
 
 
+def request_params(index: int, max_tokens: int) -> SamplingParams:
+    """Request `index`'s sampling parameters: greedy to max_tokens, with penalties for every
+    request where the count of --penalized_fraction steps up."""
+    fraction = FLAGS.penalized_fraction
+    if int((index + 1) * fraction) == int(index * fraction):
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, repetition_penalty=1.1,
+                          presence_penalty=0.5, frequency_penalty=0.5)
+
+
 def run_continuous(engine, work) -> dict:
     """Feeds requests at their arrival times into one engine stepping continuously."""
     ttft, tpot, latency, useful = [], [], [], 0
@@ -164,8 +180,8 @@ def run_continuous(engine, work) -> dict:
     while next_i < len(work.prompts) or engine.has_unfinished():
         now = time.perf_counter() - start
         while next_i < len(work.prompts) and work.arrivals[next_i] <= now:
-            engine.add_request(work.prompts[next_i], SamplingParams(
-                max_tokens=work.output_lens[next_i], ignore_eos=True))
+            engine.add_request(work.prompts[next_i],
+                               request_params(next_i, work.output_lens[next_i]))
             next_i += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, work.arrivals[next_i] - now))
@@ -274,12 +290,16 @@ def release(engine) -> None:
 def warm_up(engine, longest: int, run) -> int:
     """Compiles per --warmup before run() is timed; returns the number of programs compiled."""
     before = len(engine.runner.compiled_shapes)
-    # the workload is greedy: neither the samplers nor the rounds of sampled rows
+    # the workload is greedy: neither the samplers nor the rounds of sampled rows; the
+    # samplers of penalized rows where --penalized_fraction asks for them
     progress = common.print_progress("compiling", engine.warmup_threads)
+    penalties = FLAGS.penalized_fraction > 0
     if FLAGS.warmup == "shapes":
-        engine.warmup(max_total_len=longest, progress=progress, samplers=False)
+        engine.warmup(max_total_len=longest, progress=progress, samplers=False,
+                      penalties=penalties)
     elif FLAGS.warmup == "dry_run":
-        engine.warmup(programs=reached_programs(engine, run), progress=progress, samplers=False)
+        engine.warmup(programs=reached_programs(engine, run), progress=progress, samplers=False,
+                      penalties=penalties)
     else:
         run()
         forget_run(engine)

@@ -111,7 +111,8 @@ def alone(make_engine):
 @st.composite
 def request_streams(draw):
     """A list of requests: prompt (1..40 tokens, often sharing a prefix of one or two pages),
-    sampling parameters, arrival step, priority and an optional abort step."""
+    sampling parameters (greedy, sampled, or with penalties), arrival step, priority and an
+    optional abort step."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     shared = random_prompt(rng, 2 * PAGE)
     requests = []
@@ -119,13 +120,21 @@ def request_streams(draw):
         length = draw(st.one_of(st.integers(1, 40), st.integers(30, 40)))  # long ones preempt
         prefix = draw(st.sampled_from([0, 0, PAGE, 2 * PAGE]))
         prompt = (shared[:prefix] + random_prompt(rng, 40))[:length]
-        if draw(st.booleans()):
+        kind = draw(st.sampled_from(["greedy", "sampled", "penalized"]))
+        if kind == "greedy":
             params = SamplingParams(max_tokens=draw(st.integers(1, 12)),
                                     ignore_eos=draw(st.booleans()))
-        else:
+        elif kind == "sampled":
             params = SamplingParams(max_tokens=draw(st.integers(1, 12)), ignore_eos=True,
                                     temperature=draw(st.sampled_from([0.7, 1.0, 1.5])),
                                     top_p=draw(st.sampled_from([0.6, 0.9, 1.0])),
+                                    seed=draw(st.integers(0, 1000)))
+        else:  # counts on the device, kept across preemption
+            params = SamplingParams(max_tokens=draw(st.integers(1, 12)), ignore_eos=True,
+                                    repetition_penalty=draw(st.sampled_from([1.3, 2.0])),
+                                    presence_penalty=draw(st.sampled_from([0.0, 1.0, -1.0])),
+                                    frequency_penalty=draw(st.sampled_from([0.0, 0.8])),
+                                    temperature=draw(st.sampled_from([0.0, 1.0])),
                                     seed=draw(st.integers(0, 1000)))
         requests.append(dict(prompt=prompt, params=params,
                              arrival=draw(st.integers(0, 8)),

@@ -70,31 +70,75 @@ def numpy_penalized(logits, prompt, output, rep, presence, frequency):
     return x
 
 
-def test_penalties_of_a_token_history_match_numpy():
-    """apply_penalties over `token_history` rows (prompt and output tokens in one matrix) on
-    fresh random logits: float32 against the float64 reference within 1e-5 relative, for rows
-    whose tokens repeat, appear in both prompt and output, or are absent."""
+def test_penalties_from_the_count_table_match_numpy():
+    """apply_penalties over count-table rows written from histories (prompt and output tokens,
+    longer than one write chunk too) on fresh random logits: float32 against the float64
+    reference within 1e-5 relative, for rows whose tokens repeat, appear in both prompt and
+    output, or are absent. A rewritten slot forgets its previous owner."""
     import jax
 
-    from engine.sampling import MIN_HISTORY_WIDTH, apply_penalties, token_history
+    from engine import penalty_counts
+    from engine.penalty_counts import PenaltyCounts
+    from engine.sampling import apply_penalties
     rng = np.random.default_rng()
     vocab, rows = 50, 6
     prompts = [rng.integers(0, vocab, n).tolist() for n in (1, 7, 30, 0, 12, 3)]
     outputs = [rng.integers(0, vocab, n).tolist() for n in (0, 9, 40, 5, 1, 300)]
     outputs[1] += prompts[1][:3]  # output tokens the prompt has too
-    history = token_history(prompts, outputs)
-    assert history.shape == (rows, 512)  # the longest row, 303 tokens, in a power of two
+    prompts[2] = rng.integers(0, vocab, penalty_counts.WRITE_CHUNK + 5).tolist()  # two chunks
+    table = PenaltyCounts(rows, vocab)
+    slots = rng.permutation(table.rows)[:rows]
+    for slot in slots:  # stale owners, overwritten below
+        table.write(int(slot), rng.integers(0, vocab, 9).tolist(), [1, 2, 3])
+    for slot, prompt, output in zip(slots, prompts, outputs):
+        table.write(int(slot), prompt, output)
     rep, pres, freq = (rng.uniform(lo, hi, rows).astype(np.float32)
                        for lo, hi in ((0.5, 3.0), (-2, 2), (-2, 2)))
     logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
-    got = np.asarray(jax.jit(apply_penalties)(logits, history, rep, pres, freq))
+    counts = np.asarray(table.device)[slots]
+    got = np.asarray(jax.jit(apply_penalties)(logits, counts, rep, pres, freq))
     for i in range(rows):
         want = numpy_penalized(logits[i], prompts[i], outputs[i], float(rep[i]), float(pres[i]),
                                float(freq[i]))
         np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
-    # a request's history keeps one width, hence one sampler program, while it is short
-    widths = {token_history([[1] * 20], [[2] * n]).shape[1] for n in range(200)}
-    assert widths == {MIN_HISTORY_WIDTH}
+
+
+def test_the_penalized_sampler_counts_the_tokens_it_draws():
+    """Over several steps, `sample_penalized` draws each row's argmax of the numpy-penalized
+    logits and counts the drawn token in its slot, but only for counted rows (a prefill chunk
+    short of its prompt's end is not); padding rows read and write nothing."""
+    from engine.penalty_counts import PenaltyCounts
+    from engine.sampling import (NO_SLOT, PenaltyRows, SamplingArrays, pack_sampling,
+                                 sample_penalized)
+    rng = np.random.default_rng()
+    vocab, rows = 40, 3
+    table = PenaltyCounts(8, vocab)
+    prompts = [rng.integers(0, vocab, 6).tolist() for _ in range(rows)]
+    slots = np.array([5, 0, 3], np.int32)
+    for slot, prompt in zip(slots, prompts):
+        table.write(int(slot), prompt, [])
+    outputs = [[] for _ in range(rows)]
+    counted = np.array([True, True, False])
+    strengths = np.array([[1.5] * rows, [0.7] * rows, [0.4] * rows], np.float32)
+    penalties = PenaltyRows(slots, counted, strengths).padded(4)
+    assert penalties.slots[-1] == NO_SLOT
+    floats, ints = pack_sampling(SamplingArrays.defaults(4))
+    for _ in range(6):
+        logits = rng.normal(0, 1, (4, vocab)).astype(np.float32)
+        tokens, table.device = sample_penalized(logits, floats, ints, table.device,
+                                                penalties.packed(), penalties.strengths,
+                                                mode="greedy")
+        tokens = np.asarray(tokens)
+        for i in range(rows):
+            want = numpy_penalized(logits[i], prompts[i], outputs[i], 1.5, 0.7, 0.4)
+            assert tokens[i] == int(np.argmax(want))
+            if counted[i]:
+                outputs[i].append(int(tokens[i]))
+    after = np.asarray(table.device)
+    fresh = PenaltyCounts(8, vocab)
+    for slot, prompt, output in zip(slots, prompts, outputs):
+        fresh.write(int(slot), prompt, output)
+    np.testing.assert_array_equal(after, np.asarray(fresh.device))
 
 
 def test_penalties_match_numpy_and_push_the_expected_way(make_engine, model):

@@ -114,14 +114,16 @@ def repetitive_prompts(seed: int, lengths) -> list[list[int]]:
 
 
 def mixed_requests():
-    """Greedy speculating requests (one may stop at EOS) and a non-speculating one (logprobs)
-    for one batch."""
-    prompts = repetitive_prompts(0, [15, 12, 14, 9, 13])
+    """Greedy speculating requests (one may stop at EOS) and non-speculating ones (logprobs;
+    penalties, counted on the device) for one batch."""
+    prompts = repetitive_prompts(0, [15, 12, 14, 9, 13, 11])
     params = [SamplingParams(max_tokens=30, ignore_eos=True),
               SamplingParams(max_tokens=24, ignore_eos=True),
               SamplingParams(max_tokens=28),
               SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=30, ignore_eos=True)]
+              SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=18, ignore_eos=True, repetition_penalty=2.0,
+                             frequency_penalty=1.0)]
     return prompts, params
 
 

@@ -128,16 +128,21 @@ def engine_config(async_scheduling: bool = False):
 
 
 def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
-           tokenizer=None, async_scheduling: bool = False, logprobs: bool = True) -> dict:
+           tokenizer=None, async_scheduling: bool = False, logprobs: bool = True,
+           penalties: bool = False) -> dict:
     """Greedy tokens (and their log-probabilities) of each prompt, run together in one engine.
 
     With logprobs the steps sample with the sampler program; without, they take the step's
-    own argmax (on a mesh: tokens in the step's shard order)."""
+    own argmax (on a mesh: tokens in the step's shard order). With penalties, every request
+    has repetition, presence and frequency penalties (the count table on the mesh)."""
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
     engine = LLMEngine(cfg, model, tokenizer, engine_config(async_scheduling), mesh=mesh)
+    strengths = (dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=1.0)
+                 if penalties else {})
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                   logprobs=0 if logprobs else None))
+                                                   logprobs=0 if logprobs else None,
+                                                   **strengths))
     return {"tokens": [o.output_ids for o in outs],
             "logprobs": ([[lp[0] for lp in o.outputs[0].logprobs] for o in outs]
                          if logprobs else None),
@@ -224,6 +229,12 @@ def scenario_tiny(args) -> dict:
                     results[key][f"{mesh_name(tp, dp)}/async/{logprobs}"] = greedy(
                         cfg, model, prompts, make_mesh(tp, dp), async_scheduling=True,
                         logprobs=logprobs)
+            # penalties: one device synchronous, meshes asynchronous
+            results[key]["one_device/penalties"] = greedy(cfg, model, prompts, penalties=True)
+            for tp, dp in ASYNC_MESHES:
+                results[key][f"{mesh_name(tp, dp)}/async/penalties"] = greedy(
+                    cfg, model, prompts, make_mesh(tp, dp), async_scheduling=True,
+                    penalties=True)
     return {"cases": results, "quant": quant_available()}
 
 

@@ -60,6 +60,19 @@ def test_async_scheduling_on_a_mesh_equals_one_device(scenario, mesh, logprobs):
         np.testing.assert_allclose(got["logprobs"], runs["one_device"]["logprobs"], atol=1e-5)
 
 
+@pytest.mark.parametrize("mesh", [mesh_name(tp, dp) for tp, dp in ASYNC_MESHES])
+def test_penalties_on_a_mesh_equal_one_device(scenario, mesh):
+    """Penalties read and count tokens in a count table replicated over the mesh: an
+    asynchronous mesh run gives one device's synchronous tokens, and the penalties changed
+    them."""
+    runs = scenario("tiny")["cases"][case_key("tiny-llama31", None)]
+    got, expected = runs[f"{mesh}/async/penalties"], runs["one_device/penalties"]
+    assert got["tokens"] == expected["tokens"]
+    assert got["tokens_from_device"] > 0  # the overlap happened
+    np.testing.assert_allclose(got["logprobs"], expected["logprobs"], atol=1e-5)
+    assert expected["tokens"] != runs["one_device"]["tokens"]
+
+
 def test_a_mesh_warm_up_compiles_ahead_the_steps_a_run_reaches(scenario):
     """The sharded runner's warm-up lowers and compiles its steps for the mesh from shapes and
     shardings, without running them (so on compile threads, and in a server's background);
