@@ -49,7 +49,8 @@ from scripts.bench import decode_model, host_phases, serving_http
 from scripts.bench.startup import measure_startup, startup_table
 from scripts.bench.stub_device import forget_run, reached_programs, stub_device
 from scripts.bench.common import markdown_table, run_info, write_json
-from scripts.bench.workload import WorkloadSpec, describe, make_workload, serving_table, summarize
+from scripts.bench.workload import (PENALTIES, WorkloadSpec, describe, make_workload,
+                                   serving_table, summarize)
 
 common.define_model_flags()
 common.define_engine_flags()
@@ -68,7 +69,7 @@ flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_float("penalized_fraction", 0.0, "Fraction of the requests (evenly spread) that "
                    "send repetition (1.1), presence (0.5) and frequency (0.5) penalties, as chat "
-                   "clients often do; the continuous run only.")
+                   "clients often do (not the static baseline).")
 flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
 flags.DEFINE_bool("compile_in_background", True, "With --startup_only: as scripts.serve's flag.")
@@ -105,12 +106,10 @@ FLAGS = flags.FLAGS
 
 
 def workload_spec() -> WorkloadSpec:
-    if not 0.0 <= FLAGS.penalized_fraction <= 1.0:
-        raise ValueError(f"--penalized_fraction must be in [0, 1], got "
-                         f"{FLAGS.penalized_fraction}")
     return WorkloadSpec(FLAGS.num_requests, FLAGS.request_rate, FLAGS.input_len,
                         FLAGS.output_len, FLAGS.len_sigma, FLAGS.max_input_len,
-                        FLAGS.max_output_len, FLAGS.shared_prefix_len)
+                        FLAGS.max_output_len, FLAGS.shared_prefix_len,
+                        FLAGS.penalized_fraction)
 
 
 def load_served_model(FLAGS, mesh) -> LoadedModel:
@@ -161,16 +160,6 @@ def parse_compare(text: str, base) -> list[tuple[str, object]]:
     return out
 
 
-def request_params(index: int, max_tokens: int) -> SamplingParams:
-    """Request `index`'s sampling parameters: greedy to max_tokens, with penalties for every
-    request where the count of --penalized_fraction steps up."""
-    fraction = FLAGS.penalized_fraction
-    if int((index + 1) * fraction) == int(index * fraction):
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, repetition_penalty=1.1,
-                          presence_penalty=0.5, frequency_penalty=0.5)
-
-
 def run_continuous(engine, work) -> dict:
     """Feeds requests at their arrival times into one engine stepping continuously."""
     ttft, tpot, latency, useful = [], [], [], 0
@@ -180,8 +169,9 @@ def run_continuous(engine, work) -> dict:
     while next_i < len(work.prompts) or engine.has_unfinished():
         now = time.perf_counter() - start
         while next_i < len(work.prompts) and work.arrivals[next_i] <= now:
-            engine.add_request(work.prompts[next_i],
-                               request_params(next_i, work.output_lens[next_i]))
+            engine.add_request(work.prompts[next_i], SamplingParams(
+                max_tokens=work.output_lens[next_i], ignore_eos=True,
+                **(PENALTIES if work.penalized[next_i] else {})))
             next_i += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, work.arrivals[next_i] - now))

@@ -17,18 +17,21 @@ import time
 
 import aiohttp
 
-from scripts.bench.workload import WorkloadSpec, describe, make_workload, summarize
+from scripts.bench.workload import (PENALTIES, Workload, WorkloadSpec, describe, make_workload,
+                                   summarize)
 
 WARMUP_REQUESTS = 8
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-               max_tokens: int, delay: float, start: float) -> dict:
-    """Sends one streaming request at start + delay; returns its timings or its error."""
+               max_tokens: int, penalized: bool, delay: float, start: float) -> dict:
+    """Sends one streaming request (with PENALTIES if penalized) at start + delay; returns its
+    timings or its error."""
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
     sent = time.perf_counter()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            **(PENALTIES if penalized else {})}
     first, tokens = None, 0
     async with session.post(url + "/v1/completions", json=body) as response:
         if response.status != 200:
@@ -48,15 +51,16 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
     return {"ttft": (first or end) - sent, "latency": end - sent, "tokens": tokens}
 
 
-async def _run(url: str, model: str, prompts, output_lens, arrivals, headers) -> tuple:
+async def _run(url: str, model: str, work: Workload, headers) -> tuple:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout,
                                      headers=headers) as session:
         start = time.perf_counter()
         results = await asyncio.gather(*(
-            _one(session, url, model, p, n, a, start)
-            for p, n, a in zip(prompts, output_lens, arrivals)))
+            _one(session, url, model, p, n, penalized, a, start)
+            for p, n, penalized, a in zip(work.prompts, work.output_lens, work.penalized,
+                                          work.arrivals)))
         return results, time.perf_counter() - start
 
 
@@ -99,11 +103,10 @@ def run_http(url: str, api_key: str | None, spec: WorkloadSpec, seed: int,
     warm = work if rerun_warmup else make_workload(
         dataclasses.replace(spec, num_requests=WARMUP_REQUESTS, request_rate=math.inf),
         seed + 1, vocab)
-    asyncio.run(_run(url, model, warm.prompts, warm.output_lens, warm.arrivals, headers))
+    asyncio.run(_run(url, model, warm, headers))
 
     before = _get(url, "/metrics", headers)
-    results, duration = asyncio.run(_run(url, model, work.prompts, work.output_lens,
-                                         work.arrivals, headers))
+    results, duration = asyncio.run(_run(url, model, work, headers))
     after = _get(url, "/metrics", headers)
     done = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]

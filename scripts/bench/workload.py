@@ -21,8 +21,12 @@ class WorkloadSpec:
     max_input_len: int
     max_output_len: int
     shared_prefix_len: int = 0  # tokens of a system prompt shared by every request
+    penalized_fraction: float = 0.0  # share of the requests that send PENALTIES
 
     def __post_init__(self):
+        if not 0.0 <= self.penalized_fraction <= 1.0:
+            raise ValueError(f"penalized_fraction must be in [0, 1], got "
+                             f"{self.penalized_fraction}")
         for what, median, longest in (("input", self.input_len, self.max_input_len),
                                       ("output", self.output_len, self.max_output_len)):
             if median > longest:  # the lengths would all be cut to the longest, silently
@@ -34,11 +38,17 @@ class WorkloadSpec:
         return self.shared_prefix_len + self.max_input_len + self.max_output_len
 
 
+# The penalties a penalized request sends (typical of chat clients; repetition_penalty is the
+# server's extension, the other two OpenAI's fields).
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+
+
 @dataclasses.dataclass
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     arrivals: list[float]  # seconds from the start
+    penalized: list[bool]  # the request sends PENALTIES
 
 
 def make_workload(spec: WorkloadSpec, seed: int, vocab: int) -> Workload:
@@ -57,13 +67,16 @@ def make_workload(spec: WorkloadSpec, seed: int, vocab: int) -> Workload:
     rate = spec.request_rate
     gaps = np.zeros(spec.num_requests) if math.isinf(rate) else rng.exponential(
         1.0 / rate, spec.num_requests)
-    return Workload(prompts, outputs, np.cumsum(gaps).tolist())
+    fraction = spec.penalized_fraction  # evenly spread: where the count of fraction steps up
+    penalized = [int((i + 1) * fraction) > int(i * fraction) for i in range(spec.num_requests)]
+    return Workload(prompts, outputs, np.cumsum(gaps).tolist(), penalized)
 
 
 def describe(spec: WorkloadSpec, work: Workload) -> dict:
     """The workload's figures for the JSON."""
     return {"num_requests": spec.num_requests, "request_rate": spec.request_rate,
             "input_len_median": spec.input_len, "output_len_median": spec.output_len,
+            "penalized_fraction": spec.penalized_fraction,
             "mean_input_len": float(np.mean([len(p) for p in work.prompts])),
             "mean_output_len": float(np.mean(work.output_lens))}
 

@@ -31,12 +31,15 @@ def run_bench(tmp_path, *flags):
 
 
 def test_engine_against_static_batching_and_a_compared_configuration(tmp_path):
-    """The default warm-up (a dry run on the stub device, then its programs compiled) compiles
-    every program each configuration's timed run reaches: none compiles while timed."""
+    """The default warm-up (a dry run on the stub device, then its programs compiled, with the
+    penalized rows' samplers) compiles every program each configuration's timed run reaches:
+    none compiles while timed."""
     stdout, result = run_bench(tmp_path, "--async_scheduling=true", "--host_phases",
-                               "--compare=num_decode_steps=4;kv_cache_dtype=int8")
+                               "--compare=num_decode_steps=4;kv_cache_dtype=int8",
+                               "--penalized_fraction=0.25")
     run = result["continuous"]
     assert result["mode"] == "engine" and result["num_requests"] == 8
+    assert result["penalized_fraction"] == 0.25
     assert run["output_tokens_per_s"] > 0 and run["programs_compiled_during_run"] == 0
     assert result["programs_compiled_at_start"] > 0
     assert 0 < run["host_share_all_steps"] <= 1
@@ -91,6 +94,20 @@ def test_a_bad_compare_entry_is_one_clear_error(tmp_path):
                            "--compare=max_num_seqs=4;no_such_field=3"],
                           capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 1 and "--compare: 'no_such_field=3'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_penalized_requests_are_spread_evenly():
+    from scripts.bench.workload import WorkloadSpec, make_workload
+    spec = WorkloadSpec(12, float("inf"), 8, 4, 0.5, 16, 8, penalized_fraction=0.25)
+    assert make_workload(spec, 0, 100).penalized == [False, False, False, True] * 3
+    for fraction, count in ((0.0, 0), (1.0, 12), (0.5, 6)):
+        spec = WorkloadSpec(12, float("inf"), 8, 4, 0.5, 16, 8, penalized_fraction=fraction)
+        assert sum(make_workload(spec, 0, 100).penalized) == count
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.serving", *WORKLOAD,
+                           "--penalized_fraction=1.5"], capture_output=True, text=True,
+                          timeout=300, env=ENV)
+    assert proc.returncode == 1 and "penalized_fraction must be in [0, 1]" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
