@@ -2,6 +2,8 @@
 (engine/step_batch.py) to its bucket, so that few programs are compiled."""
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,9 +91,10 @@ class ModelRunner:
         # tokens from the previous step's samples on the device (asynchronous scheduling).
         self.sample_rows = bucket(max_seqs)
         self._no_samples = jnp.zeros((self.sample_rows,), jnp.int32)
-        # The penalties' token counts per input-batch slot (the activation reserve of
-        # engine/memory.py counts their bytes).
-        self.penalty_counts = self._new_penalty_counts()
+        # The penalties' token counts per input-batch slot, made when first needed (a draft
+        # model's runner never needs them; engine/memory.py's activation reserve counts them).
+        self._penalty_counts: PenaltyCounts | None = None
+        self._penalty_counts_made = threading.Lock()  # a compile thread may make it too
         # The weights go to the jitted step as a flat tuple of arrays: jax flattens a tuple in
         # C++, an nnx.State through Python callbacks on every call.
         self._weights, self._weights_def = jax.tree.flatten(self.state)
@@ -490,11 +493,15 @@ class ModelRunner:
         self._compile_sampler(arrays, rows)
         self.penalty_counts.compile()
 
-    def _new_penalty_counts(self) -> PenaltyCounts:
-        """A zero count table (engine/penalty_counts.py), a row per sequence, placed as the
-        step's logits."""
-        return PenaltyCounts(self.sample_rows, self.cfg.vocab_size, self._placed,
-                             abstract_arrays)
+    @property
+    def penalty_counts(self) -> PenaltyCounts:
+        """The count table (engine/penalty_counts.py), a row per sequence, placed as the step's
+        logits; made zero on first use."""
+        with self._penalty_counts_made:
+            if self._penalty_counts is None:
+                self._penalty_counts = PenaltyCounts(self.sample_rows, self.cfg.vocab_size,
+                                                     self._placed, abstract_arrays)
+        return self._penalty_counts
 
     def warmup_sampler(self, rows: int, mode: str) -> None:
         """Compiles the sampler program of `rows` logits rows in `mode`; with cuts, the cut of

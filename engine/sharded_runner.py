@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +119,8 @@ class ShardedModelRunner(ModelRunner):
         # read its input tokens from the previous step's without a new program per bucket.
         self.sample_rows = self.dp * bucket(max_seqs)
         self._no_samples = put(np.zeros(self.sample_rows, np.int32), self._replicated)
-        self.penalty_counts = self._new_penalty_counts()  # replicated
+        self._penalty_counts = None  # replicated, made on first use (ModelRunner's)
+        self._penalty_counts_made = threading.Lock()
         shardings = lambda tree: jax.tree.map(lambda a: a.sharding, tree)  # noqa: E731
         self._step = jax.jit(
             self._sharded_step, donate_argnums=(1,), static_argnums=(4, 5),
