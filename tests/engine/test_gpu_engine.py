@@ -114,3 +114,41 @@ def test_speculation_with_the_pallas_kernels_matches_plain_greedy():
     assert [o.output_ids for o in speculated] == [o.output_ids for o in plain]
     assert engine.spec_stats.num_accepted_tokens > 0
     assert compiles == 0
+
+
+def test_penalties_with_the_gpu_defaults_follow_numpy():
+    """Penalized requests beside a plain one on the GPU's default engine (asynchronous; multi-step
+    rounds while no penalized request runs): every token is the argmax of the model's logits,
+    numpy-penalized for the penalized requests (to within 1e-3: float32 products, a 4-layer 1B
+    with decisive weights), and the penalties changed some tokens. Each prompt starts with the
+    32 likeliest next tokens of its tail, so that the repetition penalty has seen tokens the
+    model rates highly."""
+    from engine.runner import full_sequence_logits
+    from tests.engine.test_engine_sampling import numpy_penalized
+    cfg = LLAMA32_1B.replace(num_layers=4)
+    model = decisive_model(cfg, jnp.float32)
+    rng = np.random.default_rng(2)
+    tails = rng.integers(0, cfg.vocab_size, (4, 24))
+    # a repetition penalty below 1 favours seen tokens: it doubles their positive logits here
+    strengths = [{}, dict(repetition_penalty=0.5, frequency_penalty=2.0),
+                 dict(repetition_penalty=1.5, presence_penalty=2.0),
+                 dict(repetition_penalty=2.0, presence_penalty=-1.0, frequency_penalty=1.0)]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, **s) for s in strengths]
+    engine_cfg = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128,
+                              kv_cache_memory=1 << 30)
+    with jax.default_matmul_precision("highest"):
+        likeliest = np.argsort(full_sequence_logits(cfg, model, tails)[:, -1])[:, -32:]
+        prompts = [np.concatenate([a, b]).tolist() for a, b in zip(likeliest, tails)]
+        outs = LLMEngine(cfg, model, None, engine_cfg).generate(prompts, params)
+        logits = full_sequence_logits(cfg, model, np.array(
+            [p + o.output_ids for p, o in zip(prompts, outs)]))
+    moved = 0
+    for prompt, p, out, rows in zip(prompts, params, outs, logits):
+        output = out.output_ids
+        for t, token in enumerate(output):
+            raw = rows[len(prompt) + t - 1]
+            want = numpy_penalized(raw, prompt, output[:t], p.repetition_penalty,
+                                   p.presence_penalty, p.frequency_penalty)
+            assert want.max() - want[token] < 1e-3, (p, t)
+            moved += int(np.argmax(raw)) != token
+    assert moved > 0
