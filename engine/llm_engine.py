@@ -34,7 +34,8 @@ from engine.memory import memory_pool_hint, plan_kv_cache
 from engine.multi_step import MultiStepRounds
 from engine.output_processor import OutputProcessor, stop_ids_of
 from engine.request import FinishReason, Request, RequestOutput, SamplingParams
-from engine.runner import ModelRunner, fetch_samples, model_dtype
+from engine.device_arrays import fetch_samples
+from engine.runner import ModelRunner, model_dtype
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.device_arrays import abstract_arrays
 from engine.sampling import PROMPT_FLAG
 from engine.step_batch import bucket
 
@@ -42,19 +43,19 @@ def _write_history(counts, slot, tokens, clear, outputs):
 class PenaltyCounts:
     """The device's count table [rows, vocab] int32 (rows: input-batch slots).
 
-    place: puts a host array where the sampler reads it (the step's logits' placement).
-    abstract: engine.runner.abstract_arrays; the table's abstract form is taken once, when it
-    is made, so that a compile thread never reads an array a step is donating.
+    place: puts a host array where the sampler reads it (the step's logits' placement). The
+    table's abstract form is taken when it is made, so that a compile thread never reads an
+    array a step is donating.
     """
 
-    def __init__(self, rows: int, vocab: int, place=jnp.asarray, abstract=None):
-        self.vocab, self._place, self._abstract = vocab, place, abstract
+    def __init__(self, rows: int, vocab: int, place=jnp.asarray):
+        self.vocab, self._place = vocab, place
         self._set(place(np.zeros((bucket(max(rows, 1)), vocab), np.int32)))
 
     def _set(self, device: jax.Array) -> None:
         self.device = device
         # the table's shape, dtype and placement, for lowering programs that take it
-        self.abstract = None if self._abstract is None else self._abstract((device,))[0]
+        self.abstract = abstract_arrays((device,))[0]
 
     @property
     def rows(self) -> int:
@@ -88,5 +89,5 @@ class PenaltyCounts:
     def compile(self) -> None:
         """Compiles the history write ahead of time, from shapes alone (safe beside running
         steps, which donate the table)."""
-        args = self._abstract(self._args(0, np.zeros(WRITE_CHUNK, np.int32), True, False))
+        args = abstract_arrays(self._args(0, np.zeros(WRITE_CHUNK, np.int32), True, False))
         _write_history.lower(self.abstract, *args).compile()

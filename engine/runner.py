@@ -11,6 +11,7 @@ from flax import nnx
 
 from configs.model import ModelConfig
 from models.kv_cache import KVCache, init_kv_cache
+from engine.device_arrays import abstract_arrays, fetch_samples, start_copies
 from engine.device_tables import DeviceTables, tables_on_device
 from engine.request import MAX_LOGPROBS
 from engine.penalty_counts import PenaltyCounts
@@ -500,7 +501,7 @@ class ModelRunner:
         with self._penalty_counts_made:
             if self._penalty_counts is None:
                 self._penalty_counts = PenaltyCounts(self.sample_rows, self.cfg.vocab_size,
-                                                     self._placed, abstract_arrays)
+                                                     self._placed)
         return self._penalty_counts
 
     def warmup_sampler(self, rows: int, mode: str) -> None:
@@ -587,51 +588,3 @@ def verification_indices(num_seqs: int, verify_len: int) -> tuple[np.ndarray, np
     int32 [s] (each row's last token), s = bucket(num_seqs) (engine/spec_rounds.py)."""
     s = bucket(num_seqs)
     return np.zeros((s, verify_len), np.int32), np.zeros(s, np.int32)
-
-
-def abstract_arrays(args: tuple) -> tuple:
-    """args with every device array replaced by its shape, dtype and sharding (host numpy and
-    static values kept): what lowering needs, without reading a buffer another thread may be
-    donating."""
-    def spec(a):
-        if isinstance(a, jax.Array):  # an uncommitted array lowers as one without a sharding
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                        sharding=a.sharding if a.committed else None)
-        return a
-    return tuple(jax.tree.map(spec, a) for a in args)
-
-
-def start_copies(results: tuple) -> tuple:
-    """Starts copying sampled device arrays to the host (None entries skipped); returns them."""
-    for r in results:
-        if r is not None:
-            r.copy_to_host_async()
-    return results
-
-
-def fetch_samples(results: tuple, num_rows: int) -> tuple:
-    """The first num_rows rows of `sample_device`'s results as host numpy (waits for them)."""
-    return tuple(None if r is None else np.asarray(r)[:num_rows] for r in results)
-
-
-def full_sequence_logits(cfg: ModelConfig, model: LlamaForCausalLM, token_ids: np.ndarray,
-                         page_size: int = 16, kv_dtype=None) -> np.ndarray:
-    """Logits of every position of each row of token_ids [B, T], one prefill in a fresh cache.
-
-    Returns float32 numpy [B, T, V]. Used by perplexity evaluation and numerics tests.
-    kv_dtype: the KV cache's dtype (ops.kv_quant.kv_cache_dtype: None or 'auto' the model's;
-    'int8' / 'fp8' store quantized pages).
-    """
-    token_ids = np.asarray(token_ids, np.int32)
-    batch, seq = token_ids.shape
-    pages_per_row = -(-seq // page_size)
-    runner = ModelRunner(cfg, model, batch * pages_per_row, page_size, kv_dtype)
-    positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
-    tables = np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)
-    slots = np.take_along_axis(tables, positions // page_size, axis=1) * page_size \
-        + positions % page_size
-    start = np.arange(0, batch * seq + 1, seq, dtype=np.int32)
-    step = StepBatch(token_ids=token_ids.reshape(-1), positions=positions.reshape(-1),
-                     slot_mapping=slots.reshape(-1), block_tables=tables, query_start_loc=start,
-                     kv_lens=np.full(batch, seq, np.int32), logits_indices=start[1:] - 1)
-    return np.asarray(runner.execute_all_logits(step)).reshape(batch, seq, -1)

@@ -19,7 +19,8 @@ import numpy as np
 from engine.draft import DraftProposer
 from engine.input_batch import InputBatch
 from engine.request import Request
-from engine.runner import ModelRunner, fetch_samples
+from engine.device_arrays import fetch_samples
+from engine.runner import ModelRunner
 from engine.step_batch import StepBatch, bucket, make_step_batch, pad_to
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerOutput

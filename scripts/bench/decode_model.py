@@ -28,7 +28,8 @@ from configs.model import ModelConfig
 from models.kv_cache import kv_bytes_per_token
 from ops.kv_quant import kv_cache_dtype
 from engine.memory import device_memory, size
-from engine.runner import ModelRunner, fetch_samples, model_dtype
+from engine.device_arrays import fetch_samples
+from engine.runner import ModelRunner, model_dtype
 from engine.step_batch import StepBatch, make_step_batch
 from engine.sampling import SamplingArrays
 from engine.sharded_runner import ShardedModelRunner

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.request import SamplingParams
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from tests.engine.test_continuous_batching import (CFG, PAGE, STRESS, check_all_free,
                                                    make_engine, model, random_prompt)
 

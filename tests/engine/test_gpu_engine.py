@@ -123,7 +123,7 @@ def test_penalties_with_the_gpu_defaults_follow_numpy():
     with decisive weights), and the penalties changed some tokens. Each prompt starts with the
     32 likeliest next tokens of its tail, so that the repetition penalty has seen tokens the
     model rates highly."""
-    from engine.runner import full_sequence_logits
+    from engine.perplexity import full_sequence_logits
     from tests.engine.test_engine_sampling import numpy_penalized
     cfg = LLAMA32_1B.replace(num_layers=4)
     model = decisive_model(cfg, jnp.float32)

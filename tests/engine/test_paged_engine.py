@@ -18,7 +18,8 @@ import pytest
 from configs.model import TINY_LLAMA, TINY_LLAMA31, TINY_QWEN2, ModelConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import FinishReason, SamplingParams
-from engine.runner import ModelRunner, fetch_samples
+from engine.device_arrays import fetch_samples
+from engine.runner import ModelRunner
 from engine.step_batch import StepBatch
 from engine.sampling import SamplingArrays, logprobs_of, sample
 from models.llama import rope_inv_freq

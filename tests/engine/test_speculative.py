@@ -21,7 +21,7 @@ from scipy import stats
 from configs.model import TINY_LLAMA31
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from engine.sampling import sample
 from engine.speculative import SpecConfig, SpecStats, propose_ngram, verify
 from models.weights import model_from_pure_dict

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs.model import get_preset
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from models.llama import fuse_projections, transpose_for_gemv
 from models.weights import random_model
 from ops import paged_attention

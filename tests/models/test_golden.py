@@ -13,7 +13,7 @@ import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from quant.loader import load_model
 from engine.perplexity import perplexity_of_ids
 from tests.conftest import GOLDEN_DIR

@@ -17,7 +17,7 @@ import pytest
 from configs.model import config_from_dict, config_to_dict
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from engine.speculative import SpecConfig
 from ops import rope_kv
 from ops.backends import select_kernels

@@ -20,7 +20,7 @@ from flax import nnx
 
 from configs.model import get_preset
 from engine.memory import moe_reserve_bytes
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
 from models.kv_cache import init_kv_cache
 from models.llama import AttentionMetadata, forward

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_dir
 from models.weights import model_from_tensors

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs.model import get_preset
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from models.moe import moe_mlp
 from models.weights import random_model
 from ops import moe_matmul

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs.model import TINY_GEMMA3, TINY_LLAMA31, TINY_QWEN2
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from models.weights import random_model
 from quant import awq
 from quant.rtn import fake_quantize

@@ -16,7 +16,7 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.memory import plan_kv_cache
 from engine.request import SamplingParams
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from models.kv_cache import KVCache, init_kv_cache, kv_bytes_per_token
 from models.weights import model_from_pure_dict, random_model
 from ops.kernel_choice import KernelBackends

@@ -13,7 +13,7 @@ from flax import nnx
 from configs.model import TINY_LLAMA, TINY_LLAMA31
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from engine.runner import full_sequence_logits
+from engine.perplexity import full_sequence_logits
 from models.llama import has_quantized_layers
 from models.orbax_io import CONFIG_FILE, save_checkpoint
 from models.weights import random_model
