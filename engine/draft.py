@@ -106,9 +106,9 @@ class DraftProposer:
         # K entries whatever k (the last repeated; only the first num_draft are read): one
         # stacking program per row count
         probs += probs[-1:] * (verify_len - 1 - k)
-        by_request = {id(r): proposals[j, : r.lookahead].tolist()
-                      for j, r in enumerate(proposing)}
-        return [by_request.get(id(r), []) for r in requests], stack_probs(tuple(probs))
+        rows_of_proposing = iter(proposals.tolist())
+        return ([[] if late else next(rows_of_proposing)[: r.lookahead]
+                 for r, late in zip(requests, behind)], stack_probs(tuple(probs)))
 
     def catch_up(self, requests: list, verify_len: int, budget: int) -> list[bool]:
         """Computes draft K/V toward each request's last verify_len tokens in one step of at

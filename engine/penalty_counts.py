@@ -56,6 +56,7 @@ class PenaltyCounts:
         self.device = device
         # the table's shape, dtype and placement, for lowering programs that take it
         self.abstract = abstract_arrays((device,))[0]
+        self._write_compiled = False
 
     @property
     def rows(self) -> int:
@@ -87,7 +88,10 @@ class PenaltyCounts:
                                                           np.bool_(clear), np.bool_(outputs)))
 
     def compile(self) -> None:
-        """Compiles the history write ahead of time, from shapes alone (safe beside running
-        steps, which donate the table)."""
+        """Compiles the history write ahead of time (once), from shapes alone (safe beside
+        running steps, which donate the table)."""
+        if self._write_compiled:
+            return
         args = abstract_arrays(self._args(0, np.zeros(WRITE_CHUNK, np.int32), True, False))
         _write_history.lower(self.abstract, *args).compile()
+        self._write_compiled = True
