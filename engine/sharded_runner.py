@@ -224,8 +224,8 @@ class ShardedModelRunner(ModelRunner):
         max_q = int(q_lens.max(initial=1))
         max_seqs = max(self.max_seqs, batch.num_seqs)
         key = bucket_key(tokens, seqs, width, max_q, prefill, max_seqs,
-                         max(self.prefill_width, width),
-                         count_prefill_seqs=self.counts_prefill_seqs)
+                         max(self.prefill_width, width), batch.verify_len,
+                         self.counts_prefill_seqs)
         n, s, w, q, p = key
         if n >= tokens and s >= seqs and w >= width and q >= max_q and p >= prefill:
             return key

@@ -129,15 +129,19 @@ def engine_config(async_scheduling: bool = False):
 
 def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
            tokenizer=None, async_scheduling: bool = False, logprobs: bool = True,
-           penalties: bool = False) -> dict:
+           penalties: bool = False, speculative: bool = False) -> dict:
     """Greedy tokens (and their log-probabilities) of each prompt, run together in one engine.
 
     With logprobs the steps sample with the sampler program; without, they take the step's
     own argmax (on a mesh: tokens in the step's shard order). With penalties, every request
-    has repetition, presence and frequency penalties (the count table on the mesh)."""
+    has repetition, presence and frequency penalties (the count table on the mesh). With
+    speculative, n-gram speculation of 3 tokens verifies its proposals in the steps; the
+    result then also has the runner's verification-step buckets (keys with q > 1, N = S * q)."""
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
-    engine = LLMEngine(cfg, model, tokenizer, engine_config(async_scheduling), mesh=mesh)
+    from engine.speculative import SpecConfig
+    engine = LLMEngine(cfg, model, tokenizer, engine_config(async_scheduling), mesh=mesh,
+                       spec_config=SpecConfig("ngram", 3) if speculative else None)
     strengths = (dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=1.0)
                  if penalties else {})
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
@@ -147,7 +151,10 @@ def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
             "logprobs": ([[lp[0] for lp in o.outputs[0].logprobs] for o in outs]
                          if logprobs else None),
             "tokens_from_device": engine.stats.num_tokens_from_device,
-            "plan": None if mesh is None else engine.runner.plan.reason}
+            "plan": None if mesh is None else engine.runner.plan.reason,
+            "drafts": engine.spec_stats.num_drafts,
+            "verify_keys": sorted(k for k in engine.runner.compiled_shapes
+                                if k[3] > 1 and k[1] * k[3] == k[0])}
 
 
 def warm_greedy(cfg, model, prompts, mesh) -> dict:
@@ -211,6 +218,8 @@ def case_key(cfg_name: str, quant: str | None) -> str:
 
 def scenario_tiny(args) -> dict:
     """Greedy runs of tiny configs on one device and on every mesh (float32 and INT4)."""
+    import numpy as np
+
     from engine.mesh import make_mesh
     cases = [c for c in TINY_CASES if c[1] in (None, "bfloat16") or quant_available()]
     results = {}
@@ -235,6 +244,12 @@ def scenario_tiny(args) -> dict:
                 results[key][f"{mesh_name(tp, dp)}/async/penalties"] = greedy(
                     cfg, model, prompts, make_mesh(tp, dp), async_scheduling=True,
                     penalties=True)
+            # speculative verification on a mesh, over prompts of repeated n-grams
+            rng = np.random.default_rng(1)
+            repeats = [(rng.integers(3, cfg.vocab_size, 4).tolist() * 6)[:n] for n in (9, 14, 20)]
+            results[key]["one_device/repeats"] = greedy(cfg, model, repeats)
+            results[key]["2x2/speculative"] = greedy(cfg, model, repeats, make_mesh(2, 2),
+                                                     logprobs=False, speculative=True)
     return {"cases": results, "quant": quant_available()}
 
 

@@ -73,6 +73,19 @@ def test_penalties_on_a_mesh_equal_one_device(scenario, mesh):
     assert expected["tokens"] != runs["one_device"]["tokens"]
 
 
+def test_speculative_verification_on_a_mesh_equals_one_device(scenario):
+    """n-gram speculation on a 2x2 mesh gives one device's plain greedy tokens, and its
+    verification steps run the short-query program of k + 1 tokens a sequence
+    (engine.step_batch.bucket_key's verify_len), not a prefill step's. (Requests that want
+    logprobs do not speculate.)"""
+    runs = scenario("tiny")["cases"][case_key("tiny-llama31", None)]
+    got, expected = runs["2x2/speculative"], runs["one_device/repeats"]
+    assert got["tokens"] == expected["tokens"]
+    assert got["drafts"] > 0
+    assert got["verify_keys"] and all(n == s * q and q == 4 for n, s, _, q, _ in
+                                      got["verify_keys"]), got["verify_keys"]
+
+
 def test_a_mesh_warm_up_compiles_ahead_the_steps_a_run_reaches(scenario):
     """The sharded runner's warm-up lowers and compiles its steps for the mesh from shapes and
     shardings, without running them (so on compile threads, and in a server's background);
