@@ -69,14 +69,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     # Schedule step n+1 while step n runs (see LLMEngine.step), on one device or a mesh, with
-    # single steps or multi-step rounds; speculative decoding and penalties run synchronously.
+    # single steps or multi-step rounds; speculative decoding runs synchronously.
     # Default: on on a GPU, off on the CPU.
     async_scheduling: bool | None = None
     # Decode steps per program when every running request decodes (multi-step scheduling, as
     # vLLM's --num-scheduler-steps): the host schedules, dispatches and reads tokens once per
     # this many steps, and sequences that stop within them drop their extra tokens. 1: off.
-    # Penalties, logprobs, speculation and a sharded runner take single steps. Default: 8 on a
-    # GPU, 1 on the CPU.
+    # Logprobs, speculation and a sharded runner take single steps. Default: 8 on a GPU, 1 on
+    # the CPU.
     num_decode_steps: int | None = None
     # With rounds: a step with prefill chunks is followed, in the same program, by
     # num_decode_steps - 1 decode steps of its rows whose prompts it completes or which decode

@@ -40,8 +40,8 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
-from engine.warmup import (compile_all, compile_program, compile_threads, in_callers_context,
-                           reachable_steps, step_programs)
+from engine.warmup import (CompileQueue, compile_all, compile_program, compile_threads,
+                           in_callers_context, reachable_steps, step_programs)
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -119,8 +119,6 @@ class LLMEngine:
         # The postprocess side: appends, stop conditions, detokenization, request outputs.
         self.output_processor = OutputProcessor(tokenizer, self._on_finish)
         self._in_flight: InFlight | None = None  # the launched step not read yet
-        # unfinished requests with penalties: single steps (a round counts no penalties)
-        self._penalized: set[int] = set()
         self._with_logprobs: set[int] = set()  # unfinished requests that want logprobs
         self._wait_s = 0.0
         self._round_steps = 1
@@ -183,8 +181,6 @@ class LLMEngine:
         self._next_group += 1
         self._next_request += params.n
         for request in samples:
-            if params.uses_penalties:
-                self._penalized.add(request.request_id)
             if params.logprobs is not None:
                 self._with_logprobs.add(request.request_id)
         self.output_processor.add(group_id, samples)
@@ -215,7 +211,6 @@ class LLMEngine:
     def _on_finish(self, request: Request, reason: FinishReason) -> None:
         """A request ended (an appended token, a stop string, an abort): frees its pages."""
         self.scheduler.finish(request, reason)
-        self._penalized.discard(request.request_id)
         self._with_logprobs.discard(request.request_id)
 
     def has_unfinished(self) -> bool:
@@ -306,12 +301,13 @@ class LLMEngine:
         prev_inputs = None if prev is None else prev.next_inputs
         limit = self._context_limit()
         kind = (self.rounds.ready(output, limit, bool(self._with_logprobs))
-                if self.rounds is not None and not self._penalized else None)
-        if kind is not None:
+                if self.rounds is not None else None)
+        step = results = None
+        if kind is not None:  # (a round whose program is compiling launches nothing)
             step, results, next_inputs = self.rounds.launch(kind, output, prev_inputs)
             steps = self.rounds.num_steps
-        else:
-            step = self.input_batch.prepare(output)
+        if results is None:
+            step = step if step is not None else self.input_batch.prepare(output)
             results = self.runner.execute_and_sample(step.batch, step.arrays, prev_inputs,
                                                      step.sample_index)
             next_inputs, steps = results[0], 1
@@ -406,10 +402,10 @@ class LLMEngine:
 
     def warmup_programs(self, num_seqs: int | None = None, max_total_len: int | None = None,
                         prompt_lens: list[int] | None = None,
-                        sampled: bool = True) -> list[tuple]:
+                        sampled: bool = True, penalized: bool = False) -> list[tuple]:
         """The programs a run can reach (engine/warmup.py): (tokens of each sequence,
         block-table width, verification?, program) of every reachable step; without `sampled`,
-        no rounds of rows that sample."""
+        no rounds of rows that sample; with `penalized`, the rounds of penalized rows too."""
         runner = self.runner
         steps = reachable_steps(self.engine_cfg, self.pool, runner.min_width, self.spec_config,
                                 num_seqs, max_total_len, prompt_lens,
@@ -417,7 +413,7 @@ class LLMEngine:
                                 runner.fixed_width, runner.counts_prefill_seqs)
         rounds = self.rounds
         return step_programs(steps, rounds.num_steps if rounds is not None else 1,
-                             rounds is not None and rounds.mixed_rounds, sampled)
+                             rounds is not None and rounds.mixed_rounds, sampled, penalized)
 
     def draft_steps(self, max_total_len: int | None = None,
                     without_prefill: bool = False) -> list[tuple[list[int], int, bool]]:
@@ -439,12 +435,13 @@ class LLMEngine:
         """Compiles the programs of `warmup_programs` (or `programs`, some of them: a server's
         engine.warmup.split_first) and, with `samplers`, the sampler programs of sampled rows
         (a greedy run needs none, nor `warmup_programs`' sampled rounds), with `penalties`
-        those of penalized rows (a server compiles them in the background:
-        `compile_in_background`), and the scatter of tables kept on the device; returns how
-        many step programs were new, `warmup_threads` at once."""
+        those of penalized rows and their rounds (a server compiles the samplers in the
+        background and a round on demand: `compile_in_background`), and the scatter of tables
+        kept on the device; returns how many step programs were new, `warmup_threads` at
+        once."""
         if programs is None:
             programs = self.warmup_programs(num_seqs, max_total_len, prompt_lens,
-                                            sampled=samplers)
+                                            sampled=samplers, penalized=penalties)
         before = len(self.runner.compiled_shapes)
         jobs = [(self._compile_program, program) for program in programs]
         verification_rows = sorted({len(q_lens) for q_lens, _, verification, _ in programs
@@ -483,10 +480,11 @@ class LLMEngine:
 
     def compile_in_background(self, programs: list, log=None) -> threading.Thread:
         """Starts a daemon thread that compiles `programs` (of `warmup_programs`), then the
-        samplers of penalties over short histories (`penalty_sampler_shapes`), ahead of time
+        samplers of penalties (`penalty_sampler_shapes`), ahead of time
         beside the engine's steps (the runner lowers them from shapes alone, or on a mesh runs
         the samplers on zero logits; never touching the weights' or cache's buffers) and
-        returns it; log(line) hears when it starts and ends. A
+        returns it; log(line) hears when it starts and ends. From then on the rounds of
+        penalized rows compile on demand on another such thread (engine/multi_step.py). A
         step that reaches one of them before the thread does compiles it on the spot. ValueError
         when programs are given to a runner that warms up by running steps (scripts/lower.py's).
         A process must not exit while the thread is inside XLA's compiler (it crashes): join it,
@@ -497,6 +495,10 @@ class LLMEngine:
         log = log or (lambda line: None)
 
         penalties = self.runner.penalty_sampler_shapes() if programs else []
+        if self.rounds is not None and self.runner.compiles_ahead:
+            self.rounds.compile_later = CompileQueue(
+                self._compile_program, log,
+                lambda p: f"the {p[3]} round of {len(p[0])} sequences, {sum(p[0])} tokens").ask
 
         def run():
             start = time.perf_counter()

@@ -6,6 +6,11 @@ before it, like a single step: its first tokens come from that one's samples on 
 With EngineConfig.mixed_rounds a step with prefill chunks is a round too (the step, then decode
 steps of its rows, ModelRunner.execute_mixed_round).
 
+Rows with penalties read and count their tokens in the count table inside the round
+(engine/penalty_counts.py), in programs of their own. Where the engine compiles programs in the
+background (a server), a penalized round whose program has not compiled yet runs as a single
+step while its program compiles off the serving path (`compile_later`).
+
 A component of LLMEngine: it decides whether a scheduled step can run as a round (taking the
 pages the round needs) and launches it; the engine appends the tokens.
 """
@@ -13,12 +18,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.input_batch import InputBatch
+from engine.input_batch import InputBatch, PreparedStep
 from engine.runner import ModelRunner
 from engine.step_batch import bucket
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.warmup import round_program
 
 DECODE, MIXED = "decode", "mixed"  # the kinds of round
+PROGRAM_KINDS = {DECODE: "multi_step", MIXED: "mixed_round"}  # the runner's name of each
 
 
 class MultiStepRounds:
@@ -31,6 +38,9 @@ class MultiStepRounds:
         self.num_steps, self.mixed_rounds, self.max_num_seqs = num_steps, mixed_rounds, max_num_seqs
         # The scheduler owns the pages (scheduler.pool): a round takes its pages from there.
         self.runner, self.scheduler, self.input_batch = runner, scheduler, input_batch
+        # compile_later(program): compiles an engine.warmup.step_programs program off the
+        # serving path; None: a round's program compiles when the round first runs.
+        self.compile_later = None
 
     def ready(self, output: SchedulerOutput, context_limit: int,
               any_logprobs: bool) -> str | None:
@@ -48,19 +58,38 @@ class MultiStepRounds:
     def launch(self, kind: str, output: SchedulerOutput, prev_inputs) -> tuple:
         """Launches a round of `kind` (from `ready`) without waiting: (PreparedStep, results
         (tokens [num_steps, bucket(S)],), the last step's tokens [sample_rows]). prev_inputs:
-        the in-flight step's next_inputs (asynchronous scheduling), or None."""
+        the in-flight step's next_inputs (asynchronous scheduling), or None. Where the
+        round's program waits to compile (`compile_later`), launches nothing: (PreparedStep,
+        None, None), the step to run as a single step."""
+        if kind not in PROGRAM_KINDS:
+            raise ValueError(f"unknown kind of round {kind!r}: expected {DECODE!r} or {MIXED!r}")
+        step = (self.input_batch.prepare_decode(output) if kind == DECODE
+                else self.input_batch.prepare(output))
+        if not self._program_ready(kind, step):
+            return step, None, None
         if kind == DECODE:
-            step = self.input_batch.prepare_decode(output)
             tokens, last = self.runner.execute_multi_step(
                 step.batch, step.arrays, self.num_steps, prev_inputs, step.sample_index)
-        elif kind == MIXED:
-            step = self.input_batch.prepare(output)
+        else:
             tokens, last = self.runner.execute_mixed_round(
                 step.batch, np.asarray(step.completes, np.bool_), step.arrays, self.num_steps,
                 prev_inputs, step.sample_index)
-        else:
-            raise ValueError(f"unknown kind of round {kind!r}: expected {DECODE!r} or {MIXED!r}")
         return step, (tokens,), last
+
+    def _program_ready(self, kind: str, step: PreparedStep) -> bool:
+        """Whether the round can run now: its rows have no penalties (their programs compile
+        with the others), there is no `compile_later`, or its program has compiled. Else the
+        program is handed to compile_later (which compiles each once)."""
+        arrays = step.arrays
+        if arrays.penalties is None or self.compile_later is None:
+            return True
+        key = self.runner.round_key(PROGRAM_KINDS[kind], step.batch, arrays, self.num_steps)
+        if key in self.runner.compiled_rounds:
+            return True
+        q_lens = np.diff(step.batch.query_start_loc).tolist()
+        self.compile_later((q_lens, step.batch.block_tables.shape[1], False,
+                            round_program(arrays.mode(), True)))
+        return False
 
     def _decode_ready(self, output: SchedulerOutput, context_limit: int,
                       any_logprobs: bool) -> bool:

@@ -17,7 +17,8 @@ from engine.request import MAX_LOGPROBS
 from engine.penalty_counts import PenaltyCounts
 from engine.sampling import (NO_SLOT, SAMPLED_MODES, PenaltyRows, SamplingArrays, first_rows,
                              logprobs_of, pack_sampling, sample_from_packed, sample_packed,
-                             sample_penalized, sample_step, with_logprobs)
+                             sample_from_counts, sample_penalized, sample_step,
+                             with_logprobs)
 from engine.step_batch import (MIN_PAGE_BUCKET, StepBatch, bucket, bucket_key, pad_to,
                                padding_batch, table_widths)
 from engine.step_inputs import StepLayout, pack, unpack
@@ -104,10 +105,14 @@ class ModelRunner:
                              static_argnames=("layout", "all_logits"))
         self._step_and_argmax = jax.jit(self._step_and_argmax_impl, donate_argnums=(1,),
                                         static_argnames=("layout", "out_rows"))
-        self._multi_step = jax.jit(self._multi_step_impl, donate_argnums=(1,),
+        # A round donates the cache and, with penalties, the count table (argument 7).
+        self._multi_step = jax.jit(self._multi_step_impl, donate_argnums=(1, 7),
                                    static_argnames=("layout", "num_steps", "mode"))
-        self._mixed_round = jax.jit(self._mixed_round_impl, donate_argnums=(1,),
+        self._mixed_round = jax.jit(self._mixed_round_impl, donate_argnums=(1, 7),
                                     static_argnames=("layout", "num_steps", "mode"))
+        # Round keys (`round_key`) whose programs have compiled: a round of penalized rows
+        # may wait for its program to compile off the serving path (engine/multi_step.py).
+        self.compiled_rounds: set[tuple] = set()
         self._gather_rows = jax.jit(gather_rows)
 
     def _step_impl(self, weights, cache, tables, packed, prev_samples, layout: StepLayout,
@@ -145,34 +150,40 @@ class ModelRunner:
         return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
 
     def _multi_step_impl(self, weights, cache, tables, packed, floats, ints, prev_samples,
-                         layout: StepLayout, num_steps: int, mode: str):
+                         penalties, layout: StepLayout, num_steps: int, mode: str):
         """`num_steps` decode steps of one token per sequence in one program (a device loop):
         each step's tokens are the previous step's samples, its positions, cache slots and
         lengths one further. floats / ints: the packed sampling rows (sampling.pack_sampling;
-        each step draws with the step index + i).
+        each step draws with the step index + i). penalties: None, or (count table, rows,
+        strengths) as engine.sampling.sample_penalized takes them; each step reads and counts
+        its tokens there.
         A first token whose sample_index is >= 0 is prev_samples[sample_index] (asynchronous
         scheduling, as in `_step_impl`).
         Returns (tokens int32 [num_steps, S], the last step's tokens int32 [sample_rows]
-        zero-padded (what the next step reads its in-flight tokens from), cache).
+        zero-padded (what the next step reads its in-flight tokens from), the count table or
+        None, cache).
         """
         x = step_fields(packed, layout, tables)
         first_tokens = input_tokens(x, prev_samples)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return self._decode_loop(model, cache, first_tokens, x["positions"], x["kv_lens"] > 0,
-                                 x["block_tables"], floats, ints, num_steps, 0, mode)
+                                 x["block_tables"], floats, ints, penalties, num_steps, 0, mode)
 
     def _decode_loop(self, model, cache, first_tokens, positions, real, tables, floats, ints,
-                     num_steps: int, first_draw: int, mode: str):
+                     penalties, num_steps: int, first_draw: int, mode: str):
         """`num_steps` decode steps of the S rows in one device loop: step i computes token
         first_tokens (then each step's samples) at positions + i, in the rows where `real`
         (the others compute nothing and write nowhere), and samples with draw index ints[2] +
-        first_draw + i. Returns (tokens [num_steps, S], last tokens [sample_rows], cache)."""
+        first_draw + i (with penalties, as `_draw`). Returns (tokens [num_steps, S], last
+        tokens [sample_rows], count table or None, cache)."""
         page_size, num_seqs = self.page_size, positions.shape[0]
         start = jnp.arange(num_seqs + 1, dtype=jnp.int32)  # one query token per row
         rows = jnp.arange(num_seqs, dtype=jnp.int32)
+        counts, penalty_rows = (None, None) if penalties is None else (penalties[0],
+                                                                       penalties[1:])
 
         def body(i, carry):
-            cache, tokens, out = carry  # tokens [S], out [num_steps, S]
+            cache, tokens, out, counts = carry  # tokens [S], out [num_steps, S]
             pos = positions + i
             page_index = jnp.minimum(pos // page_size, tables.shape[1] - 1)
             page = jnp.take_along_axis(tables, page_index[:, None], axis=1)[:, 0]
@@ -183,42 +194,53 @@ class ModelRunner:
                 kv_lens=jnp.where(real, pos + 1, 0), max_q_len=1, max_prefill_seqs=0)
             logits, cache = forward(model, cache, tokens, meta, self.cfg, rows,
                                     kernels=self.kernels)
-            tokens = self._draw(logits, floats, ints, first_draw + i, mode)
-            return cache, tokens, out.at[i].set(tokens)
+            tokens, counts = self._draw(logits, floats, ints, first_draw + i, mode, counts,
+                                        penalty_rows)
+            return cache, tokens, out.at[i].set(tokens), counts
 
         out = jnp.zeros((num_steps, num_seqs), jnp.int32)
-        cache, last, out = jax.lax.fori_loop(0, num_steps, body, (cache, first_tokens, out))
-        return out, jnp.pad(last, (0, self.sample_rows - last.shape[0])), cache
+        cache, last, out, counts = jax.lax.fori_loop(0, num_steps, body,
+                                                     (cache, first_tokens, out, counts))
+        return out, jnp.pad(last, (0, self.sample_rows - last.shape[0])), counts, cache
 
     @staticmethod
-    def _draw(logits, floats, ints, draw: int | jax.Array, mode: str) -> jax.Array:
-        """Each row's token: the argmax (mode 'greedy'), or drawn with draw index ints[2] +
-        draw (engine.sampling.sample_from_packed)."""
-        if mode == "greedy":
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    def _draw(logits, floats, ints, draw: int | jax.Array, mode: str, counts=None,
+              penalty_rows=None) -> tuple[jax.Array, jax.Array | None]:
+        """(Each row's token, the count table): the argmax (mode 'greedy'), or drawn with draw
+        index ints[2] + draw (engine.sampling.sample_from_packed); with a count table, from
+        the penalized logits, each counted row's token added to the table
+        (engine.sampling.sample_penalized's program; penalty_rows: its rows and strengths)."""
         draw = jnp.asarray(draw).astype(ints.dtype)
-        return sample_from_packed(logits, floats, ints.at[2].add(draw), mode=mode)
+        if counts is not None:
+            return sample_from_counts(logits, floats, ints.at[2].add(draw), counts,
+                                     *penalty_rows, mode=mode)
+        if mode == "greedy":
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return sample_from_packed(logits, floats, ints.at[2].add(draw), mode=mode), None
 
     def _mixed_round_impl(self, weights, cache, tables, packed, floats, ints, prev_samples,
-                          layout: StepLayout, num_steps: int, mode: str):
+                          penalties, layout: StepLayout, num_steps: int, mode: str):
         """A step of any kind (prefill chunks and decodes mixed, `_step_impl`) and then
         num_steps - 1 decode steps of its rows, in one program. packed: the step's inputs
         (step_inputs.pack) followed by one int32 per row, 1 where the row's step token is its
         request's next token (a prompt completed, or a decode), 0 for a prefill chunk short of
         the prompt's end or padding: only those rows decode on, from position kv_lens.
+        penalties: as `_multi_step_impl`'s (its rows count only where complete).
         Returns (tokens int32 [num_steps, S]: the step's samples, then each decode step's;
-        the last step's tokens [sample_rows]; cache)."""
+        the last step's tokens [sample_rows]; count table or None; cache)."""
         num_seqs = layout.num_seqs
         step_packed, complete = packed[:-num_seqs], packed[-num_seqs:] > 0
         logits, cache = self._step_impl(weights, cache, tables, step_packed, prev_samples,
                                         layout)
-        first = self._draw(logits, floats, ints, 0, mode)  # [S]
+        counts, penalty_rows = (None, None) if penalties is None else (penalties[0],
+                                                                       penalties[1:])
+        first, counts = self._draw(logits, floats, ints, 0, mode, counts, penalty_rows)  # [S]
         x = step_fields(step_packed, layout, tables)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
-        rest, last, cache = self._decode_loop(model, cache, first, x["kv_lens"], complete,
-                                              x["block_tables"], floats, ints, num_steps - 1,
-                                              1, mode)
-        return jnp.concatenate([first[None], rest]), last, cache
+        rest, last, counts, cache = self._decode_loop(
+            model, cache, first, x["kv_lens"], complete, x["block_tables"], floats, ints,
+            None if counts is None else (counts, *penalty_rows), num_steps - 1, 1, mode)
+        return jnp.concatenate([first[None], rest]), last, counts, cache
 
     def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
                            prev_samples: jax.Array | None = None,
@@ -229,7 +251,7 @@ class ModelRunner:
         [:, :S]; their copy to the host has started) and the last step's tokens int32
         [sample_rows], from which a next step launched before the host reads these can take
         its input tokens (asynchronous scheduling; prev_samples and sample_index as in
-        `execute_padded`). No penalties or logprobs (they need the host between steps)."""
+        `execute_padded`). Penalties read and count in the count table; no logprobs."""
         if len(batch.token_ids) != batch.num_seqs:
             raise ValueError(f"multi-step decoding needs one token per sequence, got "
                              f"{len(batch.token_ids)} tokens for {batch.num_seqs} sequences")
@@ -245,7 +267,7 @@ class ModelRunner:
         needs pages for num_steps - 1 more tokens) as one program, without waiting. Returns
         device arrays: tokens int32 [num_steps, bucket(S)] (row i's are meaningful where
         complete[i]; their copy to the host has started) and the last step's tokens
-        [sample_rows] (as `execute_multi_step`). No penalties or logprobs."""
+        [sample_rows] (as `execute_multi_step`). Penalties as there; no logprobs."""
         if len(complete) != batch.num_seqs:
             raise ValueError(f"complete has {len(complete)} rows for {batch.num_seqs} sequences")
         return self._run_round(self._mixed_round, "mixed_round", batch, arrays, num_steps,
@@ -257,27 +279,43 @@ class ModelRunner:
         """Pads and packs a round's batch (with `complete` appended, for a mixed round), runs
         the jitted `program` without waiting and starts its tokens' copy to the host; returns
         (tokens [num_steps, bucket(S)], last step's tokens [sample_rows])."""
-        tokens, last, self.cache = program(*self._round_args(kind, batch, arrays, num_steps,
-                                                             prev_samples, sample_index,
-                                                             complete))
+        key = self.round_key(kind, batch, arrays, num_steps)
+        counts = None if arrays.penalties is None else self._penalty_table(arrays.penalties)
+        args = self._round_args(kind, batch, arrays, num_steps, prev_samples, sample_index,
+                                complete, None if counts is None else counts.device)
+        tokens, last, table, self.cache = program(*args)
+        if counts is not None:
+            counts.device = table
+        self.compiled_rounds.add(key)
         tokens.copy_to_host_async()
         return tokens, last
 
+    def round_key(self, kind: str, batch: StepBatch, arrays: SamplingArrays,
+                  num_steps: int) -> tuple:
+        """The key of the round program that runs `batch` with `arrays` (kind: "multi_step"
+        or "mixed_round"): (kind, bucket, steps, sampler mode, penalized?)."""
+        return (kind, self.step_key(batch), num_steps, arrays.mode(),
+                arrays.penalties is not None)
+
     def _round_args(self, kind: str, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
-                    prev_samples, sample_index, complete: np.ndarray | None = None) -> tuple:
-        """Every argument of a round's jitted program (`_run_round`), the static ones last."""
-        if arrays.penalties is not None or arrays.num_logprobs:
-            raise ValueError(f"a {kind.replace('_', '-')} round takes no penalties or logprobs")
+                    prev_samples, sample_index, complete: np.ndarray | None = None,
+                    counts=None) -> tuple:
+        """Every argument of a round's jitted program (`_run_round`), the static ones last;
+        with penalties, counts is the count table's array (or its abstract form)."""
+        if arrays.num_logprobs:
+            raise ValueError(f"a {kind.replace('_', '-')} round takes no logprobs")
+        self.compiled_shapes.add(self.round_key(kind, batch, arrays, num_steps))
         layout, packed = self._padded(batch, sample_index)
-        mode = arrays.mode()
-        self.compiled_shapes.add((kind, layout, num_steps, mode))
         if complete is not None:
             packed = np.concatenate([packed, pad_to(np.asarray(complete, np.int32),
                                                   (layout.num_seqs,), 0)])
-        floats, ints = pack_sampling(arrays.padded(layout.num_seqs))
+        arrays = arrays.padded(layout.num_seqs)
+        floats, ints = pack_sampling(arrays)
+        penalties = (None if arrays.penalties is None else
+                     (counts, arrays.penalties.packed(), arrays.penalties.strengths))
         return (self._weights, self.cache, self._device_tables(), packed, floats, ints,
-                self._no_samples if prev_samples is None else prev_samples, layout, num_steps,
-                mode)
+                self._no_samples if prev_samples is None else prev_samples, penalties, layout,
+                num_steps, arrays.mode())
 
     @property
     def prefill_widens(self) -> bool:
@@ -421,28 +459,46 @@ class ModelRunner:
                           num_seqs)
 
     def warmup_multi_step(self, num_seqs: int, num_pages: int, num_steps: int,
-                          mode: str = "greedy"):
+                          mode: str = "greedy", penalized: bool = False):
         """Compiles the multi-step program of a decode batch whose rows sample in `mode`
-        (engine.sampling.sampling_mode), as `warmup` does, and returns the same."""
+        (engine.sampling.sampling_mode), with penalties or not, as `warmup` does, and returns
+        the same."""
         dummy = padding_batch([1] * num_seqs, num_pages)
-        arrays = SamplingArrays.of_mode(num_seqs, mode)
-        if self.compiles_ahead:
-            return self._multi_step.lower(*abstract_arrays(self._round_args(
-                "multi_step", dummy, arrays, num_steps, None, None))).compile()
-        np.asarray(self.execute_multi_step(dummy, arrays, num_steps)[0])
+        return self._warmup_round("multi_step", dummy, None, num_steps, mode, penalized)
 
     def warmup_mixed_round(self, q_lens, num_pages: int, num_steps: int,
-                           mode: str = "greedy") -> None:
+                           mode: str = "greedy", penalized: bool = False) -> None:
         """Compiles the mixed-round program of a step whose sequences compute q_lens tokens
-        each and sample in `mode` (as `warmup`)."""
+        each and sample in `mode`, with penalties or not (as `warmup`)."""
         dummy = padding_batch(q_lens, num_pages)
-        complete = np.zeros(dummy.num_seqs, np.bool_)
+        self._warmup_round("mixed_round", dummy, np.zeros(dummy.num_seqs, np.bool_), num_steps,
+                           mode, penalized)
+
+    def _warmup_round(self, kind: str, dummy: StepBatch, complete, num_steps: int, mode: str,
+                      penalized: bool):
+        """Compiles a round program for a padding batch: ahead of time from shapes (a
+        penalized one against the count table's abstract form, never its array, which a step
+        may be donating), or by running it (penalties on a scratch table)."""
         arrays = SamplingArrays.of_mode(dummy.num_seqs, mode)
+        if penalized:
+            rows = dummy.num_seqs
+            arrays.penalties = PenaltyRows(np.full(rows, NO_SLOT, np.int32),
+                                           np.zeros(rows, bool), np.ones((3, rows), np.float32))
+        program = self._multi_step if kind == "multi_step" else self._mixed_round
+        key = self.round_key(kind, dummy, arrays, num_steps)
         if self.compiles_ahead:
-            self._mixed_round.lower(*abstract_arrays(self._round_args(
-                "mixed_round", dummy, arrays, num_steps, None, None, complete))).compile()
-            return
-        np.asarray(self.execute_mixed_round(dummy, complete, arrays, num_steps)[0])
+            counts = self.penalty_counts.abstract if penalized else None
+            compiled = program.lower(*abstract_arrays(self._round_args(
+                kind, dummy, arrays, num_steps, None, None, complete, counts))).compile()
+            self.compiled_rounds.add(key)
+            return compiled
+        counts = (PenaltyCounts(self.penalty_counts.rows, self.cfg.vocab_size, self._placed)
+                  if penalized else None)
+        tokens, _, _, self.cache = program(*self._round_args(
+            kind, dummy, arrays, num_steps, None, None, complete,
+            None if counts is None else counts.device))
+        np.asarray(tokens)
+        self.compiled_rounds.add(key)
 
     def sampler_shapes(self) -> list[tuple[int, str]]:
         """(rows, mode) of the sampler programs that steps with sampled rows reach: every
@@ -504,6 +560,15 @@ class ModelRunner:
                                                      self._placed)
         return self._penalty_counts
 
+    def _penalty_table(self, rows: PenaltyRows) -> PenaltyCounts:
+        """The engine's count table, with the histories of the requests new to their slots
+        (rows.histories) written first."""
+        counts = self.penalty_counts
+        for slot, prompt, output in rows.histories:
+            counts.write(slot, prompt, output)
+        rows.histories.clear()
+        return counts
+
     def warmup_sampler(self, rows: int, mode: str) -> None:
         """Compiles the sampler program of `rows` logits rows in `mode`; with cuts, the cut of
         a step's sample_rows padded rows down to `rows` (`sample_device`); and once per row
@@ -564,10 +629,7 @@ class ModelRunner:
         counted in `counts` (default: the engine's table, where the histories of requests new
         to their slots are written first)."""
         if arrays.penalties is not None and counts is None:
-            counts = self.penalty_counts
-            for slot, prompt, output in arrays.penalties.histories:
-                counts.write(slot, prompt, output)
-            arrays.penalties.histories.clear()
+            counts = self._penalty_table(arrays.penalties)
         return sample_step(logits, arrays, out_rows=self.sample_rows, place=place,
                            counts=counts)
 

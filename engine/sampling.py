@@ -147,7 +147,7 @@ def sample_from_packed(logits: jax.Array, floats: jax.Array, ints: jax.Array,
 sample_packed = jax.jit(sample_from_packed, static_argnames=("out_rows", "mode"))
 
 
-def _sample_penalized(logits: jax.Array, floats: jax.Array, ints: jax.Array, counts: jax.Array,
+def sample_from_counts(logits: jax.Array, floats: jax.Array, ints: jax.Array, counts: jax.Array,
                       rows: jax.Array, strengths: jax.Array, out_rows: int | None = None,
                       mode: str = "cuts") -> tuple[jax.Array, jax.Array]:
     """`sample_from_packed` with penalties read from the count table, and each drawn token
@@ -167,7 +167,7 @@ def _sample_penalized(logits: jax.Array, floats: jax.Array, ints: jax.Array, cou
     return tokens, counts
 
 
-sample_penalized = jax.jit(_sample_penalized, donate_argnums=3,
+sample_penalized = jax.jit(sample_from_counts, donate_argnums=3,
                            static_argnames=("out_rows", "mode"))
 
 
@@ -204,7 +204,7 @@ class PenaltyRows:
                            _pad_rows(self.counted, rows, False), strengths, self.histories)
 
     def packed(self) -> np.ndarray:
-        """int32 [2, S]: slots and counted (`_sample_penalized`'s rows)."""
+        """int32 [2, S]: slots and counted (`sample_from_counts`'s rows)."""
         return np.stack([self.slots.astype(np.int32), self.counted.astype(np.int32)])
 
 

@@ -3,14 +3,17 @@ which of them a server needs before it listens (`split_first`); the others it co
 background once it listens (`LLMEngine.compile_in_background`).
 
 A reachable step (`reachable_steps`: the tokens of each sequence, the block-table width,
-verification?) has up to four programs (`step_programs`): the single step ("step") and, with
+verification?) has up to seven programs (`step_programs`): the single step ("step") and, with
 multi-step rounds, its round for greedy rows and for each sampled mode ("greedy", "plain",
-"cuts"): a round samples inside its program.
+"cuts"), and the same for batches with penalized rows ("greedy+penalties", ...): a round
+samples inside its program.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
@@ -25,6 +28,7 @@ from engine.step_batch import MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, bucket
 FIRST_CONTEXT_TOKENS = 256
 FIRST_PREFILL_SEQS = 1
 STEP = "step"  # the single-step program of a step shape (its others: a round, by sampler mode)
+PENALIZED = "+penalties"  # the suffix of a round program whose rows read the penalties' counts
 # Programs compiled at once ahead of time: XLA compiles without holding Python's lock, so
 # independent step programs compile side by side on a host's cores. On a 16-core H100 host 16
 # threads compiled llama3.2-1b's 34 first programs in 27.9 s where 8 took 33.3 s
@@ -58,6 +62,56 @@ def in_callers_context(fn):
             return fn(*args, **kwargs)
 
     return run
+
+
+class CompileQueue:
+    """Compiles programs one at a time on a daemon thread as they are asked for, each once:
+    what a running engine asks for off its serving path (engine/multi_step.py's penalized
+    rounds). log(line) hears each one compiled, or its failure (the thread goes on), by
+    name(program)."""
+
+    def __init__(self, compile_one, log=None, name=str):
+        self._compile_one = in_callers_context(compile_one)
+        self._log, self._name = log or (lambda line: None), name
+        self._asked: set = set()
+        self._pending: list = []
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def ask(self, program: tuple) -> None:
+        """Queues compile_one(*program) unless it was asked for before; returns at once."""
+        key = tuple(tuple(a) if isinstance(a, list) else a for a in program)
+        with self._changed:
+            if key in self._asked:
+                return
+            self._asked.add(key)
+            self._pending.append(program)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="compile-on-demand",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending)
+                program = self._pending[0]
+            start = time.perf_counter()
+            try:
+                self._compile_one(*program)
+                self._log(f"compiled {self._name(program)} in "
+                          f"{time.perf_counter() - start:.1f}s")
+            except Exception as e:  # the engine goes on running the step without it
+                self._log(f"compiling {self._name(program)} failed: {type(e).__name__}: {e}")
+            with self._changed:
+                self._pending.pop(0)
+                self._changed.notify_all()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits until every program asked for so far is compiled; False on a timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._pending, timeout)
 
 
 def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
@@ -142,12 +196,20 @@ def has_round(q_lens: list[int], verification: bool, num_steps: int, mixed_round
     return num_steps > 1 and not verification and (max(q_lens) == 1 or mixed_rounds)
 
 
+def round_program(mode: str, penalized: bool) -> str:
+    """The name of the round program of rows that sample in `mode`, with penalties or not."""
+    return mode + (PENALIZED if penalized else "")
+
+
 def step_programs(steps: list[tuple[list[int], int, bool]], num_steps: int, mixed_rounds: bool,
-                  sampled: bool = True) -> list[tuple[list[int], int, bool, str]]:
+                  sampled: bool = True,
+                  penalized: bool = False) -> list[tuple[list[int], int, bool, str]]:
     """The programs of `reachable_steps`' steps, (q_lens, width, verification, program): each
     step's single step (STEP), then, where it has a round, the round of greedy rows and, with
-    `sampled`, the rounds of rows that sample (SAMPLED_MODES)."""
+    `sampled`, the rounds of rows that sample (SAMPLED_MODES); with `penalized`, those
+    rounds again for batches with penalized rows."""
     modes = ("greedy",) + (SAMPLED_MODES if sampled else ())
+    modes += tuple(round_program(mode, True) for mode in modes) if penalized else ()
     return [(q_lens, width, verification, STEP) for q_lens, width, verification in steps] + [
         (q_lens, width, verification, mode) for mode in modes
         for q_lens, width, verification in steps
@@ -194,13 +256,15 @@ def compile_program(runner, q_lens: list[int], width: int, verification: bool, p
                     num_steps: int = 1) -> None:
     """Compiles one of `step_programs` on `runner`: the single step, or the step's round of
     num_steps steps (a multi-step round for a decode step, else a mixed round) whose rows
-    sample in mode `program`."""
+    sample in the mode that `program` names (`round_program`)."""
     if program == STEP:
         runner.warmup(q_lens, width, verification)
-    elif max(q_lens) == 1:
-        runner.warmup_multi_step(len(q_lens), width, num_steps, program)
+        return
+    mode, penalized = program.removesuffix(PENALIZED), program.endswith(PENALIZED)
+    if max(q_lens) == 1:
+        runner.warmup_multi_step(len(q_lens), width, num_steps, mode, penalized)
     else:
-        runner.warmup_mixed_round(q_lens, width, num_steps, program)
+        runner.warmup_mixed_round(q_lens, width, num_steps, mode, penalized)
 
 
 def compile_step(runner, q_lens: list[int], width: int, verification: bool,

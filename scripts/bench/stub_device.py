@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.step_batch import bucket
-from engine.warmup import STEP
+from engine.warmup import STEP, round_program
 
 STUBBED = ("execute_and_sample", "execute_multi_step", "execute_mixed_round")
 
@@ -32,11 +32,11 @@ def stub_device(engine, reached: dict | None = None) -> None:
         return tokens[: max(batch.num_seqs, 1)].copy(), None, None, None
 
     def execute_multi_step(batch, arrays, steps, *args, **kwargs):
-        note(batch, arrays.mode())
+        note(batch, round_program(arrays.mode(), arrays.penalties is not None))
         return np.tile(tokens[: bucket(batch.num_seqs)], (steps, 1)), None
 
     def execute_mixed_round(batch, complete, arrays, steps, *args, **kwargs):
-        note(batch, arrays.mode())
+        note(batch, round_program(arrays.mode(), arrays.penalties is not None))
         return np.tile(tokens[: bucket(batch.num_seqs)], (steps, 1)), None
 
     runner.execute_and_sample = execute_and_sample

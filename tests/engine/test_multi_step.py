@@ -120,21 +120,19 @@ def test_greedy_and_seeded_outputs_with_stops_inside_a_round(make_engine, overla
 
 
 def test_rounds_fall_back_to_single_steps(make_engine):
-    """Logprobs, penalties and a context too short for a whole round take single steps (and
-    give single steps' outputs); num_decode_steps below 1 is refused."""
+    """Logprobs and a context too short for a whole round take single steps (and give single
+    steps' outputs); num_decode_steps below 1 is refused."""
     rng = np.random.default_rng(41)
     prompt = random_prompt(rng, 12)
-    cases = [SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2),
-             SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=1.4)]
-    for params in cases:
-        outs = {}
-        for cfg in (SINGLE_BASE, MULTI_BASE):
-            engine = make_engine(cfg)
-            log = multi_step_rounds(engine)
-            [out] = engine.generate([prompt], params)
-            outs[cfg.num_decode_steps] = out.output_ids
-            assert max(log) == 1
-        assert outs[4] == outs[1]
+    params = SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2)
+    outs = {}
+    for cfg in (SINGLE_BASE, MULTI_BASE):
+        engine = make_engine(cfg)
+        log = multi_step_rounds(engine)
+        [out] = engine.generate([prompt], params)
+        outs[cfg.num_decode_steps] = out.output_ids
+        assert max(log) == 1
+    assert outs[4] == outs[1]
     # Context: 96 tokens. A prompt of 89: the prefill step, one round of 4 (positions 89-92),
     # then 93 + 4 > 96: single steps to the end of the context.
     engine = make_engine(MULTI_BASE)
@@ -145,6 +143,60 @@ def test_rounds_fall_back_to_single_steps(make_engine):
     assert log == [1, 4, 1, 1]
     with pytest.raises(ValueError, match="num_decode_steps"):
         EngineConfig(num_decode_steps=0)
+
+
+PENALIZED = [dict(repetition_penalty=1.6, presence_penalty=1.5, frequency_penalty=0.8),
+             dict(repetition_penalty=1.3, frequency_penalty=0.6, temperature=0.9, seed=3),
+             dict(presence_penalty=0.7, temperature=1.1, top_k=30, seed=4), {}]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_penalties_inside_rounds_equal_single_steps(make_engine, overlap):
+    """Penalized rows (repetition, presence, frequency; greedy and seeded sampling, beside an
+    unpenalized row) read and count their tokens in the count table inside decode and mixed
+    rounds: the tokens of single steps, the penalties changed them, and rounds ran; prompts
+    of repeated tokens make the prompt flag matter."""
+    rng = np.random.default_rng(43)
+    prompts = [(random_prompt(rng, 4) * 5)[:n] for n in (13, 17, 6, 11)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **kw)
+              for m, kw in zip((14, 9, 13, 10), PENALIZED)]
+    results = {}
+    for cfg in (SINGLE_BASE, dataclasses.replace(MULTI_BASE, async_scheduling=overlap,
+                                                 num_pages=24)):
+        engine = make_engine(cfg)
+        log = multi_step_rounds(engine)
+        results[cfg.num_decode_steps] = [o.output_ids for o in engine.generate(prompts, params)]
+        check_all_free(engine)
+        if cfg.num_decode_steps > 1:
+            assert log[0] == 4 and max(log[1:]) == 4, log  # a mixed round, then decode rounds
+    assert results[4] == results[1]
+    plain = make_engine(SINGLE_BASE).generate(
+        prompts, [dataclasses.replace(p, repetition_penalty=1.0, presence_penalty=0.0,
+                                      frequency_penalty=0.0) for p in params])
+    changed = [o.output_ids != r for o, r in zip(plain, results[1])]
+    assert changed == [True, True, True, False]
+
+
+def test_a_penalized_round_waits_for_its_program_off_the_serving_path(make_engine):
+    """With a compile queue (a server's: LLMEngine.compile_in_background), a penalized round
+    whose program has not compiled runs as a single step while the queue compiles it; once
+    compiled, rounds run; the tokens equal single steps' throughout."""
+    from engine.warmup import CompileQueue
+    rng = np.random.default_rng(44)
+    prompts = [random_prompt(rng, n) for n in (7, 12)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.9)
+    expected = [o.output_ids for o in make_engine(SINGLE_BASE).generate(prompts, params)]
+    engine = make_engine(dataclasses.replace(MULTI_BASE, mixed_rounds=False))
+    engine.runner.compiled_rounds.clear()  # (the test's engines share their programs)
+    queue = CompileQueue(engine._compile_program)
+    engine.rounds.compile_later = queue.ask
+    log = multi_step_rounds(engine)
+    assert [o.output_ids for o in engine.generate(prompts, params)] == expected
+    assert max(log) == 1
+    assert queue.join(timeout=300)
+    log.clear()
+    assert [o.output_ids for o in engine.generate(prompts, params)] == expected
+    assert max(log) == 4
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -163,6 +215,30 @@ def test_warmup_compiles_the_rounds_a_run_reaches(make_engine, mixed):
     engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
     assert max(log) == 4 and (log[0] == 4) == mixed
     assert set(engine.runner.compiled_shapes) == warmed
+
+
+def test_warmup_with_penalties_compiles_the_penalized_rounds(make_engine):
+    """`warmup(penalties=True)` also compiles the rounds of penalized rows: a penalized run
+    of rounds (decode and mixed) then compiles nothing new (jax's compile log: the programs
+    compiled ahead from shapes are the ones the run calls)."""
+    from engine.compile_stats import compile_stats, count_compiles
+    count_compiles()
+    rng = np.random.default_rng(45)
+    lens = [10, 14, 12]
+    prompts = [random_prompt(rng, n) for n in lens]
+    engine = make_engine(MULTI_BASE)
+    engine.warmup(num_seqs=len(lens), max_total_len=40, prompt_lens=lens, samplers=False,
+                  penalties=True)
+    warmed = set(engine.runner.compiled_shapes)
+    penalized_rounds = {key[0] for key in warmed if isinstance(key[0], str) and key[4]}
+    assert penalized_rounds == {"multi_step", "mixed_round"}
+    log = multi_step_rounds(engine)
+    before = compile_stats()
+    engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True,
+                                            repetition_penalty=1.2))
+    assert max(log) == 4 and log[0] == 4
+    assert set(engine.runner.compiled_shapes) == warmed
+    assert (compile_stats() - before).programs == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
