@@ -190,7 +190,7 @@ class InputBatch:
         sources = [requests[i].pending_row for i in in_flight.tolist()]
         slots = self.slots(requests, output.held())  # [S]
         return PreparedStep(requests, completes, slots,
-                            self._step_batch(slots, tokens, counts, firsts),
+                            self.step_batch(slots, tokens, counts, firsts),
                             _sample_index(num_tokens, placeholders, sources),
                             self.sampling_arrays(requests, slots, np.asarray(completes)),
                             len(placeholders))
@@ -211,7 +211,7 @@ class InputBatch:
             placeholders = np.flatnonzero(pendings).tolist()
             sources = [requests[i].pending_row for i in placeholders]
         slots = self.slots(requests, output.held())
-        batch = self._step_batch(slots, tokens, np.ones(len(requests), np.int32),
+        batch = self.step_batch(slots, tokens, np.ones(len(requests), np.int32),
                                  output.columns()[1])
         return PreparedStep(requests, [True] * len(requests), slots, batch,
                             _sample_index(len(requests), placeholders, sources),
@@ -226,7 +226,7 @@ class InputBatch:
         limits = np.minimum(self.token_limits[slots], context_limit)
         return (totals + steps >= limits) | (totals == self.prompt_lens[slots])
 
-    def _step_batch(self, slots: np.ndarray, tokens, counts, firsts) -> StepBatch:
+    def step_batch(self, slots: np.ndarray, tokens, counts, firsts) -> StepBatch:
         """The StepBatch of rows `slots` computing `counts` tokens each from positions
         `firsts` (tokens: all rows' token ids, concatenated)."""
         num_pages = self.num_pages[slots]  # [S]

@@ -101,7 +101,7 @@ class LLMEngine:
                                            max_width, kernels=self.runner.kernels.per_shard(),
                                            kv_dtype=engine_cfg.kv_cache_dtype)
             self.spec = SpeculativeRounds(spec_config, self.runner, self.scheduler,
-                                          self.input_batch, engine_cfg.page_size, self.draft)
+                                          self.input_batch, self.draft)
         self.rounds: MultiStepRounds | None = None
         if (engine_cfg.num_decode_steps > 1 and spec_config is None
                 and self.runner.supports_multi_step):

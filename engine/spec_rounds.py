@@ -21,7 +21,7 @@ from engine.input_batch import InputBatch
 from engine.request import Request
 from engine.device_arrays import fetch_samples
 from engine.runner import ModelRunner
-from engine.step_batch import StepBatch, bucket, make_step_batch, pad_to
+from engine.step_batch import StepBatch, bucket, pad_to
 from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import SpecConfig, SpecStats, propose_ngram, verify
@@ -52,13 +52,13 @@ class SpeculativeRounds:
     """Runs each engine step as a speculative round (see the module docstring)."""
 
     def __init__(self, spec_config: SpecConfig, runner: ModelRunner, scheduler: Scheduler,
-                 input_batch: InputBatch, page_size: int, draft: DraftProposer | None = None):
+                 input_batch: InputBatch, draft: DraftProposer | None = None):
         if spec_config.method == "draft" and draft is None:
             raise ValueError("speculative method 'draft' needs a draft model (--draft_model)")
         self.spec_config, self.runner, self.scheduler = spec_config, runner, scheduler
-        # the rows' sampling parameters and their slots in the penalties' count table
-        self.input_batch = input_batch
-        self.page_size, self.draft = page_size, draft
+        # the rows' block tables and sampling parameters (their slots: also their rows of the
+        # device's tables and of the penalties' count table)
+        self.input_batch, self.draft = input_batch, draft
 
     def admit(self, request: Request) -> None:
         """Prepares a new request for speculation: it starts optimistic (k proposals)."""
@@ -81,11 +81,11 @@ class SpeculativeRounds:
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]
         draft_probs = self.propose(output, spec_rows) if spec_rows else None
         spec_rows = [i for i, r in enumerate(requests) if r.lookahead > 0]  # a draft may lag
-        batch = self._build_batch(output)
+        slots = self.input_batch.slots(requests, output.held())  # [S]
+        batch = self._build_batch(output, slots)
         completes = np.array([r.num_computed_tokens + count >= r.num_tokens + len(r.spec_tokens)
                               for r, count in zip(requests, output.counts)])
-        arrays = self.input_batch.sampling_arrays(requests, self.input_batch.slots(requests),
-                                                  completes)
+        arrays = self.input_batch.sampling_arrays(requests, slots, completes)
         if spec_rows:
             batch.verify_len = self.spec_config.num_speculative_tokens + 1
             num_draft = pad_to(np.array([len(r.spec_tokens) for r in requests]),
@@ -113,14 +113,15 @@ class SpeculativeRounds:
         return SpecRound(requests, new_tokens, output.num_tokens,
                          (chosen, top_ids, top_logprobs), now - wait_start, now)
 
-    def _build_batch(self, output: SchedulerOutput) -> StepBatch:
-        """The step batch of a speculative round: each row's known tokens and its proposals."""
-        rows = []
-        for r, count in zip(output.requests, output.counts):
-            first = r.num_computed_tokens
-            tokens = r.tokens_between(first, first + count - len(r.spec_tokens))
-            rows.append((tokens + r.spec_tokens, first, r.pages))
-        return make_step_batch(rows, self.page_size)
+    def _build_batch(self, output: SchedulerOutput, slots: np.ndarray) -> StepBatch:
+        """The step batch of a speculative round, from the input batch's rows at `slots`:
+        each row's known tokens and its proposals."""
+        requests = output.requests
+        firsts = np.fromiter((r.num_computed_tokens for r in requests), np.int32, len(requests))
+        tokens = [r.tokens_between(first, first + count - len(r.spec_tokens)) + r.spec_tokens
+                  for r, first, count in zip(requests, firsts.tolist(), output.counts)]
+        return self.input_batch.step_batch(slots, np.concatenate(tokens),
+                                           np.asarray(output.counts, np.int32), firsts)
 
     def plan(self, context_limit: int) -> None:
         """Sets each running request's lookahead (and n-gram proposals) for this step."""
