@@ -105,7 +105,8 @@ class ModelRunner:
                              static_argnames=("layout", "all_logits"))
         self._step_and_argmax = jax.jit(self._step_and_argmax_impl, donate_argnums=(1,),
                                         static_argnames=("layout", "out_rows"))
-        # A round donates the cache and, with penalties, the count table (argument 7).
+        # A round donates the cache and, with penalties, the count table (argument 7; not
+        # the rows and strengths beside it, whose buffers no output could reuse).
         self._multi_step = jax.jit(self._multi_step_impl, donate_argnums=(1, 7),
                                    static_argnames=("layout", "num_steps", "mode"))
         self._mixed_round = jax.jit(self._mixed_round_impl, donate_argnums=(1, 7),
@@ -150,13 +151,13 @@ class ModelRunner:
         return logits, jnp.pad(tokens, (0, out_rows - tokens.shape[0])), cache
 
     def _multi_step_impl(self, weights, cache, tables, packed, floats, ints, prev_samples,
-                         penalties, layout: StepLayout, num_steps: int, mode: str):
+                         counts, penalty_rows, layout: StepLayout, num_steps: int, mode: str):
         """`num_steps` decode steps of one token per sequence in one program (a device loop):
         each step's tokens are the previous step's samples, its positions, cache slots and
         lengths one further. floats / ints: the packed sampling rows (sampling.pack_sampling;
-        each step draws with the step index + i). penalties: None, or (count table, rows,
-        strengths) as engine.sampling.sample_penalized takes them; each step reads and counts
-        its tokens there.
+        each step draws with the step index + i). counts: None, or the count table that each
+        step reads and counts its tokens in, penalty_rows its (rows, strengths) as
+        engine.sampling.sample_penalized takes them.
         A first token whose sample_index is >= 0 is prev_samples[sample_index] (asynchronous
         scheduling, as in `_step_impl`).
         Returns (tokens int32 [num_steps, S], the last step's tokens int32 [sample_rows]
@@ -167,10 +168,11 @@ class ModelRunner:
         first_tokens = input_tokens(x, prev_samples)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         return self._decode_loop(model, cache, first_tokens, x["positions"], x["kv_lens"] > 0,
-                                 x["block_tables"], floats, ints, penalties, num_steps, 0, mode)
+                                 x["block_tables"], floats, ints, counts, penalty_rows,
+                                 num_steps, 0, mode)
 
     def _decode_loop(self, model, cache, first_tokens, positions, real, tables, floats, ints,
-                     penalties, num_steps: int, first_draw: int, mode: str):
+                     counts, penalty_rows, num_steps: int, first_draw: int, mode: str):
         """`num_steps` decode steps of the S rows in one device loop: step i computes token
         first_tokens (then each step's samples) at positions + i, in the rows where `real`
         (the others compute nothing and write nowhere), and samples with draw index ints[2] +
@@ -179,8 +181,6 @@ class ModelRunner:
         page_size, num_seqs = self.page_size, positions.shape[0]
         start = jnp.arange(num_seqs + 1, dtype=jnp.int32)  # one query token per row
         rows = jnp.arange(num_seqs, dtype=jnp.int32)
-        counts, penalty_rows = (None, None) if penalties is None else (penalties[0],
-                                                                       penalties[1:])
 
         def body(i, carry):
             cache, tokens, out, counts = carry  # tokens [S], out [num_steps, S]
@@ -219,27 +219,25 @@ class ModelRunner:
         return sample_from_packed(logits, floats, ints.at[2].add(draw), mode=mode), None
 
     def _mixed_round_impl(self, weights, cache, tables, packed, floats, ints, prev_samples,
-                          penalties, layout: StepLayout, num_steps: int, mode: str):
+                          counts, penalty_rows, layout: StepLayout, num_steps: int, mode: str):
         """A step of any kind (prefill chunks and decodes mixed, `_step_impl`) and then
         num_steps - 1 decode steps of its rows, in one program. packed: the step's inputs
         (step_inputs.pack) followed by one int32 per row, 1 where the row's step token is its
         request's next token (a prompt completed, or a decode), 0 for a prefill chunk short of
         the prompt's end or padding: only those rows decode on, from position kv_lens.
-        penalties: as `_multi_step_impl`'s (its rows count only where complete).
+        counts, penalty_rows: as `_multi_step_impl`'s (rows count only where complete).
         Returns (tokens int32 [num_steps, S]: the step's samples, then each decode step's;
         the last step's tokens [sample_rows]; count table or None; cache)."""
         num_seqs = layout.num_seqs
         step_packed, complete = packed[:-num_seqs], packed[-num_seqs:] > 0
         logits, cache = self._step_impl(weights, cache, tables, step_packed, prev_samples,
                                         layout)
-        counts, penalty_rows = (None, None) if penalties is None else (penalties[0],
-                                                                       penalties[1:])
         first, counts = self._draw(logits, floats, ints, 0, mode, counts, penalty_rows)  # [S]
         x = step_fields(step_packed, layout, tables)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         rest, last, counts, cache = self._decode_loop(
-            model, cache, first, x["kv_lens"], complete, x["block_tables"], floats, ints,
-            None if counts is None else (counts, *penalty_rows), num_steps - 1, 1, mode)
+            model, cache, first, x["kv_lens"], complete, x["block_tables"], floats, ints, counts,
+            penalty_rows, num_steps - 1, 1, mode)
         return jnp.concatenate([first[None], rest]), last, counts, cache
 
     def execute_multi_step(self, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
@@ -311,11 +309,12 @@ class ModelRunner:
                                                   (layout.num_seqs,), 0)])
         arrays = arrays.padded(layout.num_seqs)
         floats, ints = pack_sampling(arrays)
-        penalties = (None if arrays.penalties is None else
-                     (counts, arrays.penalties.packed(), arrays.penalties.strengths))
+        penalty_rows = (None if arrays.penalties is None else
+                        (arrays.penalties.packed(), arrays.penalties.strengths))
         return (self._weights, self.cache, self._device_tables(), packed, floats, ints,
-                self._no_samples if prev_samples is None else prev_samples, penalties, layout,
-                num_steps, arrays.mode())
+                self._no_samples if prev_samples is None else prev_samples,
+                None if penalty_rows is None else counts, penalty_rows, layout, num_steps,
+                arrays.mode())
 
     @property
     def prefill_widens(self) -> bool:

@@ -113,7 +113,8 @@ class LoweringProgram:
         self.seen: set[str] = set()
 
     def __call__(self, *args, **kwargs):
-        static = [a for a in args[2:] if not hasattr(a, "shape")]  # the bucket, steps, mode
+        # the bucket, steps, mode (not the arrays, nor the absent ones: None)
+        static = [a for a in args[2:] if a is not None and not hasattr(a, "shape")]
         shape = ", ".join(map(str, static + [f"{k}={v}" for k, v in sorted(kwargs.items())]))
         if self.limit is not None and len(self.programs) >= self.limit:
             raise EnoughPrograms
