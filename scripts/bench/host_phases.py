@@ -85,7 +85,7 @@ def time_engine_phases(engine, per_step: list | None = None) -> dict:
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "update_computed", "update computed")
     timed(engine.input_batch, "slots", "rows + batch")
-    timed(engine.input_batch, "_step_batch", "rows + batch")
+    timed(engine.input_batch, "step_batch", "rows + batch")
     timed(engine.input_batch, "sampling_arrays", "sampling arrays")
     for name, phase in (("execute_and_sample", "dispatch step"),
                         ("execute_multi_step", "dispatch multi-step"),

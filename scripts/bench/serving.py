@@ -49,7 +49,7 @@ from scripts.bench import decode_model, host_phases, serving_http
 from scripts.bench.startup import measure_startup, startup_table
 from scripts.bench.stub_device import forget_run, reached_programs, stub_device
 from scripts.bench.common import markdown_table, run_info, write_json
-from scripts.bench.workload import (PENALTIES, WorkloadSpec, describe, make_workload,
+from scripts.bench.workload import (WorkloadSpec, describe, make_workload,
                                    serving_table, summarize)
 
 common.define_model_flags()
@@ -69,7 +69,9 @@ flags.DEFINE_integer("max_output_len", 1024, "Longest output drawn.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_float("penalized_fraction", 0.0, "Fraction of the requests (evenly spread) that "
                    "send repetition (1.1), presence (0.5) and frequency (0.5) penalties, as chat "
-                   "clients often do (not the static baseline).")
+                   "clients often do.")
+flags.DEFINE_float("temperature", 0.0, "Every request's sampling temperature, seeded by the "
+                   "request's index (0: greedy).")
 flags.DEFINE_integer("static_batch_size", None, "Static baseline batch (default: max_num_seqs).")
 flags.DEFINE_bool("static_baseline", True, "Also measure static batching.")
 flags.DEFINE_bool("compile_in_background", True, "With --startup_only: as scripts.serve's flag.")
@@ -109,7 +111,7 @@ def workload_spec() -> WorkloadSpec:
     return WorkloadSpec(FLAGS.num_requests, FLAGS.request_rate, FLAGS.input_len,
                         FLAGS.output_len, FLAGS.len_sigma, FLAGS.max_input_len,
                         FLAGS.max_output_len, FLAGS.shared_prefix_len,
-                        FLAGS.penalized_fraction)
+                        FLAGS.penalized_fraction, FLAGS.temperature)
 
 
 def load_served_model(FLAGS, mesh) -> LoadedModel:
@@ -170,8 +172,7 @@ def run_continuous(engine, work) -> dict:
         now = time.perf_counter() - start
         while next_i < len(work.prompts) and work.arrivals[next_i] <= now:
             engine.add_request(work.prompts[next_i], SamplingParams(
-                max_tokens=work.output_lens[next_i], ignore_eos=True,
-                **(PENALTIES if work.penalized[next_i] else {})))
+                max_tokens=work.output_lens[next_i], ignore_eos=True, **work.sampling(next_i)))
             next_i += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, work.arrivals[next_i] - now))
@@ -205,7 +206,8 @@ def run_static(engine, work, batch_size: int) -> dict:
         longest = max(work.output_lens[i] for i in idx)
         batch_start = time.perf_counter() - start
         outs = engine.generate([work.prompts[i] for i in idx],
-                               SamplingParams(max_tokens=longest, ignore_eos=True))
+                               [SamplingParams(max_tokens=longest, ignore_eos=True,
+                                               **work.sampling(i)) for i in idx])
         done = time.perf_counter() - start
         for i, out in zip(idx, outs):
             n = work.output_lens[i]  # useful tokens; the rest is padding work
@@ -280,16 +282,16 @@ def release(engine) -> None:
 def warm_up(engine, longest: int, run) -> int:
     """Compiles per --warmup before run() is timed; returns the number of programs compiled."""
     before = len(engine.runner.compiled_shapes)
-    # the workload is greedy: neither the samplers nor the rounds of sampled rows; the
-    # samplers of penalized rows where --penalized_fraction asks for them
+    # the samplers (and rounds) of sampled rows where --temperature asks for them, and those of
+    # penalized rows where --penalized_fraction does
     progress = common.print_progress("compiling", engine.warmup_threads)
-    penalties = FLAGS.penalized_fraction > 0
+    samplers, penalties = FLAGS.temperature > 0, FLAGS.penalized_fraction > 0
     if FLAGS.warmup == "shapes":
-        engine.warmup(max_total_len=longest, progress=progress, samplers=False,
+        engine.warmup(max_total_len=longest, progress=progress, samplers=samplers,
                       penalties=penalties)
     elif FLAGS.warmup == "dry_run":
-        engine.warmup(programs=reached_programs(engine, run), progress=progress, samplers=False,
-                      penalties=penalties)
+        engine.warmup(programs=reached_programs(engine, run), progress=progress,
+                      samplers=samplers, penalties=penalties)
     else:
         run()
         forget_run(engine)

@@ -17,21 +17,20 @@ import time
 
 import aiohttp
 
-from scripts.bench.workload import (PENALTIES, Workload, WorkloadSpec, describe, make_workload,
+from scripts.bench.workload import (Workload, WorkloadSpec, describe, make_workload,
                                    summarize)
 
 WARMUP_REQUESTS = 8
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-               max_tokens: int, penalized: bool, delay: float, start: float) -> dict:
-    """Sends one streaming request (with PENALTIES if penalized) at start + delay; returns its
-    timings or its error."""
+               max_tokens: int, sampling: dict, delay: float, start: float) -> dict:
+    """Sends one streaming request (with its sampling fields, Workload.sampling) at start +
+    delay; returns its timings or its error."""
     await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
     sent = time.perf_counter()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            **(PENALTIES if penalized else {})}
+            "stream": True, "stream_options": {"include_usage": True}, **sampling}
     first, tokens = None, 0
     async with session.post(url + "/v1/completions", json=body) as response:
         if response.status != 200:
@@ -58,9 +57,8 @@ async def _run(url: str, model: str, work: Workload, headers) -> tuple:
                                      headers=headers) as session:
         start = time.perf_counter()
         results = await asyncio.gather(*(
-            _one(session, url, model, p, n, penalized, a, start)
-            for p, n, penalized, a in zip(work.prompts, work.output_lens, work.penalized,
-                                          work.arrivals)))
+            _one(session, url, model, p, n, work.sampling(i), a, start)
+            for i, (p, n, a) in enumerate(zip(work.prompts, work.output_lens, work.arrivals))))
         return results, time.perf_counter() - start
 
 

@@ -22,11 +22,14 @@ class WorkloadSpec:
     max_output_len: int
     shared_prefix_len: int = 0  # tokens of a system prompt shared by every request
     penalized_fraction: float = 0.0  # share of the requests that send PENALTIES
+    temperature: float = 0.0  # every request's sampling temperature (0: greedy)
 
     def __post_init__(self):
         if not 0.0 <= self.penalized_fraction <= 1.0:
             raise ValueError(f"penalized_fraction must be in [0, 1], got "
                              f"{self.penalized_fraction}")
+        if not 0.0 <= self.temperature <= 2.0:  # OpenAI's range
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         for what, median, longest in (("input", self.input_len, self.max_input_len),
                                       ("output", self.output_len, self.max_output_len)):
             if median > longest:  # the lengths would all be cut to the longest, silently
@@ -49,6 +52,16 @@ class Workload:
     output_lens: list[int]
     arrivals: list[float]  # seconds from the start
     penalized: list[bool]  # the request sends PENALTIES
+    temperature: float = 0.0
+
+    def sampling(self, i: int) -> dict:
+        """Request i's sampling fields (SamplingParams' and the OpenAI API's names): greedy,
+        or the temperature with the request's index as its seed (the same tokens every run),
+        and PENALTIES where it is penalized."""
+        fields = {"temperature": self.temperature}
+        if self.temperature > 0:
+            fields["seed"] = i
+        return fields | (PENALTIES if self.penalized[i] else {})
 
 
 def make_workload(spec: WorkloadSpec, seed: int, vocab: int) -> Workload:
@@ -69,14 +82,14 @@ def make_workload(spec: WorkloadSpec, seed: int, vocab: int) -> Workload:
         1.0 / rate, spec.num_requests)
     fraction = spec.penalized_fraction  # evenly spread: where the count of fraction steps up
     penalized = [int((i + 1) * fraction) > int(i * fraction) for i in range(spec.num_requests)]
-    return Workload(prompts, outputs, np.cumsum(gaps).tolist(), penalized)
+    return Workload(prompts, outputs, np.cumsum(gaps).tolist(), penalized, spec.temperature)
 
 
 def describe(spec: WorkloadSpec, work: Workload) -> dict:
     """The workload's figures for the JSON."""
     return {"num_requests": spec.num_requests, "request_rate": spec.request_rate,
             "input_len_median": spec.input_len, "output_len_median": spec.output_len,
-            "penalized_fraction": spec.penalized_fraction,
+            "penalized_fraction": spec.penalized_fraction, "temperature": spec.temperature,
             "mean_input_len": float(np.mean([len(p) for p in work.prompts])),
             "mean_output_len": float(np.mean(work.output_lens))}
 

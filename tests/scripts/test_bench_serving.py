@@ -111,6 +111,31 @@ def test_penalized_requests_are_spread_evenly():
     assert "Traceback" not in proc.stderr
 
 
+def test_a_sampled_workload_seeds_each_request_and_compiles_nothing_while_timed(tmp_path):
+    """--temperature: every request samples at it, seeded by its index (penalized ones also
+    send the penalties); the warm-up compiles the samplers and the sampled (and penalized)
+    rounds the run reaches. A temperature outside [0, 2] is one clear error."""
+    from scripts.bench.workload import PENALTIES, WorkloadSpec, make_workload
+    spec = WorkloadSpec(4, float("inf"), 8, 4, 0.5, 16, 8, penalized_fraction=0.5,
+                        temperature=0.7)
+    work = make_workload(spec, 0, 100)
+    assert [work.sampling(i) for i in range(4)] == [
+        {"temperature": 0.7, "seed": i} | (PENALTIES if i % 2 else {}) for i in range(4)]
+    greedy = make_workload(WorkloadSpec(4, float("inf"), 8, 4, 0.5, 16, 8), 0, 100)
+    assert greedy.sampling(3) == {"temperature": 0.0}
+    _, result = run_bench(tmp_path, "--temperature=0.8", "--penalized_fraction=0.5",
+                          "--num_decode_steps=4", "--async_scheduling=true",
+                          "--nostatic_baseline")
+    assert result["temperature"] == 0.8
+    run = result["continuous"]
+    assert run["output_tokens_per_s"] > 0 and run["programs_compiled_during_run"] == 0
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.serving", *WORKLOAD,
+                           "--temperature=3"], capture_output=True, text=True, timeout=300,
+                          env=ENV)
+    assert proc.returncode == 1 and "temperature must be in [0, 2], got 3.0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_median_length_past_its_longest_is_one_clear_error():
     """--input_len past --max_input_len would cut every prompt to the longest without a word."""
     proc = subprocess.run([sys.executable, "-m", "scripts.bench.serving", *WORKLOAD,

@@ -109,20 +109,20 @@ def test_64_concurrent_streams_some_hanging_up(server, http):
 
 
 def test_bench_serving_drives_the_server_over_http(server, tmp_path):
-    """`scripts.bench.serving --url`: the synthetic workload over HTTP (half the requests with
-    penalties), with the in-process figures."""
+    """`scripts.bench.serving --url`: the synthetic workload over HTTP (seeded sampling, half
+    the requests with penalties), with the in-process figures."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, "-m", "scripts.bench.serving", f"--url={server.url}",
          f"--api_key={API_KEY}", "--num_requests=12", "--input_len=8", "--output_len=8",
          "--max_input_len=32", "--max_output_len=32", "--request_rate=50",
-         "--penalized_fraction=0.5", f"--json_out={out}"],
+         "--penalized_fraction=0.5", "--temperature=0.7", f"--json_out={out}"],
         cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "output tokens/s" in result.stdout and "ttft p99 (s)" in result.stdout
     result = json.loads(out.read_text())
-    assert result["penalized_fraction"] == 0.5
+    assert result["penalized_fraction"] == 0.5 and result["temperature"] == 0.7
     report = result["continuous"]
     assert report["errors"] == 0 and report["requests_per_s"] > 0
     assert report["output_tokens_per_s"] > 0 and report["ttft_s"]["p50"] > 0
