@@ -41,6 +41,7 @@ class MultiStepRounds:
         # compile_later(program): compiles an engine.warmup.step_programs program off the
         # serving path; None: a round's program compiles when the round first runs.
         self.compile_later = None
+        self._asked: set[tuple] = set()  # round keys handed to compile_later
 
     def ready(self, output: SchedulerOutput, context_limit: int,
               any_logprobs: bool) -> str | None:
@@ -79,13 +80,16 @@ class MultiStepRounds:
     def _program_ready(self, kind: str, step: PreparedStep) -> bool:
         """Whether the round can run now: its rows have no penalties (their programs compile
         with the others), there is no `compile_later`, or its program has compiled. Else the
-        program is handed to compile_later (which compiles each once)."""
+        program is handed to compile_later, once per program (batches of one bucket share it)."""
         arrays = step.arrays
         if arrays.penalties is None or self.compile_later is None:
             return True
         key = self.runner.round_key(PROGRAM_KINDS[kind], step.batch, arrays, self.num_steps)
         if key in self.runner.compiled_rounds:
             return True
+        if key in self._asked:
+            return False
+        self._asked.add(key)
         q_lens = np.diff(step.batch.query_start_loc).tolist()
         self.compile_later((q_lens, step.batch.block_tables.shape[1], False,
                             round_program(arrays.mode(), True)))
