@@ -15,13 +15,13 @@ from engine.device_arrays import abstract_arrays, fetch_samples, start_copies
 from engine.device_tables import DeviceTables, tables_on_device
 from engine.request import MAX_LOGPROBS
 from engine.penalty_counts import PenaltyCounts
-from engine.sampling import (NO_SLOT, SAMPLED_MODES, PenaltyRows, SamplingArrays, first_rows,
-                             logprobs_of, pack_sampling, sample_from_packed, sample_packed,
-                             sample_from_counts, sample_penalized, sample_step,
-                             with_logprobs)
+from engine.sampling import (SAMPLED_MODES, PenaltyRows, SamplingArrays, first_rows,
+                             logprobs_of, pack_sampling, sample_packed, sample_penalized,
+                             sample_step, with_logprobs)
 from engine.step_batch import (MIN_PAGE_BUCKET, StepBatch, bucket, bucket_key, pad_to,
                                padding_batch, table_widths)
-from engine.step_inputs import StepLayout, pack, unpack
+from engine.step_inputs import StepLayout, pack
+from engine.step_programs import decode_loop, draw_tokens, input_tokens, step_fields
 from models.llama import AttentionMetadata, LlamaForCausalLM, forward
 from models.layer_scan import scannable
 from ops.backends import device_kernels
@@ -33,24 +33,6 @@ from ops.paged_attention import bounds_prefill_seqs
 def model_dtype(model: LlamaForCausalLM):
     """The model's activation dtype (its embedding's), the KV cache's default dtype."""
     return model.embed_tokens.embedding.get_value().dtype
-
-
-def input_tokens(fields: dict, prev_samples: jax.Array) -> jax.Array:
-    """A step's input token ids [N] (inside its program): the host's, or prev_samples
-    [sample_index] where the unpacked fields' sample_index is >= 0 (a token the previous step
-    sampled, whose id the host has not read yet: asynchronous scheduling)."""
-    index = fields["sample_index"]
-    return jnp.where(index >= 0, prev_samples[jnp.maximum(index, 0)], fields["tokens"])
-
-
-def step_fields(packed, layout: StepLayout, tables) -> dict:
-    """The step's unpacked inputs (engine/step_inputs.py) inside its program; with resident
-    tables (layout.resident), block_tables [S, W] are the rows of the device's `tables` [R, W]
-    that the packed inputs name."""
-    x = unpack(packed, layout)
-    if layout.resident:
-        x["block_tables"] = tables[x["block_tables"]]  # [S] rows -> [S, W]
-    return x
 
 
 class ModelRunner:
@@ -171,52 +153,10 @@ class ModelRunner:
                                  x["block_tables"], floats, ints, counts, penalty_rows,
                                  num_steps, 0, mode)
 
-    def _decode_loop(self, model, cache, first_tokens, positions, real, tables, floats, ints,
-                     counts, penalty_rows, num_steps: int, first_draw: int, mode: str):
-        """`num_steps` decode steps of the S rows in one device loop: step i computes token
-        first_tokens (then each step's samples) at positions + i, in the rows where `real`
-        (the others compute nothing and write nowhere), and samples with draw index ints[2] +
-        first_draw + i (with penalties, as `_draw`). Returns (tokens [num_steps, S], last
-        tokens [sample_rows], count table or None, cache)."""
-        page_size, num_seqs = self.page_size, positions.shape[0]
-        start = jnp.arange(num_seqs + 1, dtype=jnp.int32)  # one query token per row
-        rows = jnp.arange(num_seqs, dtype=jnp.int32)
-
-        def body(i, carry):
-            cache, tokens, out, counts = carry  # tokens [S], out [num_steps, S]
-            pos = positions + i
-            page_index = jnp.minimum(pos // page_size, tables.shape[1] - 1)
-            page = jnp.take_along_axis(tables, page_index[:, None], axis=1)[:, 0]
-            meta = AttentionMetadata(
-                positions=pos, slot_mapping=jnp.where(real, page * page_size + pos % page_size,
-                                                      -1),
-                block_tables=tables, query_start_loc=start,
-                kv_lens=jnp.where(real, pos + 1, 0), max_q_len=1, max_prefill_seqs=0)
-            logits, cache = forward(model, cache, tokens, meta, self.cfg, rows,
-                                    kernels=self.kernels)
-            tokens, counts = self._draw(logits, floats, ints, first_draw + i, mode, counts,
-                                        penalty_rows)
-            return cache, tokens, out.at[i].set(tokens), counts
-
-        out = jnp.zeros((num_steps, num_seqs), jnp.int32)
-        cache, last, out, counts = jax.lax.fori_loop(0, num_steps, body,
-                                                     (cache, first_tokens, out, counts))
-        return out, jnp.pad(last, (0, self.sample_rows - last.shape[0])), counts, cache
-
-    @staticmethod
-    def _draw(logits, floats, ints, draw: int | jax.Array, mode: str, counts=None,
-              penalty_rows=None) -> tuple[jax.Array, jax.Array | None]:
-        """(Each row's token, the count table): the argmax (mode 'greedy'), or drawn with draw
-        index ints[2] + draw (engine.sampling.sample_from_packed); with a count table, from
-        the penalized logits, each counted row's token added to the table
-        (engine.sampling.sample_penalized's program; penalty_rows: its rows and strengths)."""
-        draw = jnp.asarray(draw).astype(ints.dtype)
-        if counts is not None:
-            return sample_from_counts(logits, floats, ints.at[2].add(draw), counts,
-                                     *penalty_rows, mode=mode)
-        if mode == "greedy":
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-        return sample_from_packed(logits, floats, ints.at[2].add(draw), mode=mode), None
+    def _decode_loop(self, model, cache, *args):
+        """engine.step_programs.decode_loop with this runner's config, kernels and sizes."""
+        return decode_loop(model, self.cfg, self.kernels, self.page_size, self.sample_rows,
+                           cache, *args)
 
     def _mixed_round_impl(self, weights, cache, tables, packed, floats, ints, prev_samples,
                           counts, penalty_rows, layout: StepLayout, num_steps: int, mode: str):
@@ -232,7 +172,7 @@ class ModelRunner:
         step_packed, complete = packed[:-num_seqs], packed[-num_seqs:] > 0
         logits, cache = self._step_impl(weights, cache, tables, step_packed, prev_samples,
                                         layout)
-        first, counts = self._draw(logits, floats, ints, 0, mode, counts, penalty_rows)  # [S]
+        first, counts = draw_tokens(logits, floats, ints, 0, mode, counts, penalty_rows)  # [S]
         x = step_fields(step_packed, layout, tables)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
         rest, last, counts, cache = self._decode_loop(
@@ -277,10 +217,9 @@ class ModelRunner:
         """Pads and packs a round's batch (with `complete` appended, for a mixed round), runs
         the jitted `program` without waiting and starts its tokens' copy to the host; returns
         (tokens [num_steps, bucket(S)], last step's tokens [sample_rows])."""
-        key = self.round_key(kind, batch, arrays, num_steps)
         counts = None if arrays.penalties is None else self._penalty_table(arrays.penalties)
-        args = self._round_args(kind, batch, arrays, num_steps, prev_samples, sample_index,
-                                complete, None if counts is None else counts.device)
+        key, args = self._round_args(kind, batch, arrays, num_steps, prev_samples, sample_index,
+                                     complete, None if counts is None else counts.device)
         tokens, last, table, self.cache = program(*args)
         if counts is not None:
             counts.device = table
@@ -298,11 +237,13 @@ class ModelRunner:
     def _round_args(self, kind: str, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
                     prev_samples, sample_index, complete: np.ndarray | None = None,
                     counts=None) -> tuple:
-        """Every argument of a round's jitted program (`_run_round`), the static ones last;
-        with penalties, counts is the count table's array (or its abstract form)."""
+        """(`round_key`, every argument of the round's jitted program (`_run_round`), the
+        static ones last); with penalties, counts is the count table's array (or its abstract
+        form)."""
         if arrays.num_logprobs:
             raise ValueError(f"a {kind.replace('_', '-')} round takes no logprobs")
-        self.compiled_shapes.add(self.round_key(kind, batch, arrays, num_steps))
+        key = self.round_key(kind, batch, arrays, num_steps)
+        self.compiled_shapes.add(key)
         layout, packed = self._padded(batch, sample_index)
         if complete is not None:
             packed = np.concatenate([packed, pad_to(np.asarray(complete, np.int32),
@@ -311,10 +252,10 @@ class ModelRunner:
         floats, ints = pack_sampling(arrays)
         penalty_rows = (None if arrays.penalties is None else
                         (arrays.penalties.packed(), arrays.penalties.strengths))
-        return (self._weights, self.cache, self._device_tables(), packed, floats, ints,
-                self._no_samples if prev_samples is None else prev_samples,
-                None if penalty_rows is None else counts, penalty_rows, layout, num_steps,
-                arrays.mode())
+        return key, (self._weights, self.cache, self._device_tables(), packed, floats, ints,
+                     self._no_samples if prev_samples is None else prev_samples,
+                     None if penalty_rows is None else counts, penalty_rows, layout, num_steps,
+                     key[3])
 
     @property
     def prefill_widens(self) -> bool:
@@ -480,22 +421,20 @@ class ModelRunner:
         may be donating), or by running it (penalties on a scratch table)."""
         arrays = SamplingArrays.of_mode(dummy.num_seqs, mode)
         if penalized:
-            rows = dummy.num_seqs
-            arrays.penalties = PenaltyRows(np.full(rows, NO_SLOT, np.int32),
-                                           np.zeros(rows, bool), np.ones((3, rows), np.float32))
+            arrays.penalties = PenaltyRows.unslotted(dummy.num_seqs)
         program = self._multi_step if kind == "multi_step" else self._mixed_round
-        key = self.round_key(kind, dummy, arrays, num_steps)
         if self.compiles_ahead:
             counts = self.penalty_counts.abstract if penalized else None
-            compiled = program.lower(*abstract_arrays(self._round_args(
-                kind, dummy, arrays, num_steps, None, None, complete, counts))).compile()
+            key, args = self._round_args(kind, dummy, arrays, num_steps, None, None, complete,
+                                         counts)
+            compiled = program.lower(*abstract_arrays(args)).compile()
             self.compiled_rounds.add(key)
             return compiled
         counts = (PenaltyCounts(self.penalty_counts.rows, self.cfg.vocab_size, self._placed)
                   if penalized else None)
-        tokens, _, _, self.cache = program(*self._round_args(
-            kind, dummy, arrays, num_steps, None, None, complete,
-            None if counts is None else counts.device))
+        key, args = self._round_args(kind, dummy, arrays, num_steps, None, None, complete,
+                                     None if counts is None else counts.device)
+        tokens, _, _, self.cache = program(*args)
         np.asarray(tokens)
         self.compiled_rounds.add(key)
 
@@ -544,8 +483,7 @@ class ModelRunner:
         """Compiles a `penalty_sampler_shapes` program (`_compile_sampler`) and, ahead of time,
         the count table's history write."""
         arrays = SamplingArrays.of_mode(rows, mode)
-        arrays.penalties = PenaltyRows(np.full(rows, NO_SLOT, np.int32), np.zeros(rows, bool),
-                                       np.ones((3, rows), np.float32))
+        arrays.penalties = PenaltyRows.unslotted(rows)
         self._compile_sampler(arrays, rows)
         self.penalty_counts.compile()
 

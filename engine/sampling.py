@@ -196,6 +196,13 @@ class PenaltyRows:
     # (slot, prompt ids, output ids) of requests new to their slot: written before sampling
     histories: list = dataclasses.field(default_factory=list)
 
+    @classmethod
+    def unslotted(cls, rows: int) -> "PenaltyRows":
+        """Rows of no slot, none counted: the shapes a warm-up compiles penalized programs
+        with (their strengths are arbitrary)."""
+        return cls(np.full(rows, NO_SLOT, np.int32), np.zeros(rows, bool),
+                   np.ones((3, rows), np.float32))
+
     def padded(self, rows: int) -> "PenaltyRows":
         """Padding rows up to `rows`: no slot, not counted, neutral strengths."""
         strengths = np.tile(np.array([[1.0], [0.0], [0.0]], np.float32), (1, rows))

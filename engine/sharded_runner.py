@@ -40,8 +40,8 @@ from configs.model import ModelConfig
 from engine.block_pool import BlockPool
 from configs.mesh import DATA, mesh_shape
 from engine.device_arrays import abstract_arrays, start_copies
-from engine.runner import (ModelRunner, gather_rows, input_tokens, model_dtype,
-                           verification_indices)
+from engine.runner import ModelRunner, gather_rows, model_dtype, verification_indices
+from engine.step_programs import input_tokens
 from engine.step_batch import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, StepBatch, bucket, bucket_key,
                                padding_batch, table_widths)
 from engine.sampling import SamplingArrays

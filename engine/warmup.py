@@ -65,26 +65,21 @@ def in_callers_context(fn):
 
 
 class CompileQueue:
-    """Compiles programs one at a time on a daemon thread as they are asked for, each once:
+    """Compiles programs one at a time on a daemon thread, in the order they are asked for:
     what a running engine asks for off its serving path (engine/multi_step.py's penalized
-    rounds). log(line) hears each one compiled, or its failure (the thread goes on), by
-    name(program)."""
+    rounds, each asked for once). log(line) hears each one compiled, or its failure (the
+    thread goes on), by name(program)."""
 
     def __init__(self, compile_one, log=None, name=str):
         self._compile_one = in_callers_context(compile_one)
         self._log, self._name = log or (lambda line: None), name
-        self._asked: set = set()
         self._pending: list = []
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def ask(self, program: tuple) -> None:
-        """Queues compile_one(*program) unless it was asked for before; returns at once."""
-        key = tuple(tuple(a) if isinstance(a, list) else a for a in program)
+        """Queues compile_one(*program); returns at once."""
         with self._changed:
-            if key in self._asked:
-                return
-            self._asked.add(key)
             self._pending.append(program)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="compile-on-demand",

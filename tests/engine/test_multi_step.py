@@ -187,7 +187,6 @@ def test_a_penalized_round_waits_for_its_program_off_the_serving_path(make_engin
     params = SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.9)
     expected = [o.output_ids for o in make_engine(SINGLE_BASE).generate(prompts, params)]
     engine = make_engine(dataclasses.replace(MULTI_BASE, mixed_rounds=False))
-    engine.runner.compiled_rounds.clear()  # (the test's engines share their programs)
     queue = CompileQueue(engine._compile_program)
     engine.rounds.compile_later = queue.ask
     log = multi_step_rounds(engine)
