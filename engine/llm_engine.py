@@ -472,6 +472,16 @@ class LLMEngine:
             return 1
         return self.engine_cfg.compile_threads or compile_threads()
 
+    @property
+    def background_threads(self) -> int:
+        """How many programs `compile_in_background` compiles at once: half of
+        `warmup_threads` beside a GPU's steps, which leave the host's cores idle (llama3.2-1b's
+        78 background programs took 132 s on one thread of a 16-core host); one on the CPU,
+        whose cores run the steps."""
+        if self.platform == "cpu":
+            return 1
+        return max(1, self.warmup_threads // 2)
+
     def _compile_program(self, q_lens, width: int, verification: bool, program: str) -> None:
         """One of `warmup_programs`' programs (engine.warmup.compile_program)."""
         rounds = self.rounds
@@ -480,15 +490,15 @@ class LLMEngine:
 
     def compile_in_background(self, programs: list, log=None) -> threading.Thread:
         """Starts a daemon thread that compiles `programs` (of `warmup_programs`), then the
-        samplers of penalties (`penalty_sampler_shapes`), ahead of time
-        beside the engine's steps (the runner lowers them from shapes alone, or on a mesh runs
-        the samplers on zero logits; never touching the weights' or cache's buffers) and
-        returns it; log(line) hears when it starts and ends. From then on the rounds of
-        penalized rows compile on demand on another such thread (engine/multi_step.py). A
-        step that reaches one of them before the thread does compiles it on the spot. ValueError
-        when programs are given to a runner that warms up by running steps (scripts/lower.py's).
-        A process must not exit while the thread is inside XLA's compiler (it crashes): join it,
-        or leave by os._exit as scripts.serve does."""
+        samplers of penalties (`penalty_sampler_shapes`), ahead of time, `background_threads`
+        at once, beside the engine's steps (the runner lowers them from shapes alone, or on a
+        mesh runs the samplers on zero logits; never touching the weights' or cache's buffers)
+        and returns it; log(line) hears when it starts and ends, or the first failure. From
+        then on the rounds of penalized rows compile on demand on another such thread
+        (engine/multi_step.py). A step that reaches one of them before the thread does compiles
+        it on the spot. ValueError when programs are given to a runner that warms up by running
+        steps (scripts/lower.py's). A process must not exit while the thread is inside XLA's
+        compiler (it crashes): join it, or leave by os._exit as scripts.serve does."""
         if programs and not self.runner.compiles_ahead:
             raise ValueError("compile_in_background: this runner compiles by running steps, "
                              "which cannot run beside the engine's")
@@ -499,19 +509,23 @@ class LLMEngine:
             self.rounds.compile_later = CompileQueue(
                 self._compile_program, log,
                 lambda p: f"the {p[3]} round of {len(p[0])} sequences, {sum(p[0])} tokens").ask
+        jobs = ([(self._compile_program, program) for program in programs]
+                + [(self.runner.warmup_penalty_sampler, shape) for shape in penalties])
+        threads = self.background_threads
 
         def run():
             start = time.perf_counter()
-            for program in programs:
-                self._compile_program(*program)
-            for shape in penalties:
-                self.runner.warmup_penalty_sampler(*shape)
-            if programs:
-                log(f"compiled {len(programs) + len(penalties)} more programs in the background "
-                    f"in {time.perf_counter() - start:.1f}s")
+            try:
+                compile_all(lambda compile_one, shape: compile_one(*shape), jobs, threads)
+            except Exception as e:  # the steps that reach a missing program compile it
+                log(f"compiling in the background failed: {type(e).__name__}: {e}")
+                return
+            if jobs:
+                log(f"compiled {len(jobs)} more programs in the background in "
+                    f"{time.perf_counter() - start:.1f}s")
 
-        if programs:
-            log(f"compiling {len(programs) + len(penalties)} more programs in the background "
+        if jobs:
+            log(f"compiling {len(jobs)} more programs in the background, {threads} at once "
                 "(longer contexts, several prompts per step, rounds of rows that sample, "
                 "penalties)")
         thread = threading.Thread(target=in_callers_context(run), name="compile-in-background",

@@ -81,6 +81,50 @@ def test_warm_up_compiles_as_many_programs_at_once_as_the_config_says(monkeypatc
         EngineConfig(compile_threads=0)
 
 
+def test_the_background_compiles_beside_a_gpu_on_half_the_warmup_threads(monkeypatch):
+    """`compile_in_background` compiles `background_threads` programs at once: one on the CPU
+    (its cores run the steps), half of the warm-up's threads beside a GPU; a run then compiles
+    nothing. A failure is logged, not raised into the thread."""
+    seen = []
+    real = llm_engine.compile_all
+
+    def recording(compile_one, jobs, count, progress=None):
+        seen.append(count)
+        real(compile_one, jobs, count, progress)
+
+    monkeypatch.setattr(llm_engine, "compile_all", recording)
+    count_compiles()
+    cfg = TINY_LLAMA31
+    engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
+        compile_threads=4))
+    assert engine.background_threads == 1
+    engine.platform = "gpu"  # only the thread count follows it
+    assert engine.background_threads == 2
+    first, later = split_first(engine.warmup_programs(), page_size=16, first_context=16)
+    engine.warmup(programs=first)
+    lines = []
+    engine.compile_in_background(later, log=lines.append).join()
+    assert seen == [4, 2]
+    jobs = len(later) + len(engine.runner.penalty_sampler_shapes())  # and penalties' samplers
+    assert lines[0].startswith(f"compiling {jobs} more programs in the background, 2 at once")
+    assert lines[-1].startswith(f"compiled {jobs} more programs in the background in")
+    before = compile_stats()
+    outs = engine.generate([[1, 2, 3], list(range(4, 50)), [7] * 20],
+                           SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.8, seed=3))
+    assert [len(o.output_ids) for o in outs] == [9, 9, 9]
+    assert (compile_stats() - before).programs == 0
+
+    def failing(*program):
+        raise RuntimeError("out of memory while compiling")
+
+    monkeypatch.setattr(engine, "_compile_program", failing)
+    lines.clear()
+    engine.compile_in_background(later[:3], log=lines.append).join()
+    assert lines[-1] == ("compiling in the background failed: RuntimeError: out of memory "
+                         "while compiling")
+
+
 def test_sampled_rounds_are_warm_too():
     """With multi-step and mixed rounds (a GPU's defaults) a round samples inside its program:
     warm-up also compiles the rounds of rows that sample (plain and with cuts), so sampled
