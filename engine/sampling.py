@@ -210,9 +210,17 @@ class PenaltyRows:
         return PenaltyRows(_pad_rows(self.slots, rows, NO_SLOT),
                            _pad_rows(self.counted, rows, False), strengths, self.histories)
 
+    def take(self, rows: np.ndarray) -> "PenaltyRows":
+        """These rows in the order of `rows` (indices, repeats allowed; histories kept)."""
+        return PenaltyRows(self.slots[rows], self.counted[rows], self.strengths[:, rows],
+                           self.histories)
+
     def packed(self) -> np.ndarray:
         """int32 [2, S]: slots and counted (`sample_from_counts`'s rows)."""
         return np.stack([self.slots.astype(np.int32), self.counted.astype(np.int32)])
+
+
+ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")  # SamplingArrays'
 
 
 @dataclasses.dataclass
@@ -276,8 +284,16 @@ class SamplingArrays:
         """The same arrays with greedy, cut-free padding rows up to `rows`."""
         pad = SamplingArrays.defaults(rows)
         fields = {f: _pad_rows(getattr(self, f), rows, getattr(pad, f)[0])
-                  for f in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
+                  for f in ROW_FIELDS}
         penalties = None if self.penalties is None else self.penalties.padded(rows)
+        return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
+
+    def take(self, rows: np.ndarray) -> "SamplingArrays":
+        """These rows in the order of `rows` (indices, repeats allowed): a sharded round's rows
+        in the order the mesh lays them out."""
+        fields = {f: getattr(self, f)[rows]
+                  for f in ROW_FIELDS}
+        penalties = None if self.penalties is None else self.penalties.take(rows)
         return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
 
 

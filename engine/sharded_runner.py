@@ -41,10 +41,10 @@ from engine.block_pool import BlockPool
 from configs.mesh import DATA, mesh_shape
 from engine.device_arrays import abstract_arrays, start_copies
 from engine.runner import ModelRunner, gather_rows, model_dtype, verification_indices
-from engine.step_programs import input_tokens
+from engine.step_programs import decode_loop, draw_tokens, input_tokens
 from engine.step_batch import (MIN_PAGE_BUCKET, MIN_TOKEN_BUCKET, StepBatch, bucket, bucket_key,
                                padding_batch, table_widths)
-from engine.sampling import SamplingArrays
+from engine.sampling import SamplingArrays, pack_sampling
 from engine.sharded_pool import ShardedBlockPool
 from engine.sharding import init_sharded_kv_cache, kv_local_config, replicated
 from engine.step_inputs import StepLayout, pack, unpack
@@ -90,7 +90,7 @@ class ShardedModelRunner(ModelRunner):
     """
 
     supports_async_scheduling = True
-    supports_multi_step = False
+    supports_multi_step = True  # decode and mixed rounds, their rows in the mesh's order
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
                  max_seqs: int = 1, max_width: int = 1, *, mesh, kernels=None):
@@ -129,16 +129,22 @@ class ShardedModelRunner(ModelRunner):
                           self._replicated),
             out_shardings=(self._replicated, self._replicated, shardings(self.cache)))
         self._take_rows = jax.jit(gather_rows, out_shardings=self._replicated)
+        # Rounds (ModelRunner's, over the mesh): tokens, the last step's and the count table
+        # replicated; they donate the cache and the count table (argument 6).
+        rounds = dict(donate_argnums=(1, 6), static_argnames=("layout", "num_steps", "mode"),
+                      out_shardings=(self._replicated, self._replicated, self._replicated,
+                                     shardings(self.cache)))
+        self._multi_step = jax.jit(self._sharded_multi_step, **rounds)
+        self._mixed_round = jax.jit(self._sharded_mixed_round, **rounds)
+        self.compiled_rounds: set[tuple] = set()  # as ModelRunner's
 
-    def _sharded_step(self, weights, cache, packed, prev_samples, layout: StepLayout,
-                      all_logits: bool):
-        """One step over packed int32 [dp, L] inputs (each shard's row packed by `pack` with
-        the per-shard `layout`), laid end to end along the data axis: (logits, their argmax
-        int32 [max(rows, sample_rows)] zero-padded, cache), rows in the step's shard order.
-        A token whose sample_index is >= 0 is prev_samples[sample_index] (int32
-        [sample_rows], replicated) instead of the host's id."""
-        # Each field [dp, ...] with the shards end to end: [dp * size] (block tables
-        # [dp * S, W]).
+    def _forward(self, weights, cache, packed, prev_samples, layout: StepLayout,
+                 all_logits: bool) -> tuple:
+        """The model over packed int32 [dp, L] inputs (each shard's row packed by `pack` with
+        the per-shard `layout`), laid end to end along the data axis: (logits, cache, the
+        fields [dp * size] (block tables [dp * S, W]), the model). A token whose
+        sample_index is >= 0 is prev_samples[sample_index] (int32 [sample_rows], replicated)
+        instead of the host's id."""
         x = {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
         tokens = input_tokens(x, prev_samples)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
@@ -148,12 +154,58 @@ class ShardedModelRunner(ModelRunner):
         logits, cache = forward(model, cache, tokens, meta, self.cfg,
                                 None if all_logits else x["logits_indices"],
                                 kernels=self.kernels)
+        return logits, cache, x, model
+
+    def _sharded_step(self, weights, cache, packed, prev_samples, layout: StepLayout,
+                      all_logits: bool):
+        """One step (`_forward`): (logits, their argmax int32 [max(rows, sample_rows)]
+        zero-padded, cache), rows in the step's shard order."""
+        logits, cache, _, _ = self._forward(weights, cache, packed, prev_samples, layout,
+                                            all_logits)
         # XLA takes the argmax of the vocab-parallel logits per shard and gathers each shard's
         # (max, index) pair, [rows, tp]: tiny. (Asking for replicated logits first made it
         # gather the output weights instead.)
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [rows]
         greedy = jnp.pad(greedy, (0, max(self.sample_rows - greedy.shape[0], 0)))
         return logits, greedy, cache
+
+    def _sharded_multi_step(self, weights, cache, packed, floats, ints, prev_samples, counts,
+                            penalty_rows, complete, order, layout: StepLayout, num_steps: int,
+                            mode: str):
+        """ModelRunner._multi_step_impl over the mesh: the rows (and floats, ints,
+        penalty_rows) in the step's shard order [dp * S]; complete: None. Returns the tokens in
+        the batch's order, int32 [num_steps, dp * S] (order [dp * S]: each batch row's shard
+        row, the last one's repeated; the host reads the first S_batch), the last step's
+        [sample_rows] zero-padded, the count table, cache."""
+        x = {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        tokens, _, counts, cache = decode_loop(
+            model, self.cfg, self.kernels, self.page_size, self.sample_rows, cache,
+            input_tokens(x, prev_samples), x["positions"], x["kv_lens"] > 0,
+            x["block_tables"], floats, ints, counts, penalty_rows, num_steps, 0, mode, self.dp)
+        return self._in_batch_order(tokens, order) + (counts, cache)
+
+    def _sharded_mixed_round(self, weights, cache, packed, floats, ints, prev_samples, counts,
+                             penalty_rows, complete, order, layout: StepLayout, num_steps: int,
+                             mode: str):
+        """ModelRunner._mixed_round_impl over the mesh, rows as in `_sharded_multi_step`;
+        complete: int32 [dp * S], 1 where the row decodes on."""
+        logits, cache, x, model = self._forward(weights, cache, packed, prev_samples, layout,
+                                                False)
+        first, counts = draw_tokens(logits, floats, ints, 0, mode, counts, penalty_rows)
+        rest, _, counts, cache = decode_loop(
+            model, self.cfg, self.kernels, self.page_size, self.sample_rows, cache, first,
+            x["kv_lens"], complete > 0, x["block_tables"], floats, ints, counts, penalty_rows,
+            num_steps - 1, 1, mode, self.dp)
+        return self._in_batch_order(jnp.concatenate([first[None], rest]), order) + (counts,
+                                                                                     cache)
+
+    def _in_batch_order(self, tokens, order) -> tuple:
+        """(tokens [steps, dp * S] in shard order -> the batch's order (`order`),
+        the last step's zero-padded to sample_rows): what the engine reads, and what a next
+        step's sample_index (batch rows) points into."""
+        tokens = tokens[:, order]
+        return tokens, jnp.pad(tokens[-1], (0, self.sample_rows - tokens.shape[1]))
 
     def warmup(self, q_lens, num_pages: int, verification: bool = False):
         """Compiles the program of a step whose sequences compute q_lens tokens each (and a
@@ -232,6 +284,19 @@ class ShardedModelRunner(ModelRunner):
         n = bucket(tokens, MIN_TOKEN_BUCKET)  # a safe bound if the bucket rules change
         return n, bucket(max_seqs), bucket(width, MIN_PAGE_BUCKET), n, bucket(prefill)
 
+    def _grouped(self, batch: StepBatch) -> tuple:
+        """(q_lens [S_batch], each sequence's data shard, the sequences of each shard, the
+        step's bucket (`_bucket`))."""
+        q_lens = np.diff(batch.query_start_loc)
+        shard = self._shard_of_seqs(batch)  # [S_batch]
+        groups = [np.flatnonzero(shard == d) for d in range(self.dp)]
+        width = max(self.min_width, batch.block_tables.shape[1])
+        return q_lens, shard, groups, self._bucket(q_lens, groups, width, batch)
+
+    def step_key(self, batch: StepBatch) -> tuple[int, int, int, int, int]:
+        """The per-shard bucket of the program that runs `batch` (`_bucket`)."""
+        return self._grouped(batch)[3]
+
     def _layout(self, batch: StepBatch, sample_index: np.ndarray | None = None) -> ShardedStep:
         """The batch's sequences grouped by data shard (in batch order within a shard), each
         shard's inputs padded to one bucket, local to the shard's pages, packed as row d of an
@@ -240,11 +305,7 @@ class ShardedModelRunner(ModelRunner):
         host's ids) goes with each token to its place in the shards."""
         dp, pages, page_size = self.dp, self.pages_per_shard, self.page_size
         num_seqs, num_tokens = batch.num_seqs, len(batch.token_ids)
-        q_lens = np.diff(batch.query_start_loc)
-        shard = self._shard_of_seqs(batch)  # [S_batch]
-        groups = [np.flatnonzero(shard == d) for d in range(dp)]
-        width = max(self.min_width, batch.block_tables.shape[1])
-        key = self._bucket(q_lens, groups, width, batch)
+        q_lens, shard, groups, key = self._grouped(batch)
         n, s, w, _, _ = key
         # Each sequence's index j within its shard and first token t0 within its shard's tokens.
         j = np.zeros(num_seqs, np.int64)
@@ -316,6 +377,54 @@ class ShardedModelRunner(ModelRunner):
         """logits[rows] (rows: host ints), replicated: one program per (logits rows, len(rows)),
         compiled at warm-up (`warmup_sampler`)."""
         return self._take_rows(logits, put(rows.astype(np.int32), self._replicated))[0]
+
+    # ---- rounds ------------------------------------------------------------------------------
+
+    def _round_args(self, kind: str, batch: StepBatch, arrays: SamplingArrays, num_steps: int,
+                    prev_samples, sample_index, complete: np.ndarray | None = None,
+                    counts=None) -> tuple:
+        """As ModelRunner._round_args, for `_sharded_multi_step` / `_sharded_mixed_round`: the
+        batch laid out per shard (`_layout`), its sampling rows, penalties and `complete` moved
+        to the step's shard rows (padding rows greedy, of no slot, not going on) and placed
+        replicated, and `order`, the shard row of each batch row."""
+        if arrays.num_logprobs:
+            raise ValueError(f"a {kind.replace('_', '-')} round takes no logprobs")
+        prev, index = self._previous_tokens(prev_samples, sample_index)
+        step = self._layout(batch, index)
+        key = (kind, step.key, num_steps, arrays.mode(), arrays.penalties is not None)
+        self.compiled_shapes.add(key)
+        num_seqs, rows = batch.num_seqs, self.dp * step.key[1]
+        source = np.full(rows, num_seqs)  # the batch row of each shard row (num_seqs: padding)
+        source[step.seq_rows] = np.arange(num_seqs)
+        arrays = arrays.padded(num_seqs + 1).take(source)
+        place = self._placed
+        floats, ints = pack_sampling(arrays)
+        penalty_rows = (None if arrays.penalties is None else
+                        (place(arrays.penalties.packed()), place(arrays.penalties.strengths)))
+        going_on = None
+        if complete is not None:
+            going_on = np.zeros(rows, np.int32)
+            going_on[step.seq_rows] = complete
+            going_on = place(going_on)
+        order = step.seq_rows[np.minimum(np.arange(rows), num_seqs - 1)]  # one length a key
+        return key, (self._weights, self.cache, step.packed, place(floats), place(ints),
+                     self._no_samples if prev is None else prev,
+                     None if penalty_rows is None else counts, penalty_rows, going_on,
+                     place(order.astype(np.int32)), StepLayout(*step.key), num_steps, key[3])
+
+    def _run_round(self, program, *args, **kwargs) -> tuple:
+        """ModelRunner's, the program run under the mesh (only it: the count table's history
+        writes before it run outside, as their warm-up compiled them)."""
+        def on_mesh(*program_args):
+            with jax.set_mesh(self.mesh):
+                return program(*program_args)
+        return super()._run_round(on_mesh, *args, **kwargs)
+
+    def _warmup_round(self, *args, **kwargs):
+        """ModelRunner's, under the mesh: lowered from the shapes and shardings of a padding
+        batch's arguments."""
+        with jax.set_mesh(self.mesh):
+            return super()._warmup_round(*args, **kwargs)
 
     # ---- the ModelRunner interface -----------------------------------------------------------
 

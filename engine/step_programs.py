@@ -46,14 +46,17 @@ def draw_tokens(logits, floats, ints, draw: int | jax.Array, mode: str, counts=N
 
 def decode_loop(model, cfg, kernels, page_size: int, sample_rows: int, cache, first_tokens,
                 positions, real, tables, floats, ints, counts, penalty_rows, num_steps: int,
-                first_draw: int, mode: str):
+                first_draw: int, mode: str, data_shards: int = 1):
     """`num_steps` decode steps of the S rows in one device loop: step i computes token
     first_tokens (then each step's samples) at positions + i, in the rows where `real` (the
     others compute nothing and write nowhere), and samples with draw index ints[2] +
-    first_draw + i (`draw_tokens`). Returns (tokens [num_steps, S], the last tokens
-    [sample_rows] zero-padded, count table or None, cache)."""
+    first_draw + i (`draw_tokens`). With data_shards > 1 the rows are that many shards' rows
+    end to end (engine/sharded_runner.py), each shard's query starts counted from 0.
+    Returns (tokens [num_steps, S], the last tokens [sample_rows] zero-padded, count table or
+    None, cache)."""
     num_seqs = positions.shape[0]
-    start = jnp.arange(num_seqs + 1, dtype=jnp.int32)  # one query token per row
+    # one query token per row: [S + 1], or per shard [data_shards * (S / data_shards + 1)]
+    start = jnp.tile(jnp.arange(num_seqs // data_shards + 1, dtype=jnp.int32), data_shards)
     rows = jnp.arange(num_seqs, dtype=jnp.int32)
 
     def body(i, carry):
