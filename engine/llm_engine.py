@@ -103,14 +103,13 @@ class LLMEngine:
             self.spec = SpeculativeRounds(spec_config, self.runner, self.scheduler,
                                           self.input_batch, self.draft)
         self.rounds: MultiStepRounds | None = None
-        if (engine_cfg.num_decode_steps > 1 and spec_config is None
-                and self.runner.supports_multi_step):
+        if engine_cfg.num_decode_steps > 1 and spec_config is None:
             self.rounds = MultiStepRounds(engine_cfg.num_decode_steps, engine_cfg.mixed_rounds,
                                           engine_cfg.max_num_seqs, self.runner, self.scheduler,
                                           self.input_batch)
         settings = engine_cfg.summary()
         if engine_cfg.num_decode_steps > 1 and self.rounds is None:
-            settings += " (taken as single steps: speculation or a sharded runner)"
+            settings += " (taken as single steps: speculation)"
         self.kv_summary = f"{settings}\n{self._cache_summary(num_pages)}"
         self.stats = EngineStats()
         self._rng = np.random.default_rng(engine_cfg.seed)

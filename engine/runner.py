@@ -39,7 +39,6 @@ class ModelRunner:
     """Owns the weights and the KV cache on the device, and the jitted step and sampler."""
 
     supports_async_scheduling = True  # steps can read input tokens from the last step's samples
-    supports_multi_step = True  # execute_multi_step
     # warm-up compiles its programs ahead of time, without running them (`warmup`)
     compiles_ahead = True
     layer_loop = "unrolled"  # set per runner: "scan" where kernels.layer_loop and the model allow

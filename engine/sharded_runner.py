@@ -90,7 +90,6 @@ class ShardedModelRunner(ModelRunner):
     """
 
     supports_async_scheduling = True
-    supports_multi_step = True  # decode and mixed rounds, their rows in the mesh's order
 
     def __init__(self, cfg: ModelConfig, model, num_pages: int, page_size: int, kv_dtype=None,
                  max_seqs: int = 1, max_width: int = 1, *, mesh, kernels=None):

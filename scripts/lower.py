@@ -251,7 +251,7 @@ def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
                          engine_cfg.max_num_seqs, max_width, kernels=kernels, chip=chip,
                          limit=max_programs, on_program=on_program)
     # The engine's warm-up walk (engine/warmup.py) over this runner.
-    num_steps = engine_cfg.num_decode_steps if runner.supports_multi_step else 1
+    num_steps = engine_cfg.num_decode_steps
     shapes = reachable_steps(engine_cfg, pool, runner.min_width,
                              fixed_width=runner.fixed_width,
                              count_prefill_seqs=runner.counts_prefill_seqs)

@@ -196,6 +196,64 @@ def warm_greedy(cfg, model, prompts, mesh) -> dict:
             "compiles_in_sampled_runs": compiles()[len(greedy_compiles):]}
 
 
+def mixed_params(sampled: bool = True) -> list:
+    """Six requests' sampling: greedy, seeded sampling with and without cuts, and penalties
+    on greedy and sampled rows (`rounds_run`); without `sampled`, greedy rows, two of them
+    penalized."""
+    from engine.request import SamplingParams
+    if not sampled:
+        return [SamplingParams(max_tokens=12, ignore_eos=True,
+                               **(dict(repetition_penalty=1.5, frequency_penalty=0.5)
+                                  if i % 3 == 1 else {})) for i in range(6)]
+    return [SamplingParams(max_tokens=12, ignore_eos=True),
+            SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=3),
+            SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=2.0,
+                           frequency_penalty=0.5),
+            SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.9, top_k=5, seed=4,
+                           presence_penalty=0.7),
+            SamplingParams(max_tokens=12, ignore_eos=True),
+            SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.7, top_p=0.8, seed=5)]
+
+
+def rounds_run(cfg, model, prompts, mesh=None, num_decode_steps: int = 1,
+               sampled: bool = True) -> dict:
+    """The tokens of `mixed_params(sampled)` requests run together, with multi-step and mixed
+    rounds of num_decode_steps (asynchronous) or single synchronous steps (1), and which round
+    programs ran. Without `sampled` (greedy rows), the greedy round programs, penalized ones
+    too, and the count table's history write are compiled ahead first, and the result lists
+    the round programs and history writes the run compiled."""
+    import logging
+
+    import jax
+
+    from engine.engine_config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    engine = LLMEngine(cfg, model, None, EngineConfig(
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=8,
+        async_scheduling=num_decode_steps > 1, num_decode_steps=num_decode_steps), mesh=mesh)
+    if not sampled and engine.rounds is not None:  # (the sampled ones: the suite's time)
+        engine.warmup(programs=[p for p in engine.warmup_programs(penalized=True)
+                                if p[3].startswith("greedy")], samplers=False)
+        engine.runner.penalty_counts.compile()
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        outs = engine.generate(prompts, mixed_params(sampled))
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax").removeHandler(handler)
+    return {"tokens": [o.output_ids for o in outs],
+            "rounds": sorted({k[0] for k in engine.runner.compiled_shapes
+                              if isinstance(k[0], str)}),
+            "round_compiles_in_run": [m.split(" with ")[0] for m in messages
+                                      if m.startswith("Compiling ") and ("round" in m
+                                                                        or "multi_step" in m
+                                                                        or "history" in m)]}
+
+
 # ---- scenarios ----------------------------------------------------------------------------------
 
 # (config, weights: None for float32, "bfloat16" or a quantization method, meshes) of the tiny
@@ -250,6 +308,14 @@ def scenario_tiny(args) -> dict:
             results[key]["one_device/repeats"] = greedy(cfg, model, repeats)
             results[key]["2x2/speculative"] = greedy(cfg, model, repeats, make_mesh(2, 2),
                                                      logprobs=False, speculative=True)
+            # multi-step and mixed rounds on a mesh: sampled and penalized rows among greedy
+            longer = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 11, 16, 3, 30, 7)]
+            for sampled in (True, False):
+                results[key][f"one_device/mixed/{sampled}"] = rounds_run(cfg, model, longer,
+                                                                         sampled=sampled)
+            results[key]["4x2/rounds/True"] = rounds_run(cfg, model, longer, make_mesh(4, 2), 4)
+            results[key]["2x2/rounds/False"] = rounds_run(cfg, model, longer, make_mesh(2, 2), 4,
+                                                          sampled=False)
     return {"cases": results, "quant": quant_available()}
 
 

@@ -86,6 +86,22 @@ def test_speculative_verification_on_a_mesh_equals_one_device(scenario):
                                       got["verify_keys"]), got["verify_keys"]
 
 
+def test_rounds_on_a_mesh_equal_one_device_single_steps(scenario):
+    """Multi-step and mixed rounds of 4 steps on a mesh (asynchronous; the rows, their sampling
+    and penalties in the mesh's shard order, the tokens back in the batch's): greedy, sampled
+    and penalized requests together give one device's single-step tokens, on 4x2 and on 2x2.
+    On 2x2 the greedy round programs (penalized ones too) compiled ahead serve the run: it
+    compiles no round program and no history write."""
+    runs = scenario("tiny")["cases"][case_key("tiny-llama31", None)]
+    for mesh, sampled in (("4x2", True), ("2x2", False)):
+        got, expected = runs[f"{mesh}/rounds/{sampled}"], runs[f"one_device/mixed/{sampled}"]
+        assert got["tokens"] == expected["tokens"], (mesh, sampled)
+        assert got["rounds"] == ["mixed_round", "multi_step"] and expected["rounds"] == []
+    assert runs["2x2/rounds/False"]["round_compiles_in_run"] == []
+    # the sampled and penalized rows changed tokens
+    assert runs["one_device/mixed/True"]["tokens"] != runs["one_device/mixed/False"]["tokens"]
+
+
 def test_a_mesh_warm_up_compiles_ahead_the_steps_a_run_reaches(scenario):
     """The sharded runner's warm-up lowers and compiles its steps for the mesh from shapes and
     shardings, without running them (so on compile threads, and in a server's background);
