@@ -59,10 +59,9 @@ def test_a_run_after_warmup_compiles_nothing():
                for o in outs[1::2])
 
 
-@pytest.mark.parametrize("threads", [None, 1, 3])
-def test_warm_up_compiles_as_many_programs_at_once_as_the_config_says(monkeypatch, threads):
-    """EngineConfig.compile_threads: how many programs warm-up compiles side by side (None: the
-    host's cores, at most 16); every program is still compiled once. Below 1 it is refused."""
+def threads_of_each_compile(monkeypatch) -> list:
+    """The thread counts the engine's compile_all calls are given from now on (filled as they
+    come), the compiles still done."""
     seen = []
     real = llm_engine.compile_all
 
@@ -71,6 +70,14 @@ def test_warm_up_compiles_as_many_programs_at_once_as_the_config_says(monkeypatc
         real(compile_one, jobs, count, progress)
 
     monkeypatch.setattr(llm_engine, "compile_all", recording)
+    return seen
+
+
+@pytest.mark.parametrize("threads", [None, 1, 3])
+def test_warm_up_compiles_as_many_programs_at_once_as_the_config_says(monkeypatch, threads):
+    """EngineConfig.compile_threads: how many programs warm-up compiles side by side (None: the
+    host's cores, at most 16); every program is still compiled once. Below 1 it is refused."""
+    seen = threads_of_each_compile(monkeypatch)
     cfg = TINY_LLAMA31
     engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(
         max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, compile_threads=threads))
@@ -85,14 +92,7 @@ def test_the_background_compiles_beside_a_gpu_on_half_the_warmup_threads(monkeyp
     """`compile_in_background` compiles `background_threads` programs at once: one on the CPU
     (its cores run the steps), half of the warm-up's threads beside a GPU; a run then compiles
     nothing. A failure is logged, not raised into the thread."""
-    seen = []
-    real = llm_engine.compile_all
-
-    def recording(compile_one, jobs, count, progress=None):
-        seen.append(count)
-        real(compile_one, jobs, count, progress)
-
-    monkeypatch.setattr(llm_engine, "compile_all", recording)
+    seen = threads_of_each_compile(monkeypatch)
     count_compiles()
     cfg = TINY_LLAMA31
     engine = LLMEngine(cfg, random_model(cfg, 5), None, EngineConfig(

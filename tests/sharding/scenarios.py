@@ -246,6 +246,7 @@ def rounds_run(cfg, model, prompts, mesh=None, num_decode_steps: int = 1,
         jax.config.update("jax_log_compiles", False)
         logging.getLogger("jax").removeHandler(handler)
     return {"tokens": [o.output_ids for o in outs],
+            "plan": None if mesh is None else engine.runner.plan.reason,
             "rounds": sorted({k[0] for k in engine.runner.compiled_shapes
                               if isinstance(k[0], str)}),
             "round_compiles_in_run": [m.split(" with ")[0] for m in messages
