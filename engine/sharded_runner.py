@@ -21,7 +21,9 @@ jnp partitioned by XLA from the weights' shardings (models/sharding.py). Logits 
 replicated, in the batch's sequence order.
 
 The step takes and returns explicitly sharded arrays (in_shardings / out_shardings) and donates
-the cache, as the single-device runner does.
+the cache, as the single-device runner does. Multi-step and mixed rounds run over the same
+layout: their sampling and penalty rows go to the shard rows on the host, and their tokens come
+back in the batch's order, gathered inside the program.
 """
 from __future__ import annotations
 
@@ -144,9 +146,9 @@ class ShardedModelRunner(ModelRunner):
         fields [dp * size] (block tables [dp * S, W]), the model). A token whose
         sample_index is >= 0 is prev_samples[sample_index] (int32 [sample_rows], replicated)
         instead of the host's id."""
-        x = {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
+        x = self._fields(packed, layout)
         tokens = input_tokens(x, prev_samples)
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        model = self._model(weights)
         meta = AttentionMetadata(
             x["positions"], x["slot_mapping"], x["block_tables"], x["query_start_loc"],
             x["kv_lens"], max_q_len=layout.max_q_len, max_prefill_seqs=layout.max_prefill_seqs)
@@ -154,6 +156,15 @@ class ShardedModelRunner(ModelRunner):
                                 None if all_logits else x["logits_indices"],
                                 kernels=self.kernels)
         return logits, cache, x, model
+
+    @staticmethod
+    def _fields(packed, layout: StepLayout) -> dict:
+        """The packed inputs' fields, each [dp, ...] with the shards end to end: [dp * size]
+        (block tables [dp * S, W])."""
+        return {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
+
+    def _model(self, weights):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
 
     def _sharded_step(self, weights, cache, packed, prev_samples, layout: StepLayout,
                       all_logits: bool):
@@ -176,10 +187,9 @@ class ShardedModelRunner(ModelRunner):
         the batch's order, int32 [num_steps, dp * S] (order [dp * S]: each batch row's shard
         row, the last one's repeated; the host reads the first S_batch), the last step's
         [sample_rows] zero-padded, the count table, cache."""
-        x = {name: a.reshape((-1,) + a.shape[2:]) for name, a in unpack(packed, layout).items()}
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._weights_def, weights))
+        x = self._fields(packed, layout)
         tokens, _, counts, cache = decode_loop(
-            model, self.cfg, self.kernels, self.page_size, self.sample_rows, cache,
+            self._model(weights), self.cfg, self.kernels, self.page_size, self.sample_rows, cache,
             input_tokens(x, prev_samples), x["positions"], x["kv_lens"] > 0,
             x["block_tables"], floats, ints, counts, penalty_rows, num_steps, 0, mode, self.dp)
         return self._in_batch_order(tokens, order) + (counts, cache)
