@@ -215,7 +215,7 @@ def decode_row(row: dict, name: str, variant: str, cfg, model, runner, rng, cali
     batch = dm.decode_batch(rng.integers(0, cfg.vocab_size, b), np.full(b, c - 1), table,
                             FLAGS.page_size)
     row |= dm.time_queued(runner, batch, FLAGS.steps, FLAGS.runs)
-    if FLAGS.multi_step and variant != "mesh":
+    if FLAGS.multi_step:
         rounds = dm.decode_batch(batch.token_ids, np.full(b, c - 1), room, FLAGS.page_size)
         row |= dm.time_multi_step(runner, rounds, FLAGS.multi_step,
                                   max(FLAGS.steps // FLAGS.multi_step, 2), FLAGS.runs)
@@ -259,7 +259,7 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
         tokens, _, gaps = dm.greedy_loop(runner, first, c - n - 1, table, n, margins=True)
         results["greedy"].append(head | {"batch": b, "context": c, "tokens": tokens.tolist(),
                                          "margins": gaps.tolist()})
-        if FLAGS.multi_step and variant != "mesh":  # the same tokens from rounds of the loop
+        if FLAGS.multi_step:  # the same tokens from rounds of the loop
             results["greedy"].append(head | {
                 "variant": f"{variant}+multi_step", "batch": b, "context": c,
                 "tokens": multi_step_tokens(runner, first, c - n - 1, table, n)})

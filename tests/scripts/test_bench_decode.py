@@ -29,6 +29,25 @@ TINY = ["--model=tiny-llama31", "--dtype=float32", "--steps=2", "--runs=1", "--p
         "--nocalibrate", "--nohf", "--matmul_precision=highest"]
 
 
+def test_the_mesh_variant_times_rounds_and_gives_base_tokens(tmp_path):
+    """--variants=mesh (a one-device mesh here) times multi-step rounds as the one-device
+    variants do, and its greedy tokens, single steps and rounds, equal the base variant's."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.decode", *TINY, "--batch=3", "--context=24",
+         "--prefill=", "--variants=base,mesh", "--loop_steps=0", "--greedy_steps=3",
+         "--greedy_batch=2", "--greedy_context=32", "--multi_step=3", f"--json_out={out}"],
+        capture_output=True, text=True, timeout=600, env=ENV | {"PALLASITE_LAYER_LOOP": "unrolled"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    mesh = [r for r in res["decode"] if r["variant"] == "mesh"]
+    assert len(mesh) == 1 and mesh[0]["multi_step_s"] > 0 and mesh[0]["multi_steps"] == 3
+    assert mesh[0]["compiles_during_timing"] == 0
+    check = res["greedy_check"]["tiny-llama31"]["results"]
+    assert set(check) == {"base+multi_step", "mesh", "mesh+multi_step"}
+    assert all(v["equal"] for v in check.values()), check
+
+
 def test_decode_rows_variants_multi_step_and_profile(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run(
