@@ -475,8 +475,8 @@ class LLMEngine:
     def background_threads(self) -> int:
         """How many programs `compile_in_background` compiles at once: half of
         `warmup_threads` beside a GPU's steps, which leave the host's cores idle (llama3.2-1b's
-        78 background programs took 132 s on one thread of a 16-core host); one on the CPU,
-        whose cores run the steps."""
+        78 background programs: 52 s at 8 at once, 132 s on one thread; docs/PERFORMANCE.md);
+        one on the CPU, whose cores run the steps."""
         if self.platform == "cpu":
             return 1
         return max(1, self.warmup_threads // 2)
