@@ -283,16 +283,14 @@ class SamplingArrays:
     def padded(self, rows: int) -> "SamplingArrays":
         """The same arrays with greedy, cut-free padding rows up to `rows`."""
         pad = SamplingArrays.defaults(rows)
-        fields = {f: _pad_rows(getattr(self, f), rows, getattr(pad, f)[0])
-                  for f in ROW_FIELDS}
+        fields = {f: _pad_rows(getattr(self, f), rows, getattr(pad, f)[0]) for f in ROW_FIELDS}
         penalties = None if self.penalties is None else self.penalties.padded(rows)
         return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
 
     def take(self, rows: np.ndarray) -> "SamplingArrays":
         """These rows in the order of `rows` (indices, repeats allowed): a sharded round's rows
         in the order the mesh lays them out."""
-        fields = {f: getattr(self, f)[rows]
-                  for f in ROW_FIELDS}
+        fields = {f: getattr(self, f)[rows] for f in ROW_FIELDS}
         penalties = None if self.penalties is None else self.penalties.take(rows)
         return SamplingArrays(**fields, penalties=penalties, num_logprobs=self.num_logprobs)
 

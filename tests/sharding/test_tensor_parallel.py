@@ -98,6 +98,7 @@ def test_rounds_on_a_mesh_equal_one_device_single_steps(scenario):
         assert got["tokens"] == expected["tokens"], (mesh, sampled)
         assert got["rounds"] == ["mixed_round", "multi_step"] and expected["rounds"] == []
     assert runs["2x2/rounds/False"]["round_compiles_in_run"] == []
+    assert runs["4x2/rounds/True"]["round_compiles_in_run"]  # (not warmed: the log hears them)
     # the sampled and penalized rows changed tokens
     assert runs["one_device/mixed/True"]["tokens"] != runs["one_device/mixed/False"]["tokens"]
 
