@@ -90,8 +90,8 @@ class MultiStepRounds:
         if key in self._asked:
             return False
         self._asked.add(key)
-        q_lens = np.diff(step.batch.query_start_loc).tolist()
-        self.compile_later((q_lens, step.batch.block_tables.shape[1], False,
+        self.compile_later((self.runner.padding_q_lens(step.batch),
+                            step.batch.block_tables.shape[1], False,
                             round_program(arrays.mode(), True)))
         return False
 

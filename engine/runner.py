@@ -290,6 +290,11 @@ class ModelRunner:
                           max(self.max_seqs, batch.num_seqs), prefill_width,
                           batch.verify_len, self.counts_prefill_seqs)
 
+    def padding_q_lens(self, batch: StepBatch) -> list[int]:
+        """The q_lens of a padding batch whose program runs `batch` (the same `step_key`):
+        its own."""
+        return np.diff(batch.query_start_loc).tolist()
+
     def _padded(self, batch: StepBatch, sample_index: np.ndarray | None = None):
         """(layout, packed int32 inputs) of the batch padded to its bucket; with resident
         tables, the batch's rows of them brought up to date on the device first."""

@@ -5,8 +5,11 @@ sequence's attention reads only its own shard's pages. `ShardedBlockPool` keeps 
 shard behind the BlockPool interface the scheduler uses, with global page ids (shard d owns ids
 [d * pages_per_shard, (d + 1) * pages_per_shard)), so every page of a sequence comes from one
 shard:
-  * a new sequence goes to the shard holding the longest cached prefix of its prompt, else to the
-    shard with the fewest pages in use (which balances memory and, roughly, sequences);
+  * a new sequence goes to the shard with the fewest pages in use (which balances memory and,
+    roughly, sequences), or to a shard holding a longer cached prefix of its prompt when that
+    shard uses at most the prefix's pages more than the least used one: a prefix every prompt
+    shares (a chat template's system prompt) would otherwise draw every sequence to one shard
+    and leave the others idle while it fills;
   * a growing sequence grows in the shard of its first page.
 `num_pages` is the pages of one shard: the most one sequence can ever hold, which is what the
 scheduler's and engine's fit checks need; `total_pages` counts all shards.
@@ -99,7 +102,10 @@ class ShardedBlockPool:
             self.shards[shard].free(self._local(group, shard))
 
     def cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """The longest cached prefix over all shards (referenced), in global page ids."""
+        """The longest cached prefix (referenced, in global page ids) on a shard whose pages in
+        use exceed the least used shard's by at most the prefix's pages (see the module
+        docstring); [] when that shard holds none (the sequence then starts on the least used
+        shard)."""
         self.prefix_queried_tokens += max_tokens
         if not self.enable_prefix_caching:
             return []
@@ -114,9 +120,12 @@ class ShardedBlockPool:
                 n += 1
             return n
 
-        best = max(range(self.num_shards),
-                   key=lambda d: (hit(self.shards[d]), -self.shards[d].num_used, -d))
-        if hit(self.shards[best]) == 0:
+        hits = [hit(shard) for shard in self.shards]
+        used = [shard.num_used for shard in self.shards]
+        # a shard's hit pays for at most that many more pages in use than the least used one's
+        balanced = [d for d in range(self.num_shards) if used[d] <= min(used) + hits[d]]
+        best = max(balanced, key=lambda d: (hits[d], -used[d], -d))
+        if hits[best] == 0:
             return []
         pages = self.shards[best].cached_prefix(token_ids, max_tokens)
         self.prefix_hit_tokens += len(pages) * self.page_size

@@ -271,11 +271,25 @@ class ShardedModelRunner(ModelRunner):
     # ---- layout ------------------------------------------------------------------------------
 
     def _shard_of_seqs(self, batch: StepBatch) -> np.ndarray:
-        """Data shard of each sequence: that of its pages (warm-up padding: round robin)."""
+        """Data shard of each sequence: that of its pages. Warm-up padding goes to the first
+        shard, so that a padding batch of q_lens keys the program of every batch whose
+        largest shard holds such q_lens (`padding_q_lens`): warm-up compiles each shard size
+        up to max_seqs, however unevenly a run's sequences sit over the shards."""
         shard = batch.block_tables[:, 0] // self.pages_per_shard
-        dummy = batch.kv_lens == 0  # only warm-up batches have sequences without tokens
-        shard[dummy] = np.arange(int(dummy.sum())) % self.dp
+        shard[batch.kv_lens == 0] = 0  # only warm-up batches have sequences without tokens
         return np.minimum(shard, self.dp - 1)
+
+    def padding_q_lens(self, batch: StepBatch) -> list[int]:
+        """The q_lens of a padding batch whose program runs `batch` (the same `step_key`): a
+        decode step's largest shard's sequences; a step with prefill chunks keyed by its
+        largest shard's tokens and prefilling sequences, as one prompt taking the tokens the
+        other prefilling sequences' two each leave."""
+        q_lens, _, groups, _ = self._grouped(batch)
+        if q_lens.max(initial=1) <= 1 or batch.verify_len:
+            return [int(q) for q in q_lens[max(groups, key=len)]]
+        tokens = max(int(q_lens[g].sum()) for g in groups)
+        prefill = max(int((q_lens[g] > 1).sum()) for g in groups)
+        return [tokens - 2 * (prefill - 1)] + [2] * (prefill - 1)
 
     def _bucket(self, q_lens, groups, width, batch: StepBatch) -> tuple[int, int, int, int, int]:
         """The single-device bucket of the largest shard, which fits every shard's part."""

@@ -255,6 +255,36 @@ def rounds_run(cfg, model, prompts, mesh=None, num_decode_steps: int = 1,
                                                                         or "history" in m)]}
 
 
+def uneven_keys(cfg, model, mesh) -> dict:
+    """For batches whose sequences sit unevenly over a mesh's data shards, "keys": (the
+    batch's step key, that of a padding batch of the runner's `padding_q_lens` for it, whether
+    the engine's warm-up programs include the key) each; and the runner's "plan"."""
+    from engine.llm_engine import LLMEngine
+    from engine.step_batch import make_step_batch, padding_batch
+    from engine.warmup import STEP
+    engine = LLMEngine(cfg, model, None, engine_config(), mesh=mesh)
+    runner, page_size = engine.runner, engine.engine_cfg.page_size
+
+    def batch(q_lens, shards):  # rows at position 8 on three pages of their shard each
+        return make_step_batch([(list(range(3, 3 + q)), 8, [
+            d * runner.pages_per_shard + 3 * i + k for k in range(3)])
+            for i, (q, d) in enumerate(zip(q_lens, shards))], page_size)
+
+    warmed = {runner.step_key(padding_batch(q_lens, width, verification))
+              for q_lens, width, verification, program in engine.warmup_programs()
+              if program == STEP}
+    keys = []
+    for q_lens, shards in (([1, 1, 1, 1], [0, 0, 0, 1]),  # three decode rows on one shard
+                           ([5, 1, 9, 1], [0, 0, 1, 1]),  # the most tokens on shard 1
+                           ([2, 2, 2, 20], [0, 0, 0, 1])):  # most prefills 0, tokens 1
+        b = batch(q_lens, shards)
+        key = runner.step_key(b)
+        padded = runner.step_key(padding_batch(runner.padding_q_lens(b),
+                                               b.block_tables.shape[1]))
+        keys.append([list(key), list(padded), key in warmed])
+    return {"keys": keys, "plan": runner.plan.reason}
+
+
 # ---- scenarios ----------------------------------------------------------------------------------
 
 # (config, weights: None for float32, "bfloat16" or a quantization method, meshes) of the tiny
@@ -317,6 +347,7 @@ def scenario_tiny(args) -> dict:
             results[key]["4x2/rounds/True"] = rounds_run(cfg, model, longer, make_mesh(4, 2), 4)
             results[key]["2x2/rounds/False"] = rounds_run(cfg, model, longer, make_mesh(2, 2), 4,
                                                           sampled=False)
+            results[key]["1x2/uneven_keys"] = uneven_keys(cfg, model, make_mesh(1, 2))
     return {"cases": results, "quant": quant_available()}
 
 

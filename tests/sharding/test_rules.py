@@ -188,3 +188,22 @@ def test_pool_prefix_hit_comes_from_the_shard_that_holds_it():
     pool.free(first)
     pool.free(filler)
     pool.check_invariants()
+
+
+def test_pool_spreads_prompts_that_share_a_prefix_over_the_shards():
+    """A prefix that every prompt shares (a system prompt) does not draw every sequence to the
+    shard that cached it first: a hit is taken only on a shard using at most its pages more
+    than the least used one, so the sequences alternate and both shards soon hold the prefix."""
+    pool = ShardedBlockPool(num_shards=2, pages_per_shard=64, page_size=4)
+    system = list(range(100, 108))  # two pages that every prompt starts with
+    shards, hits = [], []
+    for i in range(6):
+        prompt = system + list(range(200 + 10 * i, 209 + 10 * i))  # 17 tokens: 5 pages
+        pages = pool.cached_prefix(prompt, len(prompt) - 1)
+        hits.append(len(pages))
+        assert pool.grow(pages, len(prompt))
+        pool.cache_full_pages(prompt, pages, len(prompt), hits[-1])
+        shards.append({pool.shard_of(p) for p in pages})
+    assert shards == [{0}, {1}, {0}, {1}, {0}, {1}]
+    assert hits == [0, 0, 2, 2, 2, 2]  # the second went to the idle shard, not to the hit
+    pool.check_invariants()

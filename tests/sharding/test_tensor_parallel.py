@@ -103,6 +103,18 @@ def test_rounds_on_a_mesh_equal_one_device_single_steps(scenario):
     assert runs["one_device/mixed/True"]["tokens"] != runs["one_device/mixed/False"]["tokens"]
 
 
+def test_uneven_data_shards_run_programs_that_warm_up_compiles(scenario):
+    """Sequences need not sit evenly over the data shards (each grows in the shard of its
+    pages): a step's program is keyed by its largest shard, warm-up pads every shard size up
+    to max_num_seqs, and a padding batch of `padding_q_lens` (what a round compiled on demand
+    is compiled from) keys the same program, for decode and prefill steps alike."""
+    keys = scenario("tiny")["cases"][case_key("tiny-llama31", None)]["1x2/uneven_keys"]["keys"]
+    assert len(keys) == 3
+    for key, padded, warmed in keys:
+        assert padded == key and warmed, (key, padded, warmed)
+    assert keys[0][0][1] == 4  # three decode rows on a shard: its bucket of 4 sequences
+
+
 def test_a_mesh_warm_up_compiles_ahead_the_steps_a_run_reaches(scenario):
     """The sharded runner's warm-up lowers and compiles its steps for the mesh from shapes and
     shardings, without running them (so on compile threads, and in a server's background);
