@@ -321,8 +321,8 @@ def format_row(row: dict) -> str:
                  f"(dispatch holds the host {row['multi_step_dispatch_s'] * 1e3:.3f} ms)")
     return (f"{head} {row['step_s'] * 1e3:8.3f} ms (dispatch {row['dispatch_s'] * 1e3:.3f} ms) "
             f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_s'] * 1e3:7.3f} ms  "
-            f"MBU {row['mbu']:6.1%}{loop}  compiles during timing: "
-            f"{row['compiles_during_timing']}")
+            f"MBU {row['mbu']:6.1%}{loop}  first call {row['first_call_s']:.1f} s  compiles "
+            f"during timing: {row['compiles_during_timing']}")
 
 
 def greedy_check(results: dict) -> dict:

@@ -278,14 +278,17 @@ def compile_count(runner: ModelRunner) -> int:
 def time_queued(runner: ModelRunner, batch: StepBatch, steps: int, runs: int) -> dict:
     """Seconds per step with `steps` steps queued and one sync, as the engine issues them
     (ModelRunner.execute_padded: host padding and dispatch included), median of `runs`; and
-    how long one step's dispatch keeps the host (dispatch_hold)."""
+    how long one step's dispatch keeps the host (dispatch_hold); and the first call's seconds,
+    which compile the step's program unless an earlier batch of its bucket did."""
+    start = time.perf_counter()
     jax.block_until_ready(runner.execute_padded(batch))  # compile and warm
+    first_call = time.perf_counter() - start
     before = compile_count(runner)
     samples = queued_seconds(lambda: runner.execute_padded(batch), steps, runs,
                                     warm=False)
     hold = dispatch_hold(lambda: runner.execute_padded(batch), max(runs, 5))
     return {"step_s": statistics.median(samples), "step_s_min": min(samples),
-            "step_s_max": max(samples), "dispatch_s": hold,
+            "step_s_max": max(samples), "dispatch_s": hold, "first_call_s": first_call,
             "compiles_during_timing": compile_count(runner) - before}
 
 
