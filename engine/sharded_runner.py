@@ -82,6 +82,13 @@ class ShardedStep:
     token_rows: np.ndarray  # [num_tokens]: row of each token in the step's [dp * N] tokens
 
 
+def _largest_shard(q_lens: np.ndarray, groups: list) -> tuple[int, int, int]:
+    """(tokens, sequences, prefilling sequences) of the data shards' largest part each: what
+    a sharded step's bucket must hold. q_lens [S_batch]; groups: each shard's sequences."""
+    return (max(int(q_lens[g].sum()) for g in groups), max(len(g) for g in groups),
+            max(int((q_lens[g] > 1).sum()) for g in groups))
+
+
 class ShardedModelRunner(ModelRunner):
     """ModelRunner whose weights, cache and step are laid out over a (data, model) mesh.
 
@@ -287,15 +294,12 @@ class ShardedModelRunner(ModelRunner):
         q_lens, _, groups, _ = self._grouped(batch)
         if q_lens.max(initial=1) <= 1 or batch.verify_len:
             return [int(q) for q in q_lens[max(groups, key=len)]]
-        tokens = max(int(q_lens[g].sum()) for g in groups)
-        prefill = max(int((q_lens[g] > 1).sum()) for g in groups)
+        tokens, _, prefill = _largest_shard(q_lens, groups)
         return [tokens - 2 * (prefill - 1)] + [2] * (prefill - 1)
 
     def _bucket(self, q_lens, groups, width, batch: StepBatch) -> tuple[int, int, int, int, int]:
         """The single-device bucket of the largest shard, which fits every shard's part."""
-        tokens = max(int(q_lens[g].sum()) for g in groups)
-        seqs = max(len(g) for g in groups)
-        prefill = max(int((q_lens[g] > 1).sum()) for g in groups)
+        tokens, seqs, prefill = _largest_shard(q_lens, groups)
         max_q = int(q_lens.max(initial=1))
         max_seqs = max(self.max_seqs, batch.num_seqs)
         key = bucket_key(tokens, seqs, width, max_q, prefill, max_seqs,

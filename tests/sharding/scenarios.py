@@ -11,6 +11,7 @@ one line `RESULT <json>`; the tests in this directory assert on it. Meshes are w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -157,43 +158,51 @@ def greedy(cfg, model, prompts, mesh=None, max_tokens: int = MAX_TOKENS,
                                 if k[3] > 1 and k[1] * k[3] == k[0])}
 
 
+@contextlib.contextmanager
+def compile_log():
+    """Yields a list that fills, while the block runs, with what jax's compile log says it
+    compiles ("Compiling <program>", the line up to its " with ")."""
+    import logging
+
+    import jax
+    compiles = []
+
+    def emit(record):
+        message = record.getMessage()
+        if message.startswith("Compiling "):
+            compiles.append(message.split(" with ")[0])
+    handler = logging.Handler()
+    handler.emit = emit
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield compiles
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax").removeHandler(handler)
+
+
 def warm_greedy(cfg, model, prompts, mesh) -> dict:
     """Greedy tokens of a mesh engine whose warm-up compiled its step programs ahead of time
     (lowered for the mesh, not run), and what the run then compiled, from jax's compile log;
     then what runs of sampled and logprob requests compiled."""
-    import logging
-
-    import jax
-
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
     engine = LLMEngine(cfg, model, None, engine_config(), mesh=mesh)
     warmed = engine.warmup()
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("jax")
-    logger.addHandler(handler)
-    jax.config.update("jax_log_compiles", True)
     sampled = [SamplingParams(max_tokens=4, temperature=0.8, seed=1),
                SamplingParams(max_tokens=4, logprobs=2),
                SamplingParams(max_tokens=4, temperature=0.9, top_p=0.8, seed=2, logprobs=1)]
-
-    def compiles():
-        return [m.split(" with ")[0] for m in messages if m.startswith("Compiling ")]
-    try:
+    with compile_log() as compiles:
         outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-        greedy_compiles = compiles()
+        greedy_compiles = list(compiles)
         for params in sampled:  # all prompts, then one
             engine.generate(prompts, params)
             engine.generate(prompts[:1], params)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(handler)
     return {"tokens": [o.output_ids for o in outs], "warmed": warmed,
             "plan": engine.runner.plan.reason, "compiled_ahead": engine.runner.compiles_ahead,
             "step_compiles_in_run": [c for c in greedy_compiles if "_sharded_step" in c],
-            "compiles_in_sampled_runs": compiles()[len(greedy_compiles):]}
+            "compiles_in_sampled_runs": compiles[len(greedy_compiles):]}
 
 
 def mixed_params(sampled: bool = True) -> list:
@@ -222,10 +231,6 @@ def rounds_run(cfg, model, prompts, mesh=None, num_decode_steps: int = 1,
     programs ran. Without `sampled` (greedy rows), the greedy round programs, penalized ones
     too, and the count table's history write are compiled ahead first, and the result lists
     the round programs and history writes the run compiled."""
-    import logging
-
-    import jax
-
     from engine.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
     engine = LLMEngine(cfg, model, None, EngineConfig(
@@ -235,24 +240,14 @@ def rounds_run(cfg, model, prompts, mesh=None, num_decode_steps: int = 1,
         engine.warmup(programs=[p for p in engine.warmup_programs(penalized=True)
                                 if p[3].startswith("greedy")], samplers=False)
         engine.runner.penalty_counts.compile()
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("jax").addHandler(handler)
-    jax.config.update("jax_log_compiles", True)
-    try:
+    with compile_log() as compiles:
         outs = engine.generate(prompts, mixed_params(sampled))
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logging.getLogger("jax").removeHandler(handler)
     return {"tokens": [o.output_ids for o in outs],
             "plan": None if mesh is None else engine.runner.plan.reason,
             "rounds": sorted({k[0] for k in engine.runner.compiled_shapes
                               if isinstance(k[0], str)}),
-            "round_compiles_in_run": [m.split(" with ")[0] for m in messages
-                                      if m.startswith("Compiling ") and ("round" in m
-                                                                        or "multi_step" in m
-                                                                        or "history" in m)]}
+            "round_compiles_in_run": [c for c in compiles if "round" in c
+                                      or "multi_step" in c or "history" in c]}
 
 
 def uneven_keys(cfg, model, mesh) -> dict:
