@@ -330,6 +330,24 @@ def layer_attention(cfg: ModelConfig, layer: int) -> tuple[np.ndarray, int | Non
     return rope_inv_freq(cfg, local=window is not None), window
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "kernels", "window"))
+def _layer_program(graphdef, state, x, k_pages, v_pages, meta, *, cfg, kernels, window):
+    inv_freq = rope_inv_freq(cfg, local=window is not None)  # a constant of the program
+    return nnx.merge(graphdef, state)(x, k_pages, v_pages, meta, cfg, inv_freq, kernels, window)
+
+
+def run_layer(layer: DecoderLayer, x, k_pages, v_pages, meta: AttentionMetadata,
+              cfg: ModelConfig, kernels: KernelBackends | None, window: int | None):
+    """layer(x, k_pages, v_pages, meta, cfg, its RoPE frequencies, kernels, window) -> (x,
+    k_pages, v_pages), as a jitted function of the layer's weights: unrolled layers of one
+    structure share one trace and one lowering (XLA inlines the calls, so the compiled step
+    is the same), where calling each layer would trace and lower it again, Python work that a
+    start-up's compile threads take turns at."""
+    graphdef, state = nnx.split(layer)
+    return _layer_program(graphdef, state, x, k_pages, v_pages, meta, cfg=cfg, kernels=kernels,
+                          window=window)
+
+
 def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: AttentionMetadata,
             cfg: ModelConfig, logits_indices: jax.Array | None = None,
             kernels: KernelBackends | None = None) -> tuple[jax.Array, KVCache]:
@@ -350,9 +368,9 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
         # per layer: float pages, or QuantizedPages of an int8 / fp8 cache (models/kv_cache.py)
         k_all, v_all = map(list, zip(*(cache.layer(i) for i in range(len(model.layers)))))
         for i, layer in enumerate(model.layers):
-            inv_freq, window = layer_attention(cfg, i)
-            x, k_all[i], v_all[i] = layer(x, k_all[i], v_all[i], meta, cfg, inv_freq, kernels,
-                                          window)
+            _, window = layer_attention(cfg, i)
+            x, k_all[i], v_all[i] = run_layer(layer, x, k_all[i], v_all[i], meta, cfg, kernels,
+                                              window)
         cache = KVCache.from_layers(k_all, v_all)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)

@@ -236,6 +236,9 @@ def _kernel(sizes_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_gro
     jax.lax.fori_loop(0, (size + block_m - 1) // block_m, chunk, 0)
 
 
+# jitted: the unrolled layers share one trace and one lowering per shape (ARCHITECTURE.md
+# "Kernel calls")
+@functools.partial(jax.jit, static_argnames=("group_size", "config", "partials", "interpret"))
 def expert_group_matmul(x, w, group_sizes, *, scales=None, offsets=None,
                         group_size: int | None = None, config: ExpertGemmConfig | None = None,
                         partials: bool = False, interpret: bool = False):

@@ -273,6 +273,9 @@ def _kernel(expert_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_gr
     plgpu.store(out_ref.at[split, row, cols], jnp.sum(acc, axis=0).astype(out_ref.dtype))
 
 
+# jitted: the unrolled layers share one trace and one lowering per shape (ARCHITECTURE.md
+# "Kernel calls")
+@functools.partial(jax.jit, static_argnames=("group_size", "config", "partials", "interpret"))
 def expert_gemv(x, w, expert, *, scales=None, offsets=None, group_size: int | None = None,
                 config: ExpertGemvConfig | None = None, partials: bool = False,
                 interpret: bool = False):

@@ -309,6 +309,10 @@ def _kernel_refusal(x, w_t, group_size: int) -> str | None:
     return None
 
 
+# jitted: the unrolled layers share one trace and one lowering per shape (ARCHITECTURE.md
+# "Kernel calls")
+@functools.partial(jax.jit, static_argnames=("eps", "gated", "group_size", "config", "interpret",
+                                             "k_order"))
 def gemv(x, w_t, *, norm_weight=None, eps: float = 1e-6, gated: bool = False, bias=None,
          residual=None, scales=None, offsets=None, group_size: int | None = None,
          config: GemvConfig | None = None, interpret: bool = False, k_order: str = "natural"):

@@ -55,6 +55,7 @@ ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class IndexedRows:
     """Rows x[index] [M, K] of x [T, K] (index int32 [M]: each pair's token), which the expert
@@ -75,6 +76,7 @@ class IndexedRows:
         return self.x[self.index]
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GatedRows:
     """Rows act(gate) * up [M, K] in `dtype`, given as a gate-up product's float32 split
@@ -82,8 +84,8 @@ class GatedRows:
     product's kernel sums, activates and multiplies them as it loads its input and no kernel
     runs in between. act: a key of ACTIVATIONS."""
     partials: jax.Array
-    act: str
-    dtype: Any
+    act: str = dataclasses.field(metadata=dict(static=True))
+    dtype: Any = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:

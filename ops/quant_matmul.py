@@ -129,6 +129,10 @@ def _matmul_kernel(x_ref, w_ref, s_ref, *refs, bits: int, m: int, n: int, rows: 
                 mask=mask)
 
 
+# jitted: the unrolled layers share one trace and one lowering per shape (ARCHITECTURE.md
+# "Kernel calls")
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "config", "interpret",
+                                             "stored_nk"))
 def _pallas_matmul(x, w, scales, offsets, *, bits: int, group_size: int, config: MatmulConfig,
                    interpret: bool, stored_nk: bool = False):
     m, k = x.shape

@@ -45,6 +45,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ops.lowering_target import abstract_gpu_kind, is_hopper
 from ops.quant_wgmma_convert import (channel_scaled, codes_to_bf16, scaled_parts, store_tile,
                                      swizzled)
 from ops.quant_wgmma_layout import (  # noqa: F401  (callers use quant_wgmma.X)
@@ -113,7 +114,12 @@ def _kernel(x_gmem, w_gmem, s_gmem, *refs, bits: int, grouped: bool, offsets: bo
 
 
 def on_hopper() -> bool:
-    """The default backend is a Hopper GPU (compute capability 9.x: wgmma)."""
+    """The kernel's target is a Hopper GPU (compute capability 9.x: wgmma): the default
+    backend's device, or the abstract GPU that a lowering from another host targets
+    (ops.lowering_target, scripts/lower.py)."""
+    abstract = abstract_gpu_kind()
+    if abstract is not None:
+        return is_hopper(abstract)
     return (jax.default_backend() == "gpu"
             and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"))
 
@@ -156,6 +162,9 @@ def offsets_in_kernel(bits: int, groups: int, dtype) -> bool:
     return bits == 4 and groups > 1 and dtype == jnp.bfloat16
 
 
+# jitted: the unrolled layers share one trace and one lowering per shape (ARCHITECTURE.md
+# "Kernel calls")
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "config", "k_order"))
 def wgmma_matmul(x, w_t, scales, offsets=None, *, bits: int, group_size: int,
                  config: WgmmaConfig | None = None, k_order: str = "natural"):
     """x [M, K] bf16 @ the codes w_t (INT4: int32 words [N, K/8]; INT8: uint8 [N, K]; along K

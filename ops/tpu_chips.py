@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-import jax
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from ops.lowering_target import abstract_device_lowering
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +57,5 @@ def tpu_lowering(chip: str = "v6e", mesh=None):
     and their types are kept), None for one device."""
     if chip not in CHIPS:
         raise ValueError(f"tpu_lowering: chip {chip!r} must be one of {tuple(CHIPS)}")
-    device = AbstractDevice(device_kind=CHIPS[chip].device_kinds[0], num_cores=1, platform="tpu")
-    if mesh is None:
-        sizes, names, types = (1,), ("tpu",), (AxisType.Explicit,)
-    else:
-        sizes, names, types = tuple(mesh.axis_sizes), tuple(mesh.axis_names), \
-            tuple(mesh.axis_types)
-    abstract = AbstractMesh(sizes, names, types, abstract_device=device)
-    with jax.sharding.use_abstract_mesh(abstract):
+    with abstract_device_lowering(CHIPS[chip].device_kinds[0], "tpu", mesh) as abstract:
         yield abstract

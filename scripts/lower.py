@@ -1,20 +1,25 @@
-"""Lowers every step program the engine compiles for a serving configuration, for TPU, from any
-host (no TPU needed), and reports the Mosaic kernels each one contains.
+"""Lowers every step program the engine compiles for a serving configuration, for TPU or a GPU,
+from any host (no accelerator needed), and reports the kernels each one contains and the seconds
+it took to trace and lower.
 
     python -m scripts.lower --platform=tpu --model=llama3.1-8b [--quant=int4|int8] [--json]
     python -m scripts.lower --platform=tpu --model=llama3.1-8b --tp=4   # 8 fake CPU devices
+    python -m scripts.lower --platform=gpu --gpu=h100 --model=qwen3-30b-a3b --quant=int4
 
-The model is shape-only (no weights are allocated); the engine configuration is the TPU's
-defaults (engine/engine_config.py) with a KV cache sized from the chip's HBM (--chip). The step
-programs are the ones the engine's warm-up compiles (engine/warmup.py: every decode, multi-step,
-prefill and mixed-round bucket), each traced with the TPU's kernel choice
-(ops.backends.select_kernels) and lowered with `lowering_platforms=("tpu",)` under an abstract
-TPU device (ops.tpu_chips.tpu_lowering). The samplers' programs hold no attention or quantized
-product and are not lowered. Exit status 1 if a program fails to lower or lacks the attention
-kernel or, for a quantized model on one chip, the quantized-product kernel (a reference
-fallback; with --tp the quantized products are XLA's, partitioned by XLA).
-Lowering checks the Pallas-to-Mosaic translation, block shapes and dtypes; Mosaic's own
-compilation runs in the TPU compiler and is not exercised here.
+The model is shape-only (no weights are allocated) and prepared as on the device
+(models.prepare); the engine configuration is the platform's defaults
+(engine/engine_config.py) with a KV cache sized from the chip's memory (--chip, --gpu). The
+step programs are the ones the engine's warm-up compiles (engine/warmup.py: every decode,
+multi-step, prefill and mixed-round bucket), each traced with the platform's kernel choice
+(ops.backends.select_kernels) and lowered with `lowering_platforms=("tpu",)` or `("cuda",)`
+under an abstract device of the target (ops.lowering_target). The samplers' programs hold no
+attention or quantized product and are not lowered. Exit status 1 if a program fails to lower
+or lacks the attention kernel or, for a quantized model on one TPU chip, the quantized-product
+kernel (a reference fallback; with --tp the quantized products are XLA's, partitioned by XLA).
+Lowering checks the Pallas-to-Mosaic / Triton translation, block shapes and dtypes; the
+kernels' own compilation runs in the device's compiler and is not exercised here. The seconds
+are the Python part of a start-up's compiling (tracing and lowering, which the compile threads
+take turns at), not XLA's.
 """
 from __future__ import annotations
 
@@ -44,33 +49,67 @@ from engine.warmup import compile_step, reachable_steps
 from models.kv_cache import init_kv_cache
 from models.prepare import prepare_for_device
 from models.sharding import runtime_config, tree_shardings
-from models.weights import abstract_model
+from models.llama import LlamaForCausalLM
 from ops.backends import select_kernels
 from ops.kernel_choice import KernelBackends
 from ops.kv_quant import kv_cache_dtype
-from ops.tpu_chips import CHIPS, tpu_lowering
-from quant.model import QuantConfig, model_nbytes, quantized_abstract_model
+from ops.lowering_target import GPUS, abstract_device_lowering, is_hopper
+from ops.tpu_chips import CHIPS
+from quant.model import QuantConfig, model_nbytes, quantize_model
 
 FLAGS = flags.FLAGS
 QUANT_METHODS = {"none": None, "int4": "int4_rtn", "int8": "int8"}
 ATTENTION_KERNEL = "tpu_ragged_paged_attention"
 QUANT_KERNEL = "tpu_quant_matmul"
-MEMORY_FRACTION = 0.9  # of the chip's HBM, as on a GPU (engine/engine_config.py)
+GPU_ATTENTION_KERNEL = "ragged_paged_attention"
+MEMORY_FRACTION = 0.9  # of the chip's memory, as on a GPU (engine/engine_config.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The chip a lowering is for."""
+
+    platform: str  # "tpu" or "gpu"
+    name: str  # a key of ops.tpu_chips.CHIPS or ops.lowering_target.GPUS
+    device_kind: str
+    memory_bytes: int
+
+    @property
+    def hopper(self) -> bool:
+        return self.platform == "gpu" and is_hopper(self.device_kind)
+
+    @property
+    def lowering_platform(self) -> str:
+        return "cuda" if self.platform == "gpu" else self.platform
+
+    def describe(self) -> str:
+        return f"TPU {self.name}" if self.platform == "tpu" else self.device_kind
+
+
+def target_of(platform: str, chip: str = "v6e", gpu: str = "h200") -> Target:
+    """The Target of a TPU `chip` (platform "tpu") or a `gpu` (platform "gpu")."""
+    if platform == "tpu":
+        return Target("tpu", chip, CHIPS[chip].device_kinds[0], CHIPS[chip].hbm_gib << 30)
+    if platform == "gpu":
+        return Target("gpu", gpu, GPUS[gpu].device_kind, int(GPUS[gpu].memory_gib * 2**30))
+    raise ValueError(f"scripts.lower: platform {platform!r} must be 'tpu' or 'gpu'")
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("platform", "tpu", ["tpu"], "The platform to lower for.")
+    flags.DEFINE_enum("platform", "tpu", ["tpu", "gpu"], "The platform to lower for.")
     flags.DEFINE_string("model", "llama3.1-8b", "Model preset (configs/model.py).")
     flags.DEFINE_enum("quant", "none", list(QUANT_METHODS), "Weight quantization (RTN shapes).")
     flags.DEFINE_enum("chip", "v6e", list(CHIPS), "TPU chip: HBM size and kernel block sizes.")
+    flags.DEFINE_enum("gpu", "h200", list(GPUS), "GPU: memory and kernel choice (--platform=gpu).")
     flags.DEFINE_integer("tp", 1, "Tensor-parallel degree (fake CPU devices stand in for chips).")
     flags.DEFINE_bool("json", False, "Print the report as JSON.")
     flags.DEFINE_string("kv_cache_dtype", "auto", "KV cache dtype: auto, bf16, int8, fp8.")
-    flags.DEFINE_integer("max_num_seqs", None, "Override the TPU default (256).")
-    flags.DEFINE_integer("max_num_batched_tokens", None, "Override the TPU default (2048).")
+    flags.DEFINE_integer("max_num_seqs", None, "Override the platform's default (256).")
+    flags.DEFINE_integer("max_num_batched_tokens", None, "Override the platform's default "
+                         "(2048).")
     flags.DEFINE_integer("max_model_len", None, "Override (default: the context the cache "
                          "holds, at most the model's).")
-    flags.DEFINE_integer("num_decode_steps", None, "Override the TPU default (8).")
+    flags.DEFINE_integer("num_decode_steps", None, "Override the platform's default (8).")
     flags.DEFINE_integer("num_pages", None, "KV pages (default: what the chip's HBM holds).")
     flags.DEFINE_integer("max_programs", None, "Lower only the first N programs (smoke runs).")
 
@@ -96,19 +135,32 @@ def mosaic_kernels(text: str) -> dict[str, int]:
     return dict(counts)
 
 
+def gpu_kernels(text: str) -> dict[str, int]:
+    """Kernel name -> number of Pallas Triton and Mosaic GPU custom calls in a lowered module's
+    text (each jitted kernel call is lowered once per shape: a call per distinct kernel)."""
+    counts = collections.Counter()
+    for line in text.splitlines():
+        if "@__gpu$xla.gpu.triton(" in line:  # the name follows the kernel's IR in the config
+            names = re.findall(r'\bname = "([\w.-]+)"', line)
+            counts[names[-1] if names else "triton"] += 1
+        elif "@mosaic_gpu" in line:
+            counts["mosaic_gpu"] += 1
+    return dict(counts)
+
+
 class EnoughPrograms(Exception):
     """--max_programs programs are lowered: the walk stops."""
 
 
 class LoweringProgram:
-    """Stands in for one of the runner's jitted functions: a call traces and lowers it for TPU
-    (once per static shape), records a Program, and returns zeros of its results with the
+    """Stands in for one of the runner's jitted functions: a call traces and lowers it for the
+    target (once per static shape), records a Program, and returns zeros of its results with the
     cache argument (shape-only) passed through, so the runner's warmup goes on."""
 
-    def __init__(self, jitted, kind: str, programs: list[Program], chip: str, limit,
+    def __init__(self, jitted, kind: str, programs: list[Program], target: Target, limit,
                  mesh=None, on_program=None):
-        self.jitted, self.kind, self.programs, self.chip, self.limit = jitted, kind, programs, \
-            chip, limit
+        self.jitted, self.kind, self.programs, self.target, self.limit = jitted, kind, \
+            programs, target, limit
         self.mesh, self.on_program = mesh, on_program
         self.seen: set[str] = set()
 
@@ -119,14 +171,16 @@ class LoweringProgram:
         if self.limit is not None and len(self.programs) >= self.limit:
             raise EnoughPrograms
         start = time.perf_counter()
-        with tpu_lowering(self.chip, self.mesh):
+        target = self.target
+        with abstract_device_lowering(target.device_kind, target.platform, self.mesh):
             traced = self.jitted.trace(*args, **kwargs)
             out_info = traced.out_info
             if shape not in self.seen:
                 self.seen.add(shape)
                 try:
-                    text = traced.lower(lowering_platforms=("tpu",)).as_text()
-                    self.programs.append(Program(self.kind, shape, mosaic_kernels(text),
+                    text = traced.lower(lowering_platforms=(target.lowering_platform,)).as_text()
+                    kernels = (gpu_kernels if target.platform == "gpu" else mosaic_kernels)(text)
+                    self.programs.append(Program(self.kind, shape, kernels,
                                                  time.perf_counter() - start))
                 except Exception as e:  # reported per program; the run goes on
                     self.programs.append(Program(self.kind, shape, {}, time.perf_counter() - start,
@@ -138,7 +192,7 @@ class LoweringProgram:
                 args[1])
 
 
-def lowering_programs(runner, chip: str, limit, mesh=None, on_program=None) -> None:
+def lowering_programs(runner, target: Target, limit, mesh=None, on_program=None) -> None:
     """Replaces the runner's jitted step functions by LoweringPrograms (runner.programs); the
     warm-up then calls them instead of compiling them ahead of time."""
     runner.programs = []
@@ -146,7 +200,7 @@ def lowering_programs(runner, chip: str, limit, mesh=None, on_program=None) -> N
     for kind in ("_step", "_step_and_argmax", "_multi_step", "_mixed_round"):
         if hasattr(runner, kind):
             setattr(runner, kind, LoweringProgram(getattr(runner, kind), kind.lstrip("_"),
-                                                  runner.programs, chip, limit, mesh,
+                                                  runner.programs, target, limit, mesh,
                                                   on_program))
 
 
@@ -154,12 +208,12 @@ class LoweringRunner(ModelRunner):
     """A ModelRunner over a shape-only model and cache whose programs are lowered, not run."""
 
     def __init__(self, cfg, model, num_pages: int, page_size: int, kv_dtype, max_seqs: int,
-                 max_width: int, *, kernels: KernelBackends, chip: str, limit=None,
+                 max_width: int, *, kernels: KernelBackends, target: Target, limit=None,
                  on_program=None):
         super().__init__(cfg, model, 1, page_size, kv_dtype, max_seqs, max_width, kernels)
         self.cache = jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, page_size,
                                                           self.kv_dtype))
-        lowering_programs(self, chip, limit, None, on_program)
+        lowering_programs(self, target, limit, None, on_program)
 
     def sampler_shapes(self) -> list:
         """The samplers' programs hold no kernel of interest: not lowered."""
@@ -171,7 +225,8 @@ class ShardedLoweringRunner(ShardedModelRunner):
     shardings on the mesh) whose programs are lowered, not run."""
 
     def __init__(self, cfg, model, num_pages: int, page_size: int, kv_dtype, max_seqs: int,
-                 max_width: int, *, mesh, kernels: KernelBackends, chip: str, limit=None,
+                 max_width: int, *, mesh, kernels: KernelBackends, target: Target,
+                 limit=None,
                  on_program=None):
         tp, _ = mesh_shape(mesh)
         graphdef, state = nnx.split(model)
@@ -188,67 +243,83 @@ class ShardedLoweringRunner(ShardedModelRunner):
                                                     self.kv_dtype))
         self.cache = jax.tree.map(lambda a, small: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=small.sharding), full, self.cache)
-        lowering_programs(self, chip, limit, mesh, on_program)
+        lowering_programs(self, target, limit, mesh, on_program)
 
     def sampler_shapes(self) -> list:
         """The samplers' programs hold no kernel of interest: not lowered."""
         return []
 
 
-def serving_setup(model_name: str, quant: str, chip: str, kv_dtype_name: str,
+def shape_only_model(cfg, method: str | None, dtype, target: Target, mesh=None):
+    """(cfg, model) of cfg's shapes, no weights allocated: RTN-quantized by `method` (None:
+    float) and laid out for `target` (models.prepare: fused, transposed) as on the device."""
+    built = {}
+
+    def make():
+        model = LlamaForCausalLM(cfg, nnx.Rngs(0), dtype)
+        if method is not None:
+            quantize_model(cfg, model, QuantConfig(method), progress=False)
+        with abstract_device_lowering(target.device_kind, target.platform):
+            prepared = prepare_for_device(cfg, model, platform=target.platform,
+                                          hopper=target.hopper, mesh=mesh)
+        built["cfg"] = prepared.cfg
+        return prepared.model
+    model = nnx.eval_shape(make)
+    return built["cfg"], model
+
+
+def serving_setup(model_name: str, quant: str, target: Target, kv_dtype_name: str,
                   overrides: dict, mesh=None):
     """(cfg, shape-only model, resolved EngineConfig, pages per data shard) of the serving
-    configuration on `chip`s: weights in bf16 (or RTN codes), the KV cache in 0.9 of each
-    chip's HBM less its share of the weights."""
-    cfg = get_preset(model_name)
+    configuration on `target` chips: weights in bf16 (or RTN codes) laid out for the platform,
+    the KV cache in 0.9 of each chip's memory less its share of the weights."""
     dtype = jnp.bfloat16
-    method = QUANT_METHODS[quant]
-    model = (abstract_model(cfg, dtype) if method is None
-             else quantized_abstract_model(cfg, QuantConfig(method), dtype))
-    prepared = prepare_for_device(cfg, model, platform="tpu", hopper=False, mesh=mesh)
-    cfg, model = prepared.cfg, prepared.model
+    cfg, model = shape_only_model(get_preset(model_name), QUANT_METHODS[quant], dtype, target,
+                                  mesh)
     requested = EngineConfig(kv_cache_dtype=kv_dtype_name,
                              **{k: v for k, v in overrides.items() if v is not None})
-    engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings, "tpu")
+    engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings, target.platform)
     kv_dtype = kv_cache_dtype(kv_dtype_name, dtype)
     if requested.num_pages is not None:
         return cfg, model, engine_cfg, requested.num_pages
-    hbm = CHIPS[chip].hbm_gib << 30
     tp = 1 if mesh is None else mesh_shape(mesh)[0]
-    budget = (int(hbm * MEMORY_FRACTION) - model_nbytes(model) // tp - activation_reserve_bytes(
-        cfg, engine_cfg.max_num_batched_tokens, engine_cfg.max_num_seqs, dtype))
+    budget = (int(target.memory_bytes * MEMORY_FRACTION) - model_nbytes(model) // tp
+              - activation_reserve_bytes(cfg, engine_cfg.max_num_batched_tokens,
+                                         engine_cfg.max_num_seqs, dtype))
     if budget <= 0:
         raise ValueError(f"{model_name} ({quant}) leaves no room for a KV cache in the "
-                         f"{CHIPS[chip].hbm_gib} GiB of a TPU {chip}")
+                         f"{target.memory_bytes / 2**30:.0f} GiB of a {target.describe()}")
     plan = plan_kv_cache(kv_local_config(cfg, mesh), kv_dtype, engine_cfg.page_size,
                          engine_cfg.max_model_len, engine_cfg.max_num_batched_tokens,
                          engine_cfg.max_num_seqs, None,
                          fit_max_model_len=False, kv_cache_memory=budget)
     if requested.max_model_len is None:
-        engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings, "tpu",
-                                           plan.num_pages * engine_cfg.page_size)
+        engine_cfg = resolve_engine_config(requested, cfg.max_position_embeddings,
+                                           target.platform, plan.num_pages * engine_cfg.page_size)
     return cfg, model, engine_cfg, plan.num_pages
 
 
 def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
                            chip: str = "v6e", kv_dtype_name: str = "auto",
                            max_programs: int | None = None, tp: int = 1, on_program=None,
-                           **overrides) -> dict:
-    """Lowers the step programs of the serving configuration (see the module docstring);
-    returns the report: the configuration, the programs and the failures. tp > 1: over a
-    (data 1, model tp) mesh of this host's first tp devices (fake CPU devices will do).
-    on_program(Program) is called after each program."""
+                           platform: str = "tpu", gpu: str = "h200", **overrides) -> dict:
+    """Lowers the step programs of the serving configuration (see the module docstring) for a
+    TPU `chip` or, with platform "gpu", a `gpu`; returns the report: the configuration, the
+    programs and the failures. tp > 1: over a (data 1, model tp) mesh of this host's first tp
+    devices (fake CPU devices will do). on_program(Program) is called after each program."""
+    target = target_of(platform, chip, gpu)
     mesh = None if tp == 1 else make_mesh(tp=tp, dp=1, devices=jax.devices()[:tp])
-    cfg, model, engine_cfg, num_pages = serving_setup(model_name, quant, chip, kv_dtype_name,
+    cfg, model, engine_cfg, num_pages = serving_setup(model_name, quant, target, kv_dtype_name,
                                                       overrides, mesh)
-    kernels = select_kernels("tpu", device_kind=CHIPS[chip].device_kinds[0],
+    kernels = select_kernels(target.platform, hopper=target.hopper,
+                             device_kind=target.device_kind,
                              mesh_axes=() if mesh is None else tuple(mesh.shape.items()))
     pool = BlockPool(num_pages, engine_cfg.page_size, engine_cfg.enable_prefix_caching)
     max_width = pool.pages_needed(engine_cfg.max_model_len)
     make_runner = LoweringRunner if mesh is None else functools.partial(ShardedLoweringRunner,
                                                                         mesh=mesh)
     runner = make_runner(cfg, model, num_pages, engine_cfg.page_size, engine_cfg.kv_cache_dtype,
-                         engine_cfg.max_num_seqs, max_width, kernels=kernels, chip=chip,
+                         engine_cfg.max_num_seqs, max_width, kernels=kernels, target=target,
                          limit=max_programs, on_program=on_program)
     # The engine's warm-up walk (engine/warmup.py) over this runner.
     num_steps = engine_cfg.num_decode_steps
@@ -261,12 +332,17 @@ def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
                          mixed_rounds=engine_cfg.mixed_rounds)
     except EnoughPrograms:
         pass
-    # Under a mesh the quantized products are XLA's (ops.backends._select_tpu_kernels).
-    required = [ATTENTION_KERNEL] + ([QUANT_KERNEL] if quant != "none" and tp == 1 else [])
+    # Under a mesh the TPU's quantized products are XLA's (ops.backends._select_tpu_kernels);
+    # a GPU's take one of several kernels by rows and layout (ops/backends.py): not required.
+    if target.platform == "gpu":
+        required = [GPU_ATTENTION_KERNEL]
+    else:
+        required = [ATTENTION_KERNEL] + ([QUANT_KERNEL] if quant != "none" and tp == 1 else [])
     failures = [f"{p.kind} [{p.shape}]: " + (p.error or "no " + ", ".join(
         k for k in required if k not in p.kernels)) for p in runner.programs
         if p.error or any(k not in p.kernels for k in required)]
-    return {"model": model_name, "quant": quant, "chip": chip, "tp": tp, "kv_pages": num_pages,
+    return {"model": model_name, "quant": quant, "platform": target.platform,
+            "chip": target.name, "target": target.describe(), "tp": tp, "kv_pages": num_pages,
             "engine_config": dataclasses.asdict(engine_cfg), "kernels": str(kernels),
             "required_kernels": required, "programs": [dataclasses.asdict(p)
                                                        for p in runner.programs],
@@ -275,15 +351,19 @@ def lower_serving_programs(model_name: str = "llama3.1-8b", quant: str = "none",
 
 def print_report(report: dict, file=sys.stdout) -> None:
     cfg = report["engine_config"]
-    print(f"{report['model']} ({report['quant']}) for TPU {report['chip']} x{report['tp']}: "
+    print(f"{report['model']} ({report['quant']}) for {report['target']} x{report['tp']}: "
           f"{len(report['programs'])} step programs; {report['kv_pages']} KV pages of "
           f"{cfg['page_size']}; max_num_seqs {cfg['max_num_seqs']}, max_num_batched_tokens "
           f"{cfg['max_num_batched_tokens']}, max_model_len {cfg['max_model_len']}", file=file)
     counts = collections.Counter()
     for p in report["programs"]:
         counts.update(p["kernels"])
-    print("Mosaic kernels over all programs: " + (", ".join(
+    print("kernels over all programs: " + (", ".join(
         f"{k} x{n}" for k, n in sorted(counts.items())) or "none"), file=file)
+    seconds = [p["seconds"] for p in report["programs"]]
+    if seconds:
+        print(f"traced and lowered in {sum(seconds):.1f} s in all, {max(seconds):.1f} s the "
+              f"longest program", file=file)
     for failure in report["failures"]:
         print(f"FAILED {failure.splitlines()[0]}", file=file)
     print("ok" if not report["failures"] else f"{len(report['failures'])} failures", file=file)
@@ -307,7 +387,8 @@ def main(argv) -> int:
                      num_pages=FLAGS.num_pages)
     report = lower_serving_programs(FLAGS.model, FLAGS.quant, FLAGS.chip, FLAGS.kv_cache_dtype,
                                     FLAGS.max_programs, FLAGS.tp,
-                                    None if FLAGS.json else print_program, **overrides)
+                                    None if FLAGS.json else print_program,
+                                    platform=FLAGS.platform, gpu=FLAGS.gpu, **overrides)
     if FLAGS.json:
         json.dump(report, sys.stdout, indent=1, default=str)
         print()

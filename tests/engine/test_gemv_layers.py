@@ -132,7 +132,8 @@ def test_a_mixture_of_experts_transposes_its_attention(monkeypatch, method):
         assert not isinstance(layer.mlp.gate_up_proj.kernel.get_value(), TransposedWeight)
         got = generate(model, cfg_t, prompts, params)
     assert kinds["o"].get(1) and not kinds["gated"] and not kinds["down"]
-    assert calls.get(1, 0) == 2 * cfg.num_layers  # q/k/v and o per layer, in one program
+    # q/k/v and o of the one traced layer that every layer calls (models.llama.run_layer)
+    assert cfg.num_layers > 1 and calls.get(1, 0) == 2
     assert_same_generations(got, want, rtol=1e-5)
 
 

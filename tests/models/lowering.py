@@ -12,12 +12,22 @@ from models.weights import abstract_model
 
 
 def lowered_step_text(cfg, kernels, *, num_pages: int, page_size: int, tokens: int, seqs: int,
-                      width: int, stacked: bool = False, fused: bool = False) -> str:
+                      width: int, stacked: bool = False, fused: bool = False,
+                      build=None) -> str:
     """The StableHLO text of forward(...) for `tokens` tokens of `seqs` sequences (block tables
     [seqs, width], up to tokens / 2 a sequence, two of them prefills), bf16 weights and pages
-    (with `fused`, as models.llama.fuse_projections leaves them), with `kernels`, lowered for
+    (with `fused`, as models.llama.fuse_projections leaves them; given `build`, the model and
+    config that build(cfg, bf16 model) returns, traced from shapes), with `kernels`, lowered for
     CUDA (the caller holds the h200_lowering fixture)."""
-    if fused:
+    if build is not None:
+        built = {}
+
+        def make():
+            built["cfg"], model = build(cfg, LlamaForCausalLM(cfg, nnx.Rngs(0), jnp.bfloat16))
+            return model
+        model = nnx.eval_shape(make)
+        cfg = built["cfg"]
+    elif fused:
         cfg, model = cfg.replace(fused_projections=True), nnx.eval_shape(
             lambda: fuse_projections(cfg, LlamaForCausalLM(cfg, nnx.Rngs(0), jnp.bfloat16))[1])
     else:

@@ -27,7 +27,7 @@ def two_layers(name: str):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_preset_lowers_with_gpu_kernels(h200_lowering, monkeypatch, name):  # noqa: F811
     cfg = two_layers(name)
-    calls = []  # (sliding_window, soft_cap, scale) of each layer's kernel call
+    calls = []  # (sliding_window, soft_cap, scale) of each kernel call traced
 
     def spy(*args, **kwargs):
         calls.append((kwargs["sliding_window"], kwargs["soft_cap"], kwargs["scale"]))
@@ -37,8 +37,10 @@ def test_preset_lowers_with_gpu_kernels(h200_lowering, monkeypatch, name):  # no
     text = lowered_step_text(cfg, select_kernels("gpu", hopper=True), num_pages=64,
                              page_size=16, tokens=64, seqs=4, width=16)
     assert "triton" in text and h200_lowering
-    assert calls == [(cfg.layer_window(i), cfg.attn_logit_softcap, cfg.attention_scale)
-                     for i in range(cfg.num_layers)]
+    # layers with the same window share one traced layer (models.llama.run_layer)
+    assert calls == list(dict.fromkeys(
+        (cfg.layer_window(i), cfg.attn_logit_softcap, cfg.attention_scale)
+        for i in range(cfg.num_layers)))
     assert any(window is not None for window, _, _ in calls) == (cfg.sliding_window is not None)
 
 

@@ -76,7 +76,8 @@ def test_longrope_greedy_matches_transformers(phi3):
 
 
 def test_longrope_lowers_with_gpu_kernels(h200_lowering, monkeypatch, phi3):  # noqa: F811
-    """Both passes of RoPE + KV write run the Pallas kernel, the attention its ragged kernel."""
+    """Both passes of RoPE + KV write run the Pallas kernel, the attention its ragged kernel;
+    the layers share one traced layer (models.llama.run_layer), so each pass is traced once."""
     cfg = phi3[0].cfg
     calls = []
 
@@ -88,4 +89,4 @@ def test_longrope_lowers_with_gpu_kernels(h200_lowering, monkeypatch, phi3):  # 
     text = lowered_step_text(cfg, select_kernels("gpu", hopper=True), num_pages=32,
                              page_size=4, tokens=32, seqs=4, width=8)
     assert "triton" in text and h200_lowering
-    assert len(calls) == 2 * cfg.num_layers
+    assert cfg.num_layers > 1 and len(calls) == 2

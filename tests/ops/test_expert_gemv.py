@@ -8,6 +8,7 @@ qwen3-30b-a3b's decode shapes are added.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -361,14 +362,20 @@ def test_decode_step_of_a_tiny_mixture_reaches_the_kernel(h200_lowering, tokens,
     """tiny-qwen3-moe's decode step (2 tokens x 3 experts: 6 rows <= 8 experts, in token
     order; 8 tokens: 24 rows sorted by expert) with the GPU's kernel choice runs its three
     expert products per layer (two with gate and up fused) through the one-row kernel, or for
-    sorted rows the grouped kernel (ops/expert_gemm.py); with the reference choice, neither."""
+    sorted rows the grouped kernel (ops/expert_gemm.py); with the reference choice, neither.
+    Each distinct product is lowered once, in the one traced layer that every layer calls."""
     cfg = get_preset("tiny-qwen3-moe")
     shapes = dict(num_pages=8, page_size=4, tokens=tokens, seqs=tokens, width=4, fused=fused)
     gpu = select_kernels("gpu", hopper=True)
     assert gpu.moe == "pallas"
     text = lowered_step_text(cfg, gpu, **shapes)
-    name = '"expert_gemv"' if tokens * cfg.num_experts_per_tok <= cfg.num_experts else (
-        '"expert_gemm"')
-    assert text.count(name) == (2 if fused else 3) * cfg.num_layers and h200_lowering
+    rows = tokens * cfg.num_experts_per_tok <= cfg.num_experts
+    name, function = ("expert_gemv", "expert_gemv") if rows else ("expert_gemm",
+                                                                  "expert_group_matmul")
+    calls = re.findall(rf"call @{function}(?:_\d+)?\(", text)  # in the one traced layer
+    layers = re.findall(r"call @_layer_program(?:_\d+)?\(", text)
+    assert len(calls) == (2 if fused else 3) and h200_lowering
+    assert len(layers) == cfg.num_layers > 1
+    assert text.count(f'"{name}"') == 2  # gate-up (or gate and up alike) and down, once each
     text = lowered_step_text(cfg, dataclasses.replace(gpu, moe="reference"), **shapes)
     assert '"expert_gemv"' not in text and '"expert_gemm"' not in text
