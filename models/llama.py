@@ -368,9 +368,8 @@ def forward(model: LlamaForCausalLM, cache: KVCache, tokens: jax.Array, meta: At
         # per layer: float pages, or QuantizedPages of an int8 / fp8 cache (models/kv_cache.py)
         k_all, v_all = map(list, zip(*(cache.layer(i) for i in range(len(model.layers)))))
         for i, layer in enumerate(model.layers):
-            _, window = layer_attention(cfg, i)
             x, k_all[i], v_all[i] = run_layer(layer, x, k_all[i], v_all[i], meta, cfg, kernels,
-                                              window)
+                                              cfg.layer_window(i))
         cache = KVCache.from_layers(k_all, v_all)
     if logits_indices is not None:
         x = x[logits_indices]  # [S, hidden] (the norm is per row: gather first)
