@@ -349,6 +349,13 @@ def compare_table(results: dict) -> str:
     return markdown_table(["configuration", "output tokens/s", "x engine flags"], rows)
 
 
+def save_results(results: dict) -> None:
+    """Write --json_out (main process): after each phase, so a run cut short keeps what it
+    measured."""
+    if FLAGS.json_out and is_main_process():
+        write_json(FLAGS.json_out, results)
+
+
 def main(argv):
     del argv
     try:
@@ -362,8 +369,7 @@ def main(argv):
         except ValueError as e:
             common.fail(str(e))
         print(serving_table(results))
-        if FLAGS.json_out:
-            write_json(FLAGS.json_out, results)
+        save_results(results)
         return
     common.setup_jax()
     try:
@@ -373,8 +379,7 @@ def main(argv):
             info = run_info() | {"mode": "startup", "model": FLAGS.model, "quant": FLAGS.quant}
 
             def save(figures):  # at the first token, and again after the background compiles
-                if FLAGS.json_out and is_main_process():
-                    write_json(FLAGS.json_out, info | figures)
+                save_results(info | figures)
 
             results = info | measure_startup(
                 FLAGS, lambda: common.prepare_model(load_served_model(FLAGS, mesh), mesh), mesh,
@@ -412,6 +417,9 @@ def main(argv):
     results["continuous"], results["programs_compiled_at_start"] = timed_run(
         engine, work, spec.longest)
     results["warmup_and_run_s"] = time.perf_counter() - start
+    save_results(results)
+    print(f"continuous: {results['continuous']['output_tokens_per_s']:.1f} output tokens/s "
+          f"({results['warmup_and_run_s']:.1f} s with its warm-up)")
     release(engine)
     del engine
     if FLAGS.static_baseline and not FLAGS.stub_device:
@@ -423,6 +431,7 @@ def main(argv):
         results["static"] = run_static(engine, work, batch) | {"batch_size": batch}
         results["continuous_over_static"] = (results["continuous"]["output_tokens_per_s"]
                                              / results["static"]["output_tokens_per_s"])
+        save_results(results)
         release(engine)
         del engine
     results["compare"] = {}
@@ -438,11 +447,11 @@ def main(argv):
         except Exception as e:  # noqa: BLE001 - out of memory, say: a result
             results["compare"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             gc.collect()
+        save_results(results)
     print(serving_table(results))
     if results["compare"]:
         print(compare_table(results))
-    if FLAGS.json_out and is_main_process():
-        write_json(FLAGS.json_out, results)
+    save_results(results)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,21 @@ def test_random_int4_codes_serve(tmp_path):
     assert result["continuous"]["programs_compiled_during_run"] == 0
 
 
+def test_a_run_cut_short_keeps_the_phases_it_measured(tmp_path):
+    """--json_out is written after each phase: a run that stops in the static baseline (here
+    made to fail) keeps the continuous figures."""
+    out = tmp_path / "serving.json"
+    cut = ("import sys; from absl import app; import scripts.bench.serving as s\n"
+           "def cut(*args): raise RuntimeError('stopped in the static baseline')\n"
+           "s.run_static = cut; app.run(s.main, argv=sys.argv)")
+    proc = subprocess.run([sys.executable, "-c", cut, *WORKLOAD, f"--json_out={out}"],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode != 0 and "stopped in the static baseline" in proc.stderr
+    result = json.loads(out.read_text())
+    assert result["continuous"]["output_tokens_per_s"] > 0 and "static" not in result
+    assert "continuous: " in proc.stdout and "output tokens/s" in proc.stdout
+
+
 def test_quant_without_random_weights_is_one_clear_error():
     proc = subprocess.run([sys.executable, "-m", "scripts.bench.serving", "--model=smollm2-135m",
                            "--quant=int8", "--num_requests=1"], capture_output=True, text=True,
