@@ -41,7 +41,7 @@ from engine.sharded_runner import sharded_engine_parts
 from engine.spec_rounds import SpeculativeRounds
 from engine.speculative import SpecConfig, SpecStats
 from engine.warmup import (CompileQueue, compile_all, compile_program, compile_threads,
-                           in_callers_context, reachable_steps, step_programs)
+                           in_callers_context, program_label, reachable_steps, step_programs)
 from models.longrope import uses_longrope
 from ops.kv_quant import kv_cache_dtype
 
@@ -112,6 +112,8 @@ class LLMEngine:
             settings += " (taken as single steps: speculation)"
         self.kv_summary = f"{settings}\n{self._cache_summary(num_pages)}"
         self.stats = EngineStats()
+        # (program_label, seconds on its compile thread) of every step program `warmup` compiled
+        self.compile_seconds: list[tuple[str, float]] = []
         self._rng = np.random.default_rng(engine_cfg.seed)
         self._next_request = 0
         self._next_group = 0
@@ -459,8 +461,10 @@ class LLMEngine:
                      for shape in self.runner.penalty_sampler_shapes()]
         if self.runner.tables is not None:  # the scatter that keeps the device's tables
             jobs.append((self.runner.tables.compile, ()))
-        compile_all(lambda compile_one, shape: compile_one(*shape), jobs, self.warmup_threads,
-                    progress)
+        seconds = compile_all(lambda compile_one, shape: compile_one(*shape), jobs,
+                              self.warmup_threads, progress)
+        self.compile_seconds += [(program_label(program), s)
+                                 for program, s in zip(programs, seconds)]
         return len(self.runner.compiled_shapes) - before
 
     @property

@@ -109,25 +109,40 @@ class CompileQueue:
             return self._changed.wait_for(lambda: not self._pending, timeout)
 
 
-def compile_all(compile_one, shapes: list, threads: int, progress=None) -> None:
+def compile_all(compile_one, shapes: list, threads: int, progress=None) -> list[float]:
     """compile_one(*shape) for every shape, `threads` at a time; progress(done, total) after
-    each. On threads the first failure (in the shapes' order) is raised once the others finish;
-    with one thread, in order on this thread, a failure stops the walk."""
+    each. Returns the seconds each shape took on its thread (tracing, lowering and compiling,
+    slowed by the others beside it), in the shapes' order. On threads the first failure (in the
+    shapes' order) is raised once the others finish; with one thread, in order on this thread,
+    a failure stops the walk."""
+    def timed(*shape) -> float:
+        start = time.perf_counter()
+        compile_one(*shape)
+        return time.perf_counter() - start
+
     if threads <= 1 or len(shapes) <= 1:
+        seconds = []
         for i, shape in enumerate(shapes):
-            compile_one(*shape)
+            seconds.append(timed(*shape))
             if progress is not None:
                 progress(i + 1, len(shapes))
-        return
+        return seconds
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compile") as pool:
-        compile_here = in_callers_context(compile_one)
+        compile_here = in_callers_context(timed)
         futures = [pool.submit(compile_here, *shape) for shape in shapes]
         for done, future in enumerate(as_completed(futures), start=1):
             future.exception()  # wait; failures are raised below, in the shapes' order
             if progress is not None:
                 progress(done, len(shapes))
-    for future in futures:
-        future.result()
+    return [future.result() for future in futures]
+
+
+def program_label(program: tuple) -> str:
+    """A step program of `step_programs` in words: 'greedy round: 64 seqs, 64 tokens, 8 pages'."""
+    q_lens, width, verification, name = program
+    kind = "step" if name == STEP else f"{name} round"
+    return (f"{kind}: {len(q_lens)} seqs, {sum(q_lens)} tokens, {width} pages"
+            + (", verification" if verification else ""))
 
 
 def reachable_steps(cfg, pool, min_width: int, spec_config=None, num_seqs: int | None = None,

@@ -35,6 +35,7 @@ def process_age() -> float:
 
 
 _IMPORTED = time.perf_counter()
+SLOWEST = 8  # step programs listed by their compile time (a compile order's evidence)
 
 
 def measure_startup(FLAGS, load, mesh=None, on_ready=None) -> dict:
@@ -46,8 +47,9 @@ def measure_startup(FLAGS, load, mesh=None, on_ready=None) -> dict:
     Returns main_at_s (when the benchmark's main began, since process start), the durations
     of the phases (weights loaded and prepared, engine built with its KV cache, compiling,
     first token, background), the programs compiled and loaded from the compilation cache by
-    the first token, ready_s (process start to first token) and ready_without_weights_s (less
-    the weights').
+    the first token, ready_s (process start to first token), ready_without_weights_s (less
+    the weights') and slowest_programs (the step programs that took longest on their compile
+    threads, with their seconds).
     on_ready(figures so far) is called at the first token, before the background compiles."""
     out = {"main_at_s": process_age()}
     start = time.perf_counter()
@@ -73,6 +75,7 @@ def measure_startup(FLAGS, load, mesh=None, on_ready=None) -> dict:
     stats = compile_stats()
     out |= {"programs": stats.programs, "programs_compiled": stats.compiled,
             "programs_loaded": stats.loaded, "program_seconds": stats.seconds,
+            "slowest_programs": sorted(engine.compile_seconds, key=lambda p: -p[1])[:SLOWEST],
             "compilation_cache_dir": FLAGS.compilation_cache_dir,
             "num_layers": loaded.cfg.num_layers,
             "layer_loop": engine.runner.layer_loop,
@@ -99,4 +102,7 @@ def startup_table(r: dict) -> str:
             f"compiled, {r['programs_loaded']} loaded from the compilation cache; "
             + (f"then {r['background_programs']} in the background in "
                f"{r['background_s']:.1f}s; " if "background_s" in r else "")
-            + f"layer loop {r['layer_loop']}")
+            + f"layer loop {r['layer_loop']}"
+            + ("\nslowest to compile: " + "; ".join(f"{label} {s:.1f}s" for label, s in
+                                                  r["slowest_programs"][:3])
+               if r["slowest_programs"] else ""))

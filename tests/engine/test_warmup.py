@@ -3,6 +3,7 @@ compiles nothing (engine/warmup.py lists the reachable steps)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from engine.compile_stats import compile_stats, count_compiles, report_serving_c
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.step_batch import bucket_key
 from engine.request import SamplingParams
-from engine.warmup import compile_all, compile_threads, split_first
+from engine.warmup import compile_all, compile_threads, program_label, split_first
 from models.weights import random_model
 
 
@@ -67,7 +68,7 @@ def threads_of_each_compile(monkeypatch) -> list:
 
     def recording(compile_one, jobs, count, progress=None):
         seen.append(count)
-        real(compile_one, jobs, count, progress)
+        return real(compile_one, jobs, count, progress)
 
     monkeypatch.setattr(llm_engine, "compile_all", recording)
     return seen
@@ -303,9 +304,16 @@ def test_cpu_prefill_tables_follow_their_context_and_the_warm_up_lists_them(monk
     assert (compile_stats() - before).programs == 0
 
 
+def test_a_program_label_names_its_kind_and_size():
+    assert program_label(([1] * 64, 8, False, "step")) == "step: 64 seqs, 64 tokens, 8 pages"
+    assert (program_label(([5, 1, 1], 16, True, "plain+penalties"))
+            == "plain+penalties round: 3 seqs, 7 tokens, 16 pages, verification")
+
+
 def test_compile_all_runs_every_shape_once_and_raises_the_first_failure():
     """engine.warmup.compile_all: every shape compiled once, progress up to the total, threads
-    or not; a failure is raised after the others ran (the first in the shapes' order)."""
+    or not, and each shape's seconds returned in the shapes' order; a failure is raised after
+    the others ran (the first in the shapes' order)."""
     shapes = [([1] * n, 4, False) for n in range(1, 9)]
     for threads in (1, 3):
         seen, reports, names = [], [], set()
@@ -313,9 +321,12 @@ def test_compile_all_runs_every_shape_once_and_raises_the_first_failure():
         def compile_one(q_lens, width, verification):
             names.add(threading.current_thread().name)
             seen.append(len(q_lens))
+            time.sleep(0.01 * (len(q_lens) % 3))  # shapes 2, 5, 8 take longest
 
-        compile_all(compile_one, shapes, threads, lambda done, total: reports.append((done, total)))
+        seconds = compile_all(compile_one, shapes, threads,
+                              lambda done, total: reports.append((done, total)))
         assert sorted(seen) == list(range(1, 9))
+        assert len(seconds) == 8 and all(s >= 0.01 * (n % 3) for n, s in zip(range(1, 9), seconds))
         assert reports == [(i, 8) for i in range(1, 9)]
         assert (names == {threading.current_thread().name}) == (threads == 1)
 

@@ -174,10 +174,15 @@ def test_startup_only_loads_from_the_cache_on_a_second_start(tmp_path):
                               timeout=600, env=ENV)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "ready in" in proc.stdout and "loaded from the compilation cache" in proc.stdout
+        assert "slowest to compile: step: " in proc.stdout or "round: " in proc.stdout
         assert ("compilation cache warm" in proc.stderr) == (name == "warm"), proc.stderr[-2000:]
         runs.append(json.loads(out.read_text()))
     cold, warm = runs
     assert cold["mode"] == "startup" and cold["programs_compiled"] > 0
+    slowest = cold["slowest_programs"]  # [label, seconds], the longest compile first
+    assert 0 < len(slowest) <= 8 and [s for _, s in slowest] == sorted(
+        (s for _, s in slowest), reverse=True) and slowest[0][1] > 0
+    assert all(" seqs, " in label and " pages" in label for label, _ in slowest)
     assert warm["programs_compiled"] == 0 and 0 < warm["programs_loaded"] < cold["programs"]
     for r in runs:
         assert 0 < r["main_at_s"] < r["ready_s"] and r["first_token_s"] > 0
