@@ -226,8 +226,7 @@ class ShardedLoweringRunner(ShardedModelRunner):
 
     def __init__(self, cfg, model, num_pages: int, page_size: int, kv_dtype, max_seqs: int,
                  max_width: int, *, mesh, kernels: KernelBackends, target: Target,
-                 limit=None,
-                 on_program=None):
+                 limit=None, on_program=None):
         tp, _ = mesh_shape(mesh)
         graphdef, state = nnx.split(model)
         run_cfg = runtime_config(cfg, tp)
