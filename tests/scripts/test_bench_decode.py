@@ -225,6 +225,17 @@ def test_cpu_floors_divide_by_the_fastest_plain_read_measured():
     assert common.floor_TBps({"copy_TBps": 2.0, "published_TBps": 0.8}) == 0.8
 
 
+def test_a_runs_json_names_the_settings_it_ran_under(monkeypatch):
+    # a figure taken under XLA_FLAGS or a kernel override must say so in its JSON
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=2")
+    monkeypatch.setenv("PALLASITE_MOE", "reference")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    settings = common.run_info()["environment"]
+    assert settings["XLA_FLAGS"] == "--xla_gpu_autotune_level=2"
+    assert settings["PALLASITE_MOE"] == "reference"
+    assert "UNRELATED_SETTING" not in settings
+
+
 @pytest.mark.parametrize("tiny", sorted(p.name for p in Path(GOLDEN_DIR).glob("tiny-*")))
 def test_the_hf_peer_runs_each_family_as_transformers_writes_it(tiny):
     # the peer's transformers family, from the config fields alone, is the model_type of the
