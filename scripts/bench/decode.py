@@ -27,8 +27,8 @@ ModelRunner holds a paged KV cache of random values for the largest batch and co
 - hf: HF transformers `generate` on the same shapes (scripts/bench/hf_peer.py in subprocesses,
   run before jax takes the GPU), eager and for --hf_static_compile models compiled; skipped
   when torch or transformers is missing.
-- profile: for each --profile model:batch:context, jax's profiler over a few steps: device busy
-  time per step and where it goes.
+- profile: for each --profile model:batch:context (a decode row) or model:prefill:tokens (a
+  prefill row), jax's profiler over a few steps: device busy time per step and where it goes.
 JSON is rewritten after every row; a failing row (out of memory, say) records its error.
 """
 from __future__ import annotations
@@ -107,7 +107,8 @@ flags.DEFINE_integer("hf_new_tokens", 16, "Tokens per HF generate.")
 flags.DEFINE_list("hf_static_compile", [], "Models also run with static cache + torch.compile "
                   "(batch 1, the first --hf_context).")
 flags.DEFINE_integer("hf_timeout", 240, "Seconds per HF subprocess.")
-flags.DEFINE_list("profile", [], "model:batch:context rows to profile (jax profiler).")
+flags.DEFINE_list("profile", [], "Rows to profile (jax profiler): model:batch:context for a "
+                  "decode row, model:prefill:tokens for a prefill row.")
 flags.DEFINE_integer("profile_steps", 5, "Steps traced per profile.")
 flags.DEFINE_string("profile_dir", "/tmp/bench_decode_profile", "Profiler output directory.")
 flags.DEFINE_bool("calibrate", True, "Measure copy bandwidth and matmul rate (else use "
@@ -234,11 +235,17 @@ def decode_row(row: dict, name: str, variant: str, cfg, model, runner, rng, cali
         row |= {"loop_step_s": loop_s, "loop_tokens_per_s": b / loop_s,
                 "loop_mbu": floor / loop_s}
     if f"{name}:{b}:{c}" in FLAGS.profile:
-        prof = profile.profile_steps(runner, batch, FLAGS.profile_steps, os.path.join(
-            FLAGS.profile_dir, f"{name}_{variant}_{b}_{c}"))
-        row["profile"] = prof
-        print(profile.format_summary(prof), flush=True)
+        row["profile"] = profiled(runner, batch, f"{name}_{variant}_{b}_{c}")
     return row
+
+
+def profiled(runner, batch, label: str) -> dict:
+    """jax's profile of --profile_steps steps of `batch` (profile.profile_steps), its summary
+    printed; the trace goes under --profile_dir/label."""
+    prof = profile.profile_steps(runner, batch, FLAGS.profile_steps,
+                                 os.path.join(FLAGS.profile_dir, label))
+    print(profile.format_summary(prof), flush=True)
+    return prof
 
 
 def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> None:
@@ -283,6 +290,8 @@ def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> 
             flops = dm.prefill_flops(cfg, t)
             row |= {"tokens_per_s": t / row["step_s"], "flops": flops,
                     "mfu": flops / row["step_s"] / (calib["matmul_TFLOPs"] * 1e12) / devices}
+            if f"{name}:prefill:{t}" in FLAGS.profile:
+                row["profile"] = profiled(runner, batch, f"{name}_{variant}_prefill_{t}")
         except Exception as e:  # noqa: BLE001
             row["error"] = error_text(e)
         results["prefill"].append(row)
