@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
+from engine import warm_start
 from engine.api import default_dtype, load_prepared
 from engine.compile_stats import CompileStats, compile_stats, count_compiles
 from engine.device_tables import tables_on_device
@@ -256,24 +257,25 @@ def warmup_for_serving(engine, background: bool) -> list:
     `background` (and a runner that compiles ahead of time) those of engine.warmup.split_first,
     else every reachable one. Returns the programs left to engine.compile_in_background.
 
-    With `background`, the first of them is compiled alone first. When the persistent
-    compilation cache served it (a start of a configuration that ran before), the others go to
-    the background too: a load takes a fraction of a second even when a step reaches the
-    program first, while loading them all before listening took most of a warm start (8 of
-    12 s for llama3.2-1b on an H100), tracing each program to find its cache key."""
+    With `background`, a configuration that has started before on this compilation cache
+    (engine/warm_start.py) compiles nothing before it listens: its first programs load in the
+    background, a load taking a fraction of a second even when a step reaches the program
+    first, where loading them all before listening took most of a warm start (8 of 12 s for
+    llama3.2-1b on an H100), tracing each program to find its cache key."""
     programs = engine.warmup_programs()
     first, later = programs, []
+    cache_dir = jax.config.jax_compilation_cache_dir
+    key = None
     if background and engine.runner.compiles_ahead:
         first, later = split_first(programs, engine.engine_cfg.page_size)
-        before = compile_stats()
-        engine.warmup(programs=first[:1], samplers=False)
-        probe = compile_stats() - before
-        first = first[1:]
-        if probe.programs and not probe.compiled:  # loaded: the cache is warm
+        key = warm_start.fingerprint(engine, first) if cache_dir else None
+        if key is not None and warm_start.started_before(cache_dir, key):
             print(f"compilation cache warm: {len(first)} first programs load in the "
                   "background", file=sys.stderr, flush=True)
-            first, later = [], first + later
+            return first + later
     engine.warmup(programs=first, progress=print_progress("compiling", engine.warmup_threads))
+    if key is not None:
+        warm_start.mark_started(cache_dir, key)
     return later
 
 

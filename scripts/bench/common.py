@@ -3,7 +3,6 @@ measured in the same run, rows that record their error, and the printed table.""
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
 import time
@@ -11,6 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from engine.warm_start import settings_environment
 from ops.tpu_chips import chip_of_device_kind
 from scripts.bench.profile import device_time_per_call
 from scripts.common import write_json
@@ -123,15 +123,11 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-# Environment variables that change what a run compiles or which kernels it takes
-# (XLA_FLAGS' autotune level, PALLASITE_MOE=reference, ...): a figure is read with them.
-SETTING_PREFIXES = ("XLA_", "JAX_", "PALLASITE_")
-
-
 def run_info() -> dict:
     """Device, jax version, date, command line and the settings from the environment
-    (SETTING_PREFIXES): the head of every benchmark's JSON."""
-    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith(SETTING_PREFIXES)}
+    (engine.warm_start.settings_environment: XLA_FLAGS' autotune level,
+    PALLASITE_MOE=reference, ...): the head of every benchmark's JSON."""
+    settings = settings_environment()
     return {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "environment": settings}
 
