@@ -272,7 +272,8 @@ def warmup_for_serving(engine, background: bool) -> list:
         if key is not None and warm_start.started_before(cache_dir, key):
             print(f"compilation cache warm: {len(first)} first programs load in the "
                   "background", file=sys.stderr, flush=True)
-            return first + later
+            first, later, key = [], first + later, None
+    # the samplers and the device tables' scatter always: small programs, loaded when warm
     engine.warmup(programs=first, progress=print_progress("compiling", engine.warmup_threads))
     if key is not None:
         warm_start.mark_started(cache_dir, key)
