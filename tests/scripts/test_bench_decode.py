@@ -54,7 +54,8 @@ def test_decode_rows_variants_multi_step_and_profile(tmp_path):
         [sys.executable, "-m", "scripts.bench.decode", *TINY, "--batch=1,3", "--context=24",
          "--prefill=16", "--variants=base,gemv", "--loop_steps=2", "--greedy_steps=3",
          "--greedy_batch=2", "--greedy_context=32", "--multi_step=3",
-         "--profile=tiny-llama31:3:24,tiny-llama31:prefill:16", "--profile_steps=1", f"--profile_dir={tmp_path / 'p'}",
+         "--profile=tiny-llama31:3:24,tiny-llama31:prefill:16", "--profile_steps=1",
+         f"--profile_dir={tmp_path / 'p'}",
          f"--json_out={out}"], capture_output=True, text=True, timeout=600,
         # the gemv variant's layers run unrolled (models.layer_scan.scannable): the base one
         # too, so that their greedy tokens compare bit for bit (the tiny model has near ties)

@@ -186,7 +186,7 @@ def test_startup_only_loads_from_the_cache_on_a_second_start(tmp_path):
         (s for _, s in slowest), reverse=True) and slowest[0][1] > 0
     assert all(" seqs, " in label and " pages" in label for label, _ in slowest)
     assert warm["programs_compiled"] == 0 and 0 < warm["programs_loaded"] < cold["programs"]
-    assert warm["slowest_programs"] == [] and warm["compile_s"] < cold["compile_s"]
+    assert warm["slowest_programs"] == []
     for r in runs:
         assert 0 < r["main_at_s"] < r["ready_s"] and r["first_token_s"] > 0
         assert r["ready_without_weights_s"] == r["ready_s"] - r["weights_s"]
