@@ -57,7 +57,7 @@ from scripts.bench import decode_model as dm
 from scripts.bench import profile
 from scripts.bench.common import (calibrate, error_text, floor_TBps, markdown_table,
                                   published_floor, run_info, write_json)
-from scripts.common import fail, kernels_line, setup_jax
+from scripts.common import fail, kernels_line, resolve_dtype, setup_jax
 
 flags.DEFINE_list("model", ["llama3.2-1b"], "Presets.")
 flags.DEFINE_list("batch", ["1", "8", "32", "128"], "Decode batch sizes.")
@@ -65,7 +65,9 @@ flags.DEFINE_list("context", ["512", "4096"], "Decode contexts (tokens attended 
 flags.DEFINE_integer("max_model_len", None, "Block tables as wide as an engine of this context "
                      "holds (a runner keeping its tables on the device reads rows this wide); "
                      "default: the longest --context.")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Weights and KV.")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
+                  "Weights and KV (default: float32 on the CPU, whose XLA products would convert "
+                  "bfloat16 weights every step; bfloat16 elsewhere).")
 flags.DEFINE_enum("matmul_precision", "default", ["default", "high", "highest"],
                   "jax's default matmul precision: on a GPU 'default' lets float32 products "
                   "use TF32; 'highest' keeps them float32 (for float32 greedy checks).")
@@ -250,8 +252,8 @@ def profiled(runner, batch, label: str) -> dict:
 
 def measure_model(name: str, variant: str, results: dict, calib: dict, mesh) -> None:
     """Greedy check, decode rows and prefill rows of one model variant."""
-    dtype = jnp.dtype(FLAGS.dtype)
-    head = {"model": name, "variant": variant, "quant": FLAGS.quant, "dtype": FLAGS.dtype,
+    dtype = resolve_dtype(FLAGS.dtype)
+    head = {"model": name, "variant": variant, "quant": FLAGS.quant, "dtype": dtype.name,
             "kv_cache_dtype": FLAGS.kv_cache_dtype, "label": FLAGS.label}
     start = time.perf_counter()
     cfg, model, runner = variant_setup(name, variant, dtype, mesh)
