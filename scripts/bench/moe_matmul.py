@@ -6,8 +6,8 @@
 One projection (--projection: gate [E, hidden, I], gate_up [E, hidden, 2 I] or down
 [E, I, hidden]) of `--copies` layers, each its own
 weights (so no step finds its experts in the L2 cache), multiplied by M = tokens x k rows
-routed uniformly (each token k distinct experts) and sorted by expert, as models/moe.py sorts
-them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows; `ragged`
+routed uniformly (each token k distinct experts; --routing=crowded: all tokens the same k) and
+sorted by expert, as models/moe.py sorts them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows; `ragged`
 without XLA's grouped-GEMM flag is the padded dense alternative: every expert times every row),
 `gathered_reduce` (the gathered form written as multiply and sum, which XLA may fuse with the
 gather and the codes' unpacking into one reduction instead of writing the gathered weights
@@ -70,15 +70,20 @@ flags.DEFINE_string("mgpu_tiles", "64,128,64,4,1", "block_m,block_n,block_k,"
                     "max_concurrent_steps,grid_block_n of the mgpu form.")
 flags.DEFINE_integer("gated_splits", 8, "Partials per row of the kernel_gated form (a batch-1 "
                      "gate-up product's K splits).")
+flags.DEFINE_enum("routing", "uniform", ["uniform", "crowded"], "Which experts the rows' "
+                  "tokens choose: k distinct experts each, uniformly; or all tokens the same k "
+                  "(as a random-weight model's deeper layers route a prompt).")
 flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 FLAGS = flags.FLAGS
 
 
-def routed_group_sizes(rng, rows: int, experts: int, k: int) -> np.ndarray:
+def routed_group_sizes(rng, rows: int, experts: int, k: int, crowded: bool = False
+                       ) -> np.ndarray:
     """Rows per expert (summing to `rows`) of ceil(rows / k) tokens, each choosing k distinct
-    experts uniformly."""
+    experts uniformly, or with `crowded` all choosing the same k."""
     tokens = -(-rows // k)
-    chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].reshape(-1)[:rows]
+    choice = np.argsort(rng.random((1 if crowded else tokens, experts)), axis=1)[:, :k]
+    chosen = np.broadcast_to(choice, (tokens, k)).reshape(-1)[:rows]
     return np.bincount(chosen, minlength=experts).astype(np.int32)
 
 
@@ -208,13 +213,13 @@ def main(argv):
                for key in jax.random.split(jax.random.key(1), FLAGS.copies)]
     norm_weight = (1.0 + 0.1 * jax.random.normal(jax.random.key(2), (h,))).astype(jnp.bfloat16)
     results = {**run_info(), "model": FLAGS.model, "quant": FLAGS.quant,
-               "projection": FLAGS.projection, "rows": []}
+               "projection": FLAGS.projection, "routing": FLAGS.routing, "rows": []}
     # interpreted (a CPU check of the forms): a small calibration that fits the CPU's memory
     results["calibration"] = calib = (calibrate(copy_bytes=64 << 20, matmul=1024)
                                       if interpreted() else calibrate())
     rng = np.random.default_rng(0)
     for rows in map(int, FLAGS.rows):
-        gs = jnp.asarray(routed_group_sizes(rng, rows, e, k))
+        gs = jnp.asarray(routed_group_sizes(rng, rows, e, k, FLAGS.routing == "crowded"))
         touched = int((np.asarray(gs) > 0).sum())
         x = jax.random.normal(jax.random.key(rows), (rows, din), jnp.bfloat16)
         floor = (touched * expert_bytes + rows * (din + dout) * 2) / (calib["copy_TBps"] * 1e12)
