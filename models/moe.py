@@ -35,8 +35,11 @@ and tokens reach their experts in one of two ways (`dispatch_mode`, by the step'
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -58,6 +61,23 @@ ALL_TO_ALL_MIN_TOKENS = 1024
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # after models.llama.fuse_projections (one device): gate and up as one [E, hidden, 2 I] product
 FUSED_PROJECTIONS = ("gate_up_proj", "down_proj")
+# record_routing's list while it is active, else None
+_routing_records: list | None = None
+
+
+@contextlib.contextmanager
+def record_routing():
+    """Yields a list that receives, while active, each sorted step's group sizes (numpy int32
+    [E], the pairs per expert) from every mixture layer, in call order: how evenly a step
+    spreads its pairs over the experts. A host callback joins the programs traced inside, so
+    wrap a program's first call (a cached program records nothing)."""
+    global _routing_records
+    previous, records = _routing_records, []
+    _routing_records = records
+    try:
+        yield records
+    finally:
+        _routing_records = previous
 
 
 class ExpertLinear(nnx.Module):
@@ -240,6 +260,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: dict, *, top_k: int, norma
                         expert=local if every_expert else jnp.clip(local, 0, num_groups - 1))
         return token_sums(y, kept, probs, n, top_k)
     order, kept, group_sizes = sorted_pairs(experts, num_groups, first_expert)
+    if _routing_records is not None:
+        jax.debug.callback(lambda sizes, out=_routing_records: out.append(np.asarray(sizes)),
+                           group_sizes, ordered=True)
     sorted_expert = None  # each sorted row's expert, for the kernel
     if n * top_k <= MAX_ROWS_PER_EXPERT * num_groups:
         sorted_expert = jnp.clip(experts.reshape(-1)[order] - first_expert, 0, num_groups - 1)

@@ -24,7 +24,7 @@ from engine.perplexity import full_sequence_logits
 from models.hf_loader import config_from_hf, load_hf_dir, stack_experts
 from models.kv_cache import init_kv_cache
 from models.llama import AttentionMetadata, forward
-from models.moe import moe_mlp
+from models.moe import moe_mlp, record_routing
 from models.prepare import prepare_for_device
 from models.weights import abstract_model, random_model
 from ops.moe_router import route
@@ -124,6 +124,30 @@ def test_moe_layer_matches_float64(n, normalize, dtype, tol):
     got = jax.jit(lambda x, r, w: moe_mlp(x, r, w, top_k=k, normalize=normalize,
                                           hidden_act="silu"))(cast(x), cast(router), weights)
     assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < tol
+
+
+def test_record_routing_counts_each_experts_pairs():
+    """record_routing: a sorted step's group sizes are each expert's count of the tokens that
+    chose it (float64 numpy top-k); a decode step (pairs kept in token order) records nothing,
+    and nothing is recorded outside the context."""
+    rng = np.random.default_rng(5)
+    h, i, e, k, n = 32, 16, 6, 2, 11
+    x = rng.standard_normal((n, h)).astype(np.float32)
+    router = rng.standard_normal((h, e)).astype(np.float32)
+    weights = {name: jnp.asarray(0.2 * rng.standard_normal(shape), jnp.float32)
+               for name, shape in (("gate_proj", (e, h, i)), ("up_proj", (e, h, i)),
+                                   ("down_proj", (e, i, h)))}
+    layer = lambda x: moe_mlp(x, jnp.asarray(router), weights, top_k=k,  # noqa: E731
+                              normalize=True, hidden_act="silu")
+    with record_routing() as sizes:
+        jax.block_until_ready(jax.jit(layer)(jnp.asarray(x)))
+        jax.block_until_ready(jax.jit(layer)(jnp.asarray(x[:3])))  # 6 pairs: no sort
+    logits = x.astype(np.float64) @ router
+    chosen = [e_ for t in range(n) for e_ in lowest_index_top_k(logits[t], k)]
+    assert len(sizes) == 1
+    np.testing.assert_array_equal(sizes[0], np.bincount(chosen, minlength=e))
+    jax.block_until_ready(jax.jit(lambda x: layer(x) + 1)(jnp.asarray(x)))
+    assert len(sizes) == 1
 
 
 @pytest.mark.parametrize("form,chunk_bytes",
