@@ -15,9 +15,9 @@ ModelRunner holds a paged KV cache of random values for the largest batch and co
   floor is the bytes a step must read (the weights it multiplies by + K/V of B x C tokens) over
   the copy bandwidth measured in the same run (on a TPU: the chip's published HBM bandwidth,
   ops/tpu_chips.py; on the CPU a matrix-vector product's read where faster:
-  scripts.bench.common.floor_TBps); MBU = floor / step. A mixture of experts counts only the experts the
-  step's B tokens are expected to touch (uniform routing, as random weights give): its
-  touched-bytes floor. `loop`: the engine's loop
+  scripts.bench.common.floor_TBps); MBU = floor / step. A mixture of experts counts only the
+  experts the step's B tokens are expected to touch (uniform routing, as random weights give a
+  decode step: scripts.bench.moe_routing): its touched-bytes floor. `loop`: the engine's loop
   without its scheduler (batch built on the host, step and argmax, tokens back every step).
   --multi_step: rounds of that many steps in one program (the engine's multi-step rounds).
 - prefill: one sequence's prompt of T tokens; tokens/s and FLOP utilization against the bf16
@@ -43,7 +43,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 

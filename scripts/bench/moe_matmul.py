@@ -7,9 +7,9 @@ One projection (--projection: gate [E, hidden, I], gate_up [E, hidden, 2 I] or d
 [E, I, hidden]) of `--copies` layers, each its own
 weights (so no step finds its experts in the L2 cache), multiplied by M = tokens x k rows
 routed uniformly (each token k distinct experts; --routing=crowded: all tokens the same k) and
-sorted by expert, as models/moe.py sorts them. Forms: the XLA forms of ops/moe_matmul.py (`gathered` only up to E rows; `ragged`
-without XLA's grouped-GEMM flag is the padded dense alternative: every expert times every row),
-`gathered_reduce` (the gathered form written as multiply and sum, which XLA may fuse with the
+sorted by expert, as models/moe.py sorts them. Forms: the XLA forms of ops/moe_matmul.py
+(`gathered` only up to E rows; `ragged` without XLA's grouped-GEMM flag is the padded dense
+alternative: every expert times every row), `gathered_reduce` (the gathered form written as multiply and sum, which XLA may fuse with the
 gather and the codes' unpacking into one reduction instead of writing the gathered weights
 first),
 `kernel`: ops/expert_gemv.py's Pallas Triton kernel (up to MAX_ROWS_PER_EXPERT x E rows: each

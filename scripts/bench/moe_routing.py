@@ -1,10 +1,11 @@
-"""How evenly a mixture of experts routes one prompt: per layer, the experts its pairs touch and
+"""How evenly a mixture of experts routes one step: per layer, the experts its pairs touch and
 the busiest expert's share of the tokens.
 
     python -m scripts.bench.moe_routing --model=qwen3-30b-a3b --quant=int4 --tokens=2048
 
-Random weights (normal 0.02, as every benchmark's) and random prompt tokens; one prefill step,
-its group sizes recorded by models.moe.record_routing. A trained router spreads a prompt over
+Random weights (normal 0.02, as every benchmark's) and random tokens; one prefill step of a
+prompt, or with --batch one decode step over a random cache, its group sizes recorded by
+models.moe.record_routing. A trained router spreads a prompt over
 many experts; random weights may not, and a benchmark's prefill and serving figures for a
 mixture depend on it (the grouped kernel's work per expert, ops/expert_gemm.py).
 --hidden_size narrows the model (heads of 64, experts 1/8 as wide as hidden, the layers,
@@ -25,7 +26,11 @@ from scripts.bench.common import markdown_table, run_info, write_json
 from scripts.common import fail, resolve_dtype, setup_jax
 
 flags.DEFINE_string("model", "qwen3-30b-a3b", "A mixture-of-experts preset.")
-flags.DEFINE_integer("tokens", 2048, "Prompt tokens.")
+flags.DEFINE_integer("tokens", 2048, "Prompt tokens (a prefill step).")
+flags.DEFINE_integer("batch", 0, "Instead of a prefill: one decode step of this many sequences "
+                     "at --context tokens each, over a cache of random K/V (as "
+                     "scripts.bench.decode times them).")
+flags.DEFINE_integer("context", 1024, "Tokens each decoding sequence attends to (--batch).")
 flags.DEFINE_enum("quant", "none", ["none", "int8", "int4"], "Expert and layer weights.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"],
                   "Weights (default: float32 on the CPU, bfloat16 elsewhere).")
@@ -67,22 +72,33 @@ def main(argv):
         cfg = narrowed(cfg, FLAGS.hidden_size)
     dtype = resolve_dtype(FLAGS.dtype)
     cfg, model = dm.build_model(cfg, dtype, FLAGS.seed, FLAGS.quant, fused=True)
-    runner = dm.make_runner(cfg, model, 1, FLAGS.tokens, FLAGS.page_size)
     rng = np.random.default_rng(FLAGS.seed)
-    batch = dm.prefill_batch(rng.integers(0, cfg.vocab_size, FLAGS.tokens),
-                             dm.page_tables(1, -(-FLAGS.tokens // FLAGS.page_size),
-                                            FLAGS.seed)[0], FLAGS.page_size)
+    if FLAGS.batch:
+        b, c = FLAGS.batch, FLAGS.context
+        runner = dm.make_runner(cfg, model, b, c, FLAGS.page_size)
+        dm.fill_cache_random(runner, FLAGS.seed + 1)
+        batch = dm.decode_batch(rng.integers(0, cfg.vocab_size, b), np.full(b, c - 1),
+                                dm.page_tables(b, -(-c // FLAGS.page_size), FLAGS.seed),
+                                FLAGS.page_size)
+    else:
+        runner = dm.make_runner(cfg, model, 1, FLAGS.tokens, FLAGS.page_size)
+        batch = dm.prefill_batch(rng.integers(0, cfg.vocab_size, FLAGS.tokens),
+                                 dm.page_tables(1, -(-FLAGS.tokens // FLAGS.page_size),
+                                                FLAGS.seed)[0], FLAGS.page_size)
     with moe.record_routing() as sizes:
         np.asarray(runner.execute_padded(batch).astype(jnp.float32))
     rows = layer_rows(sizes, cfg.num_experts_per_tok)
     if len(rows) != cfg.num_layers:
-        fail(f"recorded {len(rows)} layers of {cfg.num_layers}: the step did not sort its pairs")
+        fail(f"recorded {len(rows)} layers of {cfg.num_layers}: the step's pairs were not "
+             f"sorted (a decode step of at most {cfg.num_experts} pairs keeps them in token "
+             "order; use a larger --batch)")
     header = ["layer", "experts touched", "busiest expert's pairs", "of the step's tokens"]
     print(markdown_table(header, [[r["layer"], r["experts_touched"], r["busiest"],
                                    f"{r['busiest_share']:.0%}"] for r in rows]))
     if FLAGS.json_out:
         write_json(FLAGS.json_out, {**run_info(), "model": cfg.name, "quant": FLAGS.quant,
-                                    "tokens": FLAGS.tokens,
+                                    "tokens": FLAGS.tokens, "batch": FLAGS.batch,
+                                    "context": FLAGS.context,
                                     "step_tokens": int(sizes[0].sum()) // cfg.num_experts_per_tok,
                                     "layers": rows})
 

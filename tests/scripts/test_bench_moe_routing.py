@@ -27,6 +27,15 @@ def test_a_row_per_layer(tmp_path):
     assert "experts touched" in proc.stdout
 
 
+def test_a_decode_step(tmp_path):
+    """--batch: one decode step of 8 sequences (24 pairs over 8 experts: sorted, recorded)."""
+    out = tmp_path / "routing.json"
+    proc = run("--model=tiny-qwen3-moe", "--batch=8", "--context=20", f"--json_out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["step_tokens"] == 8 and len(result["layers"]) == 2
+
+
 def test_a_dense_model_is_refused():
     proc = run("--model=tiny-llama31", "--tokens=8")
     assert proc.returncode == 1 and "not a mixture of experts" in proc.stderr
