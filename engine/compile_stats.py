@@ -40,11 +40,12 @@ class CompileStats:
                             self.seconds - other.seconds)
 
     def describe(self) -> str:
-        """'N programs: C compiled, L loaded from the compilation cache (S s of compiling)':
-        S sums every program's compile time, so it exceeds the wall time when programs compile
-        side by side."""
+        """'N programs: C compiled, L loaded from the compilation cache (S s of compiling,
+        summed over the programs)': S sums every program's compile time, so it exceeds the wall
+        time when programs compile side by side, and says so."""
         return (f"{self.programs} programs: {self.compiled} compiled, {self.loaded} loaded from "
-                f"the compilation cache ({self.seconds:.1f}s of compiling)")
+                f"the compilation cache ({self.seconds:.1f}s of compiling, summed over the "
+                f"programs)")
 
 
 _lock = threading.Lock()

@@ -246,7 +246,8 @@ def setup_jax() -> None:
 
 def startup_summary(seconds: float, since: CompileStats | None = None) -> str:
     """'ready in S s; N programs: C compiled, L loaded from the compilation cache (T s of
-    compiling)': the programs counted since the snapshot `since` (default: since start-up)."""
+    compiling, summed over the programs)': the programs counted since the snapshot `since`
+    (default: since start-up)."""
     stats = compile_stats() - (since or CompileStats())
     cache = "" if jax.config.jax_compilation_cache_dir else " (compilation cache off)"
     return f"ready in {seconds:.1f}s; {stats.describe()}{cache}"
