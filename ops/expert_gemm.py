@@ -1,7 +1,7 @@
 """A mixture's grouped expert product over rows sorted by expert as one Pallas Triton kernel:
-each program owns one expert and one block of output columns, reads that expert's tiles once
-per chunk of up to 64 rows and multiplies the chunk's rows by them on the tensor cores; bf16
-experts, or INT8 / INT4 codes.
+each program owns one chunk of up to 64 rows of one expert's run and one block of output
+columns, reads that expert's tiles and multiplies the chunk's rows by them on the tensor cores;
+bf16 experts, or INT8 / INT4 codes.
 
     expert_group_matmul       the kernel: x [M, K] bf16 (or IndexedRows, GatedRows) sorted by
                               expert, group_sizes int32 [E], w [E, K, N] bf16 or codes with
@@ -13,13 +13,15 @@ experts, or INT8 / INT4 codes.
 A batched decode step has a few (token, expert) pairs per expert: batch 64 of qwen3-30b-a3b
 is 512 pairs over 128 experts. The one-row kernel (ops/expert_gemv.py) reads an expert once
 per row, and XLA's tiles form writes each tile's dequantized expert to memory before its
-product. Here the program of (expert e, column block) walks the rows of e's run in chunks of
-`block_m` rows and, per chunk, the K tiles of w[e]: one [block_k, block_n] tile loaded, its
-codes turned into exact bf16 values (c - zero, integers), a bf16 dot of the chunk's rows
+product. Here the grid's slots number the chunks of `block_m` rows of every expert's run in
+turn (at most ceil(M / block_m) + E of them), so a long run, such as a prompt crowded onto a
+few experts, spreads over as many programs as it has chunks. The program of (chunk, column
+block) walks the K tiles of its expert w[e]: one [block_k, block_n] tile loaded, its codes
+turned into exact bf16 values (c - zero, integers), a bf16 dot of the chunk's rows
 [block_m, block_k] by it in float32, scaled per group after the dot (scale (x . (c - zero)),
 or scale (x . c) + offset sum(x) when asymmetric) as ops.moe_matmul.rows_coded_matmul does.
-A program with no rows does nothing; the program after the last expert writes zeros into the
-rows past the groups' sum (pairs of experts another shard holds).
+Chunks of the rows past the groups' sum (pairs of experts another shard holds) write zeros;
+slots past the last chunk do nothing.
 """
 from __future__ import annotations
 
@@ -156,24 +158,29 @@ def kernel_runs(x, w, group_sizes, kernels: KernelBackends | None, scales=None, 
             and kernel_refusal(x, w, group_sizes, None, scales, offsets, group_size) is None)
 
 
-def _run(sizes_ref, group_id, num_experts: int, rows: int):
-    """(first sorted row, rows) of program group_id's run: expert group_id's, or for
-    group_id = E the rows past the groups' sum. sizes_ref [E] int32, summed in the program (a
-    few hundred bytes) so that no cumulative sum runs before the kernel."""
-    ids = jnp.arange(max(16, tiles.next_pow2(num_experts)), dtype=jnp.int32)
+def _chunk_of_slot(sizes_ref, slot, num_experts: int, rows: int, block_m: int):
+    """(group, first sorted row, rows) of grid slot `slot`: slots number the chunks of up to
+    block_m rows of expert 0's run, then of expert 1's, ..., then of the rows past the groups'
+    sum (group E); a slot past the last chunk gets 0 rows. sizes_ref [E] int32 is read and
+    summed in the program (a few hundred bytes), so nothing runs before the kernel."""
+    ids = jnp.arange(max(16, tiles.next_pow2(num_experts + 1)), dtype=jnp.int32)  # [W]
     ok = ids < num_experts
-    sizes = plgpu.load(sizes_ref.at[jnp.where(ok, ids, 0)], mask=ok, other=0)  # [E']
-    start = jnp.sum(jnp.where(ids < group_id, sizes, 0))
-    size = jnp.where(group_id < num_experts, jnp.sum(jnp.where(ids == group_id, sizes, 0)),
-                     rows - start)
-    return start, size
+    sizes = plgpu.load(sizes_ref.at[jnp.where(ok, ids, 0)], mask=ok, other=0)  # [W]
+    sizes = jnp.where(ids == num_experts, rows - jnp.sum(sizes), sizes)  # group E: the tail
+    chunks = (sizes + block_m - 1) // block_m  # [W]
+    group = jnp.sum((jnp.cumsum(chunks) <= slot).astype(jnp.int32))  # > E past the last
+    before = ids < group
+    chunk = slot - jnp.sum(jnp.where(before, chunks, 0))  # the chunk's place in its run
+    size = jnp.sum(jnp.where(ids == group, sizes, 0))
+    first = jnp.sum(jnp.where(before, sizes, 0)) + chunk * block_m
+    return group, first, jnp.clip(size - chunk * block_m, 0, block_m)
 
 
 def _kernel(sizes_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_groups: int,
             k_tiles: int, block_m: int, block_n: int, block_k: int, bits: int,
             group_size: int, asymmetric: bool, act: str | None, x_dtype):
-    # sizes_ref [E] int32: each expert's run of sorted rows (program E: the rows past their
-    # sum); index_ref [M] int32: the row of x each sorted row reads; x_ref
+    # sizes_ref [E] int32: each expert's run of sorted rows (then the rows past their sum);
+    # index_ref [M] int32: the row of x each sorted row reads; x_ref
     # [T, K], or with `act` a gate-up product's float32 partials [S, M, 2 K] (GatedRows);
     # w_ref [E, K/P, N] (P = 8 K rows per INT4 word, else 1); refs: (s_ref [E, G, N],
     # (o_ref [E, G, N])) for codes, then out_ref [M, N]
@@ -181,59 +188,59 @@ def _kernel(sizes_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_gro
     s_ref, o_ref, out_ref = code_refs(refs, bits, asymmetric)
     per_word = INT4_PER_WORD if bits == 4 else 1
     block_r = block_k // per_word  # stored rows of w per tile
-    group_id, nb = pl.program_id(0), pl.program_id(1)
-    expert = jnp.minimum(group_id, num_experts - 1)
-    start, size = _run(sizes_ref, group_id, num_experts, out_ref.shape[0])
+    slot, nb = pl.program_id(0), pl.program_id(1)
+    group, first, size = _chunk_of_slot(sizes_ref, slot, num_experts, out_ref.shape[0],
+                                        block_m)
+    expert = jnp.minimum(group, num_experts - 1)
     cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
     chunk_rows = jnp.arange(block_m, dtype=jnp.int32)  # [BM]
+    ok = chunk_rows < size  # [BM]
+    rows = jnp.where(ok, first + chunk_rows, 0)  # [BM] sorted rows of the chunk
+    x_rows = plgpu.load(index_ref.at[rows])  # [BM] rows of x
+    x_ok = jnp.broadcast_to(ok[:, None], (block_m, block_r))
 
-    def chunk(c, carry):  # rows [start + c BM, start + (c + 1) BM) of this expert's run
-        ok = c * block_m + chunk_rows < size  # [BM]
-        rows = start + jnp.where(ok, c * block_m + chunk_rows, 0)  # [BM] sorted rows
-        x_rows = plgpu.load(index_ref.at[rows])  # [BM] rows of x
-        x_ok = jnp.broadcast_to(ok[:, None], (block_m, block_r))
+    def load_x(ks):  # [BM, BR] the chunk's x at K indices ks (rows past the run: 0)
+        if act is None:
+            return plgpu.load(x_ref.at[x_rows[:, None], ks[None, :]], mask=x_ok, other=0)
+        half = x_ref.shape[2] // 2
+        gate = up = 0.0
+        for s in range(x_ref.shape[0]):  # GatedRows.rows' numerics: float32 sums
+            gate += plgpu.load(x_ref.at[s, rows[:, None], ks[None, :]], mask=x_ok, other=0)
+            up += plgpu.load(x_ref.at[s, rows[:, None], half + ks[None, :]], mask=x_ok,
+                             other=0)
+        return (ACTIVATIONS[act](gate) * up).astype(x_dtype)
 
-        def load_x(ks):  # [BM, BR] the chunk's x at K indices ks (rows past the run: 0)
-            if act is None:
-                return plgpu.load(x_ref.at[x_rows[:, None], ks[None, :]], mask=x_ok, other=0)
-            half = x_ref.shape[2] // 2
-            gate = up = 0.0
-            for s in range(x_ref.shape[0]):  # GatedRows.rows' numerics: float32 sums
-                gate += plgpu.load(x_ref.at[s, rows[:, None], ks[None, :]], mask=x_ok, other=0)
-                up += plgpu.load(x_ref.at[s, rows[:, None], half + ks[None, :]], mask=x_ok,
-                                 other=0)
-            return (ACTIVATIONS[act](gate) * up).astype(x_dtype)
+    def k_tile(t, acc):  # acc [BM, BN] float32
+        rs = t * block_r + jnp.arange(block_r, dtype=jnp.int32)  # [BR] stored rows
+        w = plgpu.load(w_ref.at[expert, rs[:, None], cols[None, :]])  # [BR, BN]
+        xs = [load_x(per_word * rs + j) for j in range(per_word)]  # [BM, BR] each
+        if not codes:
+            return acc + jnp.dot(xs[0], w.astype(x_dtype),
+                                 preferred_element_type=jnp.float32)
+        zero = 0 if asymmetric else CODE_ZEROS[bits]  # c - zero: exact small integers
+        word = w.astype(jnp.int32)
+        y = sum(jnp.dot(xj, _dequant_tile(word, j, zero, bits).astype(x_dtype),
+                        preferred_element_type=jnp.float32)
+                for j, xj in enumerate(xs))  # [BM, BN]
+        scale_group = jnp.minimum(t * block_k // group_size, num_groups - 1)
+        scale = plgpu.load(s_ref.at[expert, scale_group, cols]).astype(jnp.float32)
+        y = y * scale[None, :]
+        if asymmetric:
+            x_sum = sum(jnp.sum(xj.astype(jnp.float32), axis=1) for xj in xs)  # [BM]
+            offset = plgpu.load(o_ref.at[expert, scale_group, cols]).astype(jnp.float32)
+            y = y + x_sum[:, None] * offset[None, :]
+        return acc + y
 
-        def k_tile(t, acc):  # acc [BM, BN] float32
-            rs = t * block_r + jnp.arange(block_r, dtype=jnp.int32)  # [BR] stored rows
-            w = plgpu.load(w_ref.at[expert, rs[:, None], cols[None, :]])  # [BR, BN]
-            xs = [load_x(per_word * rs + j) for j in range(per_word)]  # [BM, BR] each
-            if not codes:
-                return acc + jnp.dot(xs[0], w.astype(x_dtype),
-                                     preferred_element_type=jnp.float32)
-            zero = 0 if asymmetric else CODE_ZEROS[bits]  # c - zero: exact small integers
-            word = w.astype(jnp.int32)
-            y = sum(jnp.dot(xj, _dequant_tile(word, j, zero, bits).astype(x_dtype),
-                            preferred_element_type=jnp.float32)
-                    for j, xj in enumerate(xs))  # [BM, BN]
-            group = jnp.minimum(t * block_k // group_size, num_groups - 1)
-            scale = plgpu.load(s_ref.at[expert, group, cols]).astype(jnp.float32)
-            y = y * scale[None, :]
-            if asymmetric:
-                x_sum = sum(jnp.sum(xj.astype(jnp.float32), axis=1) for xj in xs)  # [BM]
-                offset = plgpu.load(o_ref.at[expert, group, cols]).astype(jnp.float32)
-                y = y + x_sum[:, None] * offset[None, :]
-            return acc + y
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    # a chunk of an expert's run walks w[e]'s K tiles; the tail's chunks (rows past the
+    # groups' sum) and empty slots only write zeros
+    acc = jax.lax.cond((group < num_experts) & (size > 0),
+                       lambda: jax.lax.fori_loop(0, k_tiles, k_tile, zeros), lambda: zeros)
+    out_rows = jnp.where(ok, rows, out_ref.shape[0])  # rows past the chunk: written past the
+    # end (dropped), never onto a real row
+    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
+                mask=jnp.broadcast_to(ok[:, None], (block_m, block_n)))
 
-        acc = jax.lax.fori_loop(0, k_tiles, k_tile, jnp.zeros((block_m, block_n), jnp.float32))
-        acc = jnp.where(group_id < num_experts, acc, 0.0)  # past the groups: zeros
-        out_rows = jnp.where(ok, rows, out_ref.shape[0])  # rows past the run: written past
-        # the end (dropped), never onto a real row
-        plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
-                    mask=jnp.broadcast_to(ok[:, None], (block_m, block_n)))
-        return carry
-
-    jax.lax.fori_loop(0, (size + block_m - 1) // block_m, chunk, 0)
 
 
 # jitted: the unrolled layers share one trace and one lowering per shape (ARCHITECTURE.md
@@ -266,7 +273,7 @@ def expert_group_matmul(x, w, group_sizes, *, scales=None, offsets=None,
         a for a in (scales, offsets) if a is not None]
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
-        kernel, grid=(e + 1, n // cfg.block_n), in_specs=[full(a.shape) for a in args],
+        kernel, grid=(-(-m // cfg.block_m) + e, n // cfg.block_n), in_specs=[full(a.shape) for a in args],
         out_specs=full((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32 if partials else x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,

@@ -85,6 +85,20 @@ def test_indexed_and_gated_rows(variant):
         check(out, want_rows(gated.rows(), w, expert, kw))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["bf16", "int4_asym"])
+def test_crowded_run_and_long_tail(variant):
+    """One expert holds most rows (a run of many chunks, spread over as many grid slots), the
+    others one row or none, and a tail longer than a chunk: every grid slot the kernel has is
+    used, and the tail comes out 0."""
+    sizes, k, n = (1, 0, 75, 1, 0, 1, 1, 2), 128, 32
+    x, w, group_sizes, expert, kw = sorted_operands(21, sizes, k, n, variant, tail=37)
+    config = ExpertGemmConfig(block_m=16, block_n=16, block_k=128 if "int4" in variant else 32)
+    out = expert_group_matmul(x, w, group_sizes, config=config, interpret=not ON_GPU, **kw)
+    check(out, want_rows(x, w, expert, kw))
+    np.testing.assert_array_equal(np.asarray(out[-37:].astype(jnp.float32)), 0)
+
+
 def test_dispatch_and_refusals():
     """impl None with no kernels: the grouped XLA forms, the same rows (up to the bf16 rounding
     of the tiles form's dequantized experts); the kernel refuses
