@@ -242,7 +242,6 @@ def _kernel(sizes_ref, index_ref, x_ref, w_ref, *refs, num_experts: int, num_gro
                 mask=jnp.broadcast_to(ok[:, None], (block_m, block_n)))
 
 
-
 # jitted: the unrolled layers share one trace and one lowering per shape (ARCHITECTURE.md
 # "Kernel calls")
 @functools.partial(jax.jit, static_argnames=("group_size", "config", "partials", "interpret"))
@@ -273,7 +272,8 @@ def expert_group_matmul(x, w, group_sizes, *, scales=None, offsets=None,
         a for a in (scales, offsets) if a is not None]
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
-        kernel, grid=(-(-m // cfg.block_m) + e, n // cfg.block_n), in_specs=[full(a.shape) for a in args],
+        kernel, grid=(-(-m // cfg.block_m) + e, n // cfg.block_n),  # (chunk slots, columns)
+        in_specs=[full(a.shape) for a in args],
         out_specs=full((m, n)),
         out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32 if partials else x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,

@@ -87,16 +87,17 @@ def test_indexed_and_gated_rows(variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["bf16", "int4_asym"])
-def test_crowded_run_and_long_tail(variant):
-    """One expert holds most rows (a run of many chunks, spread over as many grid slots), the
-    others one row or none, and a tail longer than a chunk: every grid slot the kernel has is
-    used, and the tail comes out 0."""
-    sizes, k, n = (1, 0, 75, 1, 0, 1, 1, 2), 128, 32
-    x, w, group_sizes, expert, kw = sorted_operands(21, sizes, k, n, variant, tail=37)
+@pytest.mark.parametrize("sizes,tail", [((1, 0, 75, 1, 0, 1, 1, 2), 37), ((17,) * 8, 17)])
+def test_crowded_runs_and_long_tails(sizes, tail, variant):
+    """Chunks of 16 rows: one expert holding most rows (a run of five chunks, each its own grid
+    slot), the others one row or none, and a tail of three chunks; or every run and the tail one
+    row past a whole chunk, so that all ceil(M / 16) + E grid slots hold a chunk. The tail
+    comes out 0."""
+    x, w, group_sizes, expert, kw = sorted_operands(21, sizes, 128, 32, variant, tail=tail)
     config = ExpertGemmConfig(block_m=16, block_n=16, block_k=128 if "int4" in variant else 32)
     out = expert_group_matmul(x, w, group_sizes, config=config, interpret=not ON_GPU, **kw)
     check(out, want_rows(x, w, expert, kw))
-    np.testing.assert_array_equal(np.asarray(out[-37:].astype(jnp.float32)), 0)
+    np.testing.assert_array_equal(np.asarray(out[-tail:].astype(jnp.float32)), 0)
 
 
 def test_dispatch_and_refusals():
